@@ -1,0 +1,1 @@
+"""The ``kc`` command line."""

@@ -1,0 +1,67 @@
+"""Entry point of the ``kc`` command: assembles the sub-command modules.
+
+Each sub-command lives in its own module in this package and exposes ``register(app)``.
+Exit codes: 0 success, 1 failure, 2 user error (bad config, bad arguments).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import typer
+
+from kuangchao_core import __version__
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+app = typer.Typer(
+    name="kc",
+    help="Kuangchao (狂潮) distributed training: train, inspect configs, plan layouts, audit, debug.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# sub-command modules, in help order; each defines register(app)
+_COMMAND_MODULES = [
+    "train",
+    "config_cmd",
+    "plan",
+    "doctor",
+    "checkpoint_cmd",
+    "audit",
+    "debug",
+    "runs",
+]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"kc (kuangchao-distributed) {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Print the version."),
+) -> None:
+    """Kuangchao (狂潮) distributed training."""
+
+
+for _name in _COMMAND_MODULES:
+    try:
+        _mod = importlib.import_module(f"kuangchao.cli.{_name}")
+    except ModuleNotFoundError as exc:  # a command module not written yet
+        if exc.name != f"kuangchao.cli.{_name}":
+            raise
+        continue
+    _mod.register(app)
+
+
+def main() -> None:
+    """Run the ``kc`` CLI."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""kuangchao_core.comm"""

@@ -1,0 +1,81 @@
+"""One error hierarchy for the whole system.
+
+Every message says what was wrong, where, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class KuangchaoError(Exception):
+    """Base class of every error raised on purpose by Kuangchao."""
+
+
+class ConfigError(KuangchaoError):
+    """A job configuration is invalid.
+
+    ``errors`` is a list of ``(dotted_path, message)`` pairs; ``source`` names the file.
+    """
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{path}: {msg}" for path, msg in self.errors]
+        super().__init__(f"invalid configuration{where}:\n  " + "\n  ".join(lines))
+
+
+class PlanError(ConfigError):
+    """A parallel plan cannot run (sizes, divisibility, schedule limits)."""
+
+
+class CommError(KuangchaoError):
+    """A communication primitive failed."""
+
+
+class CommTimeout(CommError):
+    """A collective or point-to-point op did not complete within its group's timeout."""
+
+    def __init__(self, group: str, op: str, seq: int, missing_ranks: list[int], timeout_ms: int):
+        self.group = group
+        self.op = op
+        self.seq = seq
+        self.missing_ranks = list(missing_ranks)
+        self.timeout_ms = timeout_ms
+        super().__init__(
+            f"communication timeout: group={group!r} op={op} seq={seq} after {timeout_ms} ms; "
+            f"ranks that did not arrive: {self.missing_ranks or 'unknown'}"
+        )
+
+
+class PermissionDenied(KuangchaoError):
+    """An operation was refused by the permission layer (default deny)."""
+
+    def __init__(self, interface: str, resource: str, reason: str, module_id: str | None = None):
+        self.interface = interface
+        self.resource = resource
+        self.reason = reason
+        self.module_id = module_id
+        who = f"{module_id}: " if module_id else ""
+        super().__init__(f"{who}permission denied for {interface} on {resource}: {reason}")
+
+
+class CheckpointError(KuangchaoError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint failed its integrity checks (missing manifest, sha256 or size mismatch)."""
+
+
+class DataError(KuangchaoError):
+    """A dataset is missing, malformed or too small for the planned job."""
+
+
+class WorkerFailed(KuangchaoError):
+    """A worker process died or hung; ``rank`` and ``cause`` say which and why."""
+
+    def __init__(self, rank: int | None, cause: str, exit_code: int | None = None):
+        self.rank = rank
+        self.cause = cause
+        self.exit_code = exit_code
+        super().__init__(f"worker rank {rank} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else ""))

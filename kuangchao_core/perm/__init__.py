@@ -1,0 +1,1 @@
+"""L5 permission: tokens, authority, guard, roles, audit log."""
