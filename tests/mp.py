@@ -1,0 +1,103 @@
+"""Run a function on N Gloo processes on CPU and collect each rank's result.
+
+Usage::
+
+    from tests.mp import run_distributed
+
+    def body(rank, world_size, x):      # module-level function (picklable)
+        ...
+        return something_picklable
+
+    results = run_distributed(body, world_size=4, args=(3,))   # list indexed by rank
+
+Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a free port per call), and
+OMP_NUM_THREADS=1; the default process group (gloo) is initialised before ``fn`` runs and destroyed after.
+A failure in any rank raises ``RuntimeError`` with that rank's traceback; a hang raises after ``timeout`` s.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env):
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    os.environ.update(env or {})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including SystemExit from a rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_pg and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 240.0, init_pg: bool = True, env=None):
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, init_pg, env), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    import queue as queue_mod
+
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise RuntimeError(
+                    f"distributed run timed out after {timeout}s; ranks done: {sorted(results) + sorted(errors)}"
+                ) from None
+            (results if ok else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]
