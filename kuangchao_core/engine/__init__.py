@@ -1,1 +1,1 @@
-"""kuangchao_core.engine"""
+"""The worker: one training loop wiring the layers together."""

@@ -1,1 +1,1 @@
-"""kuangchao_core.obs"""
+"""Observability: structured JSON logs, the live console view, MLflow metrics."""

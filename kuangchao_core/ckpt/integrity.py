@@ -1,0 +1,170 @@
+"""Integrity checks: is a step directory a complete, untampered checkpoint?
+
+A step directory is intact when its ``manifest.json`` exists, parses, has this format version, names the step of
+its directory, lists a shard and an RNG file for every rank, and every file it lists exists with the recorded size
+and sha256. Anything else is reported as a problem; :func:`find_latest_intact` skips such directories and logs why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.ckpt.layout import (
+    FORMAT_VERSION,
+    LOGGER_NAME,
+    MANIFEST,
+    parse_step_dir,
+    rng_name,
+    shard_name,
+)
+from kuangchao_core.ckpt.storage import LocalStorage, Storage
+from kuangchao_core.errors import CheckpointCorrupt
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+def corrupt(path: str | os.PathLike[str], reason: str, hint: str | None = None) -> CheckpointCorrupt:
+    """A CheckpointCorrupt naming the path and the reason, with ``.path`` and ``.reason`` attributes."""
+    hint = hint or "use an older checkpoint (find_latest_intact / `kc checkpoint list`) or re-run from scratch"
+    exc = CheckpointCorrupt(f"checkpoint {path} is not usable: {reason}; {hint}")
+    exc.path = str(path)  # type: ignore[attr-defined]
+    exc.reason = reason  # type: ignore[attr-defined]
+    return exc
+
+
+def locate(step_dir: str | os.PathLike[str], storage: Storage | None) -> tuple[Storage, str, str]:
+    """(storage, key, display name) for a step directory given as a local path or as a key in ``storage``."""
+    if storage is None:
+        p = Path(step_dir)
+        return LocalStorage(p.parent), p.name, str(p)
+    key = Path(step_dir).as_posix()
+    return storage, key, f"{storage!r}:{key}"
+
+
+def _load_manifest(storage: Storage, key: str, where: str) -> dict[str, Any]:
+    mkey = f"{key}/{MANIFEST}"
+    if not storage.is_dir(key):
+        raise corrupt(where, "step directory does not exist")
+    if not storage.exists(mkey):
+        raise corrupt(where, f"{MANIFEST} is missing (the save did not finish)")
+    try:
+        manifest = json.loads(storage.read_bytes(mkey).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise corrupt(where, f"{MANIFEST} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise corrupt(where, f"{MANIFEST} is not a JSON object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise corrupt(
+            where,
+            f"format_version is {version!r}, this kuangchao reads {FORMAT_VERSION}",
+            "convert it with a kuangchao that knows that version, or use another checkpoint",
+        )
+    if not isinstance(manifest.get("files"), dict):
+        raise corrupt(where, f"{MANIFEST} has no 'files' table")
+    return manifest
+
+
+def read_manifest(step_dir: str | os.PathLike[str], storage: Storage | None = None) -> dict[str, Any]:
+    """The parsed ``manifest.json`` of ``step_dir``; raises CheckpointCorrupt if missing, unreadable or of another format."""
+    st, key, where = locate(step_dir, storage)
+    return _load_manifest(st, key, where)
+
+
+def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None = None) -> list[str]:
+    """Every problem found in ``step_dir`` (empty list = intact). Hashes every file listed in the manifest."""
+    st, key, where = locate(step_dir, storage)
+    try:
+        manifest = _load_manifest(st, key, where)
+    except CheckpointCorrupt as exc:
+        return [exc.reason]  # type: ignore[attr-defined]
+    problems: list[str] = []
+    dir_step = parse_step_dir(key.rsplit("/", 1)[-1])
+    if dir_step is not None and manifest.get("step") != dir_step:
+        problems.append(f"manifest step {manifest.get('step')!r} does not match directory step {dir_step}")
+    files: dict[str, Any] = manifest["files"]
+    world_size = manifest.get("world_size")
+    if isinstance(world_size, int) and world_size >= 1:
+        for r in range(world_size):
+            for rel in (shard_name(r), rng_name(r)):
+                if rel not in files:
+                    problems.append(f"{rel}: not listed in the manifest (world_size {world_size})")
+    else:
+        problems.append(f"manifest world_size is {world_size!r}, expected a positive integer")
+    for rel, entry in sorted(files.items()):
+        fkey = f"{key}/{rel}"
+        if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
+            problems.append(f"{rel}: manifest entry lacks sha256/size")
+            continue
+        try:
+            size = st.size(fkey)
+        except (FileNotFoundError, NotADirectoryError):
+            problems.append(f"{rel}: missing")
+            continue
+        if size != entry["size"]:
+            problems.append(f"{rel}: size {size} bytes, manifest says {entry['size']} (truncated or replaced)")
+            continue
+        digest = st.sha256(fkey)
+        if digest != entry["sha256"]:
+            problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest ({str(entry['sha256'])[:16]}…)")
+    return problems
+
+
+def list_step_dirs(task_dir: str | os.PathLike[str], storage: Storage | None = None) -> list[tuple[int, str]]:
+    """Published step directories of a task as (step, key in the storage), oldest first.
+
+    Tmp and oddly named directories are left out. Without ``storage`` the keys are names inside ``task_dir``.
+    """
+    st, key, _ = _locate_task(task_dir, storage)
+    out = []
+    for name in st.list_dir(key):
+        step = parse_step_dir(name)
+        if step is not None and st.is_dir(_child(key, name)):
+            out.append((step, _child(key, name)))
+    return sorted(out)
+
+
+def _locate_task(task_dir: str | os.PathLike[str], storage: Storage | None) -> tuple[Storage, str, str]:
+    if storage is None:
+        return LocalStorage(task_dir), "", str(task_dir)
+    key = Path(task_dir).as_posix()
+    return storage, key, f"{storage!r}:{key}"
+
+
+def _child(base: str, name: str) -> str:
+    return f"{base}/{name}" if base else name
+
+
+def find_latest_intact(
+    task_dir: str | os.PathLike[str],
+    log: logging.Logger | None = None,
+    storage: Storage | None = None,
+) -> Path | None:
+    """The newest step directory of ``task_dir`` that verifies, or None when there is none.
+
+    Each newer directory that fails verification is skipped and logged (WARNING, logger ``kuangchao.ckpt``)
+    with its reasons. With ``storage`` given, ``task_dir`` is a key in it and the result is a key as a Path.
+    """
+    log = log or logger
+    st, key, where = _locate_task(task_dir, storage)
+    steps = sorted(
+        ((s, n) for n in st.list_dir(key) if (s := parse_step_dir(n)) is not None and st.is_dir(_child(key, n))),
+        reverse=True,
+    )
+    for step, name in steps:
+        problems = verify_checkpoint(_child(key, name), storage=st)
+        if not problems:
+            return Path(task_dir) / name
+        log.warning(
+            "skipping corrupt checkpoint %s/%s (step %d): %s",
+            where,
+            name,
+            step,
+            "; ".join(problems),
+            extra={"checkpoint": f"{where}/{name}", "step": step, "problems": problems},
+        )
+    return None

@@ -1,0 +1,413 @@
+"""The job configuration schema (SPEC L6.1): one pydantic v2 model per section, unknown keys refused everywhere.
+
+A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a synthetic corpus.
+Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
+with the numbers involved, can be reported at once under its own dotted path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from kuangchao_core.config.presets import MODEL_PRESETS
+
+#: interface names the permission layer guards (docs/architecture.md)
+KNOWN_INTERFACES: frozenset[str] = frozenset(
+    {
+        "device_init",
+        "memory_alloc",
+        "memory_free",
+        "stream_create",
+        "broadcast",
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "send",
+        "recv",
+        "checkpoint_read",
+        "checkpoint_write",
+        "dataset_read",
+        "metrics_read",
+        "metrics_write",
+        "config_write",
+    }
+)
+
+
+def _number(value: Any, kind: type) -> Any:
+    """Refuse booleans where a number is wanted and read numeric strings such as ``"2e-5"`` or ``"8e9"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {value!r}")
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        try:
+            number = float(text)
+        except ValueError:
+            return value  # let pydantic report the type error
+        if kind is int:
+            if not math.isfinite(number) or not number.is_integer():
+                raise ValueError(f"expected a whole number, got {value!r}")
+            return int(number)
+        return number
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(lambda v: _number(v, int))]
+Float = Annotated[float, BeforeValidator(lambda v: _number(v, float))]
+
+
+class Section(BaseModel):
+    """Common settings of every config section: unknown keys are errors, numbers may name strings."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class TaskSection(Section):
+    """What the job is called and how it is seeded."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    priority: Literal["low", "normal", "high"] = "normal"
+    seed: Int = 1234
+
+
+class ModelSection(Section):
+    """The model's shape. A preset fills the fields left unset; fields set explicitly win.
+
+    Without a preset and without a checkpoint the ``tiny`` preset applies. With a ``checkpoint`` and no preset,
+    unset shape fields stay ``None``: the shape is then read from the checkpoint's ``config.json`` when the model
+    is built (loading a config never touches the checkpoint path). ``params`` is informative only.
+    """
+
+    type: Literal["llama"] = "llama"
+    preset: Literal["tiny", "small", "llama3-8b"] | None = None
+    params: Float | None = Field(default=None, gt=0)
+    checkpoint: str | None = None
+    vocab_size: Int | None = Field(default=None, ge=1)
+    hidden_size: Int | None = Field(default=None, ge=1)
+    intermediate_size: Int | None = Field(default=None, ge=1)
+    num_layers: Int | None = Field(default=None, ge=1)
+    num_heads: Int | None = Field(default=None, ge=1)
+    num_kv_heads: Int | None = Field(default=None, ge=1)
+    max_seq_len: Int | None = Field(default=None, ge=1)
+    rope_theta: Float | None = Field(default=None, gt=0)
+    norm_eps: Float | None = Field(default=None, gt=0)
+    tie_embeddings: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        preset = data.get("preset")
+        if preset is None and not data.get("checkpoint"):
+            preset = "tiny"
+            data["preset"] = preset
+        if isinstance(preset, str) and preset in MODEL_PRESETS:
+            for key, value in MODEL_PRESETS[preset].items():
+                if data.get(key) is None:
+                    data[key] = value
+        return data
+
+    @property
+    def head_dim(self) -> int | None:
+        """Width of one attention head, when the shape is known."""
+        if self.hidden_size and self.num_heads:
+            return self.hidden_size // self.num_heads
+        return None
+
+
+class SyntheticSection(Section):
+    """The corpus the project generates itself (used when ``data.path`` is empty)."""
+
+    task: str = Field(default="arithmetic", min_length=1)
+    num_train: Int = Field(default=4096, ge=1)
+    num_eval: Int = Field(default=256, ge=0)
+    seed: Int = 0
+
+
+class DataSection(Section):
+    """Where the tokens come from."""
+
+    path: str | None = None
+    format: Literal["auto", "txt", "jsonl", "parquet", "synthetic"] = "auto"
+    text_field: str = Field(default="text", min_length=1)
+    tokenizer: str = Field(default="byte", min_length=1)
+    seq_len: Int = Field(default=128, ge=2)
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+    prefetch: Int = Field(default=2, ge=0)
+    shuffle: bool = True
+
+    @property
+    def is_synthetic(self) -> bool:
+        """True when the job trains on the generated corpus."""
+        return self.format == "synthetic" or (self.path is None and self.format == "auto")
+
+
+class ParallelSection(Section):
+    """The layout: data × tensor × pipeline parallel sizes, batches, schedule, ZeRO, buckets."""
+
+    data_parallel_size: Int = Field(default=1, ge=1)
+    tensor_parallel_size: Int = Field(default=1, ge=1)
+    pipeline_parallel_size: Int = Field(default=1, ge=1)
+    micro_batch_size: Int = Field(default=4, ge=1)
+    gradient_accumulation_steps: Int = Field(default=1, ge=1)
+    virtual_pipeline_size: Int = Field(default=1, ge=1)
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "afab"] = "1f1b"
+    zero_stage: Literal[0, 1, 2] = 0
+    bucket_size_mb: Float = Field(default=25.0, gt=0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_ms: Int = Field(default=300_000, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs: dp × tp × pp."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: micro batch × accumulation × dp."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+
+
+class OptimizerSection(Section):
+    """AdamW settings."""
+
+    type: Literal["adamw"] = "adamw"
+    lr: Float = Field(default=3e-4, gt=0)
+    weight_decay: Float = Field(default=0.0, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.95)
+    eps: Float = Field(default=1e-8, gt=0)
+    max_grad_norm: Float | None = Field(default=1.0, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        for beta in value:
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"each beta must be in [0, 1); got {list(value)}")
+        return value
+
+
+class TrainSection(Section):
+    """The training loop: ``steps`` counts optimizer steps."""
+
+    steps: Int = Field(default=100, ge=1)
+    warmup_steps: Int = Field(default=0, ge=0)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: Float = Field(default=0.1, ge=0, le=1)
+    log_interval: Int = Field(default=1, ge=1)
+    eval_interval: Int = Field(default=50, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    deterministic: bool = False
+
+
+class RoleSpec(Section):
+    """What one role may do: interface names (``*`` for all) on resources (glob patterns)."""
+
+    interfaces: list[str] = Field(default_factory=list)
+    resources: list[str] = Field(default_factory=lambda: ["*"])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_shorthand(cls, data: Any) -> Any:
+        # ``trainer: [all_reduce, send]`` is short for ``trainer: {interfaces: [all_reduce, send]}``
+        if isinstance(data, list):
+            return {"interfaces": data}
+        return data
+
+    @field_validator("interfaces")
+    @classmethod
+    def _known_interfaces(cls, value: list[str]) -> list[str]:
+        return _check_interfaces(value, allow_star=True)
+
+
+def _check_interfaces(value: list[str], allow_star: bool) -> list[str]:
+    unknown = [name for name in value if name not in KNOWN_INTERFACES and not (allow_star and name == "*")]
+    if unknown:
+        raise ValueError(f"unknown interface(s) {unknown}; known: {', '.join(sorted(KNOWN_INTERFACES))}")
+    duplicates = sorted({name for name in value if value.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"interface(s) listed twice: {duplicates}")
+    return value
+
+
+class PermissionSection(Section):
+    """Capability tokens and audit (L5). ``roles`` empty means the permission layer's built-in roles."""
+
+    mode: Literal["enforcing", "trusted"] = "enforcing"
+    token_ttl_seconds: Int = Field(default=3600, ge=1)
+    audit_log: str | None = None
+    allowed_interfaces: list[str] | None = None
+    roles: dict[str, RoleSpec] = Field(default_factory=dict)
+
+    @field_validator("allowed_interfaces")
+    @classmethod
+    def _known_interfaces(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else _check_interfaces(value, allow_star=False)
+
+
+class NodeSpec(Section):
+    """One machine of a static cluster."""
+
+    host: str = Field(min_length=1)
+    gpus: Int = Field(default=0, ge=0)
+    role: Literal["worker", "parameter_server", "coordinator"] = "worker"
+
+
+class ClusterSection(Section):
+    """Where the workers run: this machine (``local``), a fixed node list (``static``) or a registry (``dynamic``)."""
+
+    mode: Literal["local", "static", "dynamic"] = "local"
+    nodes: list[NodeSpec] = Field(default_factory=list)
+    nproc_per_node: Int | None = Field(default=None, ge=1)
+    registry: str | None = None
+
+    @property
+    def worker_nodes(self) -> list[NodeSpec]:
+        """The nodes that run training processes."""
+        return [node for node in self.nodes if node.role == "worker"]
+
+    @property
+    def devices(self) -> int | None:
+        """Training processes the cluster provides, or None when it does not say."""
+        if self.mode == "local":
+            return self.nproc_per_node
+        if self.mode == "static":
+            workers = self.worker_nodes
+            if self.nproc_per_node is not None:
+                return self.nproc_per_node * len(workers)
+            return sum(node.gpus for node in workers)
+        return None
+
+
+class CheckpointSection(Section):
+    """Where and how often checkpoints are written, and how a run resumes."""
+
+    dir: str = Field(default="checkpoints", min_length=1)
+    uri: str | None = None
+    endpoint_url: str | None = None
+    interval: Int = Field(default=100, ge=1)
+    keep_last: Int = Field(default=3, ge=1)
+    resume: str = Field(default="auto", min_length=1)
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("s3://") or len(value) <= len("s3://")):
+            raise ValueError(f"must look like s3://bucket/prefix, got {value!r}")
+        return value
+
+
+class TrackingSection(Section):
+    """MLflow: store URI and experiment (defaults to ``task.name``)."""
+
+    uri: str = Field(default="sqlite:///mlflow.db", min_length=1)
+    experiment: str | None = None
+
+
+class LoggingSection(Section):
+    """Structured logs: level, optional JSON-lines file, console view."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    json_file: str | None = None
+    console: bool = True
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+#: top-level key -> section model, in the order a resolved config is printed
+SECTIONS: dict[str, type[Section]] = {
+    "task": TaskSection,
+    "model": ModelSection,
+    "data": DataSection,
+    "parallel": ParallelSection,
+    "optimizer": OptimizerSection,
+    "train": TrainSection,
+    "permission": PermissionSection,
+    "cluster": ClusterSection,
+    "checkpoint": CheckpointSection,
+    "tracking": TrackingSection,
+    "logging": LoggingSection,
+}
+
+
+class JobConfig(Section):
+    """A complete, validated job description. Build it with ``load_config`` or ``config_from_dict``."""
+
+    task: TaskSection
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    permission: PermissionSection = Field(default_factory=PermissionSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobConfig:
+        from kuangchao_core.config.checks import cross_checks
+        from kuangchao_core.errors import ConfigError
+
+        if self.tracking.experiment is None:
+            self.tracking.experiment = self.task.name
+        errors = cross_checks(dict(self))
+        if errors:
+            # not a ValueError, so pydantic lets it through with every path intact
+            raise ConfigError(errors)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job needs: dp × tp × pp."""
+        return self.parallel.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain YAML/JSON-safe data, sections in canonical order."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML; ``load_config`` reads it back to an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+    def flat(self) -> dict[str, str | int | float | bool | None]:
+        """Dotted keys to scalars (MLflow params). Lists of scalars become JSON strings; list items of maps are indexed."""
+        out: dict[str, str | int | float | bool | None] = {}
+        _flatten(self.to_dict(), "", out)
+        return out
+
+    def config_hash(self) -> str:
+        """A stable 16-hex-digit fingerprint of the resolved config (canonical JSON, sha256)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        if not value and prefix:
+            out[prefix] = "{}"
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(value, list):
+        if any(isinstance(item, dict | list) for item in value):
+            for index, item in enumerate(value):
+                _flatten(item, f"{prefix}.{index}", out)
+        else:
+            out[prefix] = json.dumps(value)
+    else:
+        out[prefix] = value

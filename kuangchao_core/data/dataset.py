@@ -1,0 +1,92 @@
+"""``build_dataset``: the job's ``data`` section -> a :class:`TokenDataset` of packed windows held in memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kuangchao_core.data.files import read_documents
+from kuangchao_core.data.packing import num_windows, pack_documents, window
+from kuangchao_core.data.synthetic import make_corpus
+from kuangchao_core.data.tokenizer import get_tokenizer
+from kuangchao_core.errors import DataError
+from kuangchao_core.perm import guard_api
+
+_SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500, "seed": 1234}
+
+
+def _get(section: Any, name: str, default: Any = None) -> Any:
+    if section is None:
+        return default
+    value = section.get(name) if isinstance(section, dict) else getattr(section, name, None)
+    return default if value is None else value
+
+
+class TokenDataset:
+    """Fixed-length windows over one in-memory token stream (see :mod:`kuangchao_core.data.packing`).
+
+    ``corpus`` is the :class:`~kuangchao_core.data.synthetic.ArithmeticCorpus` for the synthetic corpus, else None.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, name: str, tokenizer, corpus=None):
+        if seq_len < 1:
+            raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.name = name
+        self.tokenizer = tokenizer
+        self.corpus = corpus
+        self._n = num_windows(tokens.numel(), self.seq_len)
+        if self._n == 0:
+            raise DataError(
+                f"dataset {name!r} has {tokens.numel()} tokens, fewer than one window of data.seq_len + 1 = "
+                f"{self.seq_len + 1}; add data or lower data.seq_len"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the packed stream."""
+        return int(self.tokens.numel())
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -self._n <= index < self._n:
+            raise IndexError(f"window {index} out of range for {self._n} windows")
+        return window(self.tokens, index % self._n, self.seq_len)
+
+
+def dataset_name(data_cfg: Any) -> str:
+    """The name used in the ``dataset:<name>`` permission resource: ``synthetic`` or the configured path."""
+    path = _get(data_cfg, "path")
+    if path is None or _get(data_cfg, "format", "auto") == "synthetic":
+        return "synthetic"
+    return str(path)
+
+
+def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> TokenDataset:
+    """Open the dataset the ``data`` section describes (object or dict) and pack it into windows of ``seq_len``.
+
+    ``path`` None or ``format: synthetic`` -> the synthetic corpus (``split`` ``train`` or ``eval``, the held-out
+    problems); else user files (only ``split="train"``). Checks ``dataset_read`` on ``dataset:<name>`` once.
+    """
+    name = dataset_name(data_cfg)
+    guard_api.check("dataset_read", f"dataset:{name}")
+    seq_len = int(_get(data_cfg, "seq_len", 0))
+    tokenizer = get_tokenizer(_get(data_cfg, "tokenizer", "byte"), vocab_size)
+    corpus = None
+    if name == "synthetic":
+        syn = _get(data_cfg, "synthetic")
+        s = {k: _get(syn, k, v) for k, v in _SYNTHETIC_DEFAULTS.items()}
+        corpus = make_corpus(s["task"], int(s["num_train"]), int(s["num_eval"]), int(s["seed"]), tokenizer)
+        docs = corpus.documents(split)
+        label = f"synthetic:{s['task']}:{split}"
+    else:
+        if split != "train":
+            raise DataError(f"dataset {name!r}: user files have only a 'train' split, not {split!r}")
+        docs = read_documents(_get(data_cfg, "path"), _get(data_cfg, "format", "auto"), _get(data_cfg, "text_field", "text"))
+        label = name
+    tokens = pack_documents(docs, tokenizer, vocab_size)
+    return TokenDataset(tokens, seq_len, label, tokenizer, corpus)

@@ -1,0 +1,46 @@
+"""Packing: documents tokenized and joined with a separator into one token stream, cut into windows.
+
+Window ``i`` covers stream tokens ``[i*seq_len, i*seq_len + seq_len]`` (``seq_len + 1`` tokens, consecutive
+windows share one boundary token): ``input_ids`` are its first ``seq_len`` tokens, ``labels`` its last ``seq_len``
+(already shifted, so ``labels[t]`` is the token after ``input_ids[t]``). The tail that does not fill a window is
+dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from kuangchao_core.errors import DataError
+
+
+def pack_documents(docs: Iterable[str], tokenizer, vocab_size: int | None = None) -> torch.Tensor:
+    """One int32 stream: each document's tokens followed by ``tokenizer.sep_id``."""
+    sep = int(tokenizer.sep_id)
+    parts: list[np.ndarray] = []
+    for doc in docs:
+        ids = tokenizer.encode(doc)
+        arr = np.empty(len(ids) + 1, dtype=np.int32)
+        arr[:-1] = ids
+        arr[-1] = sep
+        parts.append(arr)
+    stream = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int32)
+    if vocab_size is not None and stream.numel() and int(stream.max()) >= vocab_size:
+        raise DataError(
+            f"token id {int(stream.max())} is outside model.vocab_size {vocab_size}; "
+            "use a tokenizer that fits the model or raise model.vocab_size"
+        )
+    return stream
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """How many full windows of ``seq_len + 1`` tokens a stream of ``num_tokens`` holds."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def window(stream: torch.Tensor, index: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """``input_ids``/``labels`` (LongTensors of ``seq_len``) of window ``index``."""
+    chunk = stream[index * seq_len : index * seq_len + seq_len + 1].long()
+    return {"input_ids": chunk[:-1], "labels": chunk[1:]}

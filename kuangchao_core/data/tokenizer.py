@@ -1,0 +1,77 @@
+"""Tokenizers: a byte-level one by default, or a local Hugging Face ``tokenizers`` JSON file (never the hub).
+
+Document separator: for :class:`ByteTokenizer` it is byte 10 (``"\\n"``); a ``tokenizers`` file uses its
+end-of-text special token when it has one (``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``), else
+the id of ``"\\n"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kuangchao_core.errors import DataError
+
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, separator id 10 (newline)."""
+
+    vocab_size = 256
+    sep_id = 10
+    name = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (its UTF-8 bytes)."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; invalid UTF-8 sequences become U+FFFD."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizers`` JSON file loaded from local disk."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"data.tokenizer: no tokenizer file at {self.path}; give 'byte' or a local tokenizers JSON")
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # the Rust library raises plain Exceptions
+            raise DataError(f"data.tokenizer: {self.path} is not a valid tokenizers JSON file: {exc}") from exc
+        self.name = str(self.path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        sep = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
+        if sep is None:
+            ids = self._tok.encode("\n", add_special_tokens=False).ids
+            if len(ids) != 1:
+                raise DataError(
+                    f"data.tokenizer: {self.path} has no end-of-text token and no single token for a newline; "
+                    f"add one of {list(_EOS_NAMES)} as a special token"
+                )
+            sep = ids[0]
+        self.sep_id = int(sep)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def get_tokenizer(spec: str | None, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` (or None) -> ByteTokenizer, else a path to a tokenizers JSON. Checks the vocabulary fits the model."""
+    tok = ByteTokenizer() if spec in (None, "", "byte") else HFTokenizer(spec)
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise DataError(
+            f"data.tokenizer: {tok.name} has {tok.vocab_size} tokens but model.vocab_size is {vocab_size}; "
+            "raise model.vocab_size or use a smaller tokenizer"
+        )
+    return tok

@@ -1,0 +1,138 @@
+"""Worker entry point, started by ``torch.distributed.run`` (one process per rank).
+
+    python -m kuangchao_core.engine.worker --config RESOLVED.yaml [--resume auto|never|PATH]
+
+Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional ``KC_MLFLOW_RUN_ID`` +
+``KC_TRACKING_URI`` (rank 0 logs metrics), ``KC_HEARTBEAT_DIR`` (heartbeats for the launcher),
+``KC_TOKEN_FILE``/``KC_TRUST_STORE``/``KC_JOB_ID``/``KC_ATTEMPT`` (capability token of this module).
+Sequence: device_init → guard → comm groups → model → data → steps → checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from kuangchao_core.config import load_config
+from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
+
+log = logging.getLogger("kuangchao.engine.worker")
+
+
+def _install_guard(cfg, rank: int) -> None:
+    from kuangchao_core.perm import guard_api
+
+    token_file = os.environ.get("KC_TOKEN_FILE")
+    if cfg.permission.mode == "trusted":
+        log.warning("permission.mode is TRUSTED: capability checks are OFF for module worker-%d", rank)
+        guard_api.install_guard(guard_api.AllowAll())
+        return
+    if token_file:
+        from kuangchao_core.perm.runtime import install_worker_guard
+
+        install_worker_guard(
+            token_file=token_file,
+            trust_store_file=os.environ["KC_TRUST_STORE"],
+            job_id=os.environ.get("KC_JOB_ID", cfg.task.name),
+            attempt=int(os.environ.get("KC_ATTEMPT", "0")),
+            audit_log=os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log,
+        )
+        return
+    raise KuangchaoError(
+        f"worker-{rank}: no capability token (KC_TOKEN_FILE unset) and permission.mode is enforcing; "
+        "start jobs with `kc train` (which issues tokens) or set permission.mode: trusted on a private cluster"
+    )
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """Run one worker; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="kuangchao-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--resume", default=None, help="auto | never | PATH (default: checkpoint.resume)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (testing)")
+    args = parser.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cfg = load_config(args.config)
+    setup_logging(f"worker-{rank}", rank, cfg.logging.level, json_file=_json_log_path(cfg, rank))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    heartbeat = None
+    if os.environ.get("KC_HEARTBEAT_DIR"):
+        from kuangchao_core.sched.heartbeat import HeartbeatWriter
+
+        heartbeat = HeartbeatWriter(os.environ["KC_HEARTBEAT_DIR"], rank, float(os.environ.get("KC_HEARTBEAT_INTERVAL", "1.0")))
+        heartbeat.start()
+
+    _install_guard(cfg, rank)
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.hal import device_init
+
+    ctx = device_init(cfg.train.device, local_rank=local_rank)
+    init_distributed(backend=cfg.parallel.backend, timeout_ms=cfg.parallel.timeout_ms)
+    if cfg.parallel.world_size != world_size:
+        raise KuangchaoError(
+            f"parallel layout needs {cfg.parallel.world_size} processes "
+            f"(dp {cfg.parallel.data_parallel_size} x tp {cfg.parallel.tensor_parallel_size} x pp "
+            f"{cfg.parallel.pipeline_parallel_size}) but torchrun started {world_size}"
+        )
+    world = world_group()
+    dp_group = world
+    log_event(log, "worker ready", device=str(ctx.device), world_size=world_size)
+
+    sink = None
+    run_id = os.environ.get("KC_MLFLOW_RUN_ID")
+    if rank == 0 and run_id:
+        from kuangchao_core.obs.mlflow_sink import MlflowMetricSink
+
+        sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id)
+
+    trainer = Trainer(cfg, rank, world_size, ctx.device, world, dp_group)
+    resume = args.resume or cfg.checkpoint.resume
+    try:
+        state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps)
+        if rank == 0:
+            _final_eval(trainer, sink)
+            emit_event("done", step=state.step, final_loss=state.losses[-1] if state.losses else None)
+    finally:
+        if sink is not None:
+            sink.close()
+        if heartbeat is not None:
+            heartbeat.stop()
+    return 0
+
+
+def _json_log_path(cfg, rank: int) -> str | None:
+    run_dir = os.environ.get("KC_RUN_DIR")
+    if cfg.logging.json_file:
+        return cfg.logging.json_file.replace("{rank}", str(rank))
+    return os.path.join(run_dir, "logs", f"worker-{rank}.jsonl") if run_dir else None
+
+
+def _final_eval(trainer, sink) -> None:
+    """Held-out accuracy on the synthetic corpus (where it has one), logged and reported."""
+    dataset = trainer.dataset
+    if not hasattr(dataset, "heldout_accuracy"):
+        return
+    acc = float(dataset.heldout_accuracy(trainer.model, 200, trainer.device))
+    floor = float(dataset.loss_floor()) if hasattr(dataset, "loss_floor") else None
+    log_event(log, "eval", heldout_accuracy=acc, loss_floor=floor)
+    emit_event("eval", heldout_accuracy=acc, loss_floor=floor)
+    if sink is not None:
+        sink.log_final({"heldout_accuracy": acc} | ({"loss_floor": floor} if floor is not None else {}), trainer.state.step)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

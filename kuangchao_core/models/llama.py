@@ -1,0 +1,410 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP and grouped-query attention.
+
+Parameter names are those of Hugging Face ``LlamaForCausalLM`` so that its weights load unchanged. The definition
+holds no parallel code; later layers hook in through two seams:
+
+- every projection is built by :meth:`LlamaForCausalLM.make_linear` (``role`` names which one), so a
+  tensor-parallel subclass can return column/row-parallel layers; attention infers its local head counts from the
+  projections' output sizes, so sharded q/k/v projections work without other changes;
+- :meth:`LlamaForCausalLM.embed`, :meth:`LlamaForCausalLM.run_layers` and :meth:`LlamaForCausalLM.head` are the
+  pieces a pipeline stage runs on its own slice of layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kuangchao_core.errors import ConfigError
+
+IGNORE_INDEX = -100
+
+#: Roles a projection can have; q/k/v/gate/up split their output features under tensor parallelism, o/down their input.
+COLUMN_ROLES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_ROLES = ("o_proj", "down_proj")
+
+
+@dataclass
+class LlamaConfig:
+    """Sizes of a Llama-style decoder."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> LlamaConfig:
+        """Raise ConfigError listing every inconsistent size; return self."""
+        errs: list[tuple[str, str]] = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if int(getattr(self, name)) < 1:
+                errs.append((f"model.{name}", f"must be >= 1, got {getattr(self, name)}"))
+        if self.max_seq_len < 1:
+            errs.append(("model.max_seq_len", f"must be >= 1, got {self.max_seq_len}"))
+        if not errs:
+            if self.hidden_size % self.num_heads:
+                errs.append(
+                    (
+                        "model.num_heads",
+                        f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}",
+                    )
+                )
+            elif self.head_dim % 2:
+                errs.append(("model.num_heads", f"head_dim {self.head_dim} must be even for rotary embeddings"))
+            if self.num_heads % self.num_kv_heads:
+                errs.append(
+                    (
+                        "model.num_kv_heads",
+                        f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}",
+                    )
+                )
+        if self.rope_theta <= 0:
+            errs.append(("model.rope_theta", f"must be > 0, got {self.rope_theta}"))
+        if self.norm_eps <= 0:
+            errs.append(("model.norm_eps", f"must be > 0, got {self.norm_eps}"))
+        if errs:
+            raise ConfigError(errs)
+        return self
+
+    def num_params(self) -> int:
+        """Number of distinct parameters of the model this config builds."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h
+        return emb * (1 if self.tie_embeddings else 2) + self.num_layers * layer + h
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=128,
+    ),
+    "small": LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        max_seq_len=512,
+    ),
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
+}
+
+_FIELDS = [f.name for f in fields(LlamaConfig)]
+
+
+def _section_get(section: Any, name: str) -> Any:
+    if isinstance(section, dict):
+        return section.get(name)
+    return getattr(section, name, None)
+
+
+def config_from_model_section(model_section: Any) -> LlamaConfig:
+    """Build a LlamaConfig from the job config's ``model`` section (an object or a dict).
+
+    Fields set in the section win; unset ones come from ``checkpoint`` (a local Hugging Face directory) when given,
+    else from ``preset``. Raises ConfigError naming every field that stays unset or is inconsistent.
+    """
+    base: dict[str, Any] = {}
+    checkpoint = _section_get(model_section, "checkpoint")
+    preset = _section_get(model_section, "preset")
+    if checkpoint:
+        base = vars(load_hf_llama_config(checkpoint)).copy()
+    elif preset:
+        if preset not in PRESETS:
+            raise ConfigError([("model.preset", f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")])
+        base = vars(PRESETS[preset]).copy()
+    missing = []
+    for name in _FIELDS:
+        value = _section_get(model_section, name)
+        if value is not None:
+            base[name] = value
+        elif name not in base:
+            if name in ("rope_theta", "norm_eps", "tie_embeddings"):
+                base[name] = getattr(LlamaConfig, name)
+            else:
+                missing.append((f"model.{name}", "not set and no preset or checkpoint supplies it"))
+    if missing:
+        raise ConfigError(missing)
+    ints = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
+    for name in ints:
+        base[name] = int(base[name])
+    base["rope_theta"] = float(base["rope_theta"])
+    base["norm_eps"] = float(base["norm_eps"])
+    base["tie_embeddings"] = bool(base["tie_embeddings"])
+    return LlamaConfig(**base).validate()
+
+
+def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
+    """Read a local Hugging Face Llama ``config.json`` (never the hub) into a LlamaConfig."""
+    path = Path(directory)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError([("model.checkpoint", f"no config.json at {path}; give a local Hugging Face model directory")])
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError([("model.checkpoint", f"cannot read {path}: {exc}")]) from exc
+    if raw.get("model_type", "llama") != "llama":
+        raise ConfigError([("model.checkpoint", f"{path} has model_type {raw.get('model_type')!r}; only 'llama' loads")])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(
+            [("model.checkpoint", f"{path}: rope type {rope_type!r} is not supported; only plain RoPE ('default')")]
+        )
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    try:
+        cfg = LlamaConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=int(raw["num_attention_heads"]),
+            num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            max_seq_len=int(raw.get("max_position_embeddings", 2048)),
+            rope_theta=float(theta),
+            norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ConfigError([("model.checkpoint", f"{path} lacks the key {exc.args[0]!r}")]) from exc
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and int(head_dim) != cfg.head_dim:
+        raise ConfigError(
+            [("model.checkpoint", f"{path}: head_dim {head_dim} != hidden_size/num_heads {cfg.head_dim}; unsupported")]
+        )
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ConfigError([("model.checkpoint", f"{path}: biased projections are not supported")])
+    return cfg.validate()
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of rotary position embeddings (frequencies repeated, the rotate_half layout)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the last dimension: (x1, x2) -> (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary embeddings to ``x`` of shape (batch, heads, seq, head_dim)."""
+    return x * cos + rotate_half(x) * sin
+
+
+LinearFactory = Callable[[int, int, str], nn.Module]
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention; head counts follow the projections' output sizes."""
+
+    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory):
+        super().__init__()
+        d = cfg.head_dim
+        self.head_dim = d
+        self.q_proj = make_linear(cfg.hidden_size, cfg.num_heads * d, "q_proj")
+        self.k_proj = make_linear(cfg.hidden_size, cfg.num_kv_heads * d, "k_proj")
+        self.v_proj = make_linear(cfg.hidden_size, cfg.num_kv_heads * d, "v_proj")
+        self.o_proj = make_linear(cfg.num_heads * d, cfg.hidden_size, "o_proj")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory):
+        super().__init__()
+        self.gate_proj = make_linear(cfg.hidden_size, cfg.intermediate_size, "gate_proj")
+        self.up_proj = make_linear(cfg.hidden_size, cfg.intermediate_size, "up_proj")
+        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, "down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, make_linear)
+        self.mlp = LlamaMLP(cfg, make_linear)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the ``model.`` prefix of Hugging Face names)."""
+
+    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory, make_embedding: Callable[[int, int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_linear) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only language model with Hugging Face parameter names; ``forward(input_ids) -> logits``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg.validate()
+        self.model = LlamaModel(cfg, self.make_linear, self.make_embedding)
+        self.lm_head = self.make_linear(cfg.hidden_size, cfg.vocab_size, "lm_head")
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_linear(self, in_features: int, out_features: int, role: str) -> nn.Module:
+        """Build one bias-free projection; ``role`` is q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+        down_proj or lm_head. Override to return parallel layers."""
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def make_embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        """Build the token embedding. Override to return a vocabulary-parallel embedding."""
+        return nn.Embedding(num_embeddings, dim)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (``model.layers``)."""
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (batch, seq, hidden)."""
+        return self.model.embed_tokens(input_ids)
+
+    def rotary(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables for positions 0..seq_len-1."""
+        positions = torch.arange(seq_len, device=device)
+        return self.model.rotary_emb(positions, dtype)
+
+    def run_layers(self, h: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Run decoder layers ``start``..``end``-1 (indices into ``model.layers``) on hidden states ``h``."""
+        end = len(self.model.layers) if end is None else end
+        cos, sin = self.rotary(h.shape[1], h.device, h.dtype)
+        for layer in self.model.layers[start:end]:
+            h = layer(h, cos, sin)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden states -> logits (batch, seq, vocab)."""
+        return self.lm_head(self.model.norm(h))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits for every position of ``input_ids`` (batch, seq)."""
+        if input_ids.shape[-1] > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {input_ids.shape[-1]} exceeds model.max_seq_len {self.config.max_seq_len}; "
+                "shorten data.seq_len or raise model.max_seq_len"
+            )
+        return self.head(self.run_layers(self.embed(input_ids)))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation: norms to one, every other weight N(0, 0.02) from a CPU generator seeded
+        with ``seed``, drawn in parameter-name order (so the result is independent of device and sharding)."""
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits`` (batch, seq, vocab) against ``labels`` (batch, seq) already aligned to them
+    (label t is the token after input t), ignoring ``-100``; ``mean`` over the counted tokens, or ``sum``."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    if reduction == "sum":
+        return loss
+    if reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    count = (labels != IGNORE_INDEX).sum()
+    return loss / count.clamp(min=1)
+
+
+def expected_initial_loss(vocab_size: int) -> float:
+    """Loss of a uniform prediction over the vocabulary, ln(vocab_size)."""
+    return math.log(vocab_size)

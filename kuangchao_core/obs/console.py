@@ -1,0 +1,129 @@
+"""The live console view of a training job, fed by the workers' ``KC_EVENT`` lines.
+
+On a terminal it draws a progress bar with the latest metrics and ETA (rich); elsewhere (CI, pipes) it prints one
+plain line per logged step. Worker lines that are not events are shown when they look like warnings or errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from kuangchao_core.obs.jsonlog import parse_event
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f}{unit}"
+        n /= 1024
+    return f"{n:.0f}PiB"
+
+
+def format_step(ev: dict[str, Any]) -> str:
+    """One human line for a step event."""
+    eta = ev.get("eta_s")
+    eta_s = f"{eta:.0f}s" if isinstance(eta, (int, float)) else "-"
+    return (
+        f"step {ev.get('step')}/{ev.get('total_steps')}  loss {ev.get('loss', float('nan')):.4f}  "
+        f"lr {ev.get('lr', 0.0):.2e}  {ev.get('tokens_per_s', 0.0):,.0f} tok/s  "
+        f"grad_norm {ev.get('grad_norm', 0.0):.3f}  mem {_fmt_bytes(ev.get('mem_bytes'))}  "
+        f"comm {100 * ev.get('comm_share', 0.0):.1f}%  ETA {eta_s}"
+    )
+
+
+def _is_noteworthy(line: str) -> bool:
+    text = line.strip()
+    if not text:
+        return False
+    body = text[text.find("{") :] if "{" in text else text
+    try:
+        record = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return True  # free text (tracebacks, torchrun messages) is always shown
+    return isinstance(record, dict) and record.get("level") in ("WARNING", "ERROR", "CRITICAL")
+
+
+class LiveView:
+    """Consumes launcher output lines; keeps the latest step event for the run summary."""
+
+    def __init__(self, stream: TextIO | None = None, rich_live: bool | None = None, task: str = "train"):
+        self.stream = stream or sys.stdout
+        self.rich_live = self.stream.isatty() if rich_live is None else rich_live
+        self.task = task
+        self.last_step: dict[str, Any] | None = None
+        self.events: list[dict[str, Any]] = []
+        self._progress = None
+        self._task_id = None
+
+    def __call__(self, line: str) -> None:
+        self.handle_line(line)
+
+    def handle_line(self, line: str) -> None:
+        """Render one line of worker/launcher output."""
+        event = parse_event(line)
+        if event is None:
+            if _is_noteworthy(line):
+                self._print(line.rstrip())
+            return
+        kind = event.get("event")
+        if kind == "step":
+            self.last_step = event
+            self._on_step(event)
+        else:
+            self.events.append(event)
+            if kind == "start":
+                self._start_bar(event)
+            elif kind == "checkpoint":
+                self._print(f"checkpoint saved at step {event.get('step')}")
+            elif kind == "eval":
+                self._print(f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {event.get('loss_floor')})")
+            elif kind == "done":
+                self.close()
+
+    def _start_bar(self, event: dict[str, Any]) -> None:
+        if not self.rich_live or self._progress is not None:
+            self._print(f"training {self.task}: steps {event.get('start_step')}→{event.get('total_steps')}")
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            console=Console(file=self.stream),
+            transient=False,
+        )
+        self._progress.start()
+        self._task_id = self._progress.add_task(
+            self.task, total=event.get("total_steps"), completed=event.get("start_step", 0), metrics=""
+        )
+
+    def _on_step(self, event: dict[str, Any]) -> None:
+        if self._progress is not None:
+            metrics = (
+                f"loss {event.get('loss', 0):.4f} lr {event.get('lr', 0):.1e} "
+                f"{event.get('tokens_per_s', 0):,.0f} tok/s comm {100 * event.get('comm_share', 0):.0f}%"
+            )
+            self._progress.update(self._task_id, completed=event.get("step"), metrics=metrics)
+        else:
+            self._print(format_step(event))
+
+    def _print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, markup=False, highlight=False)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Stop the progress bar (idempotent)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,88 @@
+"""Per-step metrics to MLflow from rank 0, batched on a background thread (off the step's critical path).
+
+The metric names are a contract: ``loss``, ``lr``, ``tokens_per_s``, ``grad_norm``, ``mem_bytes``, ``comm_share``;
+``step`` is the optimizer step. A resumed attempt logs each step once: steps already in the run are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+log = logging.getLogger("kuangchao.obs.mlflow")
+
+METRIC_KEYS = ("loss", "lr", "tokens_per_s", "grad_norm", "mem_bytes", "comm_share")
+
+
+class MlflowMetricSink:
+    """Queues step metrics and logs them with ``MlflowClient.log_batch`` from one background thread.
+
+    ``max_batch`` counts steps; 150 steps of six metrics stay under MLflow's 1000-metric batch limit.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0, max_batch: int = 150):
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self.run_id = run_id
+        self._queue: queue.Queue = queue.Queue()
+        self._flush_every_s = flush_every_s
+        self._max_batch = max_batch
+        self._stop = threading.Event()
+        self.last_logged_step = self._last_step_in_run()
+        self._thread = threading.Thread(target=self._loop, name="kc-mlflow-sink", daemon=True)
+        self._thread.start()
+
+    def _last_step_in_run(self) -> int:
+        try:
+            history = self._client.get_metric_history(self.run_id, "loss")
+        except Exception as exc:  # an unreachable store must not stop training
+            log.warning("could not read metric history of run %s: %s", self.run_id, exc)
+            return -1
+        return max((m.step for m in history), default=-1)
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Queue one step's metrics; a step already present in the run (from an earlier attempt) is skipped."""
+        if step <= self.last_logged_step:
+            return
+        self._queue.put((step, int(time.time() * 1000), dict(metrics)))
+
+    def log_final(self, metrics: dict[str, float], step: int) -> None:
+        """Queue end-of-run metrics (evaluation results) at ``step``, whatever was logged before."""
+        self._queue.put((step, int(time.time() * 1000), dict(metrics)))
+
+    def _drain(self) -> list:
+        from mlflow.entities import Metric
+
+        batch = []
+        while len(batch) < self._max_batch:
+            try:
+                step, ts, metrics = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            batch.extend(Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None)
+        return batch
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._stop.wait(self._flush_every_s)
+            self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        while True:
+            batch = self._drain()
+            if not batch:
+                return
+            try:
+                self._client.log_batch(self.run_id, metrics=batch)
+            except Exception as exc:
+                log.warning("mlflow log_batch failed (%d metrics dropped): %s", len(batch), exc)
+                return
+
+    def close(self) -> None:
+        """Flush everything queued and stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout=60)

@@ -1,0 +1,123 @@
+"""MLflow runs of training jobs: open with params and tags, attach artifacts, close with a status.
+
+All calls use ``MlflowClient`` (not the fluent API, which is not thread-safe) against ``tracking.uri``
+(default ``sqlite:///mlflow.db`` in the working directory); the experiment is ``tracking.experiment`` or the task name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kuangchao.obs.tracking")
+
+_PARAM_VALUE_LIMIT = 6000
+_PARAMS_PER_BATCH = 100
+
+
+def tracking_uri(cfg: Any) -> str:
+    """The tracking URI of a job config."""
+    return cfg.tracking.uri or "sqlite:///mlflow.db"
+
+
+def experiment_name(cfg: Any) -> str:
+    """The MLflow experiment of a job config."""
+    return cfg.tracking.experiment or cfg.task.name
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """The current git commit of ``cwd``, if it is a git work tree."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def layout_tag(cfg: Any) -> str:
+    """A short parallel-layout string such as ``dp2-tp1-pp1-zero0``."""
+    p = cfg.parallel
+    return f"dp{p.data_parallel_size}-tp{p.tensor_parallel_size}-pp{p.pipeline_parallel_size}-zero{p.zero_stage}"
+
+
+def open_run(cfg: Any, flow_run_id: str | None = None, extra_tags: dict[str, str] | None = None) -> str:
+    """Create the MLflow run of a job: params = flattened config, tags = layout, flow run, config hash, git commit."""
+    from mlflow.entities import Param, RunTag
+
+    uri = tracking_uri(cfg)
+    client = _client(uri)
+    name = experiment_name(cfg)
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
+    tags = {
+        "kuangchao.layout": layout_tag(cfg),
+        "kuangchao.config_hash": cfg.config_hash(),
+        "kuangchao.task": cfg.task.name,
+        "mlflow.runName": f"{cfg.task.name}-{(flow_run_id or 'local')[:8]}",
+    }
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    tags.update(extra_tags or {})
+    run = client.create_run(exp_id, tags=tags)
+    run_id = run.info.run_id
+    params = [Param(k, str(v)[:_PARAM_VALUE_LIMIT]) for k, v in sorted(cfg.flat().items())]
+    for i in range(0, len(params), _PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + _PARAMS_PER_BATCH])
+    client.log_batch(run_id, tags=[RunTag("kuangchao.attempt", "0")])
+    return run_id
+
+
+def set_tags(cfg: Any, run_id: str, tags: dict[str, str]) -> None:
+    """Set tags on a run."""
+    client = _client(tracking_uri(cfg))
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def log_json_artifact(cfg: Any, run_id: str, obj: Any, artifact_path: str, filename: str) -> None:
+    """Store ``obj`` as a JSON file artifact of the run."""
+    client = _client(tracking_uri(cfg))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, filename)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        client.log_artifact(run_id, path, artifact_path=artifact_path)
+
+
+def log_file_artifact(cfg: Any, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    """Store a local file as an artifact of the run."""
+    _client(tracking_uri(cfg)).log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+
+def log_metrics(cfg: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Log a few metrics at ``step`` (not for per-step training metrics: those go through the worker's sink)."""
+    client = _client(tracking_uri(cfg))
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, float(value), step=step)
+
+
+def close_run(cfg: Any, run_id: str, status: str = "FINISHED") -> None:
+    """Mark the run FINISHED, FAILED or KILLED."""
+    _client(tracking_uri(cfg)).set_terminated(run_id, status=status)
+
+
+def metric_history(cfg: Any, run_id: str, key: str = "loss") -> list[tuple[int, float]]:
+    """(step, value) pairs of a metric, sorted by step."""
+    hist = _client(tracking_uri(cfg)).get_metric_history(run_id, key)
+    return sorted((m.step, m.value) for m in hist)

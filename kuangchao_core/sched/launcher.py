@@ -1,0 +1,338 @@
+"""Launch one attempt of a worker group under torch's elastic agent and turn any failure into ``WorkerFailed``.
+
+``run_workers`` starts ``python -m torch.distributed.run`` (torchrun) with ``--max-restarts 0``: restarts are decided by
+``sched.recovery.supervise``, one fresh rendezvous port and heartbeat directory per attempt, so no stale store keys
+(pytorch#135712) or stale beats carry over. It streams every output line (prefixed ``[rank<r>]:`` for worker lines) to
+``log_sink``, watches heartbeats, and on failure names the rank and the cause:
+
+* a worker that exits non-zero: torchrun's root-cause report gives rank, exit code and the worker's error file
+  (written when the worker's entry point is wrapped in ``torch.distributed.elastic.multiprocessing.errors.record``);
+  the error file's message, else the signal name (``SIGKILL``), else the rank's last output line, is the cause;
+* a worker that stops beating for longer than ``heartbeat_timeout_s``: the whole process tree is SIGKILLed
+  (SIGTERM would stay pending on a stopped process) and the cause is ``heartbeat lost for X s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
+
+_RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+
+
+@dataclass
+class LaunchResult:
+    """What one successful attempt left behind."""
+
+    attempt: int
+    exit_code: int
+    duration_s: float
+    attempt_dir: Path
+    log_dir: Path
+    heartbeat_dir: Path
+    rdzv_endpoint: str
+    lines: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _proc_children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name is in parentheses and may itself contain spaces or parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all of its descendants (Linux ``/proc``), parents first."""
+    children = _proc_children_map()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_tree(proc: subprocess.Popen, extra_pids: list[int] = ()) -> None:
+    """SIGKILL ``proc``, every descendant and ``extra_pids`` (workers may sit in sessions of their own)."""
+    pids = process_tree(proc.pid) + [p for p in extra_pids if p]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _parse_root_cause(text: str) -> dict | None:
+    """Rank, local rank, exit code, pid, error file and message from torchrun's failure report."""
+    i = text.rfind(_ROOT_CAUSE)
+    if i < 0:
+        return None
+    block = text[i:]
+    out: dict = {}
+    m = re.search(r"rank\s*:\s*(-?\d+)\s*\(local_rank:\s*(-?\d+)\)", block)
+    if m:
+        out["rank"], out["local_rank"] = int(m.group(1)), int(m.group(2))
+    m = re.search(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)", block)
+    if m:
+        out["exit_code"], out["pid"] = int(m.group(1)), int(m.group(2))
+    m = re.search(r"error_file\s*:\s*(\S+)", block)
+    if m:
+        out["error_file"] = m.group(1)
+    m = re.search(r"traceback\s*:\s*(.*)", block)
+    if m:
+        out["traceback"] = m.group(1).strip()
+    return out if "rank" in out else None
+
+
+def _error_file_message(path: str | None) -> str | None:
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        msg = msg.get("message")
+    return str(msg).strip() if msg else None
+
+
+def _signal_name(exit_code: int) -> str:
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def run_workers(
+    module: str,
+    args: list[str],
+    nproc: int,
+    env: dict | None,
+    run_dir: Path,
+    heartbeat_timeout_s: float | None = None,
+    heartbeat_interval_s: float = 1.0,
+    log_sink: Callable[[str], None] | None = None,
+    attempt: int = 0,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    rdzv_id: str | None = None,
+    startup_grace_s: float | None = None,
+    shutdown_timeout_s: int = 2,
+    monitor_interval_s: float = 0.1,
+    timeout_s: float | None = None,
+    cwd: Path | None = None,
+    python: str = sys.executable,
+) -> LaunchResult:
+    """Run ``python -m module *args`` on ``nproc`` local workers (one attempt) and wait for the group to finish.
+
+    ``run_dir/attempt_<n>/`` receives the per-rank logs and error files (``logs/``), the heartbeat files
+    (``heartbeat/``) and the full launcher output (``launcher.log``). Workers get ``KC_HEARTBEAT_DIR``,
+    ``KC_HEARTBEAT_INTERVAL_S`` and ``KC_ATTEMPT``; they beat with ``HeartbeatWriter.from_env()``.
+    With ``heartbeat_timeout_s`` set, a rank silent for longer (after its first beat; before it only if
+    ``startup_grace_s`` is set and passes) makes the launcher SIGKILL the group. ``timeout_s`` bounds the whole
+    attempt. For several nodes pass ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` and a shared
+    ``rdzv_id``; heartbeats are then watched for this node's ranks.
+
+    Returns a ``LaunchResult`` when every worker exits 0; raises ``WorkerFailed(rank, cause, exit_code)`` otherwise.
+    """
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"nproc and nnodes must be >= 1 (got nproc={nproc}, nnodes={nnodes})")
+    if nnodes > 1 and master_port is None:
+        raise ValueError("several nodes need an agreed master_port (the rendezvous endpoint on node 0)")
+    port = master_port if master_port is not None else free_port(master_addr)
+    endpoint = f"{master_addr}:{port}"
+    attempt_dir = Path(run_dir) / f"attempt_{attempt}"
+    log_dir = attempt_dir / "logs"
+    hb_dir = attempt_dir / "heartbeat"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    hb_dir.mkdir(parents=True, exist_ok=True)
+
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
+    full_env[ENV_DIR] = str(hb_dir)
+    full_env[ENV_INTERVAL] = str(heartbeat_interval_s)
+    full_env[ENV_ATTEMPT] = str(attempt)
+    full_env.pop("TORCHELASTIC_ERROR_FILE", None)
+
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id or f"kc-{attempt}-{uuid.uuid4().hex[:8]}",
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        str(monitor_interval_s),
+        "--shutdown-timeout",
+        str(max(1, int(shutdown_timeout_s))),
+        "--log-dir",
+        str(log_dir),
+        "--tee",
+        "3",
+        "-m",
+        module,
+        *[str(a) for a in args],
+    ]
+
+    tail: deque[str] = deque(maxlen=2000)
+    last_by_rank: dict[int, str] = {}
+    lock = threading.Lock()
+    counter = [0]
+    launcher_log = open(attempt_dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in finally
+
+    def pump(stream) -> None:
+        for raw in iter(stream.readline, ""):
+            line = raw.rstrip("\n")
+            with lock:
+                counter[0] += 1
+                tail.append(line)
+                m = _RANK_LINE.match(line)
+                if m and m.group(2).strip():
+                    last_by_rank[int(m.group(1))] = m.group(2).strip()
+                launcher_log.write(line + "\n")
+                if log_sink is not None:
+                    try:
+                        log_sink(line)
+                    except Exception:  # noqa: BLE001 - a broken sink must not take the launcher down
+                        pass
+        stream.close()
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        env=full_env,
+        cwd=str(cwd) if cwd else None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
+    for t in readers:
+        t.start()
+
+    local_ranks = [node_rank * nproc + i for i in range(nproc)]
+    monitor = (
+        HeartbeatMonitor(hb_dir, local_ranks, heartbeat_timeout_s, attempt=attempt, startup_grace_s=startup_grace_s)
+        if heartbeat_timeout_s
+        else None
+    )
+    period = 0.2 if monitor is None else max(0.02, min(0.25, heartbeat_interval_s / 4, heartbeat_timeout_s / 8))
+
+    failure: WorkerFailed | None = None
+    try:
+        while proc.poll() is None:
+            time.sleep(period)
+            if monitor is not None:
+                lost = monitor.poll()
+                if lost is not None and proc.poll() is None:
+                    rank, silent = lost
+                    beat_pids = [b.pid for r in local_ranks if (b := read_beat(hb_dir / f"rank_{r}.hb"))]
+                    kill_tree(proc, beat_pids)
+                    what = "heartbeat lost" if monitor.seen(rank) else "no first heartbeat"
+                    failure = WorkerFailed(
+                        rank, f"{what} for {silent:.1f} s (timeout {heartbeat_timeout_s:g} s, attempt {attempt})"
+                    )
+                    break
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s and proc.poll() is None:
+                kill_tree(proc)
+                failure = WorkerFailed(None, f"attempt {attempt} exceeded its time limit of {timeout_s:g} s")
+                break
+    except BaseException:
+        kill_tree(proc)
+        raise
+    finally:
+        for t in readers:
+            t.join(timeout=5)
+        launcher_log.close()
+
+    duration = time.monotonic() - t0
+    if failure is not None:
+        raise failure
+    code = proc.returncode
+    if code == 0:
+        return LaunchResult(attempt, 0, duration, attempt_dir, log_dir, hb_dir, endpoint, lines=counter[0])
+
+    text = "\n".join(tail)
+    info = _parse_root_cause(text)
+    if info is None:
+        last = next((ln for ln in reversed(tail) if ln.strip()), "")
+        cause = f"torchrun exited with code {code} without a worker failure report; last output: {last[:300]}"
+        raise WorkerFailed(None, cause, code)
+    rank, wcode = info["rank"], info.get("exit_code", code)
+    message = _error_file_message(info.get("error_file"))
+    if wcode is not None and wcode < 0:
+        cause = f"killed by {_signal_name(wcode)}"
+        if message:
+            cause += f": {message}"
+    elif message:
+        cause = message
+    else:
+        cause = f"exited with code {wcode}"
+        if rank in last_by_rank:
+            cause += f"; last output: {last_by_rank[rank][:300]}"
+    raise WorkerFailed(rank, cause, wcode)

@@ -1,0 +1,104 @@
+"""Prefect task ``launch``: start the workers with torch.distributed.run and supervise them to the end.
+
+A worker's death or hang becomes an ordinary ``WorkerFailed`` exception (Prefect retries failures, not crashed
+subprocesses), which the flow answers with ``recover`` and a new attempt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from kuangchao_core.obs.console import LiveView
+from kuangchao_core.sched.launcher import run_workers
+
+
+@dataclass
+class LaunchSummary:
+    """What one successful launch reported."""
+
+    attempt: int
+    steps: int | None
+    final_loss: float | None
+    tokens_per_s: float | None
+    heldout_accuracy: float | None
+    loss_floor: float | None
+    checkpoints: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for artifacts and JSON output."""
+        return asdict(self)
+
+
+def launch_workers(
+    cfg: Any,
+    config_path: str | Path,
+    run_dir: str | Path,
+    attempt: int = 0,
+    resume: str | None = None,
+    mlflow_run_id: str | None = None,
+    env: dict[str, str] | None = None,
+    view: LiveView | None = None,
+) -> LaunchSummary:
+    """Run one attempt of the job's workers; raises WorkerFailed naming the rank and cause on failure."""
+    run_dir = Path(run_dir)
+    view = view or LiveView(task=cfg.task.name)
+    worker_env = {
+        "KC_RUN_DIR": str(run_dir),
+        "KC_ATTEMPT": str(attempt),
+        "KC_JOB_ID": cfg.task.name,
+        "KC_TRACKING_URI": cfg.tracking.uri,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if mlflow_run_id:
+        worker_env["KC_MLFLOW_RUN_ID"] = mlflow_run_id
+    worker_env.update(env or {})
+    args = ["--config", str(config_path)]
+    if resume:
+        args += ["--resume", resume]
+    nproc = cfg.parallel.world_size
+    recovery = cfg.cluster
+    try:
+        run_workers(
+            "kuangchao_core.engine.worker",
+            args,
+            nproc=nproc,
+            env={**os.environ, **worker_env},
+            run_dir=run_dir / f"attempt-{attempt}",
+            heartbeat_timeout_s=recovery.heartbeat_timeout_s,
+            heartbeat_interval_s=recovery.heartbeat_interval_s,
+            log_sink=view,
+            attempt=attempt,
+        )
+    finally:
+        view.close()
+    last = view.last_step or {}
+    evals = [e for e in view.events if e.get("event") == "eval"]
+    done = [e for e in view.events if e.get("event") == "done"]
+    return LaunchSummary(
+        attempt=attempt,
+        steps=(done[-1].get("step") if done else last.get("step")),
+        final_loss=(done[-1].get("final_loss") if done else last.get("loss")),
+        tokens_per_s=last.get("tokens_per_s"),
+        heldout_accuracy=evals[-1].get("heldout_accuracy") if evals else None,
+        loss_floor=evals[-1].get("loss_floor") if evals else None,
+        checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],
+    )
+
+
+@task(name="launch", retries=0, log_prints=True)
+def launch(
+    cfg: Any,
+    config_path: str,
+    run_dir: str,
+    attempt: int = 0,
+    resume: str | None = None,
+    mlflow_run_id: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Prefect task: one attempt of the workers (see :func:`launch_workers`)."""
+    return launch_workers(cfg, config_path, run_dir, attempt, resume, mlflow_run_id, env).to_dict()
