@@ -32,7 +32,8 @@ WORKER = textwrap.dedent(
         hb.start()
         print(f"hello from {rank} attempt {os.environ['KC_ATTEMPT']}", flush=True)
         if mode == "ok" or rank != target:
-            time.sleep(arg if mode == "ok" else 60)
+            # in "slowio" the other rank outlives the writer by more than the timeout: an exited rank is not watched
+            time.sleep({"ok": arg, "slowio": arg + 2.0}.get(mode, 60))
             hb.stop()
             return
         if mode == "raise":
@@ -132,7 +133,9 @@ def _gone(pid: int) -> bool:
 
 def test_sigstop_detected_by_heartbeat_and_group_killed(worker_env, tmp_path):
     timeout, interval = 1.5, 0.3
-    err, _ = _run(worker_env, tmp_path, "stop", target=1, arg=0.5, heartbeat_timeout_s=timeout, heartbeat_interval_s=interval)
+    err, _ = _run(
+        worker_env, tmp_path, "stop", target=1, arg=0.5, heartbeat_timeout_s=timeout, heartbeat_interval_s=interval
+    )
     raised_at = time.monotonic()
     assert isinstance(err, WorkerFailed), err
     assert err.rank == 1 and "heartbeat lost" in err.cause
@@ -213,7 +216,11 @@ def test_supervise_recovers_and_reports(tmp_path):
 
 @pytest.mark.parametrize(
     "exc",
-    [ConfigError([("train.steps", "must be > 0")]), DataError("empty dataset"), PermissionDenied("send", "group:x", "no")],
+    [
+        ConfigError([("train.steps", "must be > 0")]),
+        DataError("empty dataset"),
+        PermissionDenied("send", "group:x", "no"),
+    ],
 )
 def test_supervise_never_retries_user_errors(exc):
     calls = []

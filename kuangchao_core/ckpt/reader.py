@@ -89,7 +89,9 @@ def load_shard(
         raise corrupt(where, f"{rel} is not a readable safetensors file ({exc})") from None
 
 
-def _read_header(st: Storage, fkey: str, where: str, rel: str) -> dict[str, str]:
+def read_safetensors_metadata(st: Storage, fkey: str, where: str, rel: str | None = None) -> dict[str, str]:
+    """The ``__metadata__`` (string -> string) of the safetensors file at ``fkey``, read without loading tensors."""
+    rel = rel or fkey
     with st.open_read(fkey) as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -112,7 +114,7 @@ def _shard_meta(step_dir: str | os.PathLike[str], rank: int, storage: Storage | 
     st, key, where = locate(step_dir, storage)
     rel = shard_name(rank)
     fkey = _checked_file(st, key, rel, where, verify=False)
-    meta = _read_header(st, fkey, where, rel)
+    meta = read_safetensors_metadata(st, fkey, where, rel)
     if META_FORMAT not in meta:
         raise corrupt(where, f"{rel} lacks the {META_FORMAT} metadata entry (not written by kuangchao)")
     try:

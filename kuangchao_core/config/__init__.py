@@ -1,1 +1,19 @@
-"""kuangchao_core.config"""
+"""Job configuration: schema (pydantic v2), safe YAML loading with ``extends:`` and ``--set`` overrides."""
+
+from kuangchao_core.config.loader import apply_overrides, config_from_dict, deep_merge, load_config, parse_yaml
+from kuangchao_core.config.presets import MODEL_PRESETS
+from kuangchao_core.config.schema import KNOWN_INTERFACES, SECTIONS, JobConfig
+from kuangchao_core.errors import ConfigError
+
+__all__ = [
+    "KNOWN_INTERFACES",
+    "MODEL_PRESETS",
+    "SECTIONS",
+    "ConfigError",
+    "JobConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "deep_merge",
+    "load_config",
+    "parse_yaml",
+]

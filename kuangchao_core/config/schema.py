@@ -67,7 +67,7 @@ Float = Annotated[float, BeforeValidator(lambda v: _number(v, float))]
 class Section(BaseModel):
     """Common settings of every config section: unknown keys are errors, numbers may name strings."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class TaskSection(Section):
@@ -265,12 +265,19 @@ class NodeSpec(Section):
 
 
 class ClusterSection(Section):
-    """Where the workers run: this machine (``local``), a fixed node list (``static``) or a registry (``dynamic``)."""
+    """Where the workers run: this machine (``local``), a fixed node list (``static``) or a registry (``dynamic``).
+
+    Recovery: a failed attempt is restarted at most ``max_restarts`` times; a worker silent for longer than
+    ``heartbeat_timeout_s`` (``None``: never) is treated as hung.
+    """
 
     mode: Literal["local", "static", "dynamic"] = "local"
     nodes: list[NodeSpec] = Field(default_factory=list)
     nproc_per_node: Int | None = Field(default=None, ge=1)
     registry: str | None = None
+    max_restarts: Int = Field(default=2, ge=0)
+    heartbeat_interval_s: Float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)
 
     @property
     def worker_nodes(self) -> list[NodeSpec]:

@@ -86,7 +86,9 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     else:
         if split != "train":
             raise DataError(f"dataset {name!r}: user files have only a 'train' split, not {split!r}")
-        docs = read_documents(_get(data_cfg, "path"), _get(data_cfg, "format", "auto"), _get(data_cfg, "text_field", "text"))
+        docs = read_documents(
+            _get(data_cfg, "path"), _get(data_cfg, "format", "auto"), _get(data_cfg, "text_field", "text")
+        )
         label = name
     tokens = pack_documents(docs, tokenizer, vocab_size)
     return TokenDataset(tokens, seq_len, label, tokenizer, corpus)

@@ -16,7 +16,7 @@ from pathlib import Path
 from kuangchao_core.errors import DataError
 
 EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
-_BLANK = re.compile(r"\n[ \t]*\n")
+_BLANK = re.compile(r"\n(?:[ \t]*\n)+")
 
 
 def resolve_files(path: str | Path, fmt: str = "auto") -> list[tuple[Path, str]]:

@@ -15,14 +15,15 @@ suite runs over it in an ephemeral context. Expectations, each named in its ``me
 - ``duplicate_share``: the share of records that repeat an earlier record is at most ``max_duplicate_share``
   (default 0.5); GX checks it as "proportion of unique values >= 1 - limit".
 
-Token counts are byte-level (one token per UTF-8 byte, what the ``byte`` tokenizer produces) unless a
-``tokenizers`` tokenizer (or a path to its JSON) is given.
+Token counts are byte-level (one token per UTF-8 byte, what the ``byte`` tokenizer produces) unless a tokenizer
+is given: an object with ``encode(text)`` or a spec ``kuangchao_core.data.tokenizer.get_tokenizer`` accepts.
 
-Where the records come from (``load_records``): ``data.path`` is a file or a directory of ``.txt``, ``.jsonl``
-and ``.parquet`` files. A ``.txt`` file holds one record per non-blank line (blank lines separate, they are not
-records); a ``.jsonl`` file one JSON object per line with the text under ``data.text_field`` (a blank line
-there *is* an empty record); a ``.parquet`` file one row per record. With no path the synthetic corpus of
-``kuangchao_core.data`` is used.
+Where the records come from (``load_records``): the same documents ``kuangchao_core.data`` trains on. ``data.path``
+is a file, directory or glob of ``.txt`` (documents separated by blank lines), ``.jsonl`` (one object per line,
+text under ``data.text_field``; blank lines skipped, ``{"text": ""}`` is an empty record) and ``.parquet`` (one row
+per record) files. Files are read as bytes here, so a bad byte sequence is one failing record rather than a
+failed read. With no path, the synthetic corpus's training documents are used; since that corpus draws problems
+with replacement by design, ``validate_dataset`` does not apply the duplicate limit to it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,9 +122,7 @@ class ValidationReport:
             "|---|---|---|---|",
         ]
         for r in self.results:
-            rows.append(
-                f"| {r.name} | {'ok' if r.success else '**FAIL**'} | {_jsonable(r.observed)} | {r.expected} |"
-            )
+            rows.append(f"| {r.name} | {'ok' if r.success else '**FAIL**'} | {_jsonable(r.observed)} | {r.expected} |")
         return "\n".join(rows) + "\n"
 
 
@@ -150,12 +150,15 @@ def _decode(raw: bytes | str) -> tuple[str, bool]:
         return raw.decode("utf-8", "replace"), False
 
 
+_BLANK_LINES = re.compile(rb"\r?\n(?:[ \t]*\r?\n)+")
+
+
 def _read_txt(path: Path) -> Iterable[bytes]:
-    with open(path, "rb") as f:
-        for line in f:
-            line = line.rstrip(b"\r\n")
-            if line.strip():
-                yield line
+    """Blank-line separated documents, as bytes (so invalid UTF-8 is found per record, not per file)."""
+    for block in _BLANK_LINES.split(path.read_bytes()):
+        block = block.strip(b"\r\n")
+        if block.strip():
+            yield block
 
 
 def _read_jsonl(path: Path, text_field: str) -> Iterable[bytes | str]:
@@ -163,7 +166,6 @@ def _read_jsonl(path: Path, text_field: str) -> Iterable[bytes | str]:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip(b"\r\n")
             if not line.strip():
-                yield b""
                 continue
             try:
                 text = line.decode("utf-8")
@@ -174,7 +176,7 @@ def _read_jsonl(path: Path, text_field: str) -> Iterable[bytes | str]:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({exc.msg}); fix the line or use data.format: txt"
+                    f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object"
                 ) from None
             if not isinstance(obj, dict) or text_field not in obj:
                 raise DataError(
@@ -187,95 +189,66 @@ def _read_jsonl(path: Path, text_field: str) -> Iterable[bytes | str]:
 def _read_parquet(path: Path, text_field: str) -> Iterable[bytes | str]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    if text_field not in table.column_names:
-        raise DataError(
-            f"{path}: no column {text_field!r} (columns: {table.column_names}); set data.text_field to the text column"
-        )
-    for value in table.column(text_field).to_pylist():
+    try:
+        names = pq.read_schema(path).names
+    except Exception as exc:  # pyarrow raises ArrowInvalid and OSError subclasses
+        raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
+    if text_field not in names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {names}); set data.text_field to the text column")
+    for value in pq.read_table(path, columns=[text_field]).column(text_field).to_pylist():
         yield "" if value is None else value
-
-
-def _files_of(path: Path, fmt: str) -> list[tuple[Path, str]]:
-    exts = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    out = []
-    for p in files:
-        kind = fmt if fmt not in ("auto", None) else exts.get(p.suffix.lower())
-        if kind is None:
-            if path.is_dir():
-                continue
-            raise DataError(f"{p}: cannot tell the format from the suffix; set data.format to txt, jsonl or parquet")
-        out.append((p, kind))
-    return out
 
 
 def load_records(data_cfg: Any) -> tuple[list[bytes | str], str]:
     """Read the raw records named by a ``data`` config section; returns ``(records, source description)``.
 
-    Raises ``DataError`` when the path is missing or a file is malformed.
+    Files are resolved as ``kuangchao_core.data`` resolves them (file, directory or glob). Raises ``DataError``
+    when the path is missing or a file is malformed.
     """
-    path = getattr(data_cfg, "path", None)
-    fmt = getattr(data_cfg, "format", "auto") or "auto"
-    text_field = getattr(data_cfg, "text_field", "text") or "text"
+    from kuangchao_core.data.files import resolve_files
+
+    path = _field(data_cfg, "path")
+    fmt = _field(data_cfg, "format", "auto")
+    text_field = _field(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
         return _synthetic_records(data_cfg), "synthetic corpus"
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"data.path {str(root)!r} does not exist; point data.path at a file or directory of data")
     records: list[bytes | str] = []
-    for p, kind in _files_of(root, fmt):
+    for p, kind in resolve_files(path, fmt):
         if kind == "txt":
             records.extend(_read_txt(p))
         elif kind == "jsonl":
             records.extend(_read_jsonl(p, text_field))
-        elif kind == "parquet":
-            records.extend(_read_parquet(p, text_field))
         else:
-            raise DataError(f"data.format {kind!r} is not readable here; use txt, jsonl, parquet or synthetic")
-    return records, str(root)
+            records.extend(_read_parquet(p, text_field))
+    return records, str(path)
+
+
+def _field(section: Any, name: str, default: Any = None) -> Any:
+    value = section.get(name) if isinstance(section, dict) else getattr(section, name, None)
+    return default if value is None else value
 
 
 def _synthetic_records(data_cfg: Any) -> list[bytes | str]:
-    """Documents of the synthetic corpus, from ``kuangchao_core.data`` (whichever generator it exposes)."""
-    import importlib
+    """Training documents of the synthetic corpus of ``kuangchao_core.data``."""
+    from kuangchao_core.data.synthetic import make_corpus
 
-    for mod_name, fn_name in (
-        ("kuangchao_core.data.synthetic", "synthetic_texts"),
-        ("kuangchao_core.data.synthetic", "synthetic_corpus"),
-        ("kuangchao_core.data.synthetic", "generate_texts"),
-        ("kuangchao_core.data", "synthetic_texts"),
-        ("kuangchao_core.data", "synthetic_corpus"),
-    ):
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError):
-            continue
-        return list(fn(data_cfg))
-    try:
-        from kuangchao_core.data import build_dataset
-    except ImportError:
-        raise DataError(
-            "data.path is not set and kuangchao_core.data offers no synthetic corpus; set data.path to your data"
-        ) from None
-    # Fallback: the packed training samples themselves, one record each (byte tokenizer: ids are bytes).
-    ds = build_dataset(data_cfg, 256)
-    out: list[bytes | str] = []
-    for i in range(len(ds)):
-        ids = ds[i]["input_ids"].tolist()
-        out.append(bytes(int(t) % 256 for t in ids))
-    return out
+    syn = _field(data_cfg, "synthetic", {})
+    corpus = make_corpus(
+        str(_field(syn, "task", "arithmetic")),
+        int(_field(syn, "num_train", 4096)),
+        int(_field(syn, "num_eval", 256)),
+        int(_field(syn, "seed", 0)),
+    )
+    return list(corpus.documents("train"))
 
 
 def _token_counter(tokenizer: Any):
     if tokenizer is None or tokenizer == "byte":
         return None
     if isinstance(tokenizer, (str, os.PathLike)):
-        from tokenizers import Tokenizer
+        from kuangchao_core.data.tokenizer import get_tokenizer
 
-        tokenizer = Tokenizer.from_file(str(tokenizer))
-    if hasattr(tokenizer, "encode_batch"):
-        return lambda texts: [len(e.ids) for e in tokenizer.encode_batch(list(texts))]
+        tokenizer = get_tokenizer(str(tokenizer))
     return lambda texts: [len(tokenizer.encode(t)) for t in texts]
 
 
@@ -397,9 +370,7 @@ def validate_records(
         ),
         "duplicate_share": (
             round(1 - n_unique / n, 4) if n else 0.0,
-            f"duplicate share {1 - n_unique / n:.3f} (limit {max_duplicate_share:g})"
-            if n
-            else "no records to compare",
+            f"duplicate share {1 - n_unique / n:.3f} (limit {max_duplicate_share:g})" if n else "no records to compare",
         ),
     }
     results = []
@@ -454,7 +425,9 @@ def validate_dataset(
     """Load the records of ``cfg.data`` and validate them against the job's planned token budget."""
     records, source = load_records(cfg.data)
     planned, seq_len = planned_tokens_of(cfg)
-    tok = getattr(cfg.data, "tokenizer", "byte")
+    tok = _field(cfg.data, "tokenizer", "byte")
+    if source == "synthetic corpus":
+        max_duplicate_share = 1.0
     return validate_records(
         records,
         planned_tokens=planned,

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 
 IGNORE_INDEX = -100
@@ -93,37 +95,8 @@ class LlamaConfig:
         return emb * (1 if self.tie_embeddings else 2) + self.num_layers * layer + h
 
 
-PRESETS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=128,
-    ),
-    "small": LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        max_seq_len=512,
-    ),
-    "llama3-8b": LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        norm_eps=1e-5,
-    ),
-}
+#: Named shapes, from the config layer's presets (one source of truth).
+PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**shape) for name, shape in MODEL_PRESETS.items()}
 
 _FIELDS = [f.name for f in fields(LlamaConfig)]
 
@@ -176,13 +149,17 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError([("model.checkpoint", f"no config.json at {path}; give a local Hugging Face model directory")])
+        raise ConfigError(
+            [("model.checkpoint", f"no config.json at {path}; give a local Hugging Face model directory")]
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError([("model.checkpoint", f"cannot read {path}: {exc}")]) from exc
     if raw.get("model_type", "llama") != "llama":
-        raise ConfigError([("model.checkpoint", f"{path} has model_type {raw.get('model_type')!r}; only 'llama' loads")])
+        raise ConfigError(
+            [("model.checkpoint", f"{path} has model_type {raw.get('model_type')!r}; only 'llama' loads")]
+        )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):

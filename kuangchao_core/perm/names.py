@@ -20,7 +20,6 @@ INTERFACE_KINDS: dict[str, str] = {
     "reduce_scatter": "group",
     "send": "group",
     "recv": "group",
-    "barrier": "group",
     "checkpoint_read": "checkpoint",
     "checkpoint_write": "checkpoint",
     "dataset_read": "dataset",
@@ -35,6 +34,10 @@ COLLECTIVES = frozenset(i for i, k in INTERFACE_KINDS.items() if k == "group")
 _DEVICE = re.compile(r"(cpu|cuda:(0|[1-9][0-9]{0,3}))\Z")
 _REGION = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+# group names may spell their member ranks, as the comm layer's defaults do: ``g3[0,2]``
+_GROUP = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:,\[\]-]{0,255}\Z")
+# dataset names are the configured path (``data/train.jsonl``): plain segments, no ``.``/``..``, no ``//``
+_PATH = re.compile(r"/?[A-Za-z0-9_.:-]+(/[A-Za-z0-9_.:-]+){0,31}\Z")
 
 # token claim field -> resource kind
 CLAIM_KINDS = {"devices": "device", "regions": "memory", "groups": "group"}
@@ -49,7 +52,11 @@ def is_canonical_value(kind: str, value: str) -> bool:
         return _DEVICE.match(value) is not None
     if kind == "memory":
         return _REGION.match(value) is not None
-    if kind in ("group", *OBJECT_KINDS):
+    if kind == "group":
+        return _GROUP.match(value) is not None and ".." not in value
+    if kind == "dataset":
+        return _PATH.match(value) is not None and not any(seg in (".", "..") for seg in value.split("/"))
+    if kind in OBJECT_KINDS:
         return _NAME.match(value) is not None and ".." not in value
     return False
 

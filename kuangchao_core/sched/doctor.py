@@ -349,7 +349,8 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
             )
     if not remote:
         return checks, Check("version_agreement", True, "local cluster: nothing to compare")
-    reports.setdefault("(this machine)", mine)
+    if not any(_is_local(_split_host(h)[0]) for h in reports):  # the launching machine counts too
+        reports["(this machine)"] = mine
     differ = {}
     for k in keys:
         vals = {spec: r.get(k) for spec, r in reports.items()}
@@ -369,7 +370,12 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
 
 
 def _probe_local_dir(path: Path) -> Check:
+    created: list[Path] = []
     try:
+        missing = path
+        while not missing.exists() and missing.parent != missing:
+            created.append(missing)
+            missing = missing.parent
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".kc-doctor-{uuid.uuid4().hex}"
         with open(probe, "wb") as f:
@@ -377,6 +383,8 @@ def _probe_local_dir(path: Path) -> Check:
             f.flush()
             os.fsync(f.fileno())
         probe.unlink()
+        for d in created:  # leave the tree as it was; the job creates its directories itself
+            d.rmdir()
         return Check("checkpoint_storage", True, f"{path} writable (write+fsync+delete)")
     except OSError as exc:
         return Check(
@@ -422,7 +430,9 @@ def check_checkpoint_storage(cfg: Any) -> Check:
     uri = _get(cfg, "checkpoint.uri")
     if uri and str(uri).startswith("s3://"):
         endpoint = (
-            _get(cfg, "checkpoint.endpoint_url") or _get(cfg, "checkpoint.endpoint") or os.environ.get("AWS_ENDPOINT_URL")
+            _get(cfg, "checkpoint.endpoint_url")
+            or _get(cfg, "checkpoint.endpoint")
+            or os.environ.get("AWS_ENDPOINT_URL")
         )
         return _probe_s3(str(uri), endpoint)
     return _probe_local_dir(Path(str(_get(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
@@ -478,6 +488,13 @@ def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
 def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
     """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used."""
     api = os.environ.get("PREFECT_API_URL")
+    if not api and "prefect" in sys.modules:  # a profile or an active test harness may set it
+        try:
+            from prefect.settings import get_current_settings
+
+            api = get_current_settings().api.url
+        except Exception:
+            api = None
     if not api:
         return Check("prefect", True, "PREFECT_API_URL not set: flows use Prefect's ephemeral local API")
     err = _http_health(api.rstrip("/") + "/health", timeout)

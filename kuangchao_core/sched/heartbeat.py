@@ -37,6 +37,7 @@ class Beat:
     counter: int
     mono: float
     wall: float
+    stopped: bool = False
 
 
 def read_beat(path: str | os.PathLike) -> Beat | None:
@@ -51,6 +52,7 @@ def read_beat(path: str | os.PathLike) -> Beat | None:
             counter=int(d["counter"]),
             mono=float(d["mono"]),
             wall=float(d["wall"]),
+            stopped=bool(d.get("stopped", False)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -87,10 +89,11 @@ class HeartbeatWriter:
         attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         return cls(directory, rank, interval, attempt)
 
-    def beat(self) -> None:
-        """Write one beat now (atomically: temp file + rename)."""
+    def beat(self, stopped: bool = False) -> None:
+        """Write one beat now (atomically: temp file + rename); ``stopped`` marks the last beat of a clean stop."""
         self.counter += 1
         payload = {
+            "stopped": stopped,
             "rank": self.rank,
             "pid": os.getpid(),
             "attempt": self.attempt,
@@ -123,11 +126,15 @@ class HeartbeatWriter:
         return self
 
     def stop(self) -> None:
-        """Stop beating (the file stays; the launcher stops watching once the worker exits)."""
+        """Stop beating and write a final ``stopped`` beat, after which the launcher no longer watches this rank."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 1.0)
             self._thread = None
+            try:
+                self.beat(stopped=True)
+            except OSError:
+                pass
 
     def __enter__(self) -> HeartbeatWriter:
         return self.start()
@@ -136,11 +143,28 @@ class HeartbeatWriter:
         self.stop()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``; elsewhere ``kill(pid, 0)``)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 class HeartbeatMonitor:
     """Launcher side: watch the beat files of ``ranks`` and say which one has been silent too long.
 
     A rank is watched from its first beat of this ``attempt`` (beats with another attempt id are stale and
-    ignored). ``startup_grace_s`` (optional) bounds how long a rank may take to send its first beat.
+    ignored) until it writes a ``stopped`` beat or its process is gone (its exit is the launcher's business). ``startup_grace_s`` (optional) bounds how long a rank may take to send its first beat.
     ``clock`` is injectable for unit tests.
     """
 
@@ -163,6 +187,7 @@ class HeartbeatMonitor:
         self._last_counter: dict[int, int] = {}
         self._last_change: dict[int, float] = {}
         self.stale_beats = 0
+        self._done: set[int] = set()
 
     def poll(self) -> tuple[int, float] | None:
         """Read every beat file; return ``(rank, silent_seconds)`` of the first lost rank, else ``None``."""
@@ -175,6 +200,10 @@ class HeartbeatMonitor:
             if beat is not None and self._last_counter.get(r) != beat.counter:
                 self._last_counter[r] = beat.counter
                 self._last_change[r] = now
+            if beat is not None and (beat.stopped or not pid_alive(beat.pid)):
+                self._done.add(r)
+            if r in self._done:
+                continue
             if r in self._last_change:
                 silent = now - self._last_change[r]
                 if silent > self.timeout_s:

@@ -1,0 +1,250 @@
+"""Checks that involve more than one config field. Each message shows the numbers involved.
+
+``cross_checks`` takes whichever sections validated on their own, so a config with a type error in one section
+still gets every cross-field problem of the others reported in the same pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Errors = list[tuple[str, str]]
+_CHECKS: list[tuple[tuple[str, ...], Callable[..., Errors]]] = []
+
+
+def _check(*sections: str) -> Callable[[Callable[..., Errors]], Callable[..., Errors]]:
+    def register(fn: Callable[..., Errors]) -> Callable[..., Errors]:
+        _CHECKS.append((sections, fn))
+        return fn
+
+    return register
+
+
+def cross_checks(sections: dict[str, Any]) -> Errors:
+    """Run every check whose sections are all present; return ``(dotted_path, message)`` pairs."""
+    errors: Errors = []
+    for needed, fn in _CHECKS:
+        if all(sections.get(name) is not None for name in needed):
+            errors.extend(fn(*(sections[name] for name in needed)))
+    return errors
+
+
+@_check("model")
+def _model_shape(model: Any) -> Errors:
+    errors: Errors = []
+    if model.hidden_size and model.num_heads:
+        if model.hidden_size % model.num_heads:
+            errors.append(
+                (
+                    "model.num_heads",
+                    f"hidden_size {model.hidden_size} is not divisible by num_heads {model.num_heads}",
+                )
+            )
+        elif (model.hidden_size // model.num_heads) % 2:
+            errors.append(
+                (
+                    "model.num_heads",
+                    f"head dimension hidden_size/num_heads = {model.hidden_size}/{model.num_heads} = "
+                    f"{model.hidden_size // model.num_heads} must be even for rotary embeddings",
+                )
+            )
+    if model.num_heads and model.num_kv_heads:
+        if model.num_kv_heads > model.num_heads or model.num_heads % model.num_kv_heads:
+            errors.append(
+                (
+                    "model.num_kv_heads",
+                    f"num_kv_heads {model.num_kv_heads} must divide num_heads {model.num_heads}",
+                )
+            )
+    return errors
+
+
+@_check("model", "parallel")
+def _model_vs_layout(model: Any, parallel: Any) -> Errors:
+    errors: Errors = []
+    tp = parallel.tensor_parallel_size
+    if model.num_heads and model.num_heads % tp:
+        errors.append(
+            (
+                "parallel.tensor_parallel_size",
+                f"model.num_heads {model.num_heads} is not divisible by tensor_parallel_size {tp}",
+            )
+        )
+    kv = model.num_kv_heads
+    if kv and kv % tp and tp % kv:
+        errors.append(
+            (
+                "parallel.tensor_parallel_size",
+                f"model.num_kv_heads {kv} and tensor_parallel_size {tp}: one must divide the other "
+                "(key/value heads are split across TP ranks, or replicated when there are fewer than ranks)",
+            )
+        )
+    if model.intermediate_size and model.intermediate_size % tp:
+        errors.append(
+            (
+                "parallel.tensor_parallel_size",
+                f"model.intermediate_size {model.intermediate_size} is not divisible by tensor_parallel_size {tp}",
+            )
+        )
+    pp, vpp = parallel.pipeline_parallel_size, parallel.virtual_pipeline_size
+    if model.num_layers and model.num_layers % (pp * vpp):
+        errors.append(
+            (
+                "parallel.pipeline_parallel_size",
+                f"model.num_layers {model.num_layers} is not divisible by pipeline_parallel_size × "
+                f"virtual_pipeline_size = {pp}×{vpp} = {pp * vpp}",
+            )
+        )
+    return errors
+
+
+@_check("parallel")
+def _schedule(parallel: Any) -> Errors:
+    errors: Errors = []
+    pp, vpp = parallel.pipeline_parallel_size, parallel.virtual_pipeline_size
+    accum = parallel.gradient_accumulation_steps
+    if parallel.pipeline_schedule == "interleaved_1f1b":
+        if vpp < 2:
+            errors.append(
+                (
+                    "parallel.virtual_pipeline_size",
+                    f"pipeline_schedule interleaved_1f1b needs virtual_pipeline_size > 1, got {vpp}",
+                )
+            )
+        if pp < 2:
+            errors.append(
+                (
+                    "parallel.pipeline_parallel_size",
+                    f"pipeline_schedule interleaved_1f1b needs pipeline_parallel_size > 1, got {pp}",
+                )
+            )
+        elif accum % pp:
+            errors.append(
+                (
+                    "parallel.gradient_accumulation_steps",
+                    f"interleaved_1f1b needs the micro-batch count (gradient_accumulation_steps {accum}) to be a "
+                    f"multiple of pipeline_parallel_size {pp}",
+                )
+            )
+    elif vpp > 1:
+        errors.append(
+            (
+                "parallel.virtual_pipeline_size",
+                f"virtual_pipeline_size {vpp} > 1 needs pipeline_schedule interleaved_1f1b, "
+                f"got {parallel.pipeline_schedule}",
+            )
+        )
+    return errors
+
+
+@_check("parallel", "cluster")
+def _world_size(parallel: Any, cluster: Any) -> Errors:
+    devices = cluster.devices
+    if devices is None or devices == parallel.world_size:
+        return []
+    layout = (
+        f"world size data_parallel_size × tensor_parallel_size × pipeline_parallel_size = "
+        f"{parallel.data_parallel_size}×{parallel.tensor_parallel_size}×{parallel.pipeline_parallel_size} = "
+        f"{parallel.world_size}"
+    )
+    if cluster.mode == "local":
+        return [("parallel.data_parallel_size", f"{layout}, but cluster.nproc_per_node is {devices}")]
+    workers = cluster.worker_nodes
+    if cluster.nproc_per_node is not None:
+        provided = f"cluster.nproc_per_node {cluster.nproc_per_node} × {len(workers)} worker nodes = {devices}"
+    else:
+        provided = f"the cluster's worker nodes have {'+'.join(str(n.gpus) for n in workers) or '0'} = {devices} GPUs"
+    return [("parallel.data_parallel_size", f"{layout}, but {provided}")]
+
+
+@_check("cluster")
+def _cluster_shape(cluster: Any) -> Errors:
+    errors: Errors = []
+    if cluster.mode == "static":
+        if not cluster.nodes:
+            errors.append(("cluster.nodes", "mode static needs at least one node"))
+        elif not cluster.worker_nodes:
+            errors.append(("cluster.nodes", "mode static needs at least one node with role worker"))
+        for index, node in enumerate(cluster.nodes):
+            if node.role == "worker" and node.gpus < 1 and cluster.nproc_per_node is None:
+                errors.append((f"cluster.nodes.{index}.gpus", f"worker node {node.host} has {node.gpus} GPUs"))
+            if cluster.nproc_per_node is not None and node.role == "worker" and 0 < node.gpus < cluster.nproc_per_node:
+                errors.append(
+                    (
+                        f"cluster.nodes.{index}.gpus",
+                        f"node {node.host} has {node.gpus} GPUs, fewer than cluster.nproc_per_node "
+                        f"{cluster.nproc_per_node}",
+                    )
+                )
+    elif cluster.nodes:
+        errors.append(("cluster.nodes", f"nodes are only used with mode static, not {cluster.mode}"))
+    if cluster.mode == "dynamic" and not cluster.registry:
+        errors.append(("cluster.registry", "mode dynamic needs a registry address"))
+    timeout, interval = cluster.heartbeat_timeout_s, cluster.heartbeat_interval_s
+    if timeout is not None and timeout <= 2 * interval:
+        errors.append(
+            (
+                "cluster.heartbeat_timeout_s",
+                f"heartbeat_timeout_s {timeout:g} must exceed twice heartbeat_interval_s {interval:g}",
+            )
+        )
+    seen: dict[str, int] = {}
+    for index, node in enumerate(cluster.nodes):
+        if node.host in seen:
+            errors.append(
+                (f"cluster.nodes.{index}.host", f"host {node.host} is already listed as node {seen[node.host]}")
+            )
+        seen.setdefault(node.host, index)
+    return errors
+
+
+@_check("parallel", "train")
+def _backend_device(parallel: Any, train: Any) -> Errors:
+    if parallel.backend == "nccl" and train.device == "cpu":
+        return [("parallel.backend", "backend nccl needs CUDA devices but train.device is cpu; use gloo or auto")]
+    return []
+
+
+@_check("train")
+def _warmup(train: Any) -> Errors:
+    if train.warmup_steps >= train.steps:
+        return [("train.warmup_steps", f"warmup_steps {train.warmup_steps} must be less than steps {train.steps}")]
+    return []
+
+
+@_check("data", "model")
+def _data_vs_model(data: Any, model: Any) -> Errors:
+    errors: Errors = []
+    if model.max_seq_len and data.seq_len > model.max_seq_len:
+        errors.append(("data.seq_len", f"seq_len {data.seq_len} exceeds model.max_seq_len {model.max_seq_len}"))
+    if data.tokenizer == "byte" and model.vocab_size and model.vocab_size < 256:
+        errors.append(("model.vocab_size", f"the byte tokenizer needs vocab_size >= 256, got {model.vocab_size}"))
+    return errors
+
+
+@_check("data")
+def _data_source(data: Any) -> Errors:
+    if data.path is None and data.format not in ("auto", "synthetic"):
+        return [("data.path", f"data.format {data.format} needs a path; leave format auto for the synthetic corpus")]
+    if data.path is not None and data.format == "synthetic":
+        return [("data.path", f"data.format synthetic takes no path, got {data.path!r}")]
+    return []
+
+
+@_check("data", "parallel")
+def _enough_samples(data: Any, parallel: Any) -> Errors:
+    if not data.is_synthetic:
+        return []
+    needed = parallel.global_batch_size
+    have = data.synthetic.num_train
+    if have < needed:
+        return [
+            (
+                "data.synthetic.num_train",
+                f"{have} samples are fewer than one global batch: micro_batch_size × gradient_accumulation_steps × "
+                f"data_parallel_size = {parallel.micro_batch_size}×{parallel.gradient_accumulation_steps}×"
+                f"{parallel.data_parallel_size} = {needed}",
+            )
+        ]
+    return []

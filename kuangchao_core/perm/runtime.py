@@ -1,0 +1,274 @@
+"""Wiring of the permission layer into processes: the worker guard, automatic renewal, the renewal server.
+
+Worker side: :func:`install_worker_guard` verifies the module's token once, builds its :class:`TokenGuard`,
+installs it through ``guard_api`` and starts a :class:`TokenRenewer` thread when ``KC_AUTHORITY_ADDR`` (or
+``authority_addr``) names a :class:`RenewalServer`. Renewal asks the orchestrating process over local HTTP; the
+worker never holds a signing key, and every renewed token is verified (signature included) before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from kuangchao_core.perm import guard_api
+from kuangchao_core.perm import reasons as R
+from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.authority import Authority
+from kuangchao_core.perm.guard import AuditedDenyAll, TokenGuard
+from kuangchao_core.perm.roles import Policy
+from kuangchao_core.perm.tokens import DEFAULT_LEEWAY_S, DEFAULT_MAX_TTL_S, TrustStore, Verifier, token_digest
+
+log = logging.getLogger("kuangchao.perm.runtime")
+ENV_AUTHORITY_ADDR = "KC_AUTHORITY_ADDR"
+MAX_REQUEST_BYTES = 16384
+
+
+def _module_id_from_env() -> str:
+    return f"worker-{int(os.environ.get('RANK', '0'))}"
+
+
+def install_worker_guard(
+    token_file: str | os.PathLike | None,
+    trust_store_file: str | os.PathLike | None,
+    job_id: str,
+    attempt: int,
+    audit_log: str | os.PathLike | None = None,
+    mode: str = "enforcing",
+    *,
+    module_id: str | None = None,
+    policy: Policy | None = None,
+    policy_file: str | os.PathLike | None = None,
+    authority_addr: str | None = None,
+    leeway_s: float = DEFAULT_LEEWAY_S,
+    max_ttl_s: float = DEFAULT_MAX_TTL_S,
+    renew: bool = True,
+):
+    """Verify this process's token once and install its guard; returns the guard (or ``AllowAll`` in trusted mode).
+
+    ``module_id`` defaults to ``worker-$RANK`` and must equal the token's subject; ``{rank}`` in ``token_file`` is
+    replaced by ``$RANK``. ``policy`` defaults to ``policy_file`` / ``$KC_POLICY_FILE`` / the ``policy.json`` beside
+    the trust store (written by ``issue_tokens``), else the built-in roles. A token that
+    fails verification installs a deny-all guard (audited) and re-raises the generic ``TokenRejected``.
+    """
+    module_id = module_id or _module_id_from_env()
+    if token_file and "{rank}" in str(token_file):  # one template for every rank (torchrun shares the environment)
+        token_file = str(token_file).format(rank=int(os.environ.get("RANK", "0")))
+    policy_file = policy_file or os.environ.get("KC_POLICY_FILE")
+    audit = AuditLog(audit_log, job_id) if audit_log else None
+    if mode == "trusted":
+        log.warning(
+            "!!! permission.mode is TRUSTED: capability checks are OFF for %s (job %s). Use only on a private "
+            "cluster; remove `permission.mode: trusted` to enforce tokens. !!!", module_id, job_id
+        )
+        if audit:
+            audit.append("mode_trusted", actor=module_id, decision="info", resource=f"job:{job_id}", attempt=attempt)
+        guard_api.install_guard(guard_api.AllowAll())
+        return guard_api.current_guard()
+    if mode != "enforcing":
+        raise ValueError(f"permission.mode must be 'enforcing' or 'trusted', not {mode!r}")
+    if not token_file or not trust_store_file:
+        guard_api.install_guard(AuditedDenyAll(module_id, audit))
+        raise R.TokenRejected(R.NO_TOKEN, module_id=module_id)
+    trust = TrustStore.load(trust_store_file)
+    if policy is None:
+        pf = Path(policy_file) if policy_file else Path(trust_store_file).with_name("policy.json")
+        policy = Policy.load(pf) if pf.exists() else Policy()
+    verifier = Verifier(trust, job_id=job_id, min_attempt=attempt, leeway_s=leeway_s, max_ttl_s=max_ttl_s)
+    token = Path(token_file).read_text().strip()
+    try:
+        claims = verifier.verify(token, subject=module_id)
+    except R.TokenRejected as exc:
+        log.error("%s: capability token rejected (%s); sha256=%s", module_id, exc.code, token_digest(token))
+        if audit:
+            audit.append("token_verify", actor=module_id, decision="deny", resource=f"job:{job_id}", reason=exc.code,
+                         jti=exc.jti or "", attempt=attempt, token_sha256=token_digest(token))
+        guard_api.install_guard(AuditedDenyAll(module_id, audit, exc.code))
+        raise
+    guard = TokenGuard(claims, policy, audit=audit, leeway_s=leeway_s)
+    if audit:
+        audit.append("token_loaded", actor=module_id, decision="info", resource=f"job:{job_id}", reason=claims.role,
+                     jti=claims.jti, attempt=attempt)
+    guard_api.install_guard(guard)
+    addr = authority_addr or os.environ.get(ENV_AUTHORITY_ADDR)
+    if renew and addr:
+        guard.renewer = TokenRenewer(guard, verifier, token, addr)
+        guard.renewer.start()
+    return guard
+
+
+class TokenRenewer(threading.Thread):
+    """Background thread: renews the token at half its lifetime through the :class:`RenewalServer`."""
+
+    def __init__(self, guard: TokenGuard, verifier: Verifier, token: str, addr: str, *, fraction: float = 0.5):
+        super().__init__(name=f"kc-token-renewer-{guard.module_id}", daemon=True)
+        self.guard = guard
+        self.verifier = verifier
+        self.token = token
+        self.addr = addr.rstrip("/")
+        self.fraction = fraction
+        self.renewals = 0
+        self.failures = 0
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def _due_in(self) -> float:
+        c = self.guard.claims
+        return c.iat + (c.exp - c.iat) * self.fraction - time.time()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            wait = self._due_in()
+            if wait > 0 and self._stop_event.wait(wait):
+                return
+            try:
+                self.renew_once()
+            except Exception as exc:  # a failed renewal is retried until the token really expires
+                self.failures += 1
+                remaining = self.guard.claims.exp - time.time()
+                log.warning("%s: token renewal failed (%s); %.1fs left", self.guard.module_id, exc, remaining)
+                if remaining + self.verifier.leeway_s <= 0:
+                    log.error("%s: token expired without renewal; further operations will be denied", self.guard.module_id)
+                    return
+                if self._stop_event.wait(min(1.0, max(0.05, remaining / 4))):
+                    return
+
+    def renew_once(self) -> None:
+        """One renewal round trip; the new token is fully verified before the guard uses it."""
+        body = json.dumps({"token": self.token, "module_id": self.guard.module_id}).encode()
+        req = urllib.request.Request(f"{self.addr}/renew", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                new = json.loads(resp.read(MAX_REQUEST_BYTES))["token"]
+        except urllib.error.HTTPError as exc:
+            raise R.TokenRejected(R.REVOKED if exc.code == 403 else R.MALFORMED, module_id=self.guard.module_id) from None
+        claims = self.verifier.verify(new, subject=self.guard.module_id)
+        self.guard.update(claims)
+        self.token = new
+        self.renewals += 1
+
+
+class RenewalServer:
+    """Local HTTP endpoint of the authority, run by the orchestrating process (the ``launch`` task).
+
+    ``POST /renew {"token": ...}`` answers ``{"token": <renewed>}`` or 403 (generic). It also signs audit
+    checkpoints of the job's log every ``anchor_interval_s`` seconds and at :meth:`stop`. Start it before the
+    workers and pass :attr:`address` to them in ``KC_AUTHORITY_ADDR``.
+    """
+
+    def __init__(
+        self,
+        authority: Authority,
+        job_id: str,
+        attempt: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        audit_log: str | os.PathLike | None = None,
+        anchor_interval_s: float = 5.0,
+    ):
+        self.authority = authority
+        self.job_id = job_id
+        self.attempt = attempt
+        self.audit = AuditLog(audit_log, job_id, signer=authority.audit_signing_key()) if audit_log else None
+        self.anchor_interval_s = anchor_interval_s
+        self.renewed = 0
+        self.refused = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep tokens and client chatter out of stderr
+                return
+
+            def do_POST(self):  # noqa: N802 (http.server API)
+                if self.path != "/renew":
+                    self.send_error(404)
+                    return
+                n = int(self.headers.get("Content-Length") or 0)
+                if n <= 0 or n > MAX_REQUEST_BYTES:
+                    self._reply(400, {"error": "bad request"})
+                    return
+                try:
+                    token = json.loads(self.rfile.read(n))["token"]
+                except (ValueError, KeyError, TypeError):
+                    self._reply(400, {"error": "bad request"})
+                    return
+                code, body = server._renew(token if isinstance(token, str) else "")
+                self._reply(code, body)
+
+            def _reply(self, code: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self._threads: list[threading.Thread] = []
+        self._stop_event = threading.Event()
+
+    @property
+    def address(self) -> str:
+        """``http://host:port`` for ``KC_AUTHORITY_ADDR``."""
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def _renew(self, token: str) -> tuple[int, dict]:
+        try:
+            new = self.authority.renew(token, self.job_id, self.attempt)
+        except R.TokenRejected as exc:
+            self.refused += 1
+            log.warning("renewal refused (%s); sha256=%s", exc.code, token_digest(token))
+            if self.audit:
+                self.audit.append("token_renew", actor="authority", decision="deny", resource=f"job:{self.job_id}",
+                                  reason=exc.code, jti=exc.jti or "", token_sha256=token_digest(token))
+            return 403, {"error": "renewal refused"}
+        self.renewed += 1
+        return 200, {"token": new}
+
+    def start(self) -> str:
+        """Serve in background threads; returns :attr:`address`."""
+        t = threading.Thread(target=self._httpd.serve_forever, name="kc-renewal-server", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if self.audit:
+            a = threading.Thread(target=self._anchor_loop, name="kc-audit-anchor", daemon=True)
+            a.start()
+            self._threads.append(a)
+        return self.address
+
+    def _anchor_loop(self) -> None:
+        while not self._stop_event.wait(self.anchor_interval_s):
+            try:
+                self.audit.checkpoint()
+            except Exception as exc:  # never let anchoring kill the server
+                log.error("audit checkpoint failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop serving and write a final signed audit checkpoint."""
+        self._stop_event.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.audit:
+            self.audit.close()
+
+    def __enter__(self) -> RenewalServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

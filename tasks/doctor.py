@@ -1,0 +1,46 @@
+"""Prefect task ``doctor``: run the environment checks first; a failure stops the flow at once (no retries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+
+from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.sched.doctor import DoctorReport, run_doctor
+
+
+class DoctorFailed(KuangchaoError):
+    """One or more doctor checks failed; ``report`` holds them all."""
+
+    def __init__(self, report: DoctorReport):
+        self.report = report
+        lines = [f"  {c.name}: {c.detail}\n    fix: {c.fix}" for c in report.failed]
+        names = ", ".join(c.name for c in report.failed)
+        super().__init__(f"kc doctor failed ({names}):\n" + "\n".join(lines))
+
+
+def _publish(report: DoctorReport) -> None:
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(
+        markdown=report.to_markdown(), key="kc-doctor", description="kc doctor: environment checks"
+    )
+
+
+@task(name="doctor", retries=0)
+def doctor_task(cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = ()) -> dict:
+    """Run ``run_doctor(cfg)``; publish the report as a markdown artifact; raise ``DoctorFailed`` on any failure.
+
+    ``skip`` names check groups to leave out (``versions``, ``cuda``, ``gloo``, ``nodes``, ``checkpoint_storage``,
+    ``mlflow``, ``prefect``).
+    """
+    report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip)
+    _publish(report)
+    if not report.ok:
+        raise DoctorFailed(report)
+    return report.to_dict()

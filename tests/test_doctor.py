@@ -1,0 +1,273 @@
+"""``kc doctor``: real Gloo processes, real TCP agents, a moto S3 server over HTTP, a real Prefect server."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+import yaml
+
+from kuangchao_core.config import config_from_dict
+from kuangchao_core.sched import doctor as D
+from tests.mp import free_port
+
+NO_GLOO = ("gloo",)
+
+
+def _cfg_dict(tmp_path, **sections):
+    d = {
+        "task": {"name": "doc"},
+        "model": {"preset": "tiny"},
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    }
+    d.update(sections)
+    return d
+
+
+def _cfg(tmp_path, **sections):
+    return config_from_dict(_cfg_dict(tmp_path, **sections))
+
+
+@pytest.fixture(autouse=True)
+def _no_prefect_api(monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+
+def test_all_checks_pass_on_a_good_local_setup(tmp_path):
+    rep = D.run_doctor(_cfg(tmp_path))
+    assert rep.ok, rep.to_markdown()
+    names = [c.name for c in rep.checks]
+    for name in ("versions", "cuda", "gloo", "version_agreement", "checkpoint_storage", "mlflow", "prefect"):
+        assert name in names
+    assert "all_reduce ok" in rep.check("gloo").detail  # the probe really ran (sum checked in the subprocesses)
+    assert not (tmp_path / "ckpt").exists()  # the probe leaves no directories behind
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gloo_failure_is_reported_with_a_fix(monkeypatch):
+    monkeypatch.setattr(D, "_GLOO_PROBE", "import sys; sys.exit('gloo: no usable interface')")
+    c = D.check_gloo(timeout_s=30)
+    assert not c.ok and "rank 0" in c.detail and "no usable interface" in c.detail and c.fix
+
+
+def test_unwritable_checkpoint_dir_fails_with_fix(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    rep = D.run_doctor(_cfg(tmp_path, checkpoint={"dir": str(blocker / "ckpt")}), skip=NO_GLOO)
+    assert not rep.ok
+    assert [c.name for c in rep.failed] == ["checkpoint_storage"]
+    assert "checkpoint.dir" in rep.check("checkpoint_storage").fix
+
+
+def test_cuda_required_but_absent_fails(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    c = D.check_cuda(_cfg(tmp_path, train={"device": "cuda"}))
+    assert not c.ok and "train.device: cpu" in c.fix
+    assert D.check_cuda(_cfg(tmp_path)).ok
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def test_s3_checkpoint_storage(tmp_path, s3_server, monkeypatch):
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="kc-ckpt")
+    ok = D.check_checkpoint_storage(
+        _cfg(tmp_path, checkpoint={"uri": "s3://kc-ckpt/runs/a", "endpoint_url": s3_server})
+    )
+    assert ok.ok, ok.detail
+    assert s3.list_objects_v2(Bucket="kc-ckpt").get("KeyCount", 0) == 0  # probe object deleted
+    missing = D.check_checkpoint_storage(
+        _cfg(tmp_path, checkpoint={"uri": "s3://no-such-bucket/x", "endpoint_url": s3_server})
+    )
+    assert not missing.ok and "no-such-bucket" in missing.detail and "bucket exists" in missing.fix
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server naming)
+        code = 200 if self.path.endswith("/health") else 404
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b"OK" if code == 200 else b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_mlflow_and_prefect_http_endpoints(tmp_path, health_server, monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert D.check_mlflow(_cfg(tmp_path, tracking={"uri": health_server})).ok
+    bad = D.check_mlflow(_cfg(tmp_path, tracking={"uri": dead}))
+    assert not bad.ok and "mlflow server" in bad.fix
+    missing_dir = D.check_mlflow(_cfg(tmp_path, tracking={"uri": f"sqlite:///{tmp_path}/nope/m.db"}))
+    assert not missing_dir.ok and "does not exist" in missing_dir.detail
+
+    assert D.check_prefect().ok  # no API URL: ephemeral
+    monkeypatch.setenv("PREFECT_API_URL", f"{health_server}/api")
+    assert D.check_prefect().ok
+    monkeypatch.setenv("PREFECT_API_URL", f"{dead}/api")
+    c = D.check_prefect()
+    assert not c.ok and "prefect server start" in c.fix
+
+
+@pytest.fixture
+def agents():
+    started = []
+
+    def start(host="127.0.0.2", versions=None):
+        ready = threading.Event()
+        threading.Thread(target=D.serve_versions, args=(host, 0, versions, ready), daemon=True).start()
+        assert ready.wait(10)
+        started.append(ready.sock)
+        return f"{host}:{ready.port}"
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def test_nodes_reachability_and_version_agreement(tmp_path, agents):
+    same = agents()
+    other = agents("127.0.0.3", versions={**D.local_versions(), "torch": "1.0.0", "hostname": "old-node"})
+    dead = f"127.0.0.4:{free_port()}"
+
+    def cluster(*hosts):
+        return _cfg(
+            tmp_path,
+            cluster={"mode": "static", "nodes": [{"host": h, "gpus": 1} for h in hosts]},
+            parallel={"data_parallel_size": len(hosts)},
+        )
+
+    checks, agree = D.check_nodes(cluster("localhost", same))
+    assert all(c.ok for c in checks) and agree.ok and "2 nodes agree" in agree.detail
+
+    checks, agree = D.check_nodes(cluster(same, other))
+    assert all(c.ok for c in checks)
+    assert not agree.ok and f"{other}=1.0.0" in agree.detail and "same" in agree.fix
+
+    rep = D.run_doctor(cluster(same, dead), skip=NO_GLOO)
+    assert [c.name for c in rep.failed] == [f"node:{dead}"]
+    assert "kc doctor --serve" in rep.check(f"node:{dead}").fix
+    assert "unreachable" in rep.check("version_agreement").detail and dead in rep.check("version_agreement").detail
+
+    with socket.create_server(("127.0.0.5", 0)) as not_agent:  # a port that answers but is no doctor agent
+        not_agent.settimeout(5)
+        spec = f"127.0.0.5:{not_agent.getsockname()[1]}"
+        threading.Thread(target=lambda: not_agent.accept()[0].close(), daemon=True).start()
+        checks, _ = D.check_nodes(cluster(spec), timeout=2)
+        assert not checks[0].ok and "not a kc doctor agent" in checks[0].detail
+
+
+def test_cli_json_and_table_and_exit_codes(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.doctor import register
+
+    app = typer.Typer()
+    register(app)
+
+    @app.command("noop")  # a second command so typer keeps sub-command dispatch
+    def _noop() -> None:
+        pass
+
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_cfg_dict(tmp_path)))
+    runner = CliRunner()
+    res = runner.invoke(app, ["doctor", "--config", str(good), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["ok"] is True and any(c["name"] == "gloo" and c["ok"] for c in data["checks"])
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_cfg_dict(tmp_path, checkpoint={"dir": str(blocker / "c")})))
+    res = runner.invoke(app, ["doctor", "--config", str(bad)])
+    assert res.exit_code == 1
+    assert "checkpoint_storage" in res.output and "fix:" in res.output
+
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(yaml.safe_dump({**_cfg_dict(tmp_path), "wrld_size": 3}))
+    res = runner.invoke(app, ["doctor", "--config", str(wrong)])
+    assert res.exit_code == 2
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    import os
+
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_doctor_task_fails_fast_with_artifact(prefect_harness, tmp_path):
+    import asyncio
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from kuangchao_core.errors import KuangchaoError
+    from tasks.doctor import doctor_task
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    calls = []
+
+    @flow
+    def check(cfg):
+        out = doctor_task(cfg, skip=NO_GLOO)
+        calls.append(1)
+        return out
+
+    out = check(_cfg(tmp_path))
+    assert out["ok"] is True
+    assert any(c["name"] == "prefect" and "healthy" in c["detail"] for c in out["checks"])  # the harness server
+    with pytest.raises(KuangchaoError, match="checkpoint_storage") as err:
+        check(_cfg(tmp_path, checkpoint={"dir": str(blocker / "c")}))
+    assert "fix:" in str(err.value)
+    assert calls == [1]
+
+    async def runs_and_artifacts():
+        async with get_client() as c:
+            runs = await c.read_task_runs()
+            arts = await c.read_artifacts()
+            return runs, arts
+
+    runs, arts = asyncio.run(runs_and_artifacts())
+    failed = [r for r in runs if r.name.startswith("doctor") and r.state.is_failed()]
+    assert len(failed) == 1 and failed[0].run_count == 1  # no retries
+    docs = [a for a in arts if a.key == "kc-doctor"]
+    assert len(docs) == 2 and any("checkpoint_storage | **FAIL**" in a.data for a in docs)
