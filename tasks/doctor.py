@@ -33,7 +33,7 @@ def _publish(report: DoctorReport) -> None:
 
 
 @task(name="doctor", retries=0)
-def doctor_task(cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = ()) -> dict:
+def doctor(cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = ()) -> dict:
     """Run ``run_doctor(cfg)``; publish the report as a markdown artifact; raise ``DoctorFailed`` on any failure.
 
     ``skip`` names check groups to leave out (``versions``, ``cuda``, ``gloo``, ``nodes``, ``checkpoint_storage``,
@@ -44,3 +44,6 @@ def doctor_task(cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, 
     if not report.ok:
         raise DoctorFailed(report)
     return report.to_dict()
+
+
+doctor_task = doctor

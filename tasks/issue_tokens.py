@@ -9,7 +9,8 @@ Modules: ``worker-<rank>`` (role ``trainer``), ``data_loader-<rank>`` (role ``da
 
 Returns the environment for the workers: ``KC_TOKEN_FILE`` (a ``{rank}`` template that
 ``install_worker_guard`` fills from ``RANK``), ``KC_TRUST_STORE``, ``KC_POLICY_FILE``, ``KC_JOB_ID``,
-``KC_ATTEMPT``, ``KC_AUDIT_LOG``, ``KC_PERMISSION_MODE``.
+``KC_ATTEMPT``, ``KC_AUDIT_LOG``, ``KC_PERMISSION_MODE``, ``KC_TOKEN_TTL``. First tokens live
+``max(token_ttl_seconds, STARTUP_GRACE_S)``; every renewal has the configured TTL.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kuangchao_core.perm.layout import DEFAULT_REGIONS, dataset_resource_name, g
 from kuangchao_core.perm.roles import Policy
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
+#: first tokens live at least this long, so a short ``token_ttl_seconds`` cannot expire during worker start-up;
+#: renewals (``RenewalServer(ttl_s=token_ttl_seconds)``) bring the lifetime down to the configured TTL
+STARTUP_GRACE_S = 120.0
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -69,6 +73,7 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
     authority = authority_for(cfg, run_dir)
     job_id = job_id_for(cfg, run_dir)
     ttl = float(_get(perm, "token_ttl_seconds", 3600))
+    first_ttl = max(ttl, float(_get(perm, "startup_grace_seconds", STARTUP_GRACE_S)))
     par = cfg.parallel
     dp, tp, pp = int(par.data_parallel_size), int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
     world = dp * tp * pp
@@ -96,19 +101,46 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
 
     for rank in range(world):
         devices = ["cpu"] + ([f"cuda:{rank % nproc}"] if use_cuda else [])
-        write(f"worker-{rank}", authority.issue(
-            f"worker-{rank}", "trainer", job_id, attempt, interfaces=role_interfaces("trainer"), devices=devices,
-            regions=DEFAULT_REGIONS, groups=groups_of_rank(layout, rank),
-            objects=[f"checkpoint:{task_name}", f"metrics:{task_name}", *datasets], ttl_s=ttl,
-        ))
-        write(f"data_loader-{rank}", authority.issue(
-            f"data_loader-{rank}", "data_loader", job_id, attempt, interfaces=role_interfaces("data_loader"),
-            devices=["cpu"], objects=datasets, ttl_s=ttl,
-        ))
-    write("monitor", authority.issue(
-        "monitor", "monitor", job_id, attempt, interfaces=role_interfaces("monitor"),
-        objects=[f"metrics:{task_name}"], ttl_s=ttl,
-    ))
+        write(
+            f"worker-{rank}",
+            authority.issue(
+                f"worker-{rank}",
+                "trainer",
+                job_id,
+                attempt,
+                interfaces=role_interfaces("trainer"),
+                devices=devices,
+                regions=DEFAULT_REGIONS,
+                groups=groups_of_rank(layout, rank),
+                objects=[f"checkpoint:{task_name}", f"metrics:{task_name}", *datasets],
+                ttl_s=first_ttl,
+            ),
+        )
+        write(
+            f"data_loader-{rank}",
+            authority.issue(
+                f"data_loader-{rank}",
+                "data_loader",
+                job_id,
+                attempt,
+                interfaces=role_interfaces("data_loader"),
+                devices=["cpu"],
+                objects=datasets,
+                ttl_s=first_ttl,
+            ),
+        )
+    write(
+        "monitor",
+        authority.issue(
+            "monitor",
+            "monitor",
+            job_id,
+            attempt,
+            interfaces=role_interfaces("monitor"),
+            objects=[f"metrics:{task_name}"],
+            ttl_s=first_ttl,
+        ),
+    )
     trust = authority.export_trust_store(tok_dir / "trust_store.json")
     policy_file = policy.save(tok_dir / "policy.json")
     audit = audit_log_path(cfg, job_id)
@@ -122,6 +154,7 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
         "KC_ATTEMPT": str(int(attempt)),
         "KC_AUDIT_LOG": str(audit.resolve()),
         "KC_PERMISSION_MODE": str(_get(perm, "mode", "enforcing")),
+        "KC_TOKEN_TTL": str(ttl),
     }
 
 

@@ -68,7 +68,7 @@ def launch_workers(
             args,
             nproc=nproc,
             env={**os.environ, **worker_env},
-            run_dir=run_dir / f"attempt-{attempt}",
+            run_dir=run_dir,
             heartbeat_timeout_s=recovery.heartbeat_timeout_s,
             heartbeat_interval_s=recovery.heartbeat_interval_s,
             log_sink=view,

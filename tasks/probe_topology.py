@@ -13,7 +13,8 @@ from typing import Any
 from prefect import task
 from prefect.context import TaskRunContext
 
-from kuangchao_core.sched.topology import DEFAULT_SIZES, TopologyReport, cluster_fingerprint, probe_topology
+from kuangchao_core.sched import topology as _topology
+from kuangchao_core.sched.topology import DEFAULT_SIZES, TopologyReport, cluster_fingerprint
 
 CACHE_EXPIRATION = timedelta(days=1)
 
@@ -51,7 +52,7 @@ def _publish(report: TopologyReport, fingerprint: str) -> None:
     retries=1,
     retry_delay_seconds=2,
 )
-def probe_topology_task(
+def probe_topology(
     cfg: Any = None,
     world_size: int | None = None,
     sizes: tuple[int, int] = DEFAULT_SIZES,
@@ -59,6 +60,9 @@ def probe_topology_task(
     log_path: str | None = None,
 ) -> dict:
     """Measure the topology (``world_size`` defaults to ``cfg.parallel.world_size``, at least 2); returns its dict."""
-    report = probe_topology(_world(cfg, world_size), sizes=sizes, iters=iters, log_path=log_path)
+    report = _topology.probe_topology(_world(cfg, world_size), sizes=sizes, iters=iters, log_path=log_path)
     _publish(report, cluster_fingerprint(cfg))
     return report.to_dict()
+
+
+probe_topology_task = probe_topology

@@ -46,7 +46,7 @@ def log_to_mlflow(report: ValidationReport, run_id: str, tracking_uri: str | Non
 
 
 @task(name="validate_data", retries=0)
-def validate_data_task(
+def validate_data(
     cfg: Any,
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
@@ -69,3 +69,6 @@ def validate_data_task(
             f"data.seq_len) before training:\n{report.summary}"
         )
     return report.to_dict()
+
+
+validate_data_task = validate_data

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import typer
 
 from kuangchao_core.comm.state import check_consistency
 from tests.mp import run_distributed
@@ -14,7 +15,7 @@ from tests.mp import run_distributed
 WORLD = 4
 
 
-def _primitives_body(rank, world_size):
+def _primitives_body(rank, world_size, dump_dir):
     import kuangchao.distributed as kc
     from kuangchao_core.errors import PermissionDenied
     from kuangchao_core.perm import guard_api
@@ -97,12 +98,20 @@ def _primitives_body(rank, world_size):
     out["stats_bytes"] = kc.COMM_STATS.bytes_by_op()
     out["stats_total"] = kc.COMM_STATS.total_seconds()
     out["dump"] = kc.dump_groups()
+    from kuangchao_core.comm.state import write_dump
+
+    write_dump(f"{dump_dir}/rank{rank}.json")
     return out
 
 
 @pytest.fixture(scope="module")
-def prim():
-    return run_distributed(_primitives_body, WORLD, timeout=120)
+def dump_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("comm_dumps")
+
+
+@pytest.fixture(scope="module")
+def prim(dump_dir):
+    return run_distributed(_primitives_body, WORLD, args=(str(dump_dir),), timeout=120)
 
 
 def _base(r):
@@ -115,7 +124,7 @@ def test_permission_denied_without_guard(prim):
 
 
 def test_all_reduce_ops_match_arithmetic(prim):
-    cols = list(zip(*[_base(r) for r in range(WORLD)]))
+    cols = list(zip(*[_base(r) for r in range(WORLD)], strict=True))
     expect = {
         "sum": [sum(c) for c in cols],
         "avg": [sum(c) / WORLD for c in cols],
@@ -223,3 +232,52 @@ def test_timeout_names_missing_rank():
     group, op, seq, missing, elapsed = res[0]["p2p"]
     assert (group, op, seq, missing) == ("p2p", "recv", 1, [1])
     assert elapsed < 1.0 + 2.5
+
+
+def test_kc_debug_comm_reads_dumps(prim, dump_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kuangchao.cli import debug
+
+    app = typer.Typer()
+    app.command("noop")(lambda: None)  # a second command keeps "debug" a sub-command
+    debug.register(app)
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["debug", "comm", str(dump_dir)])
+    assert ok.exit_code == 0, ok.output
+    assert "consistent" in ok.output and "pair_a" in ok.output
+
+    for f in dump_dir.glob("*.json"):
+        data = json.loads(f.read_text())
+        if data["rank"] == 3:
+            for g in data["groups"]:
+                if g["name"] == "world":
+                    g["ranks"] = [3, 2, 1, 0]
+        (tmp_path / f.name).write_text(json.dumps(data))
+    bad = runner.invoke(app, ["debug", "comm", str(tmp_path)])
+    assert bad.exit_code == 1
+    assert "inconsistent rank order" in bad.output and "'world'" in bad.output
+    assert runner.invoke(app, ["debug", "comm", str(tmp_path / "nope.json")]).exit_code == 2
+
+
+def _init_from_env_body(rank, world_size):
+    import kuangchao.distributed as kc
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    world = kc.init(backend="auto", timeout_ms=60000)
+    same = kc.CommGroup(ranks=[1, 0], timeout_ms=60000)
+    other = kc.CommGroup(ranks=[0, 1], timeout_ms=5000)
+    t = torch.tensor([float(rank + 1)])
+    kc.all_reduce(t, group=same)
+    out = (world.backend, world.timeout_ms, same.pg is world.pg, other.pg is world.pg, t.item())
+    dist.destroy_process_group()
+    return out
+
+
+def test_init_from_torchrun_env_and_world_group_reuse():
+    res = run_distributed(_init_from_env_body, 2, init_pg=False, timeout=90)
+    assert res == [("gloo", 60000, True, False, 3.0)] * 2

@@ -226,11 +226,18 @@ def test_cli_json_and_table_and_exit_codes(tmp_path):
 def prefect_harness(tmp_path_factory):
     import os
 
+    old = os.environ.get("PREFECT_HOME")
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_HOME", None)
+        else:
+            os.environ["PREFECT_HOME"] = old
 
 
 def test_doctor_task_fails_fast_with_artifact(prefect_harness, tmp_path):
@@ -240,7 +247,7 @@ def test_doctor_task_fails_fast_with_artifact(prefect_harness, tmp_path):
     from prefect.client.orchestration import get_client
 
     from kuangchao_core.errors import KuangchaoError
-    from tasks.doctor import doctor_task
+    from tasks.doctor import doctor as doctor_task
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

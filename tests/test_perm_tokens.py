@@ -57,8 +57,13 @@ def verifier(auth, job=JOB, attempt=0, **kw):
 
 def issue(auth, **kw):
     sub, role, job = kw.pop("sub", "worker-0"), kw.pop("role", "trainer"), kw.pop("job", JOB)
-    args = dict(interfaces=["all_reduce", "device_init", "memory_alloc"], devices=["cuda:0"], regions=["params"],
-                groups=["dp-0", "world"], ttl_s=600)
+    args = dict(
+        interfaces=["all_reduce", "device_init", "memory_alloc"],
+        devices=["cuda:0"],
+        regions=["params"],
+        groups=["dp-0", "world"],
+        ttl_s=600,
+    )
     args.update(kw)
     return auth.issue(sub, role, job, 0, **args)
 
@@ -338,8 +343,8 @@ def test_e17_malformed_payloads(auth):
 
 
 def test_e18_raw_token_never_logged(auth, tmp_path, caplog, clock):
-    from kuangchao_core.perm.runtime import install_worker_guard
     from kuangchao_core.perm import guard_api
+    from kuangchao_core.perm.runtime import install_worker_guard
 
     caplog.set_level(logging.DEBUG)
     ts = auth.trust_store_path

@@ -138,11 +138,18 @@ def test_missing_path_is_a_data_error(tmp_path):
 def prefect_harness(tmp_path_factory):
     import os
 
+    old = os.environ.get("PREFECT_HOME")
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_HOME", None)
+        else:
+            os.environ["PREFECT_HOME"] = old
 
 
 def _mlflow_run(tmp_path):
@@ -158,7 +165,7 @@ def test_task_logs_artifact_and_mlflow_and_stops_on_bad_data(prefect_harness, tm
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.validate_data import validate_data_task
+    from tasks.validate_data import validate_data as validate_data_task
 
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"text": t}) + "\n" for t in _good_docs(60)))
@@ -196,7 +203,9 @@ def test_task_logs_artifact_and_mlflow_and_stops_on_bad_data(prefect_harness, tm
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
         async with get_client() as c:
-            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kc-data-validation"])))
+            return await c.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kc-data-validation"]))
+            )
 
     arts = asyncio.run(artifacts())
     assert len(arts) == 2

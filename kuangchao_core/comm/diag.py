@@ -3,14 +3,15 @@
 Each process counts, in plain Python integers, the collectives it entered per group and the point-to-point ops
 it entered per peer (``CommGroup.seq`` / ``CommGroup.p2p``). Nothing is written to the store while things
 work. A background *responder* thread per process blocks on the c10d TCPStore (its own client connection)
-waiting for a query. When an op times out, the timed-out rank posts a query; every live responder answers
-with its counters; a member whose counter is below the timed-out op's number never reached it — it is named
+on its "doorbell" key. When an op times out, the timed-out rank rings the doorbell of every other member
+(the only store traffic, and only on that path); every live responder answers with its counters; a member whose counter is below the timed-out op's number never reached it — it is named
 in ``CommTimeout.missing_ranks``. A rank that does not answer within a short grace period is dead or stuck
 before it built the group, and is named too.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -20,11 +21,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _PREFIX = "kc_comm_diag"
-_WAIT_S = 30.0
+
+_BELL_WAIT = timedelta(days=7)
 
 _responder: threading.Thread | None = None
+_responder_store = None
+_responder_rank: int | None = None
 _responder_lock = threading.Lock()
-_next_query: int = 1
 
 
 def _namespace() -> str:
@@ -57,49 +60,64 @@ def snapshot() -> dict:
     return {g.name: {"seq": g.seq, "p2p": {str(k): v for k, v in dict(g.p2p).items()}} for g in all_groups()}
 
 
-def _answer(store, k: int, rank: int) -> None:
-    store.set(f"r/{k}/{rank}", json.dumps(snapshot()))
-
-
-def _respond_loop(store, blocking: bool, first: int, rank: int) -> None:
-    k = first
+def _respond_loop(store, first: int, rank: int) -> None:
+    n = first
     while True:
-        key = f"q/{k}"
         try:
-            if blocking:
-                started = time.monotonic()
-                try:
-                    store.wait([key], timedelta(seconds=_WAIT_S))
-                except Exception:
-                    if time.monotonic() - started < _WAIT_S * 0.5:
-                        return  # the store went away: the job is ending
-                    continue
-            else:
-                while not store.check([key]):
-                    time.sleep(0.2)
-            _answer(store, k, rank)
-            k += 1
+            started = time.monotonic()
+            try:
+                store.wait([f"bell/{rank}/{n}"], _BELL_WAIT)
+            except Exception:
+                if time.monotonic() - started < _BELL_WAIT.total_seconds() * 0.5:
+                    return  # the store went away: the job is ending
+                store, _ = _connect()  # a very long idle wait expired: start afresh on a new connection
+                continue
+            query = store.get(f"bell/{rank}/{n}").decode()
+            n += 1
+            if query == "stop":
+                return
+            store.set(f"r/{query}/{rank}", json.dumps(snapshot()))
         except Exception:
             return
 
 
+def _ring(store, rank: int, message: str) -> None:
+    n = int(store.add(f"bells/{rank}", 1))
+    store.set(f"bell/{rank}/{n}", message)
+
+
+def _stop_responder() -> None:
+    thread, store, rank = _responder, _responder_store, _responder_rank
+    if thread is None or not thread.is_alive():
+        return
+    try:
+        _ring(store, rank, "stop")
+        thread.join(timeout=2.0)
+    except Exception:
+        thread.join(timeout=0.2)
+
+
 def ensure_responder() -> None:
     """Start this process's responder thread once (called by every group constructor)."""
-    global _responder
+    global _responder, _responder_store, _responder_rank
     if _responder is not None:
         return
     with _responder_lock:
         if _responder is not None or not dist.is_initialized():
             return
+        rank = dist.get_rank()
         try:
             store, blocking = _connect()
-            first = int(store.add("qn", 0)) + 1
+            if not blocking:
+                return  # no dedicated connection possible: timeouts still raise, missing ranks unknown
+            first = int(store.add(f"bells/{rank}", 0)) + 1
+            control, _ = _connect()
         except Exception:
-            return  # no store reachable: timeouts still raise, with the missing ranks unknown
-        _responder = threading.Thread(
-            target=_respond_loop, args=(store, blocking, first, dist.get_rank()), name="kc-comm-diag", daemon=True
-        )
+            return
+        _responder_store, _responder_rank = control, rank
+        _responder = threading.Thread(target=_respond_loop, args=(store, first, rank), name="kc-comm-diag", daemon=True)
         _responder.start()
+        atexit.register(_stop_responder)
 
 
 def find_missing(group, op: str, seq: int, peer: int | None = None, grace_s: float | None = None) -> list[int]:
@@ -115,14 +133,15 @@ def find_missing(group, op: str, seq: int, peer: int | None = None, grace_s: flo
     try:
         store, _ = _connect(timeout_s=max(grace_s, 1.0))
         k = int(store.add("qn", 1))
-        store.set(f"q/{k}", op)
+        for r in others:
+            _ring(store, r, str(k))
         keys = [f"r/{k}/{r}" for r in others]
         try:
             store.wait(keys, timedelta(seconds=grace_s))
         except Exception:
-            pass
+            store, _ = _connect(timeout_s=max(grace_s, 1.0))  # a timed-out wait can leave the client out of step
         missing = []
-        for r, key in zip(others, keys):
+        for r, key in zip(others, keys, strict=True):
             if not store.check([key]):
                 missing.append(r)
                 continue

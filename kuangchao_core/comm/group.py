@@ -164,7 +164,9 @@ class CommGroup:
         return self.rank is not None
 
     def __repr__(self) -> str:
-        return f"CommGroup(name={self.name!r}, ranks={self.ranks}, backend={self.backend!r}, timeout_ms={self.timeout_ms})"
+        return (
+            f"CommGroup(name={self.name!r}, ranks={self.ranks}, backend={self.backend!r}, timeout_ms={self.timeout_ms})"
+        )
 
 
 def all_groups() -> list[CommGroup]:

@@ -90,7 +90,9 @@ def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, gro
         )
     else:  # the caller's rank order differs from torch's sorted order: gather, then reorder
         tmp = [torch.empty_like(tensor) for _ in range(g.size)]
-        dispatch.run("all_gather", g, tensor.nbytes * g.size, lambda a: dist.all_gather(tmp, tensor, group=g.pg, async_op=a))
+        dispatch.run(
+            "all_gather", g, tensor.nbytes * g.size, lambda a: dist.all_gather(tmp, tensor, group=g.pg, async_op=a)
+        )
         for i, j in enumerate(order):
             tensor_list[i].copy_(tmp[j])
     return tensor_list
@@ -122,7 +124,9 @@ def reduce_scatter(
         chunks = list(input_list.reshape(g.size, -1).unbind(0))
     else:
         if len(input_list) != g.size:
-            raise CommError(f"reduce_scatter on group {g.name!r}: input_list has {len(input_list)} entries, need {g.size}")
+            raise CommError(
+                f"reduce_scatter on group {g.name!r}: input_list has {len(input_list)} entries, need {g.size}"
+            )
         chunks = list(input_list)
     order = _group_order(g)
     if order is not None:  # torch scatters in sorted rank order

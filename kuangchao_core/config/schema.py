@@ -100,6 +100,7 @@ class ModelSection(Section):
     rope_theta: Float | None = Field(default=None, gt=0)
     norm_eps: Float | None = Field(default=None, gt=0)
     tie_embeddings: bool | None = None
+    dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="residual dropout (0 = off)")
 
     @model_validator(mode="before")
     @classmethod

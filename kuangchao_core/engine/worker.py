@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
+from kuangchao_core.sched.heartbeat import HeartbeatWriter
 
 log = logging.getLogger("kuangchao.engine.worker")
 
@@ -68,11 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    heartbeat = None
-    if os.environ.get("KC_HEARTBEAT_DIR"):
-        from kuangchao_core.sched.heartbeat import HeartbeatWriter
-
-        heartbeat = HeartbeatWriter(os.environ["KC_HEARTBEAT_DIR"], rank, float(os.environ.get("KC_HEARTBEAT_INTERVAL", "1.0")))
+    heartbeat = HeartbeatWriter.from_env(rank)
+    if heartbeat is not None:
         heartbeat.start()
 
     _install_guard(cfg, rank)
@@ -123,11 +121,12 @@ def _json_log_path(cfg, rank: int) -> str | None:
 
 def _final_eval(trainer, sink) -> None:
     """Held-out accuracy on the synthetic corpus (where it has one), logged and reported."""
-    dataset = trainer.dataset
-    if not hasattr(dataset, "heldout_accuracy"):
+    corpus = getattr(trainer.dataset, "corpus", None)
+    if corpus is None or not hasattr(corpus, "heldout_accuracy"):
         return
-    acc = float(dataset.heldout_accuracy(trainer.model, 200, trainer.device))
-    floor = float(dataset.loss_floor()) if hasattr(dataset, "loss_floor") else None
+    trainer.model.eval()
+    acc = float(corpus.heldout_accuracy(trainer.model, 200, trainer.device))
+    floor = float(corpus.loss_floor())
     log_event(log, "eval", heldout_accuracy=acc, loss_floor=floor)
     emit_event("eval", heldout_accuracy=acc, loss_floor=floor)
     if sink is not None:

@@ -162,7 +162,9 @@ class CudaAdapter(Adapter):
             pci = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
         numa = None
         if pci:
-            raw = _read(f"/sys/bus/pci/devices/{pci[4:].lower()}/numa_node") or _read(f"/sys/bus/pci/devices/{pci.lower()}/numa_node")
+            raw = _read(f"/sys/bus/pci/devices/{pci[4:].lower()}/numa_node") or _read(
+                f"/sys/bus/pci/devices/{pci.lower()}/numa_node"
+            )
             if raw is not None and raw.lstrip("-").isdigit() and int(raw) >= 0:
                 numa = int(raw)
         peers = [

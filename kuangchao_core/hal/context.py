@@ -66,7 +66,8 @@ def device_init(kind: str = "auto", local_rank: int = 0) -> DeviceContext:
     global _current
     resolved = _resolve_kind(kind)
     index = 0 if resolved == "cpu" else int(local_rank)
-    resource = "device:cpu" if resolved == "cpu" else f"device:cuda:{index}"
+    family = "cuda" if resolved in ("cuda", "rocm") else resolved  # ROCm devices are torch "cuda" devices
+    resource = "device:cpu" if resolved == "cpu" else f"device:{family}:{index}"
     guard_api.check("device_init", resource)
     key = (resolved, index)
     with _lock:
@@ -86,7 +87,9 @@ def device_init(kind: str = "auto", local_rank: int = 0) -> DeviceContext:
                 )
             adapter.activate(index)
             facts = adapter.describe(index)
-            ctx = DeviceContext(kind=resolved, index=index, device=adapter.torch_device(index), adapter=adapter, **facts)
+            ctx = DeviceContext(
+                kind=resolved, index=index, device=adapter.torch_device(index), adapter=adapter, **facts
+            )
             _cache[key] = ctx
         _current = ctx
     return ctx

@@ -47,6 +47,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    dropout: float = 0.0  # residual dropout after attention and MLP (training only; 0 = off, as in Llama)
 
     @property
     def head_dim(self) -> int:
@@ -128,7 +129,7 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
         if value is not None:
             base[name] = value
         elif name not in base:
-            if name in ("rope_theta", "norm_eps", "tie_embeddings"):
+            if name in ("rope_theta", "norm_eps", "tie_embeddings", "dropout"):
                 base[name] = getattr(LlamaConfig, name)
             else:
                 missing.append((f"model.{name}", "not set and no preset or checkpoint supplies it"))
@@ -140,6 +141,7 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     base["rope_theta"] = float(base["rope_theta"])
     base["norm_eps"] = float(base["norm_eps"])
     base["tie_embeddings"] = bool(base["tie_embeddings"])
+    base["dropout"] = float(base["dropout"])
     return LlamaConfig(**base).validate()
 
 
@@ -285,10 +287,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, make_linear)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.dropout = float(cfg.dropout)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0.0 and self.training:
+            return F.dropout(x, self.dropout, training=True)
+        return x
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self._drop(self.self_attn(self.input_layernorm(h), cos, sin))
+        return h + self._drop(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):

@@ -162,9 +162,21 @@ class AuditLog:
         self._known_size = size
         if torn:
             self.repairs += 1
-            log.warning("audit log %s: torn last line (%d bytes) removed after a crash; chain continues", self.path, torn)
-            self._write({"actor": "audit", "action": "log_recovered", "resource": f"log:{self.log_id}",
-                         "decision": "info", "reason": "torn_tail", "jti": "", "attempt": None, "bytes_removed": torn})
+            log.warning(
+                "audit log %s: torn last line (%d bytes) removed after a crash; chain continues", self.path, torn
+            )
+            self._write(
+                {
+                    "actor": "audit",
+                    "action": "log_recovered",
+                    "resource": f"log:{self.log_id}",
+                    "decision": "info",
+                    "reason": "torn_tail",
+                    "jti": "",
+                    "attempt": None,
+                    "bytes_removed": torn,
+                }
+            )
 
     def _truncate_torn(self, size: int) -> int:
         pos, chunk = size, 65536
@@ -194,18 +206,26 @@ class AuditLog:
             pos = start
         try:
             rec = json.loads(buf)
-            return int(rec["seq"]), str(rec["hash"])
+            seq, head, owner = int(rec["seq"]), str(rec["hash"]), rec["log_id"]
         except (ValueError, KeyError, TypeError):
             raise AuditError(
                 f"audit log {self.path}: the last record is unreadable, so the chain cannot continue; "
                 f"run `kc audit --verify --log {self.path}` and move the damaged file aside"
             ) from None
+        if owner != self.log_id:
+            raise AuditError(
+                f"audit log {self.path} belongs to job {owner!r}, not {self.log_id!r}; give every job its own "
+                "file (permission.audit_log with {job_id}, or the default audit/<task>/<job_id>.jsonl)"
+            )
+        return seq, head
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self) -> dict | None:
         """Sign the current chain head into ``<log>.anchors`` (needs the audit key); None if nothing new."""
         if not self.signer:
-            raise AuditError(f"audit log {self.path}: no audit key in this process; checkpoints are signed by the authority")
+            raise AuditError(
+                f"audit log {self.path}: no audit key in this process; checkpoints are signed by the authority"
+            )
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
@@ -219,8 +239,14 @@ class AuditLog:
         if seq == 0 or seq == self._last_anchor_seq:
             return None
         kid, key = self.signer
-        body = {"typ": CHECKPOINT_TYP, "log_id": self.log_id, "seq": seq, "head_hash": head, "ts": utc_now_iso(),
-                "kid": kid}
+        body = {
+            "typ": CHECKPOINT_TYP,
+            "log_id": self.log_id,
+            "seq": seq,
+            "head_hash": head,
+            "ts": utc_now_iso(),
+            "kid": kid,
+        }
         body["sig"] = b64e(key.sign(pae(_CKPT_DOMAIN, canonical_json(body))))
         fd = os.open(anchors_path_for(self.path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
         try:
@@ -321,10 +347,14 @@ def verify_log(
             _fail(report, "unparseable", i, i, f"line {i} has no integer seq")
             break
         if rec.get("log_id") != log_id:
-            _fail(report, "wrong_log_id", min(i, seq), i, f"line {i} belongs to log {rec.get('log_id')!r}, not {log_id!r}")
+            _fail(
+                report, "wrong_log_id", min(i, seq), i, f"line {i} belongs to log {rec.get('log_id')!r}, not {log_id!r}"
+            )
             break
         if seq != i:
-            _fail(report, "sequence", min(i, seq), i, f"line {i} holds seq {seq}: a record was deleted, moved or inserted")
+            _fail(
+                report, "sequence", min(i, seq), i, f"line {i} holds seq {seq}: a record was deleted, moved or inserted"
+            )
             break
         if rec.get("prev_hash") != prev:
             _fail(report, "chain_break", i, i, f"seq {i}: prev_hash does not match the hash of seq {i - 1}")
@@ -348,12 +378,22 @@ def verify_log(
         seq = cp["seq"]
         last_anchor = max(last_anchor, seq)
         if seq > report.records:
-            _fail(report, "truncated", report.records + 1, None,
-                  f"checkpoint {j} anchors seq {seq} but the log ends at seq {report.records}: records were cut off")
+            _fail(
+                report,
+                "truncated",
+                report.records + 1,
+                None,
+                f"checkpoint {j} anchors seq {seq} but the log ends at seq {report.records}: records were cut off",
+            )
             break
         if seq <= valid and hashes[seq] != cp["head_hash"]:
-            _fail(report, "checkpoint_mismatch", seq, seq,
-                  f"seq {seq} differs from the signed checkpoint {j}: records in ({prev_anchor_ok}, {seq}] were rewritten")
+            _fail(
+                report,
+                "checkpoint_mismatch",
+                seq,
+                seq,
+                f"seq {seq} differs from the signed checkpoint {j}: records in ({prev_anchor_ok}, {seq}] were rewritten",
+            )
             break
         if seq <= valid:
             prev_anchor_ok = seq

@@ -231,10 +231,13 @@ class Authority:
             clock=self.clock,
         )
 
-    def renew(self, token: str, job_id: str, min_attempt: int = 0, narrow: dict | None = None) -> str:
+    def renew(
+        self, token: str, job_id: str, min_attempt: int = 0, narrow: dict | None = None, ttl_s: float | None = None
+    ) -> str:
         """Renew ``token``: only before expiry, within the session cap and renewal count, scope never wider.
 
-        ``narrow`` optionally asks for a smaller scope (``interfaces``/``devices``/``regions``/``groups``/``objects``).
+        ``narrow`` optionally asks for a smaller scope (``interfaces``/``devices``/``regions``/``groups``/``objects``);
+        ``ttl_s`` may shorten the lifetime (e.g. after a start-up grace), never lengthen it.
         Raises ``TokenRejected`` with the reason code otherwise.
         """
         now = self.clock()
@@ -248,6 +251,8 @@ class Authority:
         if now >= old.exp:  # strictly before expiry: the leeway is for clock skew, not for late renewal
             raise R.TokenRejected(R.RENEWAL_LATE, old.jti)
         ttl = old.exp - old.iat
+        if ttl_s is not None:
+            ttl = max(1, min(ttl, int(round(ttl_s))))
         if now + ttl > old.session_iat + self.session_cap_s:  # the renewed token would outlive the session cap
             raise R.TokenRejected(R.SESSION_CAP, old.jti)
         limit = self.max_renewals if self.max_renewals is not None else int(self.session_cap_s // max(ttl, 1)) * 2 + 16

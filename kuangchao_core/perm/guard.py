@@ -81,8 +81,15 @@ class TokenGuard:
         self._install(claims)
         self.renewals_applied += 1
         if self.audit:
-            self.audit.append("token_renewed", actor=self.module_id, decision="info", resource=f"token:{claims.sid}",
-                              jti=claims.jti, attempt=claims.attempt, renewals=claims.renewals)
+            self.audit.append(
+                "token_renewed",
+                actor=self.module_id,
+                decision="info",
+                resource=f"token:{claims.sid}",
+                jti=claims.jti,
+                attempt=claims.attempt,
+                renewals=claims.renewals,
+            )
 
     @property
     def expires_in(self) -> float:
@@ -131,8 +138,15 @@ class TokenGuard:
             self._counts[key] = 1
             self._reported[key] = 1
         if self.audit:
-            self.audit.append(key[0], actor=self.module_id, decision="allow", resource=key[1], reason="first_use",
-                              jti=self.claims.jti, attempt=self.claims.attempt)
+            self.audit.append(
+                key[0],
+                actor=self.module_id,
+                decision="allow",
+                resource=key[1],
+                reason="first_use",
+                jti=self.claims.jti,
+                attempt=self.claims.attempt,
+            )
 
     def flush_counts(self) -> None:
         """Audit how many allowed uses each (interface, resource) had since the last flush."""
@@ -146,14 +160,29 @@ class TokenGuard:
                     self._reported[key] = n
         if self.audit:
             for (itf, res), d in deltas:
-                self.audit.append(itf, actor=self.module_id, decision="allow", resource=res, reason="count", count=d,
-                                  jti=self.claims.jti, attempt=self.claims.attempt)
+                self.audit.append(
+                    itf,
+                    actor=self.module_id,
+                    decision="allow",
+                    resource=res,
+                    reason="count",
+                    count=d,
+                    jti=self.claims.jti,
+                    attempt=self.claims.attempt,
+                )
 
     def _deny(self, interface: str, resource: str, code: str) -> None:
         log.warning("DENIED %s %s on %r: %s", self.module_id, interface, resource, code)
         if self.audit:
-            self.audit.append(str(interface), actor=self.module_id, decision="deny", resource=str(resource)[:200],
-                              reason=code, jti=self.claims.jti, attempt=self.claims.attempt)
+            self.audit.append(
+                str(interface),
+                actor=self.module_id,
+                decision="deny",
+                resource=str(resource)[:200],
+                reason=code,
+                jti=self.claims.jti,
+                attempt=self.claims.attempt,
+            )
         raise R.GuardDenied(interface, resource, code, self.module_id)
 
     def close(self) -> None:
@@ -171,6 +200,7 @@ class AuditedDenyAll:
 
     def check(self, interface: str, resource: str) -> None:
         if self.audit:
-            self.audit.append(str(interface), actor=self.module_id, decision="deny", resource=str(resource)[:200],
-                              reason=self.code)
+            self.audit.append(
+                str(interface), actor=self.module_id, decision="deny", resource=str(resource)[:200], reason=self.code
+            )
         raise R.GuardDenied(interface, resource, self.code, self.module_id)

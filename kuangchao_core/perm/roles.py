@@ -4,8 +4,8 @@ A role is ``{interfaces: [...], resources: [...], deny: [...]}``: ``interfaces``
 pattern is ``*``, a whole kind (``group:*``), an exact canonical name (``group:world``) or a glob within a kind
 (``group:dp*``); a ``deny`` entry (``interface`` or ``interface@resource``) beats any allow. A role may also be a
 plain list of interfaces (on every resource). Patterns live only in the policy: tokens hold exact names, and an
-operation must match both. In the job config, an empty ``permission.roles`` means the built-in roles below
-(:meth:`Policy.from_config`); a policy object or file with ``roles: {}`` has no role, so everything is denied.
+operation must match both. In the job config, ``permission.roles`` entries override or extend the built-in roles
+below (:meth:`Policy.from_config`); a policy object or file with ``roles: {}`` has no role, so everything is denied.
 Unknown interface names are a configuration error at load time, never a surprise at request time.
 """
 
@@ -101,7 +101,9 @@ def _parse_role(name: str, spec, where: str) -> tuple[Role | None, list[tuple[st
         elif itf in INTERFACES:
             interfaces.add(itf)
         else:
-            errors.append((f"{where}.{name}.interfaces[{i}]", f"unknown interface {itf!r}; known: {sorted(INTERFACES)}"))
+            errors.append(
+                (f"{where}.{name}.interfaces[{i}]", f"unknown interface {itf!r}; known: {sorted(INTERFACES)}")
+            )
     resources = spec.get("resources")
     exact, kinds, patterns = set(), set(), []
     for i, res in enumerate(["*"] if resources is None else resources):
@@ -116,7 +118,9 @@ def _parse_role(name: str, spec, where: str) -> tuple[Role | None, list[tuple[st
         elif sep and kind in KINDS and _GLOB.match(value):
             patterns.append(res)
         else:
-            errors.append((f"{where}.{name}.resources[{i}]", f"{res!r} is not '*', 'kind:*', a canonical name or a glob"))
+            errors.append(
+                (f"{where}.{name}.resources[{i}]", f"{res!r} is not '*', 'kind:*', a canonical name or a glob")
+            )
     deny_i, deny_p = set(), set()
     for i, entry in enumerate(spec.get("deny") or []):
         itf, sep, res = str(entry).partition("@")
@@ -126,8 +130,15 @@ def _parse_role(name: str, spec, where: str) -> tuple[Role | None, list[tuple[st
             deny_p.add((itf, res))
         else:
             deny_i.add(itf)
-    role = Role(name, frozenset(interfaces), frozenset(exact), frozenset(kinds), tuple(patterns), frozenset(deny_i),
-                frozenset(deny_p))
+    role = Role(
+        name,
+        frozenset(interfaces),
+        frozenset(exact),
+        frozenset(kinds),
+        tuple(patterns),
+        frozenset(deny_i),
+        frozenset(deny_p),
+    )
     return role, errors
 
 
@@ -155,15 +166,18 @@ class Policy:
                 errors.append((f"permission.allowed_interfaces[{i}]", f"unknown interface {itf!r}"))
         if errors:
             raise ConfigError(errors, source)
-        self._spec = {"roles": None if roles is None else json.loads(json.dumps(roles)), "allowed_interfaces": (
-            None if allowed_interfaces is None else sorted(self.allowed_interfaces))}
+        self._spec = {
+            "roles": None if roles is None else json.loads(json.dumps(roles)),
+            "allowed_interfaces": (None if allowed_interfaces is None else sorted(self.allowed_interfaces)),
+        }
 
     @classmethod
     def from_config(cls, perm_cfg) -> Policy:
-        """Build from a ``permission`` config section; an empty ``roles`` mapping there means the built-in roles."""
+        """Build from a ``permission`` config section: its ``roles`` replace the built-in roles of the same name and
+        add new ones (an empty mapping means just the built-in roles)."""
         roles = getattr(perm_cfg, "roles", None) or None
         if roles is not None:
-            roles = {name: _as_mapping(spec) for name, spec in roles.items()}
+            roles = {**DEFAULT_ROLES, **{name: _as_mapping(spec) for name, spec in roles.items()}}
         return cls(roles, getattr(perm_cfg, "allowed_interfaces", None))
 
     def role(self, name: str) -> Role | None:

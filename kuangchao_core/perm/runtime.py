@@ -66,7 +66,9 @@ def install_worker_guard(
     if mode == "trusted":
         log.warning(
             "!!! permission.mode is TRUSTED: capability checks are OFF for %s (job %s). Use only on a private "
-            "cluster; remove `permission.mode: trusted` to enforce tokens. !!!", module_id, job_id
+            "cluster; remove `permission.mode: trusted` to enforce tokens. !!!",
+            module_id,
+            job_id,
         )
         if audit:
             audit.append("mode_trusted", actor=module_id, decision="info", resource=f"job:{job_id}", attempt=attempt)
@@ -88,14 +90,29 @@ def install_worker_guard(
     except R.TokenRejected as exc:
         log.error("%s: capability token rejected (%s); sha256=%s", module_id, exc.code, token_digest(token))
         if audit:
-            audit.append("token_verify", actor=module_id, decision="deny", resource=f"job:{job_id}", reason=exc.code,
-                         jti=exc.jti or "", attempt=attempt, token_sha256=token_digest(token))
+            audit.append(
+                "token_verify",
+                actor=module_id,
+                decision="deny",
+                resource=f"job:{job_id}",
+                reason=exc.code,
+                jti=exc.jti or "",
+                attempt=attempt,
+                token_sha256=token_digest(token),
+            )
         guard_api.install_guard(AuditedDenyAll(module_id, audit, exc.code))
         raise
     guard = TokenGuard(claims, policy, audit=audit, leeway_s=leeway_s)
     if audit:
-        audit.append("token_loaded", actor=module_id, decision="info", resource=f"job:{job_id}", reason=claims.role,
-                     jti=claims.jti, attempt=attempt)
+        audit.append(
+            "token_loaded",
+            actor=module_id,
+            decision="info",
+            resource=f"job:{job_id}",
+            reason=claims.role,
+            jti=claims.jti,
+            attempt=attempt,
+        )
     guard_api.install_guard(guard)
     addr = authority_addr or os.environ.get(ENV_AUTHORITY_ADDR)
     if renew and addr:
@@ -105,7 +122,8 @@ def install_worker_guard(
 
 
 class TokenRenewer(threading.Thread):
-    """Background thread: renews the token at half its lifetime through the :class:`RenewalServer`."""
+    """Background thread: renews the token at half its lifetime (or half ``$KC_TOKEN_TTL`` if shorter, for
+    first tokens carrying a start-up grace) through the :class:`RenewalServer`; failures retry until expiry."""
 
     def __init__(self, guard: TokenGuard, verifier: Verifier, token: str, addr: str, *, fraction: float = 0.5):
         super().__init__(name=f"kc-token-renewer-{guard.module_id}", daemon=True)
@@ -114,6 +132,7 @@ class TokenRenewer(threading.Thread):
         self.token = token
         self.addr = addr.rstrip("/")
         self.fraction = fraction
+        self.ttl_hint_s = float(os.environ.get("KC_TOKEN_TTL", "0") or 0)
         self.renewals = 0
         self.failures = 0
         self._stop_event = threading.Event()
@@ -123,7 +142,10 @@ class TokenRenewer(threading.Thread):
 
     def _due_in(self) -> float:
         c = self.guard.claims
-        return c.iat + (c.exp - c.iat) * self.fraction - time.time()
+        life = c.exp - c.iat
+        if self.ttl_hint_s:
+            life = min(life, self.ttl_hint_s)
+        return c.iat + life * self.fraction - time.time()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -137,7 +159,9 @@ class TokenRenewer(threading.Thread):
                 remaining = self.guard.claims.exp - time.time()
                 log.warning("%s: token renewal failed (%s); %.1fs left", self.guard.module_id, exc, remaining)
                 if remaining + self.verifier.leeway_s <= 0:
-                    log.error("%s: token expired without renewal; further operations will be denied", self.guard.module_id)
+                    log.error(
+                        "%s: token expired without renewal; further operations will be denied", self.guard.module_id
+                    )
                     return
                 if self._stop_event.wait(min(1.0, max(0.05, remaining / 4))):
                     return
@@ -150,7 +174,9 @@ class TokenRenewer(threading.Thread):
             with urllib.request.urlopen(req, timeout=10) as resp:
                 new = json.loads(resp.read(MAX_REQUEST_BYTES))["token"]
         except urllib.error.HTTPError as exc:
-            raise R.TokenRejected(R.REVOKED if exc.code == 403 else R.MALFORMED, module_id=self.guard.module_id) from None
+            raise R.TokenRejected(
+                R.REVOKED if exc.code == 403 else R.MALFORMED, module_id=self.guard.module_id
+            ) from None
         claims = self.verifier.verify(new, subject=self.guard.module_id)
         self.guard.update(claims)
         self.token = new
@@ -161,8 +187,9 @@ class RenewalServer:
     """Local HTTP endpoint of the authority, run by the orchestrating process (the ``launch`` task).
 
     ``POST /renew {"token": ...}`` answers ``{"token": <renewed>}`` or 403 (generic). It also signs audit
-    checkpoints of the job's log every ``anchor_interval_s`` seconds and at :meth:`stop`. Start it before the
-    workers and pass :attr:`address` to them in ``KC_AUTHORITY_ADDR``.
+    checkpoints of the job's log every ``anchor_interval_s`` seconds and at :meth:`stop`. ``ttl_s`` (the configured
+    ``permission.token_ttl_seconds``) is the lifetime of renewed tokens, so first tokens issued with a start-up grace
+    fall back to it. Start it before the workers and pass :attr:`address` to them in ``KC_AUTHORITY_ADDR``.
     """
 
     def __init__(
@@ -175,12 +202,14 @@ class RenewalServer:
         port: int = 0,
         audit_log: str | os.PathLike | None = None,
         anchor_interval_s: float = 5.0,
+        ttl_s: float | None = None,
     ):
         self.authority = authority
         self.job_id = job_id
         self.attempt = attempt
         self.audit = AuditLog(audit_log, job_id, signer=authority.audit_signing_key()) if audit_log else None
         self.anchor_interval_s = anchor_interval_s
+        self.ttl_s = ttl_s
         self.renewed = 0
         self.refused = 0
         server = self
@@ -226,13 +255,20 @@ class RenewalServer:
 
     def _renew(self, token: str) -> tuple[int, dict]:
         try:
-            new = self.authority.renew(token, self.job_id, self.attempt)
+            new = self.authority.renew(token, self.job_id, self.attempt, ttl_s=self.ttl_s)
         except R.TokenRejected as exc:
             self.refused += 1
             log.warning("renewal refused (%s); sha256=%s", exc.code, token_digest(token))
             if self.audit:
-                self.audit.append("token_renew", actor="authority", decision="deny", resource=f"job:{self.job_id}",
-                                  reason=exc.code, jti=exc.jti or "", token_sha256=token_digest(token))
+                self.audit.append(
+                    "token_renew",
+                    actor="authority",
+                    decision="deny",
+                    resource=f"job:{self.job_id}",
+                    reason=exc.code,
+                    jti=exc.jti or "",
+                    token_sha256=token_digest(token),
+                )
             return 403, {"error": "renewal refused"}
         self.renewed += 1
         return 200, {"token": new}
@@ -271,4 +307,3 @@ class RenewalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

@@ -230,7 +230,9 @@ class TrustStore:
     def from_json(cls, data: dict) -> TrustStore:
         keys = {}
         for k in data.get("keys", []):
-            keys[k["kid"]] = TrustedKey(k["kid"], k["purpose"], b64d(k["public_key"]), k["status"], k.get("grace_until"))
+            keys[k["kid"]] = TrustedKey(
+                k["kid"], k["purpose"], b64d(k["public_key"]), k["status"], k.get("grace_until")
+            )
         rev = data.get("revoked", {})
         return cls(keys, set(rev.get("jti", [])), set(rev.get("sub", [])), list(data.get("issuers", [DEFAULT_ISSUER])))
 
@@ -342,7 +344,9 @@ class Verifier:
         self.clock = clock
         self.replay_cache = replay_cache or ReplayCache()
 
-    def verify(self, token: str, *, subject: str | None = None, one_shot: bool = False, now: float | None = None) -> Claims:
+    def verify(
+        self, token: str, *, subject: str | None = None, one_shot: bool = False, now: float | None = None
+    ) -> Claims:
         """Run the checklist; return the claims or raise ``TokenRejected`` with the reason code."""
         now = self.clock() if now is None else now
         payload, sig, footer = split_token(token)  # 1. size and shape

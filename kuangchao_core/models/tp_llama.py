@@ -1,0 +1,235 @@
+"""The Llama model split across a tensor-parallel group (SPEC L3.2), Hugging Face parameter names kept.
+
+- Attention: query heads split (num_heads / tp per rank). Key/value heads split too when num_kv_heads >= tp
+  (tp must divide them); when there are fewer than tp, each rank keeps the one key/value head its query heads use
+  (tp must be a multiple of num_kv_heads) and the weight gradient is summed over the ranks sharing it, so the
+  replicas stay identical. o_proj is row-parallel.
+- MLP: gate/up column-parallel, down row-parallel.
+- Embedding vocab-parallel; lm_head column-parallel with the logits left vocab-split for
+  :func:`~kuangchao_core.parallel.tensor.vocab_parallel_cross_entropy`.
+- RMSNorm weights replicated. Each norm that feeds a column-parallel block also carries the block's single
+  copy-to-TP-region, so backward does one all-reduce per block (2 per layer forward, 2 backward).
+
+The local parameters keep the Hugging Face names; :func:`tp_shard_slices` says which slice of which full tensor each
+rank holds (for checkpoint resharding), :func:`gather_full_state_dict` rebuilds the full tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kuangchao_core.errors import PlanError
+from kuangchao_core.models.llama import ROW_ROLES, LlamaConfig, LlamaForCausalLM, RMSNorm
+from kuangchao_core.parallel.tensor import (
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    vocab_parallel_cross_entropy,
+)
+
+_KEY = "parallel.tensor_parallel_size"
+
+
+def validate_tp(cfg: LlamaConfig, tp: int) -> None:
+    """Raise PlanError listing every size of ``cfg`` that a TP group of ``tp`` ranks cannot split."""
+    errors: list[tuple[str, str]] = []
+    if tp < 1:
+        errors.append((_KEY, f"must be >= 1, got {tp}"))
+    else:
+        for field in ("num_heads", "vocab_size", "intermediate_size"):
+            value = getattr(cfg, field)
+            if value % tp:
+                errors.append((_KEY, f"model.{field} {value} is not divisible by tensor_parallel_size {tp}"))
+        kv = cfg.num_kv_heads
+        if kv >= tp and kv % tp:
+            errors.append((_KEY, f"model.num_kv_heads {kv} is not divisible by tensor_parallel_size {tp}"))
+        if kv < tp and tp % kv:
+            errors.append(
+                (_KEY, f"tensor_parallel_size {tp} is not a multiple of model.num_kv_heads {kv} (needed to replicate)")
+            )
+    if errors:
+        raise PlanError(errors)
+
+
+def _kv_slot(cfg: LlamaConfig, tp: int, tp_rank: int) -> int:
+    """Index of the key/value head that rank ``tp_rank``'s query heads use (when kv heads are replicated)."""
+    q_per_rank = cfg.num_heads // tp
+    return (tp_rank * q_per_rank) // (cfg.num_heads // cfg.num_kv_heads)
+
+
+def tp_shard_spec(cfg: LlamaConfig) -> dict[str, int | None]:
+    """Hugging Face parameter name -> dimension split across TP ranks (None: replicated)."""
+    out: dict[str, int | None] = {"model.embed_tokens.weight": 0}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for role in ("q_proj", "k_proj", "v_proj"):
+            out[f"{p}self_attn.{role}.weight"] = 0
+        out[f"{p}self_attn.o_proj.weight"] = 1
+        out[f"{p}mlp.gate_proj.weight"] = 0
+        out[f"{p}mlp.up_proj.weight"] = 0
+        out[f"{p}mlp.down_proj.weight"] = 1
+        out[f"{p}input_layernorm.weight"] = None
+        out[f"{p}post_attention_layernorm.weight"] = None
+    out["model.norm.weight"] = None
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = 0
+    return out
+
+
+def tp_shard_slices(cfg: LlamaConfig, tp: int, tp_rank: int) -> dict[str, tuple[int, int, int] | None]:
+    """Hugging Face name -> (dim, start, length) of the slice TP rank ``tp_rank`` of ``tp`` holds (None: the full
+    tensor). With replicated key/value heads several ranks hold the same k/v slice."""
+    validate_tp(cfg, tp)
+    full = full_shapes(cfg)
+    out: dict[str, tuple[int, int, int] | None] = {}
+    d = cfg.head_dim
+    for name, dim in tp_shard_spec(cfg).items():
+        if dim is None or tp == 1:
+            out[name] = None
+            continue
+        if cfg.num_kv_heads < tp and name.endswith(("k_proj.weight", "v_proj.weight")):
+            out[name] = (0, _kv_slot(cfg, tp, tp_rank) * d, d)
+            continue
+        local = full[name][dim] // tp
+        out[name] = (dim, tp_rank * local, local)
+    return out
+
+
+def full_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> full shape, in parameter registration order (built on the meta device, no memory)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+class TPRMSNorm(RMSNorm):
+    """RMSNorm (replicated weight) whose output enters a column-parallel block: one copy-to-TP-region for all the
+    projections that read it."""
+
+    def __init__(self, dim: int, eps: float, group) -> None:
+        super().__init__(dim, eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp_region(super().forward(x), self.group)
+
+
+class TPLlamaForCausalLM(LlamaForCausalLM):
+    """:class:`LlamaForCausalLM` whose projections, embedding and head are split across ``tp_group``.
+
+    ``forward(input_ids)`` returns this rank's vocabulary slice of the logits; use :meth:`loss` (vocab-parallel
+    cross-entropy) or :meth:`gather_logits`. Weights are uninitialised until :func:`load_full_state_dict` or
+    :func:`init_from_seed` (as :func:`build_tp_model` does).
+    """
+
+    def __init__(self, cfg: LlamaConfig, tp_group) -> None:
+        tp = 1 if tp_group is None else tp_group.size
+        validate_tp(cfg, tp)
+        object.__setattr__(self, "tp_group", tp_group)  # the factories below run inside super().__init__
+        object.__setattr__(self, "tp_size", tp)
+        object.__setattr__(self, "tp_rank", 0 if tp_group is None else tp_group.rank)
+        super().__init__(cfg)
+        for layer in self.model.layers:
+            layer.input_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
+            layer.post_attention_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
+        self.model.norm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
+
+    def make_linear(self, in_features: int, out_features: int, role: str):
+        """Column-parallel for q/k/v/gate/up/lm_head, row-parallel for o/down, replicated-head k/v when needed."""
+        cfg, group = self.config, self.tp_group
+        if role in ROW_ROLES:
+            return RowParallelLinear(in_features, out_features, group)
+        if role in ("k_proj", "v_proj") and cfg.num_kv_heads < self.tp_size:
+            slot = _kv_slot(cfg, self.tp_size, self.tp_rank)
+            return ReplicatedHeadsLinear(in_features, out_features, group, cfg.head_dim, slot, copy_input=False)
+        return ColumnParallelLinear(in_features, out_features, group, copy_input=False)
+
+    def make_embedding(self, num_embeddings: int, dim: int):
+        """Vocabulary-parallel embedding."""
+        return VocabParallelEmbedding(num_embeddings, dim, self.tp_group)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy of vocab-split ``logits`` against ``labels`` (ignore -100); same value as
+        :func:`~kuangchao_core.models.llama.causal_lm_loss` on the full logits."""
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, reduction=reduction)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits from this rank's slice (all-gather; gradient flows back to the slice)."""
+        return gather_from_tp_region(logits, self.tp_group)
+
+    def shard_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """Local parameter name -> (dim, start, length) of the full tensor it holds (None: full tensor)."""
+        return tp_shard_slices(self.config, self.tp_size, self.tp_rank)
+
+
+@torch.no_grad()
+def load_full_state_dict(model: TPLlamaForCausalLM, full_state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's slice of every full (Hugging Face named) tensor into ``model``."""
+    slices = model.shard_slices()
+    missing = [name for name, _ in model.named_parameters() if name not in full_state_dict]
+    if missing:
+        raise KeyError(f"full state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, param in model.named_parameters():
+        full = full_state_dict[name]
+        spec = slices[name]
+        part = full if spec is None else full.narrow(spec[0], spec[1], spec[2])
+        param.copy_(part)
+
+
+@torch.no_grad()
+def init_from_seed(model: TPLlamaForCausalLM, seed: int) -> None:
+    """Initialise exactly as ``LlamaForCausalLM.init_weights(seed)`` would the full model, one full tensor at a time
+    (drawn, sliced, dropped), so no rank ever holds the whole model."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    slices = model.shard_slices()
+    params = dict(model.named_parameters())
+    for name, shape in full_shapes(model.config).items():
+        param = params[name]
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        full = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
+        spec = slices[name]
+        param.copy_(full if spec is None else full.narrow(spec[0], spec[1], spec[2]))
+
+
+def build_tp_model(
+    llama_cfg: LlamaConfig, tp_group, full_state_dict: dict[str, torch.Tensor] | None = None, seed: int = 1234
+) -> TPLlamaForCausalLM:
+    """The Llama model split over ``tp_group``, initialised from ``full_state_dict`` (Hugging Face names) or, if
+    None, exactly as the one-process model initialised with ``seed``. Raises PlanError if the sizes do not split."""
+    model = TPLlamaForCausalLM(llama_cfg, tp_group)
+    if full_state_dict is not None:
+        load_full_state_dict(model, full_state_dict)
+    else:
+        init_from_seed(model, seed)
+    return model
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: TPLlamaForCausalLM, tp_group=None) -> dict[str, torch.Tensor]:
+    """Full tensors (Hugging Face names) rebuilt from every TP rank's slices; collective over the TP group, every
+    rank gets the whole dict."""
+    from kuangchao_core.comm import primitives as comm
+
+    group = model.tp_group if tp_group is None else tp_group
+    tp = 1 if group is None else group.size
+    cfg = model.config
+    shapes = full_shapes(cfg)
+    per_rank = [tp_shard_slices(cfg, tp, r) for r in range(tp)]
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        local = param.detach()
+        if per_rank[0][name] is None:
+            out[name] = local.clone()
+            continue
+        parts = comm.all_gather(None, local.contiguous(), group=group)
+        full = local.new_empty(shapes[name])
+        for r, part in enumerate(parts):
+            dim, start, length = per_rank[r][name]
+            full.narrow(dim, start, length).copy_(part)
+        out[name] = full
+    return out

@@ -1,0 +1,171 @@
+"""The one pipeline executor: runs any schedule's action list with real point-to-point traffic (SPEC L3.3).
+
+Activations and their gradients travel between stages through ``comm.dispatch`` (``send``/``recv`` interfaces,
+so the permission guard, sequence numbers and timers apply). Sends are issued asynchronously and waited at the
+end of the step; receives block. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
+Messages carry a tag derived from (kind, micro-batch, receiving stage) so Gloo matches them exactly; the
+schedules also keep every pair of ranks in send order, which in-order transports need.
+
+The last stage scales each micro-batch loss by ``1/m``, so the accumulated gradients equal one step on the whole
+batch when every micro-batch has the same number of counted tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kuangchao_core.comm import dispatch
+from kuangchao_core.comm.group import CommGroup
+from kuangchao_core.errors import PlanError
+from kuangchao_core.parallel.pp_schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    Action,
+    get_schedule,
+    message_key,
+    stage_of,
+    validate_schedule,
+)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One executed action with its start/end times (``time.perf_counter`` seconds) and, for traffic, the shape."""
+
+    action: Action
+    t0: float
+    t1: float
+    shape: tuple[int, ...] | None = None
+
+
+class PipelineExecutor:
+    """Run one pipeline rank's schedule for a step.
+
+    ``group``: the pipeline group (global ranks ordered by pipeline rank; this process is a member).
+    ``chunks``: forward function of each local chunk, ``chunks[c]`` being virtual stage ``c * p + pp_rank``.
+    ``loss_fn(output, labels) -> scalar mean loss``: used on the last virtual stage.
+    ``hidden_size``: the activation is ``(micro_batch, seq_len, hidden_size)`` in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        group: CommGroup,
+        chunks: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        hidden_size: int,
+        schedule: str = "1f1b",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if group.rank is None:
+            raise PlanError([("pipeline", f"rank {group.global_rank} is not in the pipeline group {group.ranks}")])
+        self.group = group
+        self.p = group.size
+        self.pp_rank = group.rank
+        self.chunks = list(chunks)
+        self.v = len(self.chunks)
+        self.loss_fn = loss_fn
+        self.hidden_size = hidden_size
+        self.schedule_name = schedule
+        self.schedule = get_schedule(schedule)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_stages = self.p * self.v
+        if self.is_last_stage(self.v - 1) and loss_fn is None:
+            raise PlanError([("pipeline", "the last pipeline stage needs a loss function")])
+        self.trace: list[TraceEvent] = []
+        self.compute_seconds = 0.0
+
+    def is_last_stage(self, chunk: int) -> bool:
+        """Whether local ``chunk`` is the last virtual stage."""
+        return stage_of(self.p, self.pp_rank, chunk) == self.num_stages - 1
+
+    def actions(self, m: int) -> list[Action]:
+        """This rank's action list for ``m`` micro-batches (the schedule's definition)."""
+        return self.schedule(self.p, self.pp_rank, m, self.v)
+
+    def _tag(self, action: Action, m: int) -> int:
+        kind, mb, stage = message_key(action, self.p, self.pp_rank)
+        return (mb * self.num_stages + stage) * 2 + (kind == "grad")
+
+    def run(self, micro_batches: Sequence[dict]) -> torch.Tensor | None:
+        """Run forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``), accumulating
+        parameter gradients; returns the mean loss over micro-batches on the last stage, None elsewhere."""
+        m = len(micro_batches)
+        validate_schedule(self.schedule_name, self.p, m, self.v)
+        ids0 = micro_batches[0]["input_ids"]
+        act_shape = (*ids0.shape, self.hidden_size)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        pending: list[tuple[object, torch.Tensor]] = []
+        total = None
+        self.trace = []
+        self.compute_seconds = 0.0
+        ranks = self.group.ranks
+        pg = self.group.pg
+        for a in self.actions(m):
+            key = (a.mb, a.chunk)
+            shape = None
+            t0 = time.perf_counter()
+            if a.kind == FORWARD:
+                x = inputs.pop(key) if stage_of(self.p, self.pp_rank, a.chunk) > 0 else None
+                if x is None:
+                    x = micro_batches[a.mb]["input_ids"].to(self.device)
+                    inputs[key] = None
+                else:
+                    inputs[key] = x
+                out = self.chunks[a.chunk](x)
+                if self.is_last_stage(a.chunk):
+                    out = self.loss_fn(out, micro_batches[a.mb]["labels"].to(self.device)) / m
+                    total = out.detach() if total is None else total + out.detach()
+                outputs[key] = out
+            elif a.kind == BACKWARD:
+                out = outputs.pop(key)
+                if self.is_last_stage(a.chunk):
+                    torch.autograd.backward(out)
+                else:
+                    torch.autograd.backward(out, grads_in.pop(key))
+                x = inputs.pop(key)
+                if x is not None:
+                    grads_in[("send", *key)] = x.grad
+            elif a.kind in (SEND_ACT, SEND_GRAD):
+                t = outputs[key].detach() if a.kind == SEND_ACT else grads_in.pop(("send", *key))
+                t = t.contiguous()
+                shape = tuple(t.shape)
+                dst, tag = ranks[a.peer], self._tag(a, m)
+                h = dispatch.run_async(
+                    "send", self.group, t.nbytes, lambda _a, t=t, d=dst, g=tag: dist.isend(t, d, group=pg, tag=g), peer=dst
+                )
+                pending.append((h, t))
+            else:
+                buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
+                src, tag = ranks[a.peer], self._tag(a, m)
+                dispatch.run("recv", self.group, buf.nbytes, lambda _a: _wait(dist.irecv(buf, src, group=pg, tag=tag)), peer=src)
+                shape = tuple(buf.shape)
+                if a.kind == RECV_ACT:
+                    inputs[key] = buf.requires_grad_()
+                else:
+                    grads_in[key] = buf
+            t1 = time.perf_counter()
+            if a.kind in (FORWARD, BACKWARD):
+                self.compute_seconds += t1 - t0
+            self.trace.append(TraceEvent(a, t0, t1, shape))
+        for h, _ in pending:
+            h.wait()
+        if outputs or grads_in or any(v is not None for v in inputs.values()):
+            raise PlanError([("pipeline", f"schedule {self.schedule_name!r} left work unfinished on rank {self.pp_rank}")])
+        return total
+
+
+def _wait(work) -> None:
+    work.wait()

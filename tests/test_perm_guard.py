@@ -1,0 +1,235 @@
+"""RBAC and default deny (reference §7 F1–F6), the guard's audit behaviour, trusted mode and `issue_tokens`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import stat
+
+import pytest
+
+from kuangchao_core.config import KNOWN_INTERFACES, config_from_dict
+from kuangchao_core.errors import ConfigError, PermissionDenied
+from kuangchao_core.perm import guard_api
+from kuangchao_core.perm import reasons as R
+from kuangchao_core.perm.audit import AuditLog, read_records, verify_log
+from kuangchao_core.perm.authority import Authority
+from kuangchao_core.perm.guard import TokenGuard
+from kuangchao_core.perm.names import INTERFACES
+from kuangchao_core.perm.roles import Policy, PolicyHolder
+from kuangchao_core.perm.runtime import install_worker_guard
+from kuangchao_core.perm.tokens import TrustStore, Verifier
+
+JOB = "job-g"
+
+
+@pytest.fixture
+def auth(tmp_path):
+    return Authority(tmp_path / "authority")
+
+
+@pytest.fixture(autouse=True)
+def restore_guard():
+    prev = guard_api.current_guard()
+    yield
+    guard_api.install_guard(prev)
+
+
+def claims(auth, role="trainer", **kw):
+    args = dict(
+        interfaces=["all_reduce", "send", "checkpoint_write"],
+        groups=["world", "dp[0,1]"],
+        objects=["checkpoint:t"],
+        ttl_s=600,
+    )
+    args.update(kw)
+    return auth.verifier(JOB).verify(auth.issue("worker-0", role, JOB, 0, **args))
+
+
+def code(g, itf, res):
+    with pytest.raises(R.GuardDenied) as ei:
+        g.check(itf, res)
+    assert isinstance(ei.value, PermissionDenied)
+    return ei.value.code
+
+
+def test_interface_names_match_the_config_schema():
+    assert INTERFACES == KNOWN_INTERFACES
+
+
+def test_f1_no_token_denies_everything(tmp_path):
+    with pytest.raises(PermissionDenied):
+        guard_api.DenyAll().check("all_reduce", "group:world")
+    log = tmp_path / "a.jsonl"
+    with pytest.raises(R.TokenRejected) as ei:
+        install_worker_guard(None, None, JOB, 0, log, module_id="worker-5")
+    assert ei.value.code == R.NO_TOKEN
+    with pytest.raises(R.GuardDenied) as ei:
+        guard_api.check("device_init", "device:cpu")
+    assert ei.value.code == R.NO_TOKEN
+    rec = list(read_records(log))[-1]
+    assert (rec["actor"], rec["decision"], rec["reason"]) == ("worker-5", "deny", "no_token")
+
+
+def test_f2_role_absent_from_policy(auth):
+    g = TokenGuard(claims(auth, role="ghost"), Policy())
+    assert code(g, "all_reduce", "group:world") == R.UNKNOWN_ROLE
+
+
+def test_f3_unknown_permission_name_fails_at_load(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        Policy({"trainer": {"interfaces": ["all_reduce", "format_disk"]}})
+    assert "permission.roles.trainer.interfaces[1]" in str(ei.value)
+    with pytest.raises(ConfigError):
+        Policy({"trainer": {"interfaces": ["all_reduce"], "resources": ["gpu:0"]}})
+    with pytest.raises(ConfigError):
+        Policy(None, allowed_interfaces=["all_reduce", "sudo"])
+    with pytest.raises(ConfigError):  # the config schema refuses it too, at load
+        config_from_dict({"task": {"name": "t"}, "permission": {"roles": {"trainer": ["all_reduce", "sudo"]}}})
+
+
+def test_f4_explicit_deny_beats_allow(auth):
+    policy = Policy(
+        {
+            "trainer": {
+                "interfaces": ["all_reduce", "send"],
+                "resources": ["group:*"],
+                "deny": ["send", "all_reduce@group:world"],
+            }
+        }
+    )
+    g = TokenGuard(claims(auth), policy)
+    g.check("all_reduce", "group:dp[0,1]")
+    assert code(g, "all_reduce", "group:world") == R.EXPLICIT_DENY
+    assert code(g, "send", "group:dp[0,1]") == R.EXPLICIT_DENY
+
+
+def test_f5_empty_policy_denies_everything(auth):
+    g = TokenGuard(claims(auth), Policy({}))
+    for itf, res in (("all_reduce", "group:world"), ("checkpoint_write", "checkpoint:t")):
+        assert code(g, itf, res) == R.UNKNOWN_ROLE
+
+
+def test_f6_policy_reload_is_atomic(tmp_path, auth):
+    good = Policy({"trainer": {"interfaces": ["all_reduce"], "resources": ["group:*"]}})
+    path = good.save(tmp_path / "policy.json")
+    holder = PolicyHolder(Policy.load(path))
+    path.write_text('{"roles": {"trainer": {"interfaces": ["all_re')  # half-written
+    with pytest.raises(ConfigError):
+        holder.reload(path)
+    assert holder.policy.role("trainer").interfaces == {"all_reduce"}
+    Policy({"trainer": ["send"]}).save(path)
+    assert holder.reload(path).role("trainer").interfaces == {"send"}
+    assert not list(tmp_path.glob(".*tmp"))  # temp files renamed away
+
+
+def test_allowed_interfaces_narrow_every_token(auth):
+    g = TokenGuard(claims(auth), Policy(None, allowed_interfaces=["all_reduce"]))
+    g.check("all_reduce", "group:world")
+    assert code(g, "send", "group:world") == R.ROLE_DENIED
+
+
+def test_role_globs_and_config_roles(auth):
+    cfg = config_from_dict(
+        {
+            "task": {"name": "t"},
+            "permission": {"roles": {"trainer": {"interfaces": ["all_reduce", "send"], "resources": ["group:dp*"]}}},
+        }
+    )
+    policy = Policy.from_config(cfg.permission)
+    g = TokenGuard(claims(auth), policy)
+    g.check("all_reduce", "group:dp[0,1]")
+    assert code(g, "all_reduce", "group:world") == R.ROLE_DENIED  # in the token, outside the role's glob
+    assert policy.role("monitor") is not None  # built-in roles kept
+
+
+def test_allow_audit_first_use_then_counts(auth, tmp_path, caplog):
+    log = AuditLog(tmp_path / "a.jsonl", JOB)
+    g = TokenGuard(claims(auth), Policy(), audit=log, count_interval_s=3600)
+    caplog.set_level(logging.DEBUG, logger="kuangchao.perm.guard")
+    g._debug = True
+    for _ in range(50):
+        g.check("all_reduce", "group:world")
+    g.check("send", "group:dp[0,1]")
+    with pytest.raises(PermissionDenied):
+        g.check("recv", "group:world")
+    g.close()
+    recs = list(read_records(tmp_path / "a.jsonl"))
+    firsts = [(r["action"], r["resource"]) for r in recs if r["reason"] == "first_use"]
+    assert firsts == [("all_reduce", "group:world"), ("send", "group:dp[0,1]")]
+    counts = [r for r in recs if r["reason"] == "count"]
+    assert [(r["action"], r["count"]) for r in counts] == [("all_reduce", 49)]
+    assert [r["reason"] for r in recs if r["decision"] == "deny"] == ["out_of_scope"]
+    assert caplog.text.count("allow worker-0 all_reduce group:world") == 50
+    assert verify_log(tmp_path / "a.jsonl", log_id=JOB).ok
+
+
+def test_guard_expires_without_renewal(auth):
+    now = [1_700_000_000.0]
+    auth.clock = lambda: now[0]
+    c = auth.verifier(JOB).verify(
+        auth.issue("worker-0", "trainer", JOB, 0, interfaces=["all_reduce"], groups=["world"], ttl_s=1), now=now[0]
+    )
+    fresh = TokenGuard(c, Policy(), leeway_s=0.0, clock=lambda: now[0] + 0.5)
+    fresh.check("all_reduce", "group:world")
+    g = TokenGuard(c, Policy(), leeway_s=0.0, clock=lambda: now[0] + 1.05)  # 1.05 s after issue
+    assert code(g, "all_reduce", "group:world") == R.EXPIRED
+
+
+def test_trusted_mode_allows_and_logs_loudly(tmp_path, caplog):
+    log = tmp_path / "a.jsonl"
+    g = install_worker_guard(None, None, JOB, 0, log, mode="trusted", module_id="worker-0")
+    assert isinstance(g, guard_api.AllowAll) and guard_api.current_guard() is g
+    guard_api.check("config_write", "config:anything")
+    assert "TRUSTED" in caplog.text
+    assert list(read_records(log))[0]["action"] == "mode_trusted"
+
+
+def _cfg(**perm):
+    return config_from_dict(
+        {
+            "task": {"name": "tok"},
+            "model": {"preset": "tiny"},
+            "parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            "train": {"device": "cpu"},
+            "permission": {"token_ttl_seconds": 600, **perm},
+        }
+    )
+
+
+def test_issue_tokens_writes_private_tokens_and_env(tmp_path, monkeypatch):
+    from tasks.issue_tokens import issue_tokens, issue_tokens_for_run
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg()
+    env = issue_tokens_for_run(cfg, tmp_path / "run", attempt=1)
+    assert issue_tokens.name == "issue_tokens" and callable(issue_tokens.fn)
+    tok_dir = tmp_path / "run" / "tokens"
+    files = sorted(p.name for p in tok_dir.glob("*.token"))
+    assert files == sorted(
+        [f"worker-{r}.token" for r in range(4)] + [f"data_loader-{r}.token" for r in range(4)] + ["monitor.token"]
+    )
+    for p in tok_dir.glob("*.token"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "run" / "authority" / "keys.json").stat().st_mode) == 0o600
+    assert "private" not in (tok_dir / "trust_store.json").read_text()
+    job = env["KC_JOB_ID"]
+    v = Verifier(TrustStore.load(env["KC_TRUST_STORE"]), job_id=job, min_attempt=1)
+    w3 = v.verify((tok_dir / "worker-3.token").read_text(), subject="worker-3")
+    # dp=2, tp=2: rank 3 = (dp 1, tp 1) -> tp[2,3], dp[1,3]
+    assert set(w3.groups) == {"world", "tp[2,3]", "dp[1,3]", "pp[3]"} and w3.devices == ["cpu"]
+    assert "checkpoint:tok" in w3.objects and "dataset:synthetic" in w3.objects
+    mon = v.verify((tok_dir / "monitor.token").read_text(), subject="monitor")
+    assert mon.role == "monitor" and mon.interfaces == ["metrics_read"]
+    # the worker side: the {rank} template, the policy file, the job binding
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("KC_POLICY_FILE", env["KC_POLICY_FILE"])
+    g = install_worker_guard(env["KC_TOKEN_FILE"], env["KC_TRUST_STORE"], job, 1, env["KC_AUDIT_LOG"], renew=False)
+    g.check("all_reduce", "group:dp[1,3]")
+    assert code(g, "all_reduce", "group:dp[0,2]") == R.OUT_OF_SCOPE
+    assert code(g, "metrics_read", "metrics:tok") == R.OUT_OF_SCOPE
+    with pytest.raises(R.TokenRejected) as ei:  # attempt 1's tokens after a restart to attempt 2
+        install_worker_guard(env["KC_TOKEN_FILE"], env["KC_TRUST_STORE"], job, 2, renew=False)
+    assert ei.value.code == R.STALE_ATTEMPT
+    assert json.loads((tmp_path / "run" / "tokens" / "policy.json").read_text())["allowed_interfaces"] is None
+    assert env["KC_AUDIT_LOG"].endswith(f"audit/tok/{job}.jsonl")
