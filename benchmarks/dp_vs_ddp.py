@@ -31,7 +31,13 @@ def _model_config():
     from kuangchao_core.models.llama import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4, max_seq_len=64
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        max_seq_len=64,
     )
 
 
@@ -95,7 +101,9 @@ def _worker(rank: int, port: int, args, queue) -> None:
                     t0 = time.perf_counter()
                     runners[name](x, y)
                     times[name].append(time.perf_counter() - t0)
-        same = all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(ours_model.parameters(), ddp_model.parameters()))
+        same = all(
+            torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(ours_model.parameters(), ddp_model.parameters())
+        )
         queue.put((rank, {"times": times, "same_params": same, "buckets": ours.num_buckets}))
     finally:
         dist.destroy_process_group()
@@ -131,7 +139,9 @@ def main() -> None:
     ratio = ours_med / ddp_med
     n_params = _build(1).config.num_params()
     print(f"model: Llama-like, {n_params / 1e6:.2f} M params; 2 Gloo processes; batch {args.batch}x{args.seq} per rank")
-    print(f"rounds {args.rounds} x {args.steps} steps, bucket {args.bucket_mb} MiB, ours used {results[0]['buckets']} buckets")
+    print(
+        f"rounds {args.rounds} x {args.steps} steps, bucket {args.bucket_mb} MiB, ours used {results[0]['buckets']} buckets"
+    )
     print(f"{'impl':<6} {'median s':>10} {'min s':>10} {'max s':>10} {'steps':>6}")
     for name, med in (("ours", ours_med), ("ddp", ddp_med)):
         ts = times[name]

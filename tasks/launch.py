@@ -7,6 +7,7 @@ subprocesses), which the flow answers with ``recover`` and a new attempt.
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.obs.console import LiveView
+from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.sched.launcher import run_workers
+from tasks.issue_tokens import authority_for
 
 
 @dataclass
@@ -62,7 +65,18 @@ def launch_workers(
         args += ["--resume", resume]
     nproc = cfg.parallel.world_size
     recovery = cfg.cluster
-    try:
+    with ExitStack() as stack:
+        if "KC_TOKEN_FILE" in worker_env:
+            # the authority stays in this process; workers renew their tokens through this endpoint
+            server = RenewalServer(
+                authority_for(cfg, run_dir),
+                worker_env["KC_JOB_ID"],
+                attempt,
+                audit_log=worker_env.get("KC_AUDIT_LOG"),
+                ttl_s=float(cfg.permission.token_ttl_seconds),
+            )
+            worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
+        stack.callback(view.close)
         run_workers(
             "kuangchao_core.engine.worker",
             args,
@@ -74,8 +88,6 @@ def launch_workers(
             log_sink=view,
             attempt=attempt,
         )
-    finally:
-        view.close()
     last = view.last_step or {}
     evals = [e for e in view.events if e.get("event") == "eval"]
     done = [e for e in view.events if e.get("event") == "done"]

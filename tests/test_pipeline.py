@@ -30,7 +30,12 @@ def _cfg(num_layers):
     from kuangchao_core.models.llama import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
         max_seq_len=SEQ,
     )
 

@@ -70,7 +70,7 @@ def _equivalence_body(rank, world_size, num_kv_heads, tie):
     losses, ref_losses = [], []
     norm_grads_equal, kv_replicas_equal = True, True
     for step in range(STEPS):
-        ids, labels = _batch(step, cfg.vocab_size)
+        ids, labels = _batch(step % 2, cfg.vocab_size)  # two batches alternating, so the loss visibly falls
         loss_ref = causal_lm_loss(ref(ids), labels)
         loss_ref.backward()
         loss = model.loss(model(ids), labels)
@@ -97,15 +97,19 @@ def _equivalence_body(rank, world_size, num_kv_heads, tie):
     full = gather_full_state_dict(model, group)
     ref_sd = {n: p.detach() for n, p in ref.named_parameters()}
     assert set(full) == set(ref_sd), set(full) ^ set(ref_sd)
-    worst = max(((full[n] - ref_sd[n]).abs().max().item(), n) for n in ref_sd)
-    for name, tensor in ref_sd.items():
-        torch.testing.assert_close(full[name], tensor, rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+    # Adam turns rounding-level gradient differences into update differences where |grad| ~ eps, so compare each
+    # tensor by relative norm (as the data-parallel test does) and every element to a thousandth of one LR step.
+    rel_err = {n: ((full[n] - t).norm() / t.norm()).item() for n, t in ref_sd.items()}
+    max_abs = max((full[n] - t).abs().max().item() for n, t in ref_sd.items())
+    moved = max(((ref_sd[n] - p).abs().max().item()) for n, p in build_tp_model(cfg, None, seed=7).named_parameters())
     return {
         "losses": losses,
         "ref": ref_losses,
         "norm_grads_equal": norm_grads_equal,
         "kv_replicas_equal": kv_replicas_equal,
-        "worst": worst,
+        "rel_err": rel_err,
+        "max_abs": max_abs,
+        "moved": moved,
         "k_shape": tuple(model.model.layers[0].self_attn.k_proj.weight.shape),
     }
 
@@ -128,6 +132,10 @@ def test_tp_equals_one_process(tp, kv, tie, k_rows):
         assert res["norm_grads_equal"], rank
         assert res["kv_replicas_equal"], rank
         assert res["k_shape"] == (k_rows, 64)
+        worst = max(res["rel_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, (rank, worst)
+        assert res["max_abs"] <= 1e-3 * LR, (rank, res["max_abs"])
+        assert res["moved"] > 2 * LR  # the parameters really moved
     assert results[0]["losses"] == results[-1]["losses"]
 
 

@@ -37,33 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 
 _MB = 1024 * 1024
-
-
-def _comm():
-    """The communication primitives module (imported lazily so this layer loads without a process group)."""
-    try:
-        from kuangchao_core.comm import primitives
-    except ImportError:  # TEMPORARY dev fallback until kuangchao_core.comm lands
-        return _DevFallback
-
-    return primitives
-
-
-class _DevFallback:
-    @staticmethod
-    def all_reduce(tensor, group, op="sum", async_op=False):
-        import torch.distributed as dist
-
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
-
-    @staticmethod
-    def broadcast(tensor, src, group):
-        import torch.distributed as dist
-
-        return dist.broadcast(tensor, src=src, group=group.pg)
 
 
 @dataclass
@@ -197,11 +174,10 @@ class DataParallel(torch.nn.Module):
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             by_kind.setdefault((t.device, t.dtype), []).append(t)
-        prim = _comm()
         with torch.no_grad():
             for group_tensors in by_kind.values():
                 flat = torch.cat([t.reshape(-1) for t in group_tensors])
-                prim.broadcast(flat, src=src, group=self.group)
+                comm.broadcast(flat, src=src, group=self.group)
                 offset = 0
                 for t in group_tensors:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -306,8 +282,7 @@ class DataParallel(torch.nn.Module):
             self._launch_in_order()
 
     def _launch_in_order(self) -> None:
-        prim = _comm()
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.handle = prim.all_reduce(bucket.buffer, group=self.group, op="sum", async_op=True)
+            bucket.handle = comm.all_reduce(bucket.buffer, group=self.group, op="sum", async_op=True)
             self._next_launch += 1

@@ -2,7 +2,7 @@
 
 Activations and their gradients travel between stages through ``comm.dispatch`` (``send``/``recv`` interfaces,
 so the permission guard, sequence numbers and timers apply). Sends are issued asynchronously and waited at the
-end of the step; receives block. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
+end of the step; each receive is posted one compute action early and waited where the schedule places it. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
 Messages carry a tag derived from (kind, micro-batch, receiving stage) so Gloo matches them exactly; the
 schedules also keep every pair of ranks in send order, which in-order transports need.
 
@@ -113,10 +113,37 @@ class PipelineExecutor:
         self.compute_seconds = 0.0
         ranks = self.group.ranks
         pg = self.group.pg
-        for a in self.actions(m):
+        actions = self.actions(m)
+        posted: dict[int, tuple[object, torch.Tensor]] = {}
+        compute_at = [i for i, a in enumerate(actions) if a.kind in (FORWARD, BACKWARD)]
+        next_post = 0
+
+        def post_until(stop: int) -> None:
+            # receives are posted before the compute that precedes them, so the transfer overlaps it
+            nonlocal next_post
+            for j in range(next_post, min(stop, len(actions))):
+                r = actions[j]
+                if r.kind in (RECV_ACT, RECV_GRAD):
+                    buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
+                    src, tag = ranks[r.peer], self._tag(r, m)
+                    h = dispatch.run_async(
+                        "recv",
+                        self.group,
+                        buf.nbytes,
+                        lambda _a, b=buf, s=src, g=tag: dist.irecv(b, s, group=pg, tag=g),
+                        peer=src,
+                    )
+                    posted[j] = (h, buf)
+            next_post = max(next_post, stop)
+
+        ci = 0
+        for i, a in enumerate(actions):
             key = (a.mb, a.chunk)
             shape = None
             t0 = time.perf_counter()
+            if a.kind in (FORWARD, BACKWARD):
+                ci += 1
+                post_until(compute_at[ci] if ci < len(compute_at) else len(actions))
             if a.kind == FORWARD:
                 x = inputs.pop(key) if stage_of(self.p, self.pp_rank, a.chunk) > 0 else None
                 if x is None:
@@ -144,13 +171,18 @@ class PipelineExecutor:
                 shape = tuple(t.shape)
                 dst, tag = ranks[a.peer], self._tag(a, m)
                 h = dispatch.run_async(
-                    "send", self.group, t.nbytes, lambda _a, t=t, d=dst, g=tag: dist.isend(t, d, group=pg, tag=g), peer=dst
+                    "send",
+                    self.group,
+                    t.nbytes,
+                    lambda _a, t=t, d=dst, g=tag: dist.isend(t, d, group=pg, tag=g),
+                    peer=dst,
                 )
                 pending.append((h, t))
             else:
-                buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
-                src, tag = ranks[a.peer], self._tag(a, m)
-                dispatch.run("recv", self.group, buf.nbytes, lambda _a: _wait(dist.irecv(buf, src, group=pg, tag=tag)), peer=src)
+                if i not in posted:
+                    post_until(i + 1)
+                h, buf = posted.pop(i)
+                h.wait()
                 shape = tuple(buf.shape)
                 if a.kind == RECV_ACT:
                     inputs[key] = buf.requires_grad_()
@@ -163,9 +195,7 @@ class PipelineExecutor:
         for h, _ in pending:
             h.wait()
         if outputs or grads_in or any(v is not None for v in inputs.values()):
-            raise PlanError([("pipeline", f"schedule {self.schedule_name!r} left work unfinished on rank {self.pp_rank}")])
+            raise PlanError(
+                [("pipeline", f"schedule {self.schedule_name!r} left work unfinished on rank {self.pp_rank}")]
+            )
         return total
-
-
-def _wait(work) -> None:
-    work.wait()

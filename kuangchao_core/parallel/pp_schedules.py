@@ -247,8 +247,13 @@ def simulate(
                     key, t = q[0]
                     if key != message_key(a, p, r):
                         raise PlanError(
-                            [("pipeline", f"rank {r} action {pc[r]} ({a}) expects {message_key(a, p, r)} but the "
-                              f"next message from rank {a.peer} is {key}")]
+                            [
+                                (
+                                    "pipeline",
+                                    f"rank {r} action {pc[r]} ({a}) expects {message_key(a, p, r)} but the "
+                                    f"next message from rank {a.peer} is {key}",
+                                )
+                            ]
                         )
                     q.popleft()
                     clock[r] = max(clock[r], t)

@@ -64,6 +64,7 @@ class _Slot:
     bucket: int
     offset: int  # start inside the bucket
     numel: int
+    index: int  # position inside the bucket's slot list
 
 
 @dataclass
@@ -179,12 +180,15 @@ class ZeroOptimizer:
             bucket = _Bucket(start=start, size=padded, slots=[], chunk=padded // self.size)
             off = 0
             for name, p in params:
-                slot = _Slot(name=name, param=p, bucket=len(self.buckets), offset=off, numel=p.numel())
+                slot = _Slot(
+                    name=name, param=p, bucket=len(self.buckets), offset=off, numel=p.numel(), index=len(bucket.slots)
+                )
                 bucket.slots.append(slot)
                 self._slots.append(slot)
                 off += p.numel()
             self.buckets.append(bucket)
             start += padded
+        self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
         self.flat_params = torch.zeros(start, dtype=torch.float32, device=self.device)
@@ -276,9 +280,10 @@ class ZeroOptimizer:
                 else:
                     dst.copy_(s.param.grad.reshape(-1))
             if self.size > 1:
+                shards = self._grad_shards()
                 for b, bk in enumerate(self.buckets):
                     buf = self.flat_grads[bk.start : bk.start + bk.size]
-                    out = self._grad_shards()[b]
+                    out = shards[b]
                     comm.reduce_scatter(out, buf, group=self.group, op="sum")
                     out.div_(self.size)
         else:
@@ -352,8 +357,7 @@ class ZeroOptimizer:
         if not self._sync_enabled:
             return
         slot = self._slot_of[id(p)]
-        b = slot.bucket
-        i = self.buckets[b].slots.index(slot)
+        b, i = slot.bucket, slot.index
         if self._ready[b][i] or b < self._next_launch:
             raise KuangchaoError(
                 f"ZeroOptimizer on group {self.group.name!r}: gradient of {slot.name} became ready twice in one "
@@ -362,13 +366,6 @@ class ZeroOptimizer:
             )
         self._take_gradient(b, i, slot)
         self._launch_in_order()
-
-    @property
-    def _slot_of(self) -> dict[int, _Slot]:
-        cache = getattr(self, "_slot_cache", None)
-        if cache is None:
-            cache = self._slot_cache = {id(s.param): s for s in self._slots}
-        return cache
 
     def _take_gradient(self, b: int, i: int, s: _Slot) -> None:
         bk = self.buckets[b]
