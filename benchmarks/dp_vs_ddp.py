@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, args, queue) -> None:
 
         runners = {"ours": step_ours, "ddp": step_ddp}
         times: dict[str, list[float]] = {"ours": [], "ddp": []}
-        for name, fn in runners.items():  # warm-up (allocations, DDP's bucket rebuild)
+        for fn in runners.values():  # warm-up (allocations, DDP's bucket rebuild)
             for s in range(2):
                 fn(*batch(s))
         for rnd in range(args.rounds):
@@ -102,7 +102,8 @@ def _worker(rank: int, port: int, args, queue) -> None:
                     runners[name](x, y)
                     times[name].append(time.perf_counter() - t0)
         same = all(
-            torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in zip(ours_model.parameters(), ddp_model.parameters())
+            torch.allclose(p, q, rtol=1e-4, atol=1e-6)
+            for p, q in zip(ours_model.parameters(), ddp_model.parameters(), strict=True)
         )
         queue.put((rank, {"times": times, "same_params": same, "buckets": ours.num_buckets}))
     finally:

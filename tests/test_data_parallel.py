@@ -12,7 +12,7 @@ import torch
 
 from tests.mp import run_distributed
 
-STEPS = 6
+STEPS = 5
 MICRO_BATCH = 2
 SEQ = 12
 LR = 1e-2
@@ -158,7 +158,7 @@ def _rel(a, b) -> float:
 def _check_equivalence(results, accum, world_size):
     ref_losses, ref_params = _reference(MICRO_BATCH * accum * world_size)
     dp_losses = np.mean([r["losses"] for r in results], axis=0)
-    for step, (got, want) in enumerate(zip(dp_losses, ref_losses)):
+    for step, (got, want) in enumerate(zip(dp_losses, ref_losses, strict=True)):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: dp loss {got} vs one-process {want}"
     for name, want in ref_params.items():
         for rank, r in enumerate(results):
@@ -227,7 +227,7 @@ def _unused_and_edges(rank, world_size):
             with pytest.raises(KuangchaoError, match="no synchronized backward"):
                 dp.finish_gradient_sync()
             errs = out[label]
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
                 want = q.grad if q.grad is not None else torch.zeros_like(q)
                 errs[f"{name} round {round_}"] = (
                     _rel(p.grad.double().numpy(), want.double().numpy())
@@ -248,7 +248,7 @@ def _unused_and_edges(rank, world_size):
     out["solo_ops"] = rec.count()
     out["solo_equal"] = all(
         (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
-        for p, q in zip(model.parameters(), ref.parameters())
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
     )
     rec.close()
     return out

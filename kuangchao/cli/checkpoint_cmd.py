@@ -4,6 +4,10 @@
   path is not a step directory.
 - ``kc checkpoint list DIR`` — every step directory of a task directory (or of each task below a checkpoint
   root) with its status: intact, corrupt (with reasons), incomplete (``.tmp-*``) or replaced.
+- ``kc checkpoint convert SRC DST --parallel tp=1,pp=1[,dp=N,v=V]`` — re-lay SRC (a step directory) out for
+  another layout as ``DST/step_<N>`` (DST is a task directory); ``--format hf`` writes ``DST/model.safetensors``
+  and ``DST/config.json`` in Hugging Face Llama naming instead. Exit 0 done, 1 unreadable/corrupt source,
+  2 bad arguments.
 """
 
 from __future__ import annotations
@@ -133,6 +137,77 @@ def list_(
             "; ".join(r["problems"]),
         )
     Console().print(table)
+
+
+_PARALLEL_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "v": "virtual", "virtual": "virtual"}
+
+
+def parse_parallel(text: str) -> dict[str, int]:
+    """``"tp=1,pp=2,dp=1"`` -> ``{"tp": 1, "pp": 2, "dp": 1, "virtual": 1}`` (unset sizes are 1); ValueError if bad."""
+    out = {"tp": 1, "pp": 1, "dp": 1, "virtual": 1}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in _PARALLEL_KEYS:
+            raise ValueError(f"{part!r}: expected KEY=N with KEY one of tp, pp, dp, v")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{part!r}: {value!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"{part!r}: sizes must be >= 1")
+        out[_PARALLEL_KEYS[key.strip()]] = n
+    return out
+
+
+@checkpoint_app.command("convert")
+def convert(
+    src: Path = typer.Argument(..., help="Source step directory: <checkpoint.dir>/<task>/step_<N>"),
+    dst: Path = typer.Argument(..., help="Destination: a task directory (layout), or an output directory (--format hf)"),
+    parallel: str = typer.Option("tp=1,pp=1", "--parallel", help="Target layout, e.g. tp=1,pp=1 or tp=2,pp=2,dp=1,v=1"),
+    fmt: str = typer.Option("kuangchao", "--format", help="kuangchao (re-laid-out checkpoint) or hf (Hugging Face)"),
+) -> None:
+    """Write SRC in another parallel layout, or as a Hugging Face Llama directory (--format hf)."""
+    from kuangchao_core.ckpt.hf import export_hf
+    from kuangchao_core.ckpt.reshard import relayout_checkpoint
+    from kuangchao_core.errors import CheckpointError, ConfigError
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    if fmt not in ("kuangchao", "hf"):
+        typer.echo(f"error: --format {fmt!r}: use 'kuangchao' or 'hf'", err=True)
+        raise typer.Exit(2)
+    try:
+        sizes = parse_parallel(parallel)
+    except ValueError as exc:
+        typer.echo(f"error: --parallel {parallel!r}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not (src / MANIFEST).is_file():
+        typer.echo(f"error: {src} is not a step directory (no {MANIFEST}); pass <checkpoint.dir>/<task>/step_<N>", err=True)
+        raise typer.Exit(2)
+    problems = verify_checkpoint(src)
+    if problems:
+        typer.echo(f"CORRUPT {src}: " + "; ".join(problems), err=True)
+        raise typer.Exit(1)
+    # an operator's offline tool on local files: the filesystem's permissions apply, not a job's capability token
+    previous = install_guard(AllowAll())
+    try:
+        if fmt == "hf":
+            out = export_hf(src, dst)
+            typer.echo(f"OK wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+        else:
+            out = relayout_checkpoint(src, dst, **sizes)
+            typer.echo(
+                f"OK wrote {out} (dp={sizes['dp']} tp={sizes['tp']} pp={sizes['pp']} v={sizes['virtual']}, "
+                f"{sizes['dp'] * sizes['tp'] * sizes['pp']} shards)"
+            )
+    except ConfigError as exc:
+        for path, message in exc.errors:
+            typer.echo(f"error: {path}: {message}", err=True)
+        raise typer.Exit(2) from None
+    except CheckpointError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        install_guard(previous)
 
 
 def register(app: typer.Typer) -> None:

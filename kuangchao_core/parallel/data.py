@@ -210,7 +210,7 @@ class DataParallel(torch.nn.Module):
             bucket.handle.wait()
             bucket.buffer.div_(size)
             if not bucket.as_view:
-                for p, view in zip(bucket.params, bucket.views):
+                for p, view in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is None:
                         p.grad = view.to(p.dtype)
                     else:
@@ -227,7 +227,7 @@ class DataParallel(torch.nn.Module):
         for bucket in self._buckets:
             bucket.buffer.zero_()
             if bucket.as_view:
-                for p, view in zip(bucket.params, bucket.views):
+                for p, view in zip(bucket.params, bucket.views, strict=True):
                     p.grad = view
         for p in self._params:
             if p.grad is not None and (p not in self._where or not self._buckets[self._where[p][0]].as_view):

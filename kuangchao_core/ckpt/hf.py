@@ -1,0 +1,162 @@
+"""Hugging Face Llama directories: read the slices one rank needs (fine-tuning start), and export a checkpoint.
+
+- :func:`load_hf_weights_for_layout` reads a local directory holding ``config.json`` and ``model.safetensors``
+  (or shards listed in ``model.safetensors.index.json``) and returns, by HF parameter name, only the slices a
+  :class:`~kuangchao_core.ckpt.reshard.TargetLayout` rank holds, read with ``safe_open(...).get_slice``.
+- :func:`export_hf` writes a Kuangchao checkpoint (any layout) as one ``model.safetensors`` plus ``config.json``
+  that ``transformers.LlamaForCausalLM.from_pretrained`` loads. Safetensors and JSON only, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kuangchao_core.ckpt.reshard import PARAM, CheckpointIndex, Region, TargetLayout
+from kuangchao_core.errors import CheckpointError, ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _as_llama_config(model_cfg: Any):
+    from kuangchao_core.models.llama import LlamaConfig, config_from_model_section
+
+    return model_cfg if isinstance(model_cfg, LlamaConfig) else config_from_model_section(model_cfg)
+
+
+def hf_weight_files(hf_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it, from the index file or the single/only files present."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise ConfigError([("model.checkpoint", f"{d} is not a directory; give a local Hugging Face model directory")])
+    index = d / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: cannot read its weight_map ({exc})") from None
+        return {name: d / fname for name, fname in weight_map.items()}
+    files = [d / SINGLE_FILE] if (d / SINGLE_FILE).is_file() else sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            [("model.checkpoint", f"{d} holds no *.safetensors weights (pickle .bin files are not read); convert them")]
+        )
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                out[name] = f
+    return out
+
+
+def load_hf_weights_for_layout(
+    hf_dir: str | os.PathLike[str],
+    model_cfg: Any,
+    target_layout: TargetLayout | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """HF name -> this rank's slice of each parameter it owns under ``target_layout`` (tp1/pp1 when None).
+
+    ``model_cfg``: a LlamaConfig or the job's ``model`` section. Shapes in the files must match it; extra tensors
+    (``lm_head.weight`` of a tied model, rotary buffers) are ignored; a parameter missing from the files raises
+    CheckpointError naming it.
+    """
+    cfg = _as_llama_config(model_cfg)
+    layout = target_layout or TargetLayout()
+    wanted = layout.param_slices(cfg)
+    where = hf_weight_files(hf_dir)
+    handles: dict[Path, Any] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, region in wanted.items():
+        path = where.get(name)
+        if path is None:
+            raise CheckpointError(f"{hf_dir}: parameter {name} is not in the Hugging Face weights; is it a Llama model?")
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        sl = handles[path].get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(region.full_shape):
+            raise CheckpointError(
+                f"{path}: {name} has shape {list(shape)}, the model config expects {list(region.full_shape)}"
+            )
+        local = Region.full(shape).local(region)
+        out[name] = sl[local].to(dtype).contiguous()
+    return out
+
+
+def hf_config_dict(cfg: Any) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with the sizes of ``cfg`` (fp32 weights)."""
+    cfg = _as_llama_config(cfg)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+    }
+
+
+def model_config_of_checkpoint(manifest: Mapping[str, Any]):
+    """The LlamaConfig a checkpoint was written for, from its manifest (``model_shape``, else ``model``)."""
+    from kuangchao_core.models.llama import LlamaConfig
+
+    shape = manifest.get("model_shape")
+    if isinstance(shape, dict):
+        return LlamaConfig(**shape)
+    if isinstance(manifest.get("model"), dict):
+        return _as_llama_config(manifest["model"])
+    raise CheckpointError("the checkpoint manifest records no model config ('model_shape' or 'model')")
+
+
+def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Write ``out_dir/model.safetensors`` (full fp32 parameters, HF names) and ``out_dir/config.json``.
+
+    Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``.
+    """
+    index = CheckpointIndex.open(step_dir)
+    try:
+        cfg = model_config_of_checkpoint(index.manifest)
+        tensors = {
+            key[len(PARAM) :]: index.read(key).to(torch.float32).contiguous()
+            for key in index.keys()
+            if key.startswith(PARAM)
+        }
+    finally:
+        index.close()
+    from kuangchao_core.models.tp_llama import full_shapes
+
+    expected = full_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{step_dir}: parameters missing from the checkpoint: {missing[:5]}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{SINGLE_FILE}.tmp"
+    save_file({n: tensors[n] for n in expected}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / SINGLE_FILE)
+    cfg_tmp = out / ".config.json.tmp"
+    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(cfg_tmp, out / "config.json")
+    return out
