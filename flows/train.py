@@ -1,10 +1,13 @@
 """The ``kuangchao-train`` flow: the whole job lifecycle as Prefect tasks.
 
-    doctor → probe_topology → validate_data → issue_tokens → launch → (recover → launch)* → checkpoint
+    doctor → probe_topology → validate_data → issue_tokens → [restore_checkpoint] → launch
+           → (recover → [restore_checkpoint] → launch)* → checkpoint
 
 ``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set); a Prefect
-deployment runs the same flow on a worker. MLflow holds one run per flow run: params = flattened config, per-step
-metrics from rank 0, checkpoint manifests as artifacts.
+deployment (``deployments/prefect.yaml``) runs the same flow on a worker, so its parameters stay JSON values.
+MLflow holds one run per flow run: params = flattened config, per-step metrics from rank 0, restarts and their
+causes, checkpoint metadata and manifests as artifacts. Only worker failures (``WorkerFailed``) are retried, at most
+``cluster.max_restarts`` times; config, data and permission errors fail at once.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from prefect.runtime import flow_run
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.obs import tracking
-from tasks.checkpoint import checkpoint
+from kuangchao_core.perm import guard_api
+from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
@@ -38,6 +42,28 @@ def make_run_dir(cfg: Any, flow_run_id: str | None) -> Path:
     return run_dir
 
 
+def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, Any] | None = None):
+    """``load_config`` plus Prefect block references (``checkpoint.storage_block`` …, see ``blocks.resolve``).
+
+    Block references are resolved on the raw mapping before validation; secrets (S3 credentials) go into
+    ``secrets``, never into the config that is written to disk and handed to the workers.
+    """
+    raw = Path(config_path).read_text(encoding="utf-8") if Path(config_path).is_file() else ""
+    if not any(ref in raw for ref in ("storage_block", "signing_key_block", "block:")):
+        return load_config(config_path, overrides)
+    from blocks.resolve import resolve_blocks
+    from kuangchao_core.config.loader import _load_tree, apply_overrides, config_from_dict
+    from kuangchao_core.errors import ConfigError
+
+    top = Path(config_path).resolve()
+    data, errors = _load_tree(top, [top], top)
+    if not errors:
+        data, errors = apply_overrides(data, overrides)
+    if errors:
+        raise ConfigError(errors, config_path)
+    return config_from_dict(resolve_blocks(data, secrets), config_path)
+
+
 def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     return f"# Kuangchao run summary: {cfg.task.name}\n\n| field | value |\n|---|---|\n{rows}\n"
@@ -45,9 +71,26 @@ def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:
 
 @flow(name="kuangchao-train", log_prints=True)
 def train_flow(config_path: str, overrides: list[str] | None = None, resume: str | None = None) -> dict[str, Any]:
-    """Run a training job end to end from a YAML config (plus ``--set`` style overrides)."""
+    """Run a training job end to end from a YAML config (plus ``--set`` style ``overrides``).
+
+    ``resume``: ``auto`` (newest intact checkpoint, local or S3), ``never`` or a step directory; default
+    ``checkpoint.resume``. Returns the run summary (also a Prefect artifact and an MLflow artifact).
+    """
     logger = get_run_logger()
-    cfg = load_config(config_path, list(overrides or []))
+    # This process is the job's authority (it issues the tokens); it verifies, downloads and uploads checkpoints
+    # itself, and those calls pass the permission guard, so it runs them trusted. The previous guard is restored
+    # on the way out: `kc train` and tests share the process with other code.
+    previous_guard = guard_api.install_guard(guard_api.AllowAll())
+    try:
+        return _run(logger, config_path, list(overrides or []), resume)
+    finally:
+        guard_api.install_guard(previous_guard)
+
+
+def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None) -> dict[str, Any]:
+    secrets: dict[str, Any] = {}
+    cfg = load_job_config(config_path, overrides, secrets)
+    s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()
     run_dir = make_run_dir(cfg, fr_id)
     resolved = run_dir / "config.yaml"
@@ -56,10 +99,11 @@ def train_flow(config_path: str, overrides: list[str] | None = None, resume: str
 
     doctor(cfg)
     probe_topology(cfg)
-    run_id = tracking.open_run(cfg, fr_id)
+    run_id = tracking.open_run(cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir)})
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     t0 = time.time()
     attempts = 0
+    causes: list[str] = []
     try:
         validate_data(cfg, mlflow_run_id=run_id)
         resume_arg = resume or cfg.checkpoint.resume
@@ -67,19 +111,33 @@ def train_flow(config_path: str, overrides: list[str] | None = None, resume: str
         max_restarts = cfg.cluster.max_restarts
         for attempt in range(max_restarts + 1):
             attempts = attempt + 1
+            if resume_arg == "auto" and cfg.checkpoint.uri:
+                restored = restore_checkpoint(cfg, run_id, s3_settings)
+                for skip in restored["skipped"]:
+                    logger.warning(
+                        "skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"]
+                    )
             env = issue_tokens(cfg, str(run_dir), attempt)
             try:
                 result = launch(cfg, str(resolved), str(run_dir), attempt, resume_arg, run_id, env)
                 break
             except WorkerFailed as exc:
+                causes.append(f"attempt {attempt}: rank {exc.rank}: {exc.cause}")
                 if attempt == max_restarts:
+                    tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
                     raise WorkerFailed(
-                        exc.rank, f"{exc.cause}; gave up after {attempts} attempts", exc.exit_code
+                        exc.rank,
+                        f"{exc.cause}; gave up after {attempts} attempts (1 + cluster.max_restarts={max_restarts}); "
+                        f"history: {'; '.join(causes)}. Fix the cause, then rerun: it resumes from the newest "
+                        "intact checkpoint",
+                        exc.exit_code,
                     ) from exc
-                recover(cfg, attempt, str(exc), run_id)
+                logger.warning("attempt %d failed: rank %s: %s; recovering", attempt, exc.rank, exc.cause)
+                plan = recover(cfg, attempt, f"rank {exc.rank}: {exc.cause}", run_id)
+                logger.warning("attempt %d resumes from %s", attempt + 1, plan["resume_from"] or "scratch")
                 resume_arg = "auto"
         assert result is not None
-        ckpt = checkpoint(cfg, run_id)
+        ckpt = checkpoint(cfg, run_id, s3_settings)
         summary = {
             "task": cfg.task.name,
             "layout": tracking.layout_tag(cfg),
@@ -89,13 +147,22 @@ def train_flow(config_path: str, overrides: list[str] | None = None, resume: str
             "heldout_accuracy": result["heldout_accuracy"],
             "loss_floor": result["loss_floor"],
             "attempts": attempts,
+            "restarts": attempts - 1,
+            "restart_causes": causes,
+            "checkpoints": result.get("checkpoints", []),
             "checkpoint_step": ckpt["step"],
             "checkpoint_path": ckpt["path"],
+            "checkpoint_uri": ckpt["uri"],
             "mlflow_run_id": run_id,
+            "flow_run_id": fr_id,
             "wall_s": round(time.time() - t0, 1),
             "run_dir": str(run_dir),
         }
-        create_markdown_artifact(_summary_markdown(cfg, summary), key="kuangchao-run-summary", description="training run summary")
+        create_markdown_artifact(
+            _summary_markdown(cfg, summary), key="kuangchao-run-summary", description="training run summary"
+        )
+        tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
+        tracking.log_metrics(cfg, run_id, {"restarts": attempts - 1}, step=attempts)
         tracking.log_json_artifact(cfg, run_id, summary, "summary", "summary.json")
         tracking.close_run(cfg, run_id, "FINISHED")
         return summary

@@ -108,7 +108,9 @@ def verify_and_record(cfg: Any, mlflow_run_id: str | None = None, settings=None)
     summary = next(r for r in records if r["path"] == str(step_dir.resolve()))
     if mlflow_run_id:
         for rec in records:
-            tracking.log_json_artifact(cfg, mlflow_run_id, rec, f"checkpoints/step_{rec['step']:08d}", "checkpoint.json")
+            tracking.log_json_artifact(
+                cfg, mlflow_run_id, rec, f"checkpoints/step_{rec['step']:08d}", "checkpoint.json"
+            )
         tracking.log_json_artifact(
             cfg, mlflow_run_id, read_manifest(step_dir), f"checkpoints/step_{summary['step']:08d}", "manifest.json"
         )
@@ -137,7 +139,12 @@ def restore_from_s3(cfg: Any, settings=None, client=None) -> dict[str, Any]:
     local = find_latest_intact(tdir) if tdir.exists() else None
     if local is not None or not cfg.checkpoint.uri:
         step = parse_step_dir(local.name) if local else None
-        return {"source": "local" if local else None, "step": step, "path": str(local) if local else None, "skipped": []}
+        return {
+            "source": "local" if local else None,
+            "step": step,
+            "path": str(local) if local else None,
+            "skipped": [],
+        }
     s3 = client or make_client(settings)
     skipped: list[dict[str, Any]] = []
     for step, step_uri in reversed(list_checkpoints(cfg.checkpoint.uri, cfg.task.name, client=s3)):

@@ -38,9 +38,12 @@ def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_step
         patch()
     from kuangchao_core.engine.trainer import Trainer
 
+    from kuangchao_core.parallel.mesh import ParallelMesh
+
     init_distributed(backend="gloo", timeout_ms=120_000)
     world = world_group()
-    trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, world)
+    mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
+    trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, mesh)
     state = trainer.run(resume=resume, max_steps=max_steps)
     # numpy arrays travel back by value (torch tensors would be shared through fds that die with the process)
     params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}

@@ -106,8 +106,13 @@ def _write_tp2(root, params):
             if s is not None:
                 slices[f"param.{name}"] = Region.split(t.shape, *s).to_meta()
         CheckpointWriter(root, "job", rank, 2, barrier.wait, attempt_id="t").save(
-            3, tensors, {}, state={}, meta={"model_shape": vars(CFG), "parallel": {"tensor_parallel_size": 2}},
-            slices=slices)
+            3,
+            tensors,
+            {},
+            state={},
+            meta={"model_shape": vars(CFG), "parallel": {"tensor_parallel_size": 2}},
+            slices=slices,
+        )
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:

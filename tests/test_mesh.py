@@ -93,8 +93,9 @@ def test_mesh_builds_groups_on_four_processes():
         assert res["pp"] == [rank]
         # the collective really ran over the named group's members
         assert res["sums"] == {"tp": float(sum(res["tp"])), "pp": float(rank), "dp": float(sum(res["dp"]))}
-        assert res["names"] == ["tp0", "tp1", "pp0", "pp1", "pp2", "pp3", "dp0", "dp1"]
-        assert res["mine"] == {"tp": f"tp{dp_idx}", "pp": f"pp{rank}", "dp": f"dp{tp_idx}"}
+        # canonical names (kind + sorted ranks), the ones capability tokens list
+        assert res["names"] == ["tp[0,1]", "tp[2,3]", "pp[0]", "pp[1]", "pp[2]", "pp[3]", "dp[0,2]", "dp[1,3]"]
+        assert res["mine"] == {"tp": f"tp{res['tp']}".replace(" ", ""), "pp": f"pp[{rank}]", "dp": f"dp{res['dp']}".replace(" ", "")}
 
 
 def _mismatch_body(rank, world_size):
@@ -111,3 +112,15 @@ def _mismatch_body(rank, world_size):
 def test_mesh_refuses_world_size_mismatch():
     for text in run_distributed(_mismatch_body, 2):
         assert text is not None and "tensor_parallel_size 4" in text and "world size is 2" in text
+
+
+def test_token_group_layout_matches_the_mesh():
+    from kuangchao_core.parallel.mesh import mesh_layout
+    from kuangchao_core.perm.layout import group_layout, group_name
+
+    for dp, tp, pp in [(2, 2, 2), (1, 4, 2), (2, 1, 4), (4, 2, 1)]:
+        layout = mesh_layout(dp, tp, pp)
+        expected = {"world": list(range(dp * tp * pp))}
+        for kind, groups in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
+            expected.update({group_name(kind, g): sorted(g) for g in groups})
+        assert {k: sorted(v) for k, v in group_layout(dp, tp, pp).items()} == expected

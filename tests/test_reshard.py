@@ -96,8 +96,14 @@ def _write(root: Path, params, optim, dp=1, tp=1, pp=1, zero=False, drop=(), ext
             for key, (t, meta) in (extra or {}).get(rank, {}).items():
                 tensors[key], slices[key] = t, meta
             w = CheckpointWriter(root, "job", rank, world, barrier.wait, attempt_id="t")
-            w.save(5, tensors, {"rank": rank}, state={"sampler": {}}, meta={"model_shape": vars(CFG), "parallel": {}},
-                   slices=slices)
+            w.save(
+                5,
+                tensors,
+                {"rank": rank},
+                state={"sampler": {}},
+                meta={"model_shape": vars(CFG), "parallel": {}},
+                slices=slices,
+            )
         except BaseException as exc:
             errors.append(exc)
             barrier.abort()
@@ -169,8 +175,14 @@ def test_gap_and_overlap_are_reported(tmp_path, trained):
         load_full_tensors(step)
     o = "param.model.layers.0.self_attn.o_proj.weight"
     bad = params[o][:, 8:24].clone()
-    step = _write(tmp_path / "overlap", params, optim, tp=2,
-                  drop={(1, o)}, extra={1: {o: (bad, Region.split(params[o].shape, 1, 8, 16).to_meta())}})
+    step = _write(
+        tmp_path / "overlap",
+        params,
+        optim,
+        tp=2,
+        drop={(1, o)},
+        extra={1: {o: (bad, Region.split(params[o].shape, 1, 8, 16).to_meta())}},
+    )
     with pytest.raises(CheckpointCorrupt, match=r"o_proj.weight: region \[0:32, 8:16\] of \[32, 32\] is held by 2"):
         load_full_tensors(step)
 

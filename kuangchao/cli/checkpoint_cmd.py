@@ -162,7 +162,9 @@ def parse_parallel(text: str) -> dict[str, int]:
 @checkpoint_app.command("convert")
 def convert(
     src: Path = typer.Argument(..., help="Source step directory: <checkpoint.dir>/<task>/step_<N>"),
-    dst: Path = typer.Argument(..., help="Destination: a task directory (layout), or an output directory (--format hf)"),
+    dst: Path = typer.Argument(
+        ..., help="Destination: a task directory (layout), or an output directory (--format hf)"
+    ),
     parallel: str = typer.Option("tp=1,pp=1", "--parallel", help="Target layout, e.g. tp=1,pp=1 or tp=2,pp=2,dp=1,v=1"),
     fmt: str = typer.Option("kuangchao", "--format", help="kuangchao (re-laid-out checkpoint) or hf (Hugging Face)"),
 ) -> None:
@@ -181,7 +183,9 @@ def convert(
         typer.echo(f"error: --parallel {parallel!r}: {exc}", err=True)
         raise typer.Exit(2) from None
     if not (src / MANIFEST).is_file():
-        typer.echo(f"error: {src} is not a step directory (no {MANIFEST}); pass <checkpoint.dir>/<task>/step_<N>", err=True)
+        typer.echo(
+            f"error: {src} is not a step directory (no {MANIFEST}); pass <checkpoint.dir>/<task>/step_<N>", err=True
+        )
         raise typer.Exit(2)
     problems = verify_checkpoint(src)
     if problems:

@@ -78,7 +78,9 @@ def load_hf_weights_for_layout(
     for name, region in wanted.items():
         path = where.get(name)
         if path is None:
-            raise CheckpointError(f"{hf_dir}: parameter {name} is not in the Hugging Face weights; is it a Llama model?")
+            raise CheckpointError(
+                f"{hf_dir}: parameter {name} is not in the Hugging Face weights; is it a Llama model?"
+            )
         if path not in handles:
             handles[path] = safe_open(str(path), framework="pt", device="cpu")
         sl = handles[path].get_slice(name)

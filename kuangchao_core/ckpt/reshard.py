@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from kuangchao_core.ckpt.integrity import corrupt, read_manifest
 from kuangchao_core.ckpt.layout import shard_name
-from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
+from kuangchao_core.errors import CheckpointError
 from kuangchao_core.perm import guard_api
 
 PARAM = "param."
@@ -86,8 +86,7 @@ class Region:
         """The common part of two regions of the same full tensor, or None."""
         lo = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]
         hi = [
-            min(a + s, b + t)
-            for a, s, b, t in zip(self.offsets, self.shape, other.offsets, other.shape, strict=True)
+            min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.shape, other.offsets, other.shape, strict=True)
         ]
         if any(h <= l_ for l_, h in zip(lo, hi, strict=True)):
             return None
@@ -126,7 +125,9 @@ class CheckpointIndex:
     _handles: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, step_dir: str | os.PathLike[str], model_shapes: Mapping[str, Iterable[int]] | None = None) -> CheckpointIndex:
+    def open(
+        cls, step_dir: str | os.PathLike[str], model_shapes: Mapping[str, Iterable[int]] | None = None
+    ) -> CheckpointIndex:
         """Index ``step_dir`` (a local step directory) and check coverage of every tensor.
 
         ``model_shapes`` (HF name -> shape) tells the N-D shape of flat optimizer ranges when the checkpoint holds
@@ -148,7 +149,9 @@ class CheckpointIndex:
                 try:
                     region = Region.from_meta(meta)
                 except (KeyError, TypeError) as exc:
-                    raise corrupt(step_dir, f"{shard_name(rank)}: slice metadata of {key} is malformed ({exc})") from None
+                    raise corrupt(
+                        step_dir, f"{shard_name(rank)}: slice metadata of {key} is malformed ({exc})"
+                    ) from None
                 pieces = index.pieces.setdefault(key, [])
                 if pieces and pieces[0].region.full_shape != region.full_shape:
                     raise corrupt(

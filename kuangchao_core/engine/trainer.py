@@ -17,19 +17,23 @@ from typing import Any
 import torch
 
 from kuangchao_core import __version__
-from kuangchao_core.ckpt.optim_state import flatten_optimizer_state, load_optimizer_state
-from kuangchao_core.ckpt.reader import find_latest_intact, load_shard, read_rng, read_state
+from kuangchao_core.ckpt.reader import find_latest_intact, read_rng, read_state
+from kuangchao_core.ckpt.reshard import Region, load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
 from kuangchao_core.engine.metrics import memory_bytes
+from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
-from kuangchao_core.errors import CheckpointError
-from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, config_from_model_section
+from kuangchao_core.errors import CheckpointError, PlanError
+from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.parallel.data import DataParallel
+from kuangchao_core.parallel.zero import ZeroOptimizer
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 log = logging.getLogger("kuangchao.engine")
 
@@ -68,38 +72,51 @@ class TrainState:
 
 
 class Trainer:
-    """Builds model, data and optimizer for this rank and runs the step loop with checkpoints."""
+    """Builds this rank's model part, data and optimizer for a dp×tp×pp mesh and runs the step loop.
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, device: torch.device, world_group: Any, dp_group: Any):
+    ``mesh``: a :class:`~kuangchao_core.parallel.mesh.ParallelMesh` (groups built once, passed explicitly).
+    """
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, device: torch.device, world_group: Any, mesh: Any):
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.world_group = world_group
-        self.dp_group = dp_group
-        self.dp_rank = dp_group.rank
-        self.dp_size = dp_group.size
+        self.mesh = mesh
+        self.dp_group = mesh.dp_group
+        self.dp_rank = mesh.dp_rank
+        self.dp_size = mesh.dp
         self.state = TrainState()
         par = cfg.parallel
         self.micro_batch_size = par.micro_batch_size
         self.grad_accum = par.gradient_accumulation_steps
+        self.zero_stage = int(par.zero_stage)
+        if self.zero_stage and mesh.tp > 1:
+            raise PlanError(
+                [("parallel.zero_stage", f"ZeRO stage {self.zero_stage} with tensor_parallel_size {mesh.tp} is not "
+                  "supported yet; use zero_stage 0 with TP, or tensor_parallel_size 1 with ZeRO")]
+            )
 
         torch.manual_seed(cfg.task.seed)
         self.model_config = config_from_model_section(cfg.model)
-        model = LlamaForCausalLM(self.model_config)
-        model.init_weights(cfg.task.seed)
-        self.model = model.to(device)
-        self.param_names = [name for name, _ in self.model.named_parameters()]
-        self.dp = DataParallel(self.model, dp_group, bucket_cap_mb=par.bucket_size_mb)
+        self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
+        self.model = self.parts.model
+        self.layout = target_layout(mesh, cfg)
+        named = list(self.model.named_parameters())
+        self.param_names = [n for n, _ in named]
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=float(opt.lr),
-            betas=tuple(opt.betas),
-            eps=float(opt.eps),
-            weight_decay=float(opt.weight_decay),
-            foreach=False,
-        )
+        hyper = {"lr": float(opt.lr), "betas": tuple(opt.betas), "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
+        self.dp: DataParallel | None = None
+        if self.zero_stage:
+            self.optimizer: Any = ZeroOptimizer(
+                named, self.dp_group, stage=self.zero_stage, bucket_cap_mb=par.bucket_size_mb, **hyper
+            )
+            if self.rank == 0:
+                log_event(log, "zero memory per rank", **self.optimizer.memory_report())
+        else:
+            self.dp = DataParallel(self.model, self.dp_group, bucket_cap_mb=par.bucket_size_mb)
+            self.optimizer = torch.optim.AdamW([p for _, p in named], foreach=False, **hyper)
 
         self.dataset = build_dataset(cfg.data, self.model_config.vocab_size)
         self.sampler = ResumableBatchSampler(
@@ -120,12 +137,11 @@ class Trainer:
         """A barrier over every rank, through the communication layer (so the guard sees it)."""
         P.all_reduce(torch.zeros(1), group=self.world_group, op="sum")
 
-    def _global_mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        if self.dp_size > 1:
-            P.all_reduce(t, group=self.dp_group, op="sum")
-            t /= self.dp_size
-        return float(t.item())
+    def _sum_over(self, t: torch.Tensor, *groups: Any) -> torch.Tensor:
+        for group in groups:
+            if group is not None and group.size > 1:
+                P.all_reduce(t, group=group, op="sum")
+        return t
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict[str, Any]:
@@ -136,21 +152,37 @@ class Trainer:
             "task": self.cfg.task.name,
         }
 
-    def save_checkpoint(self) -> Path:
-        """Write the checkpoint of the current step (collective over all ranks)."""
+    def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """This rank's tensors and their slice metadata: parameters (first DP replica only) and optimizer state."""
         tensors: dict[str, torch.Tensor] = {}
+        slices: dict[str, dict[str, Any]] = {}
+        regions = self.parts.regions
         if self.dp_rank == 0:
             for name, p in self.model.named_parameters():
                 tensors[f"param.{name}"] = p.detach().cpu()
-            opt_tensors, opt_meta = flatten_optimizer_state(self.optimizer, self.param_names)
+                slices[f"param.{name}"] = regions[name].to_meta()
+        if self.zero_stage:
+            opt_tensors, opt_slices, _ = self.optimizer.state_dict_for_checkpoint()
             tensors.update(opt_tensors)
-        else:
-            opt_meta = None
+            slices.update(opt_slices)
+        elif self.dp_rank == 0:
+            params = dict(self.model.named_parameters())
+            for name, p in params.items():
+                st = self.optimizer.state.get(p) or {}
+                for key in ADAM_KEYS:
+                    if key in st:
+                        tensors[f"optim.{name}.{key}"] = st[key].detach().cpu().clone()
+                        slices[f"optim.{name}.{key}"] = regions[name].to_meta()
+        return tensors, slices
+
+    def save_checkpoint(self) -> Path:
+        """Write the checkpoint of the current step (collective over all ranks)."""
+        tensors, slices = self._checkpoint_tensors()
         assert self.loader is not None
         state = {
             "step": self.state.step,
+            "optimizer_steps": self.state.step,
             "sampler": self.loader.state_dict(),
-            "optimizer_meta": opt_meta,
             "losses": self.state.losses,
             "kuangchao_version": __version__,
             "config_hash": self.cfg.config_hash(),
@@ -161,6 +193,7 @@ class Trainer:
             rng_state=capture_rng_state(),
             state=state if self.rank == 0 else None,
             meta=self._meta(),
+            slices=slices,
         )
         keep = self.cfg.checkpoint.keep_last
         if self.rank == 0 and keep:
@@ -181,24 +214,141 @@ class Trainer:
             raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
         return path
 
+    @torch.no_grad()
+    def _copy_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
+        for name, p in self.model.named_parameters():
+            if name not in full_named:
+                raise CheckpointError(f"{source}: tensor for parameter {name} missing")
+            value = full_named[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(f"{source}: {name} has shape {tuple(value.shape)}, this rank needs {tuple(p.shape)}")
+            p.copy_(value.to(p.dtype))  # ZeRO keeps fp32 parameters as views of its flat buffer: no refresh
+
+    def load_pretrained(self, hf_dir: str) -> None:
+        """Start from a local Hugging Face Llama directory, reading only the slices this rank holds."""
+        from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
+
+        weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
+        self._copy_params(weights, hf_dir)
+        log_event(log, "loaded pretrained weights", path=hf_dir, tensors=len(weights))
+
     def load_checkpoint(self, step_dir: Path) -> None:
-        """Restore params, optimizer, step, sampler position and RNG from ``step_dir``."""
+        """Restore params, optimizer, step, sampler position and RNG from ``step_dir`` — written in this or any
+        other layout: each rank reads only the slices its layout holds."""
         state = read_state(step_dir)
-        tensors = load_shard(step_dir, 0)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                key = f"param.{name}"
-                if key not in tensors:
-                    raise CheckpointError(f"{step_dir}: tensor {key} missing from shard of rank 0")
-                p.copy_(tensors[key].to(p.dtype))
-        load_optimizer_state(self.optimizer, self.param_names, tensors, state["optimizer_meta"])
+        regions: dict[str, Region] = self.parts.regions
+        params = load_for_layout(step_dir, param_keys(regions))
+        self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir))
+        steps = int(state.get("optimizer_steps", state["step"]))
+        optim = load_optimizer_for_layout(step_dir, regions)
+        self._load_optimizer(optim, steps, step_dir)
         self.state.step = int(state["step"])
         self.state.losses = list(state.get("losses", []))
         self.sampler.load_state_dict(state["sampler"])
-        restore_rng_state(read_rng(step_dir, self.rank))
+        try:
+            restore_rng_state(read_rng(step_dir, self.rank))
+        except CheckpointError as exc:  # a new layout with more ranks than the old one
+            log.warning("no RNG state for rank %d in %s (%s); RNG continues from the seed", self.rank, step_dir, exc)
         log_event(log, "resumed", step=self.state.step, checkpoint=str(step_dir))
 
+    def _load_optimizer(self, optim: dict[str, torch.Tensor], steps: int, step_dir: Path) -> None:
+        names = self.param_names
+        have = [n for n in names if all(f"optim.{n}.{k}" in optim for k in ADAM_KEYS)]
+        if not have:
+            if steps:
+                log.warning("%s holds no optimizer state; AdamW moments start from zero", step_dir)
+            return
+        if len(have) != len(names):
+            missing = sorted(set(names) - set(have))[:3]
+            raise CheckpointError(f"{step_dir}: optimizer state missing for {missing}")
+        if self.zero_stage:
+            tensors = {f"optim.{n}.{k}": optim[f"optim.{n}.{k}"] for n in names for k in ADAM_KEYS}
+            tensors.update({f"optim.{n}.step": torch.tensor(float(steps)) for n in names})
+            meta = {
+                "format": 1,
+                "optimizer": "AdamW",
+                "param_groups": [{"param_names": names}],
+                "state_keys": {n: ["exp_avg", "exp_avg_sq", "step"] for n in names},
+                "state_scalars": {},
+            }
+            self.optimizer.load_full_state(tensors, meta)
+            return
+        params = dict(self.model.named_parameters())
+        for name in names:
+            p = params[name]
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(steps), dtype=torch.float32),
+                "exp_avg": optim[f"optim.{name}.exp_avg"].to(p.dtype).clone(),
+                "exp_avg_sq": optim[f"optim.{name}.exp_avg_sq"].to(p.dtype).clone(),
+            }
+
     # ------------------------------------------------------------------ the step
+    def _grad_sync(self) -> Any:
+        return self.optimizer if self.zero_stage else self.dp
+
+    def _clip(self) -> float:
+        """Global gradient norm over every group (each element counted once), clipped to ``max_grad_norm``."""
+        max_norm = float(self.cfg.optimizer.max_grad_norm or 0.0)
+        mesh = self.mesh
+        if self.zero_stage:
+            self.optimizer.finish_gradient_sync()
+            grads = self.optimizer.grad_shards()
+            sq = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                sq += g.double().pow(2).sum()
+            self._sum_over(sq, self.dp_group, mesh.pp_group)
+        elif mesh.tp == 1 and mesh.pp == 1:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            if max_norm > 0:
+                return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+            return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        else:
+            grads = []
+            sq = torch.zeros((), dtype=torch.float64)
+            for name, p in self.model.named_parameters():
+                if p.grad is None:
+                    continue
+                grads.append(p.grad)
+                sq += p.grad.double().pow(2).sum() * self.parts.norm_weight[name]
+            self._sum_over(sq, mesh.tp_group, mesh.pp_group)
+        total = float(sq.sqrt())
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (total + 1e-6))
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+    def _forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        """Forward and backward of every micro-batch with the gradient reduction; (local mean loss, tokens)."""
+        sync = self._grad_sync()
+        n = len(micro_batches)
+        batches = [
+            {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in ("input_ids", "labels")}
+            for b in micro_batches
+        ]
+        tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
+        if self.parts.executor is not None:
+            with sync.no_sync():
+                loss = self.parts.executor.run(batches)
+            if self.zero_stage:
+                self.optimizer.finish_gradient_sync()
+            else:
+                self.dp.sync_accumulated()
+            return (float(loss) if loss is not None else 0.0), tokens
+        local = 0.0
+        for i, batch in enumerate(batches):
+            ctx = sync.no_sync() if i < n - 1 else nullcontext()
+            with ctx:
+                loss = self.parts.loss_fn(self.model(batch["input_ids"]), batch["labels"]) / n
+                loss.backward()
+            local += float(loss.detach())
+        if self.zero_stage:
+            self.optimizer.finish_gradient_sync()
+        else:
+            self.dp.finish_gradient_sync()
+        return local, tokens
+
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over this rank's micro-batches; returns global metrics."""
         t0 = time.perf_counter()
@@ -214,28 +364,14 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.dp.zero_grad()
-        local_loss = 0.0
-        tokens = 0
-        n = len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
-            tokens += int((labels != -100).sum())
-            last = i == n - 1
-            ctx = self.dp.no_sync() if not last else nullcontext()
-            with ctx:
-                loss = causal_lm_loss(self.model(input_ids), labels) / n
-                loss.backward()
-            local_loss += float(loss.detach())
-        self.dp.finish_gradient_sync()
-        max_norm = float(self.cfg.optimizer.max_grad_norm or 0.0)
-        if max_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None]))
+        self._grad_sync().zero_grad()
+        local_loss, tokens = self._forward_backward(micro_batches)
+        grad_norm = self._clip()
         self.optimizer.step()
-        loss = self._global_mean(local_loss)
+        # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
+        loss_t = torch.tensor([local_loss], dtype=torch.float64)
+        self._sum_over(loss_t, self.mesh.pp_group, self.dp_group)
+        loss = float(loss_t.item()) / self.dp_size
         tokens_global = tokens * self.dp_size
         self.state.step += 1
         self.state.losses.append(loss)
@@ -255,10 +391,13 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None) -> TrainState:
         """Train to ``train.steps`` (or ``max_steps`` more steps), checkpointing every ``checkpoint.interval``."""
-        self.dp.sync_parameters()
+        if self.dp is not None:
+            self.dp.sync_parameters()
         step_dir = self.resolve_resume(resume)
         if step_dir is not None:
             self.load_checkpoint(step_dir)
+        elif self.cfg.model.checkpoint:
+            self.load_pretrained(self.cfg.model.checkpoint)
         total = self.cfg.train.steps
         interval = self.cfg.checkpoint.interval
         self.loader = PrefetchLoader(self.dataset, self.sampler, depth=self.cfg.data.prefetch)

@@ -77,18 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.hal import device_init
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.parallel.plan import raise_for_plan
 
     ctx = device_init(cfg.train.device, local_rank=local_rank)
     init_distributed(backend=cfg.parallel.backend, timeout_ms=cfg.parallel.timeout_ms)
-    if cfg.parallel.world_size != world_size:
-        raise KuangchaoError(
-            f"parallel layout needs {cfg.parallel.world_size} processes "
-            f"(dp {cfg.parallel.data_parallel_size} x tp {cfg.parallel.tensor_parallel_size} x pp "
-            f"{cfg.parallel.pipeline_parallel_size}) but torchrun started {world_size}"
-        )
+    raise_for_plan(cfg, world_size)
     world = world_group()
-    dp_group = world
-    log_event(log, "worker ready", device=str(ctx.device), world_size=world_size)
+    mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
+    log_event(log, "worker ready", device=str(ctx.device), world_size=world_size, mesh=repr(mesh))
 
     sink = None
     run_id = os.environ.get("KC_MLFLOW_RUN_ID")
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
         sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id)
 
-    trainer = Trainer(cfg, rank, world_size, ctx.device, world, dp_group)
+    trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
     resume = args.resume or cfg.checkpoint.resume
     try:
         state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps)

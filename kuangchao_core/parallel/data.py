@@ -183,6 +183,12 @@ class DataParallel(torch.nn.Module):
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
+    def sync_accumulated(self) -> None:
+        """All-reduce gradients accumulated entirely under :meth:`no_sync` (pipeline schedules run every backward
+        there), then average them: :meth:`finish_gradient_sync` without the synchronized last backward."""
+        self._backward_seen = True
+        self.finish_gradient_sync()
+
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's all-reduce and average the gradients over the group.
 

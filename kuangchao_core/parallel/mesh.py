@@ -134,10 +134,11 @@ class ParallelMesh:
 
     def _build(self, kind: str, groups: list[list[int]]):
         from kuangchao_core.comm import CommGroup
+        from kuangchao_core.perm.layout import group_name
 
         mine = None
-        for i, ranks in enumerate(groups):  # all of them, in order, on every rank: construction is collective
-            group = CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=f"{kind}{i}")
+        for ranks in groups:  # all of them, in order, on every rank: construction is collective
+            group = CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=group_name(kind, ranks))
             if self.rank in ranks:
                 mine = group
         return mine
@@ -188,6 +189,5 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         return (
-            f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, rank={self.rank}, "
-            f"coords(dp,tp,pp)={self.coords})"
+            f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, rank={self.rank}, coords(dp,tp,pp)={self.coords})"
         )

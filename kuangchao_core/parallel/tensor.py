@@ -350,7 +350,10 @@ def vocab_parallel_cross_entropy(
         labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
     if _size(group) == 1:
         per_token = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
         ).view(labels.shape)
     else:
         vocab_start = _rank(group) * logits.shape[-1]

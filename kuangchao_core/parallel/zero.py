@@ -294,6 +294,10 @@ class ZeroOptimizer:
             self._launch_in_order()
         self._synced = True
 
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient shards (valid after :meth:`finish_gradient_sync`), one per bucket."""
+        return list(self._grad_shards())
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so that the global L2 norm is at most ``max_norm``; returns the norm before.
 

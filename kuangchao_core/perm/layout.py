@@ -2,8 +2,8 @@
 
 Group names: the world group is ``world``; a parallel group is named by its kind and sorted member ranks,
 ``dp[0,2]``, ``tp[0,1]``, ``pp[0,4]`` (:func:`group_name`), so a token can list exactly the groups its rank
-belongs to before any group exists. Rank layout (Megatron order): tensor-parallel fastest, then data-parallel,
-then pipeline: ``rank = (pp_i * dp + dp_i) * tp + tp_i``.
+belongs to before any group exists. Rank layout (as :mod:`kuangchao_core.parallel.mesh`): tensor-parallel fastest
+(consecutive ranks), then pipeline, then data-parallel: ``rank = dp_i * (pp * tp) + pp_i * tp + tp_i``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def group_layout(dp: int, tp: int = 1, pp: int = 1) -> dict[str, list[int]]:
     world = dp * tp * pp
 
     def rank(p, d, t):
-        return (p * dp + d) * tp + t
+        return d * (pp * tp) + p * tp + t
 
     groups: dict[str, list[int]] = {"world": list(range(world))}
     for p in range(pp):

@@ -1,0 +1,102 @@
+"""Build this rank's part of the model for a dp×tp×pp mesh: TP layers, pipeline chunks, and what it holds.
+
+The model is initialised exactly as the one-process model with the same seed (TP layers draw the full tensor and
+keep their slice), then the layers of other pipeline stages are dropped, so every layout trains the same network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kuangchao_core.ckpt.reshard import Region, TargetLayout
+from kuangchao_core.errors import PlanError
+from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
+from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model part and how to run it.
+
+    ``model``: the (pruned) module whose parameters this rank trains; ``loss_fn(logits, labels)``;
+    ``executor``: the pipeline executor when pp > 1; ``regions``: parameter name -> the region of the full
+    tensor it holds; ``norm_weight``: parameter name -> 1 / number of ranks of its TP group holding the same region
+    (so a global gradient norm counts every element once).
+    """
+
+    model: nn.Module
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    executor: PipelineExecutor | None
+    regions: dict[str, Region]
+    norm_weight: dict[str, float]
+
+
+def _target(mesh: Any, cfg: Any) -> TargetLayout:
+    return TargetLayout(
+        tp=mesh.tp,
+        pp=mesh.pp,
+        tp_rank=mesh.tp_rank,
+        pp_rank=mesh.pp_rank,
+        virtual=int(cfg.parallel.virtual_pipeline_size),
+    )
+
+
+def target_layout(mesh: Any, cfg: Any) -> TargetLayout:
+    """The checkpoint-resharding view of this rank's place in the mesh."""
+    return _target(mesh, cfg)
+
+
+def _prune_to_stage(model: LlamaForCausalLM, owned: set[str]) -> None:
+    """Drop the layers, embedding, norm and head that other pipeline stages hold (their memory is freed)."""
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if not any(n.startswith(f"model.layers.{i}.") for n in owned):
+            layers[i] = nn.Identity()
+    if "model.embed_tokens.weight" not in owned:
+        model.model.embed_tokens = None
+    if "model.norm.weight" not in owned:
+        model.model.norm = None
+    if "lm_head.weight" not in owned:
+        model.lm_head = None
+
+
+def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: torch.device) -> ParallelModel:
+    """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``."""
+    seed = int(cfg.task.seed)
+    par = cfg.parallel
+    if mesh.tp > 1:
+        model: LlamaForCausalLM = TPLlamaForCausalLM(llama_cfg, mesh.tp_group)
+        init_from_seed(model, seed)
+        loss_fn = model.loss
+    else:
+        model = LlamaForCausalLM(llama_cfg)
+        model.init_weights(seed)
+        loss_fn = causal_lm_loss
+    layout = _target(mesh, cfg)
+    regions = layout.param_slices(llama_cfg)
+    executor = None
+    if mesh.pp > 1:
+        chunks = build_stage_chunks(model, mesh.pp, mesh.pp_rank, int(par.virtual_pipeline_size))
+        _prune_to_stage(model, set(regions))
+        model = model.to(device)
+        executor = PipelineExecutor(
+            mesh.pp_group, chunks, loss_fn, llama_cfg.hidden_size, schedule=par.pipeline_schedule, device=device
+        )
+    else:
+        model = model.to(device)
+    names = {n for n, _ in model.named_parameters()}
+    if names != set(regions):
+        raise PlanError(
+            [("parallel", f"rank {mesh.rank}: parameters {sorted(names ^ set(regions))[:4]} do not match the layout")]
+        )
+    peers = [
+        TargetLayout(mesh.tp, mesh.pp, r, mesh.pp_rank, layout.virtual).param_slices(llama_cfg) for r in range(mesh.tp)
+    ]
+    norm_weight = {name: 1.0 / sum(1 for pr in peers if pr[name] == region) for name, region in regions.items()}
+    return ParallelModel(model, loss_fn, executor, regions, norm_weight)

@@ -1,0 +1,241 @@
+"""The parallel plan of a job, computed before anything runs: groups, stages, micro-batches, bubble, memory.
+
+- :func:`check_plan` returns every reason the layout cannot run, as ``(dotted_path, message)`` pairs with the
+  numbers (TP not dividing heads / kv heads / vocabulary / MLP width, layers not divisible by pp x v, micro-batch
+  counts the schedule cannot run, world size not matching the cluster or the launched processes). The engine runs
+  it before launch (:func:`raise_for_plan`).
+- :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
+  (virtual) stage holds, micro-batches per step, the expected bubble fraction and the estimated memory per rank.
+
+Memory per rank (fp32 AdamW, ``/work/shared/reference/performance.md`` §2.5, Ψ = parameters this rank holds
+after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimizer m and v 8Ψ (ZeRO-1/2: 8Ψ/N).
+Activations are a rough estimate: per layer and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 16 bits
+(Korthikanti et al.), doubled for fp32, times the layers of the stage and the micro-batches in flight
+(1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and min(m, p)·(1 + (p−1)/(p·v)) for
+interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuangchao_core.errors import ConfigError, PlanError
+
+Errors = list[tuple[str, str]]
+
+
+def _model_config(cfg: Any):
+    from kuangchao_core.models.llama import config_from_model_section
+
+    return config_from_model_section(cfg.model)
+
+
+def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
+    """Every plan problem of job config ``cfg`` as ``(dotted_path, message)``; empty when the plan can run.
+
+    ``world_size``: the number of processes actually launched, when known (else the cluster section's).
+    """
+    from kuangchao_core.models.tp_llama import validate_tp
+    from kuangchao_core.parallel.mesh import validate_sizes
+    from kuangchao_core.parallel.pipeline import partition_layers
+    from kuangchao_core.parallel.pp_schedules import validate_schedule
+
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    v, m = par.virtual_pipeline_size, par.gradient_accumulation_steps
+    errors: Errors = []
+
+    def collect(fn, *args) -> None:
+        try:
+            fn(*args)
+        except ConfigError as exc:  # PlanError included
+            errors.extend(exc.errors)
+
+    try:
+        mcfg = _model_config(cfg)
+    except ConfigError as exc:
+        errors.extend(exc.errors)
+        mcfg = None
+    if mcfg is not None:
+        collect(validate_tp, mcfg, tp)
+        collect(partition_layers, mcfg.num_layers, pp, v)
+        if pp > 1 and mcfg.tie_embeddings:
+            errors.append(
+                (
+                    "model.tie_embeddings",
+                    f"tied embeddings would put one weight on pipeline stage 0 and stage {pp * v - 1}; set "
+                    "tie_embeddings false or pipeline_parallel_size 1",
+                )
+            )
+    if pp > 1:
+        collect(validate_schedule, par.pipeline_schedule, pp, m, v)
+    elif v > 1:
+        errors.append(
+            (
+                "parallel.virtual_pipeline_size",
+                f"virtual_pipeline_size {v} needs pipeline_parallel_size > 1, got {pp}",
+            )
+        )
+    devices = getattr(getattr(cfg, "cluster", None), "devices", None)
+    if world_size is None and devices is not None and devices != dp * tp * pp:
+        errors.append(
+            (
+                "parallel.data_parallel_size",
+                f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = {dp}x{tp}x{pp} = "
+                f"{dp * tp * pp} processes, but the cluster provides {devices}",
+            )
+        )
+    collect(validate_sizes, dp, tp, pp, world_size)
+    unique: Errors = []
+    for e in errors:
+        if e not in unique:
+            unique.append(e)
+    return unique
+
+
+def raise_for_plan(cfg: Any, world_size: int | None = None) -> None:
+    """Raise PlanError listing every problem :func:`check_plan` finds."""
+    errors = check_plan(cfg, world_size)
+    if errors:
+        raise PlanError(errors)
+
+
+def _bytes(n: float) -> float:
+    return float(round(n))
+
+
+def explain_plan(cfg: Any) -> dict[str, Any]:
+    """JSON-able description of the layout (call :func:`check_plan` first; this raises PlanError on a bad plan)."""
+    from kuangchao_core.ckpt.reshard import slices_for_rank
+    from kuangchao_core.parallel.mesh import coords_of, mesh_layout
+    from kuangchao_core.parallel.pipeline import partition_layers
+    from kuangchao_core.parallel.pp_schedules import bubble_fraction
+
+    raise_for_plan(cfg)
+    mcfg = _model_config(cfg)
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
+    layout = mesh_layout(dp, tp, pp)
+    chunks = partition_layers(mcfg.num_layers, pp, v)
+    stages = [
+        {
+            "pp_rank": r,
+            "chunks": [
+                {
+                    "chunk": c.chunk,
+                    "virtual_stage": c.stage,
+                    "layers": list(range(c.start, c.end)),
+                    "embedding": c.has_embedding,
+                    "head": c.has_head,
+                }
+                for c in chunks[r]
+            ],
+        }
+        for r in range(pp)
+    ]
+    seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
+    fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
+    zero = par.zero_stage
+    h, a = mcfg.hidden_size, mcfg.num_heads
+    act_layer = seq * b * h * (10 + 24 / tp + 5 * a * seq / (h * tp)) * (2 if fp32 else 1)
+    if pp == 1:
+        in_flight = 1.0
+    elif par.pipeline_schedule == "afab":
+        in_flight = float(m)
+    elif par.pipeline_schedule == "interleaved_1f1b":
+        in_flight = min(m, pp) * (1 + (pp - 1) / (pp * v))
+    else:
+        in_flight = float(min(m, pp))
+    ranks = []
+    for rank in range(layout.world_size):
+        dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
+        slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
+        psi = sum(r.numel for r in slices.values())
+        layers = sum(c.end - c.start for c in chunks[pp_rank])
+        last = any(c.has_head for c in chunks[pp_rank])
+        params = 4 * psi
+        grads = 4 * psi / dp if zero >= 2 else 4 * psi
+        optim = 8 * psi / dp if zero >= 1 else 8 * psi
+        acts = act_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
+        ranks.append(
+            {
+                "rank": rank,
+                "coords": {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank},
+                "parameters": psi,
+                "memory_bytes": {
+                    "params": _bytes(params),
+                    "grads": _bytes(grads),
+                    "optimizer": _bytes(optim),
+                    "activations_estimate": _bytes(acts),
+                    "total": _bytes(params + grads + optim + acts),
+                },
+            }
+        )
+    bubble = bubble_fraction(pp, m, v if par.pipeline_schedule == "interleaved_1f1b" else 1) if pp > 1 else 0.0
+    return {
+        "sizes": {"dp": dp, "tp": tp, "pp": pp, "virtual": v, "world_size": layout.world_size},
+        "groups": {k: val for k, val in layout.describe().items() if k != "sizes"},
+        "stages": stages,
+        "batch": {
+            "micro_batch_size": b,
+            "micro_batches_per_step": m,
+            "global_batch_size": b * m * dp,
+            "seq_len": seq,
+        },
+        "schedule": par.pipeline_schedule if pp > 1 else None,
+        "bubble_fraction": bubble,
+        "bubble_formula": (
+            None
+            if pp == 1
+            else f"(p-1)/(v*m+p-1) = ({pp}-1)/({v}*{m}+{pp}-1)"
+            if par.pipeline_schedule == "interleaved_1f1b"
+            else f"(p-1)/(m+p-1) = ({pp}-1)/({m}+{pp}-1)"
+        ),
+        "zero_stage": zero,
+        "model_parameters": mcfg.num_params(),
+        "ranks": ranks,
+    }
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """Human-readable text of :func:`explain_plan`'s result."""
+    s = plan["sizes"]
+    lines = [
+        f"layout: dp={s['dp']} x tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = {s['world_size']} processes",
+        f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
+    ]
+    for kind in ("tp", "pp", "dp"):
+        groups = plan["groups"][f"{kind}_groups"]
+        lines.append(f"{kind.upper()} groups: " + "  ".join(f"{n}={r}" for n, r in groups.items()))
+    for st in plan["stages"]:
+        parts = []
+        for c in st["chunks"]:
+            extra = "+".join(x for x, f in (("embedding", c["embedding"]), ("norm+head", c["head"])) if f)
+            layers = f"layers {c['layers'][0]}-{c['layers'][-1]}" if c["layers"] else "no layers"
+            parts.append(
+                f"chunk {c['chunk']} (virtual stage {c['virtual_stage']}): {layers}{' ' + extra if extra else ''}"
+            )
+        lines.append(f"pipeline rank {st['pp_rank']}: " + "; ".join(parts))
+    bt = plan["batch"]
+    lines.append(
+        f"batch: {bt['micro_batches_per_step']} micro-batches of {bt['micro_batch_size']} x {bt['seq_len']} tokens "
+        f"per step per DP rank; global batch {bt['global_batch_size']} sequences"
+    )
+    if plan["schedule"]:
+        lines.append(
+            f"schedule {plan['schedule']}: expected bubble {plan['bubble_fraction']:.3f} = {plan['bubble_formula']}"
+        )
+    else:
+        lines.append("no pipeline: no bubble")
+    lines.append("memory per rank (MiB): params / grads / optimizer / activations (rough) / total")
+    for r in plan["ranks"]:
+        mem = r["memory_bytes"]
+        c = r["coords"]
+        lines.append(
+            f"  rank {r['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']}): "
+            + " / ".join(
+                f"{mem[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "activations_estimate", "total")
+            )
+        )
+    return "\n".join(lines)

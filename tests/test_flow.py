@@ -1,0 +1,40 @@
+"""Issue 2 "Flow": a real flow run of the tiny config completes and MLflow holds its losses and manifest."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest_prefect import STEPS, prefect_api, reference_run, session_store  # noqa: F401
+
+
+def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    summary = reference_run["summary"]
+    assert summary["steps"] == STEPS and summary["attempts"] == 1 and summary["checkpoint_step"] == STEPS
+    losses = reference_run["losses"]
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1)), "one loss per step, each once"
+    assert losses[-1][1] < losses[0][1], "training must lower the loss"
+
+    client = MlflowClient(reference_run["tracking_uri"])
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["prefect.flow_run_id"] == summary["flow_run_id"]
+    assert tags["kuangchao.layout"] == "dp2-tp1-pp1-zero0"
+    assert len(tags["kuangchao.config_hash"]) >= 8
+    assert tags["kuangchao.attempts"] == "1"
+    assert "mlflow.source.git.commit" in tags
+    assert run.data.params["train.steps"] == str(STEPS)
+
+    step_dir = f"checkpoints/step_{STEPS:08d}"
+    names = {a.path for a in client.list_artifacts(run.info.run_id, step_dir)}
+    assert {f"{step_dir}/manifest.json", f"{step_dir}/checkpoint.json"} <= names
+    local = client.download_artifacts(run.info.run_id, f"{step_dir}/manifest.json")
+    with open(local, encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    assert manifest["step"] == STEPS and manifest["files"]
+    meta_path = client.download_artifacts(run.info.run_id, f"{step_dir}/checkpoint.json")
+    with open(meta_path, encoding="utf-8") as fh:
+        meta = json.load(fh)
+    assert meta["step"] == STEPS and len(meta["manifest_sha256"]) == 64 and meta["size_bytes"] > 0
