@@ -78,4 +78,6 @@ class WorkerFailed(KuangchaoError):
         self.rank = rank
         self.cause = cause
         self.exit_code = exit_code
-        super().__init__(f"worker rank {rank} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else ""))
+        super().__init__(
+            f"worker rank {rank} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else "")
+        )

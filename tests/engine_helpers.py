@@ -12,8 +12,18 @@ def tiny_job(tmp_dir: str, **sections: Any):
     base: dict[str, Any] = {
         "task": {"name": "t", "seed": 7},
         "model": {"preset": "tiny", "num_layers": 2},
-        "data": {"format": "synthetic", "seq_len": 32, "prefetch": 2, "synthetic": {"num_train": 512, "num_eval": 16, "seed": 3}},
-        "parallel": {"data_parallel_size": 1, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "backend": "gloo"},
+        "data": {
+            "format": "synthetic",
+            "seq_len": 32,
+            "prefetch": 2,
+            "synthetic": {"num_train": 512, "num_eval": 16, "seed": 3},
+        },
+        "parallel": {
+            "data_parallel_size": 1,
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "backend": "gloo",
+        },
         "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
         "train": {"steps": 8, "warmup_steps": 2, "device": "cpu", "log_interval": 100},
         "permission": {"mode": "trusted"},
@@ -37,7 +47,6 @@ def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_step
     if patch is not None:
         patch()
     from kuangchao_core.engine.trainer import Trainer
-
     from kuangchao_core.parallel.mesh import ParallelMesh
 
     init_distributed(backend="gloo", timeout_ms=120_000)

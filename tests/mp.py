@@ -70,7 +70,9 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, init_pg, env), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, init_pg, env), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -95,7 +95,11 @@ def test_mesh_builds_groups_on_four_processes():
         assert res["sums"] == {"tp": float(sum(res["tp"])), "pp": float(rank), "dp": float(sum(res["dp"]))}
         # canonical names (kind + sorted ranks), the ones capability tokens list
         assert res["names"] == ["tp[0,1]", "tp[2,3]", "pp[0]", "pp[1]", "pp[2]", "pp[3]", "dp[0,2]", "dp[1,3]"]
-        assert res["mine"] == {"tp": f"tp{res['tp']}".replace(" ", ""), "pp": f"pp[{rank}]", "dp": f"dp{res['dp']}".replace(" ", "")}
+        assert res["mine"] == {
+            "tp": f"tp{res['tp']}".replace(" ", ""),
+            "pp": f"pp[{rank}]",
+            "dp": f"dp{res['dp']}".replace(" ", ""),
+        }
 
 
 def _mismatch_body(rank, world_size):

@@ -43,7 +43,9 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """Kuangchao (狂潮) distributed training."""
 

@@ -18,7 +18,9 @@ def register(app: typer.Typer) -> None:
     def train(
         config: str = typer.Option(..., "--config", "-c", help="Job YAML file."),
         set_: list[str] = typer.Option([], "--set", help="Override a field: --set parallel.data_parallel_size=2"),
-        resume: str = typer.Option(None, "--resume", help="auto (newest intact checkpoint), never, or a step directory."),
+        resume: str = typer.Option(
+            None, "--resume", help="auto (newest intact checkpoint), never, or a step directory."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
     ) -> None:
         """Train: doctor, topology probe, data validation, tokens, launch with recovery, checkpoint verification."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, base_lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine", min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int, base_lr: float, total_steps: int, warmup_steps: int, schedule: str = "cosine", min_lr_ratio: float = 0.1
+) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr_ratio``.
 
     ``schedule="constant"`` keeps ``base_lr`` after warmup.

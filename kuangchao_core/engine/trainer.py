@@ -94,8 +94,13 @@ class Trainer:
         self.zero_stage = int(par.zero_stage)
         if self.zero_stage and mesh.tp > 1:
             raise PlanError(
-                [("parallel.zero_stage", f"ZeRO stage {self.zero_stage} with tensor_parallel_size {mesh.tp} is not "
-                  "supported yet; use zero_stage 0 with TP, or tensor_parallel_size 1 with ZeRO")]
+                [
+                    (
+                        "parallel.zero_stage",
+                        f"ZeRO stage {self.zero_stage} with tensor_parallel_size {mesh.tp} is not "
+                        "supported yet; use zero_stage 0 with TP, or tensor_parallel_size 1 with ZeRO",
+                    )
+                ]
             )
 
         torch.manual_seed(cfg.task.seed)
@@ -106,7 +111,12 @@ class Trainer:
         named = list(self.model.named_parameters())
         self.param_names = [n for n, _ in named]
         opt = cfg.optimizer
-        hyper = {"lr": float(opt.lr), "betas": tuple(opt.betas), "eps": float(opt.eps), "weight_decay": float(opt.weight_decay)}
+        hyper = {
+            "lr": float(opt.lr),
+            "betas": tuple(opt.betas),
+            "eps": float(opt.eps),
+            "weight_decay": float(opt.weight_decay),
+        }
         self.dp: DataParallel | None = None
         if self.zero_stage:
             self.optimizer: Any = ZeroOptimizer(
@@ -221,7 +231,9 @@ class Trainer:
                 raise CheckpointError(f"{source}: tensor for parameter {name} missing")
             value = full_named[name]
             if tuple(value.shape) != tuple(p.shape):
-                raise CheckpointError(f"{source}: {name} has shape {tuple(value.shape)}, this rank needs {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{source}: {name} has shape {tuple(value.shape)}, this rank needs {tuple(p.shape)}"
+                )
             p.copy_(value.to(p.dtype))  # ZeRO keeps fp32 parameters as views of its flat buffer: no refresh
 
     def load_pretrained(self, hf_dir: str) -> None:

@@ -127,7 +127,9 @@ def _final_eval(trainer, sink) -> None:
     log_event(log, "eval", heldout_accuracy=acc, loss_floor=floor)
     emit_event("eval", heldout_accuracy=acc, loss_floor=floor)
     if sink is not None:
-        sink.log_final({"heldout_accuracy": acc} | ({"loss_floor": floor} if floor is not None else {}), trainer.state.step)
+        sink.log_final(
+            {"heldout_accuracy": acc} | ({"loss_floor": floor} if floor is not None else {}), trainer.state.step
+        )
 
 
 if __name__ == "__main__":

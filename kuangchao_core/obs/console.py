@@ -80,7 +80,9 @@ class LiveView:
             elif kind == "checkpoint":
                 self._print(f"checkpoint saved at step {event.get('step')}")
             elif kind == "eval":
-                self._print(f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {event.get('loss_floor')})")
+                self._print(
+                    f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {event.get('loss_floor')})"
+                )
             elif kind == "done":
                 self.close()
 

@@ -105,11 +105,23 @@ def kill_tree(proc: subprocess.Popen, extra_pids: list[int] = ()) -> None:
 
 
 def _parse_root_cause(text: str) -> dict | None:
-    """Rank, local rank, exit code, pid, error file and message from torchrun's failure report."""
+    """Rank, local rank, exit code, pid, error file and message from torchrun's failure report.
+
+    torchrun names the *first observed* failure as root cause; when a rank is killed, its peers often fail first
+    with a Gloo "connection reset". So a rank that died from a signal is preferred over the reported root cause.
+    """
     i = text.rfind(_ROOT_CAUSE)
     if i < 0:
         return None
-    block = text[i:]
+    start = text.rfind("Failures:", 0, i)
+    region = text[start if start >= 0 else i :]
+    entries = [e for e in (_parse_failure_block(b) for b in re.split(r"\n\s*\[\d+\]:\s*\n", region)) if e]
+    root = _parse_failure_block(text[i:])
+    signalled = [e for e in entries if (e.get("exit_code") or 0) < 0]
+    return signalled[0] if signalled else root
+
+
+def _parse_failure_block(block: str) -> dict | None:
     out: dict = {}
     m = re.search(r"rank\s*:\s*(-?\d+)\s*\(local_rank:\s*(-?\d+)\)", block)
     if m:
