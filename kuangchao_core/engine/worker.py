@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and run_id:
         from kuangchao_core.obs.mlflow_sink import MlflowMetricSink
 
-        sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id)
+        sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id, task=cfg.task.name)
 
     trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
     resume = args.resume or cfg.checkpoint.resume

@@ -11,6 +11,8 @@ import queue
 import threading
 import time
 
+from kuangchao_core.perm import guard_api
+
 log = logging.getLogger("kuangchao.obs.mlflow")
 
 METRIC_KEYS = ("loss", "lr", "tokens_per_s", "grad_norm", "mem_bytes", "comm_share")
@@ -20,10 +22,15 @@ class MlflowMetricSink:
     """Queues step metrics and logs them with ``MlflowClient.log_batch`` from one background thread.
 
     ``max_batch`` counts steps; 150 steps of six metrics stay under MLflow's 1000-metric batch limit.
+    Creating a sink needs ``metrics_write`` on ``metrics:<task>`` (raises ``PermissionDenied`` otherwise).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0, max_batch: int = 150):
+    def __init__(
+        self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150
+    ):
         from mlflow.tracking import MlflowClient
+
+        guard_api.check("metrics_write", f"metrics:{task}")
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self.run_id = run_id

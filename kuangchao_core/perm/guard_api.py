@@ -50,3 +50,9 @@ def current_guard() -> Guard:
 def check(interface: str, resource: str) -> None:
     """Check ``interface`` on ``resource`` with this process's guard."""
     _current.check(interface, resource)
+
+
+def current_token_id() -> str | None:
+    """The token id (``jti``) behind this process's guard; None when no token backs it (``DenyAll``, ``AllowAll``)."""
+    jti = getattr(getattr(_current, "claims", None), "jti", None)
+    return jti if isinstance(jti, str) else None

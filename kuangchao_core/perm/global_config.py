@@ -1,0 +1,311 @@
+"""The job's global configuration: the few settings that may change while a job runs (L5.2, L5.4).
+
+Storage: one JSON file per job (for example ``<run dir>/global_config.json``) shared by every process of the job
+through the file system, chosen over the c10d store because it outlives the process group (an elastic restart keeps
+the settings), needs no rendezvous to read, and works for processes outside the training group (the monitor, the
+CLI). Layout: ``{"task", "version", "values", "updated"}``. Writers serialise on an ``flock`` of ``<file>.lock``,
+write a temporary file in the same directory, ``fsync`` it and ``rename`` it over the old one (then ``fsync`` the
+directory), so a reader sees either the old or the new version, never a torn one; ``version`` grows by one per change.
+
+Permissions:
+
+* ``set`` needs ``config_write`` on ``config:<task>`` (in the built-in roles only ``admin`` has it, so a worker
+  holding a ``trainer`` token is refused and the guard audits the denial). Every accepted change is appended to the
+  job's audit log (action ``config_change``) with the token id (``jti``) of the guard that made it, the key, the
+  old and the new value and the new version; if that record cannot be written, the change is rolled back.
+* ``get`` / ``snapshot`` need a live capability token of any role (or ``permission.mode: trusted``). There is no
+  read interface for the configuration, and every module must be able to follow the settings it runs under, so
+  holding a verified, unexpired token of the job is the least privilege that still lets workers read; a process
+  without a token (default deny) is refused and, when its guard has an audit log, audited.
+
+Keys are an allow-list (:data:`DEFAULT_KEYS` plus ``extra_keys``), each with a validator that normalises the value
+or raises ``ValueError``; an unknown key or a bad value is a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.errors import ConfigError, KuangchaoError
+from kuangchao_core.perm import guard_api
+from kuangchao_core.perm import reasons as R
+from kuangchao_core.perm.audit import AuditLog
+
+Validator = Callable[[Any], Any]
+FORMAT_VERSION = 1
+_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+
+
+def choice(*options: str) -> Validator:
+    """A validator accepting one of ``options`` (upper-case strings; the value is upper-cased before comparing)."""
+
+    def check(value):
+        if not isinstance(value, str) or value.upper() not in options:
+            raise ValueError(f"must be one of {list(options)}, not {value!r}")
+        return value.upper()
+
+    return check
+
+
+def integer(minimum: int | None = None, maximum: int | None = None) -> Validator:
+    """A validator accepting an int (not a bool) within ``[minimum, maximum]``."""
+
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, not {value!r}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise ValueError(f"must be in [{minimum}, {maximum}], not {value}")
+        return value
+
+    return check
+
+
+def number(minimum: float | None = None, maximum: float | None = None, *, exclusive_min: bool = False) -> Validator:
+    """A validator accepting a finite int or float within the bounds; returns a float."""
+
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"must be a finite number, not {value!r}")
+        value = float(value)
+        low_bad = minimum is not None and (value <= minimum if exclusive_min else value < minimum)
+        if low_bad or (maximum is not None and value > maximum):
+            lo = "(" if exclusive_min else "["
+            raise ValueError(f"must be in {lo}{minimum}, {maximum}], not {value}")
+        return value
+
+    return check
+
+
+def scalar(value):
+    """A validator accepting any JSON scalar (str up to 1024 chars, int, float, bool, None)."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, str) and len(value) <= 1024:
+        return value
+    raise ValueError(f"must be a JSON scalar (string <= 1024 chars, number, bool or null), not {value!r}")
+
+
+#: the settings any job may change while it runs
+DEFAULT_KEYS: dict[str, Validator] = {
+    "log_level": choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "checkpoint_interval": integer(1),
+    "eval_interval": integer(1),
+    "log_interval": integer(1),
+    "lr_scale": number(0.0, 100.0, exclusive_min=True),
+}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One version of the global configuration as read from the file."""
+
+    version: int
+    values: dict[str, Any] = field(default_factory=dict)
+    updated: dict[str, Any] = field(default_factory=dict)
+
+
+class GlobalConfig:
+    """The global configuration of job task ``task``, stored in ``path``.
+
+    ``audit``: the job's audit log; defaults to the one the installed guard writes to. ``extra_keys``: more allowed
+    keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``actor``: the module name recorded for
+    changes when the guard has none (trusted mode).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        task: str,
+        *,
+        audit: AuditLog | None = None,
+        extra_keys: Mapping[str, Validator] | None = None,
+        actor: str | None = None,
+    ):
+        self.path = Path(path)
+        self.task = task
+        self.resource = f"config:{task}"
+        self.audit = audit
+        self.actor = actor
+        self.keys: dict[str, Validator] = dict(DEFAULT_KEYS)
+        bad = [
+            (f"global_config.keys.{k}", "a key must match [a-z][a-z0-9_]{0,63}")
+            for k in (extra_keys or {})
+            if not _KEY.match(str(k))
+        ]
+        if bad:
+            raise ConfigError(bad, str(self.path))
+        self.keys.update(extra_keys or {})
+        self._lock_path = self.path.with_name(self.path.name + ".lock")
+        self._cache: tuple[tuple[int, int, int], Snapshot] | None = None
+
+    # ------------------------------------------------------------------ reading
+    def get(self, key: str, default: Any = None) -> Any:
+        """The current value of ``key`` (``default`` if never set); needs a live token of any role."""
+        self._require_token()
+        self._known(key)
+        return self._read().values.get(key, default)
+
+    def snapshot(self) -> Snapshot:
+        """The current version, values and last change; needs a live token of any role."""
+        self._require_token()
+        return self._read()
+
+    @property
+    def version(self) -> int:
+        """The current version number (0 before the first change)."""
+        return self.snapshot().version
+
+    def _require_token(self) -> None:
+        guard = guard_api.current_guard()
+        if isinstance(guard, guard_api.AllowAll):
+            return
+        code = None
+        if guard_api.current_token_id() is None:
+            code = getattr(guard, "code", R.NO_TOKEN)
+        elif getattr(guard, "expires_in", 1.0) <= 0:
+            code = R.EXPIRED
+        if code is None:
+            return
+        module = getattr(guard, "module_id", None)
+        audit = getattr(guard, "audit", None)
+        if audit is not None:
+            audit.append(
+                "config_read",
+                actor=module or "?",
+                decision="deny",
+                resource=self.resource,
+                reason=code,
+                jti=guard_api.current_token_id() or "",
+            )
+        raise R.GuardDenied("config_read", self.resource, code, module)
+
+    def _read(self) -> Snapshot:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return Snapshot(0)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._cache is not None and self._cache[0] == stamp:
+            return self._cache[1]
+        snap = self._load()
+        self._cache = (stamp, snap)
+        return snap
+
+    def _load(self) -> Snapshot:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return Snapshot(0)
+        except (OSError, ValueError) as exc:
+            raise KuangchaoError(
+                f"global config {self.path} is unreadable ({exc}); restore it from the audit log's config_change "
+                "records or delete it to start from the defaults"
+            ) from None
+        if not isinstance(data, dict) or data.get("task") != self.task or not isinstance(data.get("values"), dict):
+            raise KuangchaoError(
+                f"global config {self.path} does not belong to task {self.task!r} (found task "
+                f"{data.get('task') if isinstance(data, dict) else None!r}); point GlobalConfig at this job's file"
+            )
+        return Snapshot(int(data.get("version", 0)), dict(data["values"]), dict(data.get("updated") or {}))
+
+    # ------------------------------------------------------------------ writing
+    def set(self, key: str, value: Any) -> int:
+        """Change ``key`` to ``value`` for the whole job and return the new version.
+
+        Needs ``config_write`` on ``config:<task>`` (checked first; a denial raises ``PermissionDenied`` and is
+        audited by the guard). The change is recorded in the audit log with the token id that made it.
+        Setting a key to its current value changes nothing and returns the current version.
+        """
+        guard_api.check("config_write", self.resource)
+        self._known(key)
+        try:
+            value = self.keys[key](value)
+        except ValueError as exc:
+            raise ConfigError([(f"global_config.{key}", str(exc))], str(self.path)) from None
+        guard = guard_api.current_guard()
+        audit = self.audit or getattr(guard, "audit", None)
+        if audit is None:
+            raise KuangchaoError(
+                f"cannot change global config {key!r} of task {self.task!r}: no audit log to record the change in; "
+                "install the worker guard with permission.audit_log set or pass audit=AuditLog(...)"
+            )
+        jti = guard_api.current_token_id() or ""
+        actor = getattr(guard, "module_id", None) or self.actor or "trusted"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_path, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = self._load()
+                missing = object()
+                old = current.values.get(key, missing)
+                if old is not missing and old == value and type(old) is type(value):
+                    return current.version
+                values = {**current.values, key: value}
+                version = current.version + 1
+                updated = {"key": key, "jti": jti, "actor": actor, "ts": time.time()}
+                self._write({"task": self.task, "version": version, "values": values, "updated": updated})
+                try:
+                    audit.append(
+                        "config_change",
+                        actor=actor,
+                        decision="allow",
+                        resource=self.resource,
+                        reason=f"set {key}",
+                        jti=jti,
+                        attempt=getattr(getattr(guard, "claims", None), "attempt", None),
+                        key=key,
+                        old=None if old is missing else old,
+                        new=value,
+                        version=version,
+                    )
+                except BaseException:  # an unrecorded change must not stay in force
+                    if current.version:
+                        self._write(
+                            {
+                                "task": self.task,
+                                "version": current.version,
+                                "values": current.values,
+                                "updated": current.updated,
+                            }
+                        )
+                    else:
+                        self.path.unlink(missing_ok=True)
+                    raise
+                return version
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _known(self, key: str) -> None:
+        if key not in self.keys:
+            raise ConfigError(
+                [(f"global_config.{key}", f"not a changeable setting; allowed: {sorted(self.keys)}")], str(self.path)
+            )
+
+    def _write(self, data: dict) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"format": FORMAT_VERSION, **data}, sort_keys=True))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

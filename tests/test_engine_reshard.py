@@ -1,0 +1,147 @@
+"""Checkpoints written by the engine in one layout resume in another and continue the same training (issue 3 §6).
+
+The reference trains dp2×tp2 for 6 steps without interruption, checkpointing every 3 steps. Copies of its checkpoint
+directory (the step-6 checkpoint removed, so ``resume: auto`` picks step 3) are resumed at tp1 (one process) and at
+pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges). The
+losses after step 3 must continue as the uninterrupted reference within 1e-5 relative (not bitwise: the reduction
+order differs between layouts), and the final parameters must agree within 1e-5 relative norm per tensor (AdamW's
+eps amplifies last-bit differences element-wise; see tests/test_engine_3d.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kuangchao.cli.main import app
+from kuangchao_core.models.llama import LlamaForCausalLM, load_hf_llama_config
+from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from tests.mp import run_distributed
+
+STEPS = 6
+INTERVAL = 3
+MICRO = 2
+GLOBAL_MICRO_BATCHES = 4
+
+
+def _job(root: Path, parallel: dict):
+    dp = parallel.get("data_parallel_size", 1)
+    return tiny_job(
+        str(root),
+        task={"name": "reshard", "seed": 11},
+        model={"preset": "tiny", "num_layers": 4},
+        data={"seq_len": 16},
+        parallel={"micro_batch_size": MICRO, "gradient_accumulation_steps": GLOBAL_MICRO_BATCHES // dp, **parallel},
+        train={"steps": STEPS},
+        checkpoint={"interval": INTERVAL, "keep_last": 3},
+    )
+
+
+def _copy_at_step(src_root: Path, dst_root: Path) -> Path:
+    """Copy ``src_root/ckpt`` to ``dst_root/ckpt`` keeping only the checkpoints up to step INTERVAL."""
+    shutil.copytree(src_root / "ckpt", dst_root / "ckpt")
+    task = dst_root / "ckpt" / "reshard"
+    later = [p for p in task.iterdir() if p.name.startswith("step_") and int(p.name[5:]) > INTERVAL]
+    assert later, f"the reference wrote no checkpoint after step {INTERVAL}: {sorted(task.iterdir())}"
+    for p in later:
+        shutil.rmtree(p)
+    return task / f"step_{INTERVAL:08d}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    ref_root, zero_root = tmp / "ref_dp2tp2", tmp / "ref_zero1"
+    ref = run_distributed(
+        run_trainers, 4, args=([{"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})}],)
+    )
+    ref = [r[0] for r in ref]
+    _copy_at_step(ref_root, tmp / "tp1")
+    _copy_at_step(ref_root, tmp / "pp2")
+    zero_cfg = _job(zero_root, {"data_parallel_size": 2, "zero_stage": 1})
+    # two-process jobs, in order: the ZeRO-1 reference, its resume without ZeRO (explicit path), and pp2 from dp2×tp2
+    zero_step = zero_root / "ckpt" / "reshard" / f"step_{INTERVAL:08d}"
+    two = run_distributed(
+        run_trainers,
+        2,
+        args=(
+            [
+                {"cfg": zero_cfg},
+                {"cfg": _job(tmp / "zero0", {"data_parallel_size": 2}), "resume": str(zero_step)},
+                {"cfg": _job(tmp / "pp2", {"pipeline_parallel_size": 2}), "resume": "auto"},
+            ],
+        ),
+    )
+    one = run_distributed(run_trainers, 1, args=([{"cfg": _job(tmp / "tp1", {}), "resume": "auto"}],))
+    return {
+        "ref": ref,
+        "ref_root": ref_root,
+        "tmp": tmp,
+        "zero1": [r[0] for r in two],
+        "zero0": [r[1] for r in two],
+        "pp2": [r[2] for r in two],
+        "tp1": [one[0][0]],
+    }
+
+
+def _assert_continues(resumed: list[dict], reference: list[dict], label: str) -> None:
+    want = np.array(reference[0]["losses"])
+    assert len(want) == STEPS
+    for r in resumed:
+        got = np.array(r["losses"])
+        assert len(got) == STEPS, f"{label}: {len(got)} losses"
+        np.testing.assert_array_equal(got[:INTERVAL], want[:INTERVAL])  # restored from the checkpoint
+        np.testing.assert_allclose(got[INTERVAL:], want[INTERVAL:], rtol=1e-5, atol=0, err_msg=label)
+    ref_full, got_full = gather_full(reference), gather_full(resumed)
+    assert set(ref_full) == set(got_full)
+    for name, want_p in ref_full.items():
+        diff = np.linalg.norm(got_full[name].astype(np.float64) - want_p) / np.linalg.norm(want_p)
+        assert diff <= 1e-5, f"{label}: {name} relative norm difference {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target", ["tp1", "pp2"])
+def test_dp2tp2_checkpoint_resumes_in_another_layout(runs, target):
+    # the resumed run really started from the checkpoint: it trained only the remaining steps
+    assert all(r["steps_run"] == STEPS - INTERVAL for r in runs[target])
+    _assert_continues(runs[target], runs["ref"], f"dp2×tp2 -> {target}")
+
+
+def test_zero1_checkpoint_resumes_without_zero(runs):
+    assert all(r["steps_run"] == STEPS - INTERVAL for r in runs["zero0"])
+    _assert_continues(runs["zero0"], runs["zero1"], "zero1 dp2 -> dp2")
+
+
+def test_convert_to_hf_gives_identical_logits(runs):
+    src = runs["ref_root"] / "ckpt" / "reshard" / f"step_{STEPS:08d}"
+    dst = runs["tmp"] / "hf_out"
+    res = CliRunner().invoke(
+        app, ["checkpoint", "convert", str(src), str(dst), "--parallel", "tp=1,pp=1", "--format", "hf"]
+    )
+    assert res.exit_code == 0, res.output
+    assert (dst / "config.json").is_file() and (dst / "model.safetensors").is_file()
+
+    from safetensors.torch import load_file
+
+    cfg = load_hf_llama_config(dst)
+    exported = LlamaForCausalLM(cfg)
+    missing, unexpected = exported.load_state_dict(load_file(str(dst / "model.safetensors")), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+
+    trained = LlamaForCausalLM(cfg)
+    full = gather_full(runs["ref"])  # the dp2×tp2 model after step 6, reassembled from its ranks
+    trained.load_state_dict({n: torch.from_numpy(v) for n, v in full.items()}, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = exported(ids), trained(ids)
+    assert torch.equal(a, b), f"max |diff| {float((a - b).abs().max()):.3e}"
+    # and the export is the trained model, not the initial one
+    fresh = LlamaForCausalLM(cfg)
+    fresh.init_weights(11)
+    with torch.no_grad():
+        assert not torch.allclose(fresh(ids), a, atol=1e-4)
