@@ -15,9 +15,12 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.obs.console import LiveView
+from kuangchao_core.perm import guard_api
+from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.global_config import GlobalConfig
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.sched.launcher import run_workers
-from tasks.issue_tokens import authority_for
+from tasks.issue_tokens import audit_log_path, authority_for
 
 
 @dataclass
@@ -35,6 +38,29 @@ class LaunchSummary:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for artifacts and JSON output."""
         return asdict(self)
+
+
+def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, str]) -> Path:
+    """``<run_dir>/global_config.json``, created with the job's initial values if absent (kept across attempts,
+    so an operator's ``kc config set`` survives a restart). The orchestrator writes the initial values as itself
+    (trusted), each recorded in the job's audit log like any later change."""
+    path = Path(run_dir) / "global_config.json"
+    if path.exists():
+        return path
+    job_id = worker_env.get("KC_JOB_ID", cfg.task.name)
+    audit = AuditLog(worker_env.get("KC_AUDIT_LOG") or audit_log_path(cfg, job_id), job_id)
+    initial: dict[str, Any] = {"lr_scale": 1.0, "log_interval": max(1, int(cfg.train.log_interval))}
+    if cfg.checkpoint.interval:
+        initial["checkpoint_interval"] = int(cfg.checkpoint.interval)
+    gc = GlobalConfig(path, cfg.task.name, audit=audit, actor="orchestrator")
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    try:
+        for key, value in initial.items():
+            gc.set(key, value)
+    finally:
+        guard_api.install_guard(previous)
+        audit.close()
+    return path
 
 
 def launch_workers(
@@ -60,6 +86,7 @@ def launch_workers(
     if mlflow_run_id:
         worker_env["KC_MLFLOW_RUN_ID"] = mlflow_run_id
     worker_env.update(env or {})
+    worker_env["KC_GLOBAL_CONFIG"] = str(ensure_global_config(cfg, run_dir, worker_env).resolve())
     args = ["--config", str(config_path)]
     if resume:
         args += ["--resume", resume]

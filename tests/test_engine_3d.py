@@ -137,8 +137,12 @@ def _worker_main(rank: int, world_size: int, config: str) -> int:
     ("parallel", "numbers"),
     [
         (
-            {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "pipeline_schedule": "interleaved_1f1b",
-             "gradient_accumulation_steps": 3},
+            {
+                "pipeline_parallel_size": 2,
+                "virtual_pipeline_size": 2,
+                "pipeline_schedule": "interleaved_1f1b",
+                "gradient_accumulation_steps": 3,
+            },
             ["gradient_accumulation_steps 3", "pipeline_parallel_size 2"],
         ),
         ({"tensor_parallel_size": 3}, ["tensor_parallel_size 3"]),

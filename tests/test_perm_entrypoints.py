@@ -273,7 +273,9 @@ def test_data_loader_is_denied_metrics_read_before_mlflow_is_touched(auth, tmp_p
         assert ei.value.code == R.ROLE_DENIED
     assert not db.exists()
     denied = records(audit_path, decision="deny")
-    assert [(r["action"], r["reason"], r["jti"]) for r in denied] == [("metrics_read", R.ROLE_DENIED, guard.claims.jti)] * 2
+    assert [(r["action"], r["reason"], r["jti"]) for r in denied] == [
+        ("metrics_read", R.ROLE_DENIED, guard.claims.jti)
+    ] * 2
 
 
 def test_mlflow_sink_refuses_to_start_under_a_data_loader(auth, tmp_path, audit_path):

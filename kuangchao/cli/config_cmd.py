@@ -1,4 +1,5 @@
-"""``kc config show|validate``: print a resolved job config, or check one without starting anything."""
+"""``kc config show|validate|set``: print a resolved job config, check one without starting anything, or change
+a running job's global configuration (``set``, the operator command)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from kuangchao_core.errors import ConfigError
 
 config_app = typer.Typer(
     name="config",
-    help="Inspect job configs: print the resolved YAML or validate it. Nothing is started.",
+    help="Inspect job configs (show, validate; nothing is started) or change a running job's settings (set).",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -45,6 +46,108 @@ def validate(
     """Check a config; exit 0 when valid, 2 listing every error as `FILE: dotted.path: message`."""
     cfg = _load_or_exit(file, set_)
     typer.echo(f"ok: {file} (world size {cfg.world_size})")
+
+
+#: lifetime of the token ``kc config set`` issues itself
+ADMIN_TOKEN_TTL_S = 60.0
+
+
+def _parse_pairs(pairs: list[str]) -> list[tuple[str, object]]:
+    import yaml
+
+    out = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            typer.echo(f"{pair!r}: expected KEY=VALUE, e.g. lr_scale=0.5", err=True)
+            raise typer.Exit(2)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+@config_app.command("set")
+def set_cmd(
+    pairs: list[str] = typer.Argument(
+        ..., metavar="KEY=VALUE...", help="KEY=VALUE settings, e.g. lr_scale=0.5 log_interval=10 (YAML values)."
+    ),
+    run: str = typer.Option(..., "--run", help="The job's run directory (holds config.yaml and global_config.json)."),
+) -> None:
+    """Change settings of a running job (lr_scale, log_interval, checkpoint_interval, ...) as the `admin` module.
+
+    Opens the run's authority, issues itself a short-lived admin token (config_write on config:<task>), and records
+    every change in the job's audit log with that token's id. Prints the new version; workers apply it at their next
+    sync point. Exit 2 for a bad key or value, 1 when the change is denied.
+    """
+    from pathlib import Path
+
+    from kuangchao_core.errors import KuangchaoError, PermissionDenied
+    from kuangchao_core.perm import guard_api
+    from kuangchao_core.perm.audit import AuditLog
+    from kuangchao_core.perm.global_config import GlobalConfig
+    from kuangchao_core.perm.guard import TokenGuard
+    from kuangchao_core.perm.roles import Policy
+    from tasks.issue_tokens import audit_log_path, authority_for, job_id_for
+
+    run_dir = Path(run)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        typer.echo(f"{run}: no config.yaml; pass the run directory of a job started by `kc train`", err=True)
+        raise typer.Exit(2)
+    cfg = _load_or_exit(str(config_file), [])
+    parsed = _parse_pairs(pairs)
+    job_id = job_id_for(cfg, run_dir)
+    audit = AuditLog(audit_log_path(cfg, job_id), job_id)
+    gc = GlobalConfig(run_dir / "global_config.json", cfg.task.name, audit=audit)
+    for key, value in parsed:  # every pair is checked before the first one is applied
+        problem = None
+        if key not in gc.keys:
+            problem = f"not a changeable setting; allowed: {sorted(gc.keys)}"
+        else:
+            try:
+                gc.keys[key](value)
+            except ValueError as exc:
+                problem = str(exc)
+        if problem:
+            typer.echo(f"{run}: global_config.{key}: {problem}", err=True)
+            audit.close()
+            raise typer.Exit(2)
+    authority = authority_for(cfg, run_dir)
+    try:
+        token = authority.issue(
+            "admin",
+            "admin",
+            job_id,
+            0,
+            interfaces=["config_write"],
+            objects=[gc.resource],
+            ttl_s=ADMIN_TOKEN_TTL_S,
+        )
+        claims = authority.verifier(job_id).verify(token, subject="admin")
+    except KuangchaoError as exc:
+        audit.close()
+        typer.echo(f"{run}: cannot issue the admin token: {exc}", err=True)
+        raise typer.Exit(1) from None
+    guard = TokenGuard(claims, Policy.from_config(cfg.permission), audit=audit)
+    previous = guard_api.install_guard(guard)
+    try:
+        version = None
+        for key, value in parsed:
+            version = gc.set(key, value)
+            typer.echo(f"{key} = {gc.get(key)!r}")
+        typer.echo(f"version {version} (token {claims.jti})")
+    except PermissionDenied as exc:
+        typer.echo(f"{run}: denied: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KuangchaoError as exc:
+        typer.echo(f"{run}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        guard_api.install_guard(previous)
+        audit.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -139,6 +139,9 @@ class Trainer:
             shuffle=cfg.data.shuffle,
         )
         self.loader: PrefetchLoader | None = None
+        self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
+        self.lr_scale = 1.0
+        self._global_config_version = -1
         self.task_dir = Path(cfg.checkpoint.dir) / cfg.task.name
         self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, rank, world_size, barrier=self.barrier)
 
@@ -366,13 +369,16 @@ class Trainer:
         t0 = time.perf_counter()
         comm0 = COMM_STATS.total_seconds()
         step = self.state.step
-        lr = lr_at(
-            step,
-            float(self.cfg.optimizer.lr),
-            self.cfg.train.steps,
-            self.cfg.train.warmup_steps,
-            self.cfg.train.lr_schedule,
-            self.cfg.train.min_lr_ratio,
+        lr = (
+            lr_at(
+                step,
+                float(self.cfg.optimizer.lr),
+                self.cfg.train.steps,
+                self.cfg.train.warmup_steps,
+                self.cfg.train.lr_schedule,
+                self.cfg.train.min_lr_ratio,
+            )
+            * self.lr_scale
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -400,6 +406,54 @@ class Trainer:
             step_time_s=dt,
         )
 
+    # ------------------------------------------------------------------ job-global configuration (L5)
+    def _follow_global_config(self, step: int, log_interval: int, interval: int | None, first: bool) -> tuple[int, Any]:
+        """Apply changes of the job's global configuration at a step boundary every rank agrees on.
+
+        ``self.global_config`` (a :class:`~kuangchao_core.perm.global_config.GlobalConfig`, set by the worker from
+        ``KC_GLOBAL_CONFIG``; None = nothing to follow). Ranks may see the file change at different moments, so
+        only rank 0 reads it (a stat-cached read, no lock), on the first step of an attempt and then every
+        ``log_interval`` steps, and broadcasts ``[version, lr_scale, log_interval, checkpoint_interval]`` over the
+        world group; every rank applies what it received, at the same step. There is no per-step collective: one
+        small broadcast every ``log_interval`` steps, and a change waits at most that many steps.
+        Returns the (possibly changed) log and checkpoint intervals; each applied change is logged on every rank.
+        """
+        gc = self.global_config
+        if gc is None or (not first and step % log_interval):
+            return log_interval, interval
+        packet = torch.zeros(4, dtype=torch.float64)
+        if self.rank == 0:
+            try:
+                snap = gc.snapshot()
+                v = snap.values
+                packet = torch.tensor(
+                    [snap.version, v.get("lr_scale", 1.0), v.get("log_interval", 0), v.get("checkpoint_interval", 0)],
+                    dtype=torch.float64,
+                )
+            except Exception as exc:  # rank 0 must still join the broadcast; the job keeps its current settings
+                packet[0] = -1
+                log.warning("global config %s not readable at step %d (%s); settings unchanged", gc.path, step, exc)
+        if self.world_size > 1:
+            P.broadcast(packet, src=0, group=self.world_group)
+        version = int(packet[0])
+        if version < 0 or version == self._global_config_version:
+            return log_interval, interval
+        self._global_config_version = version
+        current = {"lr_scale": self.lr_scale, "log_interval": log_interval, "checkpoint_interval": interval}
+        new = {
+            "lr_scale": float(packet[1]),
+            "log_interval": int(packet[2]) or log_interval,
+            "checkpoint_interval": int(packet[3]) or interval,
+        }
+        for key, value in new.items():
+            if value != current[key]:
+                fields = {"version": version, "key": key, "value": value, "old": current[key], "step": step}
+                log_event(log, "global config applied", **fields)
+                if self.rank == 0:
+                    emit_event("config_applied", **fields)
+        self.lr_scale = new["lr_scale"]
+        return new["log_interval"], new["checkpoint_interval"]
+
     # ------------------------------------------------------------------ the loop
     def run(self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None) -> TrainState:
         """Train to ``train.steps`` (or ``max_steps`` more steps), checkpointing every ``checkpoint.interval``."""
@@ -423,6 +477,9 @@ class Trainer:
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
+                log_interval, interval = self._follow_global_config(
+                    result.step, log_interval, interval, first=result.step == start_step + 1
+                )
                 if metric_sink is not None and self.rank == 0:
                     metric_sink.log_step(result.step, result.metrics())
                 if self.rank == 0 and (result.step % log_interval == 0 or result.step == stop_at):

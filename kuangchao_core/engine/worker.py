@@ -4,7 +4,8 @@
 
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional ``KC_MLFLOW_RUN_ID`` +
 ``KC_TRACKING_URI`` (rank 0 logs metrics), ``KC_HEARTBEAT_DIR`` (heartbeats for the launcher),
-``KC_TOKEN_FILE``/``KC_TRUST_STORE``/``KC_JOB_ID``/``KC_ATTEMPT`` (capability token of this module).
+``KC_TOKEN_FILE``/``KC_TRUST_STORE``/``KC_JOB_ID``/``KC_ATTEMPT`` (capability token of this module),
+``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer).
 Sequence: device_init → guard → comm groups → model → data → steps → checkpoints.
 """
 
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id, task=cfg.task.name)
 
     trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
+    global_config = os.environ.get("KC_GLOBAL_CONFIG")
+    if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
+        from kuangchao_core.perm.global_config import GlobalConfig
+
+        trainer.global_config = GlobalConfig(global_config, cfg.task.name)
     resume = args.resume or cfg.checkpoint.resume
     try:
         state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps)

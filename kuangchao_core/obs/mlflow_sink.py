@@ -25,9 +25,7 @@ class MlflowMetricSink:
     Creating a sink needs ``metrics_write`` on ``metrics:<task>`` (raises ``PermissionDenied`` otherwise).
     """
 
-    def __init__(
-        self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150
-    ):
+    def __init__(self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150):
         from mlflow.tracking import MlflowClient
 
         guard_api.check("metrics_write", f"metrics:{task}")
