@@ -24,6 +24,7 @@ from prefect.runtime import flow_run
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.obs import tracking
+from kuangchao_core.parallel.plan import raise_for_plan
 from kuangchao_core.perm import guard_api
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
@@ -90,6 +91,7 @@ def train_flow(config_path: str, overrides: list[str] | None = None, resume: str
 def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None) -> dict[str, Any]:
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
+    raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()
     run_dir = make_run_dir(cfg, fr_id)

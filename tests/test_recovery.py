@@ -139,8 +139,9 @@ def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(referen
     finally:
         killer.stop()
     exc = info.value
-    assert exc.rank in (0, 1) and "gave up after 2 attempts" in exc.cause
-    assert "SIGKILL" in exc.cause or "CommError" in exc.cause or "all_reduce" in exc.cause, exc.cause
+    # the killed rank is named, not a peer that failed first on the broken connection
+    assert exc.rank == 1 and "gave up after 2 attempts" in exc.cause
+    assert "SIGKILL" in exc.cause, exc.cause
     attempts = sorted(Path(p).name for p in glob.glob(_attempt_glob(tmp_path, overrides).format(attempt="*")))
     assert attempts == ["attempt_0", "attempt_1"]
     assert [a for a, _, _ in killer.fired] == [0, 1]
@@ -290,7 +291,7 @@ def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp
         with pytest.raises(WorkerFailed) as info:
             cyc.launch(0)
         killer.stop()
-        assert killer.fired and info.value.rank in (0, 1), (i, info.value)
+        assert killer.fired and info.value.rank == 1 and "SIGKILL" in info.value.cause, (i, info.value)
         plan = plan_recovery(cyc.cfg, 0, str(info.value))
         assert plan["resume_from"] is not None
         assert cyc.launch(1).steps == STEPS, f"repeat {i}: the first retry did not finish"

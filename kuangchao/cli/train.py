@@ -25,10 +25,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train: doctor, topology probe, data validation, tokens, launch with recovery, checkpoint verification."""
         from kuangchao_core.config import load_config
+        from kuangchao_core.parallel.plan import raise_for_plan
 
         try:
-            load_config(config, set_)
-        except ConfigError as exc:
+            raise_for_plan(load_config(config, set_))
+        except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
             raise typer.Exit(2) from None

@@ -108,7 +108,8 @@ def _parse_root_cause(text: str) -> dict | None:
     """Rank, local rank, exit code, pid, error file and message from torchrun's failure report.
 
     torchrun names the *first observed* failure as root cause; when a rank is killed, its peers often fail first
-    with a Gloo "connection reset". So a rank that died from a signal is preferred over the reported root cause.
+    with a Gloo "connection reset". So a rank that died from a signal is preferred over the reported root cause —
+    except SIGTERM, which is how torchrun itself stops the surviving ranks after the first failure.
     """
     i = text.rfind(_ROOT_CAUSE)
     if i < 0:
@@ -117,7 +118,7 @@ def _parse_root_cause(text: str) -> dict | None:
     region = text[start if start >= 0 else i :]
     entries = [e for e in (_parse_failure_block(b) for b in re.split(r"\n\s*\[\d+\]:\s*\n", region)) if e]
     root = _parse_failure_block(text[i:])
-    signalled = [e for e in entries if (e.get("exit_code") or 0) < 0]
+    signalled = [e for e in entries if (e.get("exit_code") or 0) < 0 and e.get("exit_code") != -signal.SIGTERM]
     return signalled[0] if signalled else root
 
 
