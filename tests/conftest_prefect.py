@@ -1,7 +1,7 @@
 """Shared helpers and session fixtures of the lifecycle tests (flow, recovery, deployment).
 
-Import the fixtures into a test module with ``from tests.conftest_prefect import prefect_api, session_store, ...``.
-One Prefect test server and one MLflow sqlite store serve the whole session; every test uses its own task name,
+Import the fixtures into a test module with ``from tests.conftest_prefect import session_store, ...``; the
+Prefect test server is the session fixture ``prefect_api`` of ``tests/conftest.py``. One Prefect test server and one MLflow sqlite store serve the whole session; every test uses its own task name,
 checkpoint directory and run directory.
 """
 
@@ -21,15 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 STEPS = 24
 INTERVAL = 4
-
-
-@pytest.fixture(scope="session")
-def prefect_api():
-    """One temporary Prefect server (own database) for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -222,25 +222,7 @@ def test_cli_json_and_table_and_exit_codes(tmp_path):
     assert res.exit_code == 2
 
 
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    import os
-
-    old = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
-    finally:
-        if old is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = old
-
-
-def test_doctor_task_fails_fast_with_artifact(prefect_harness, tmp_path):
+def test_doctor_task_fails_fast_with_artifact(prefect_api, tmp_path):
     import asyncio
 
     from prefect import flow

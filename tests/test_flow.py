@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest_prefect import STEPS, prefect_api, reference_run, session_store  # noqa: F401
+from tests.conftest_prefect import STEPS, reference_run, session_store  # noqa: F401
 
 
 def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa: F811

@@ -29,7 +29,6 @@ from tests.conftest_prefect import (  # noqa: F401
     committed,
     loss_history,
     override_value,
-    prefect_api,
     reference_run,
     run_flow,
     session_store,

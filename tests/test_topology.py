@@ -85,25 +85,7 @@ def test_fingerprint_is_stable_and_tracks_the_cluster():
     assert T.cluster_fingerprint(static) != T.cluster_fingerprint(_cfg(parallel={"data_parallel_size": 2}))
 
 
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    import os
-
-    old = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
-    finally:
-        if old is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = old
-
-
-def test_task_result_is_cached_by_cluster_fingerprint(prefect_harness, tmp_path):
+def test_task_result_is_cached_by_cluster_fingerprint(prefect_api, tmp_path):
     import asyncio
 
     from prefect import flow

@@ -134,24 +134,6 @@ def test_missing_path_is_a_data_error(tmp_path):
 # ------------------------------------------------------------------ Prefect task, artifact and MLflow
 
 
-@pytest.fixture(scope="module")
-def prefect_harness(tmp_path_factory):
-    import os
-
-    old = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
-    finally:
-        if old is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = old
-
-
 def _mlflow_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -161,7 +143,7 @@ def _mlflow_run(tmp_path):
     return client, uri, client.create_run(exp).info.run_id
 
 
-def test_task_logs_artifact_and_mlflow_and_stops_on_bad_data(prefect_harness, tmp_path):
+def test_task_logs_artifact_and_mlflow_and_stops_on_bad_data(prefect_api, tmp_path):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
