@@ -95,8 +95,13 @@ def test_task_result_is_cached_by_cluster_fingerprint(prefect_api, tmp_path):
 
     log = tmp_path / "probes.jsonl"
 
+    runs = []  # this test's flow runs: the session's Prefect server also holds other tests' artifacts
+
     @flow
     def probe(cfg):
+        from prefect.runtime import flow_run
+
+        runs.append(flow_run.get_id())
         return probe_topology_task(cfg, world_size=2, sizes=SIZES, iters=3, log_path=str(log))
 
     def measured() -> list[str]:
@@ -113,7 +118,7 @@ def test_task_result_is_cached_by_cluster_fingerprint(prefect_api, tmp_path):
 
     async def artifacts():
         async with get_client() as c:
-            return [a for a in await c.read_artifacts() if a.key == "kc-topology"]
+            return [a for a in await c.read_artifacts() if a.key == "kc-topology" and str(a.flow_run_id) in runs]
 
     arts = asyncio.run(artifacts())
     assert len(arts) == 2 and all("node latency" in a.data and "fingerprint" in a.data for a in arts)
