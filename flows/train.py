@@ -46,23 +46,12 @@ def make_run_dir(cfg: Any, flow_run_id: str | None) -> Path:
 def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, Any] | None = None):
     """``load_config`` plus Prefect block references (``checkpoint.storage_block`` …, see ``blocks.resolve``).
 
-    Block references are resolved on the raw mapping before validation; secrets (S3 credentials) go into
+    Block references are resolved on the merged mapping before validation; secrets (S3 credentials) go into
     ``secrets``, never into the config that is written to disk and handed to the workers.
     """
-    raw = Path(config_path).read_text(encoding="utf-8") if Path(config_path).is_file() else ""
-    if not any(ref in raw for ref in ("storage_block", "signing_key_block", "block:")):
-        return load_config(config_path, overrides)
     from blocks.resolve import resolve_blocks
-    from kuangchao_core.config.loader import _load_tree, apply_overrides, config_from_dict
-    from kuangchao_core.errors import ConfigError
 
-    top = Path(config_path).resolve()
-    data, errors = _load_tree(top, [top], top)
-    if not errors:
-        data, errors = apply_overrides(data, overrides)
-    if errors:
-        raise ConfigError(errors, config_path)
-    return config_from_dict(resolve_blocks(data, secrets), config_path)
+    return load_config(config_path, overrides, resolve=lambda data: resolve_blocks(data, secrets))
 
 
 def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:

@@ -90,6 +90,24 @@ def test_save_load_and_resolve(prefect_api):
         resolve_blocks({"task": {"name": "t"}, "checkpoint": {"storage_block": "nope"}})
 
 
+def test_flow_config_loading_resolves_blocks_and_keeps_secrets_out(prefect_api, tmp_path):
+    import yaml
+
+    from blocks import CheckpointStorage
+    from flows.train import load_job_config
+
+    CheckpointStorage(bucket="bkt", prefix="p", access_key_id="AKIA2", secret_access_key="t0p-s3cr3t").save(
+        "flow-s3", overwrite=True
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"task": {"name": "blk"}, "checkpoint": {"storage_block": "flow-s3"}}))
+    secrets: dict = {}
+    cfg = load_job_config(str(path), ["checkpoint.interval=3"], secrets)
+    assert cfg.checkpoint.uri == "s3://bkt/p" and cfg.checkpoint.interval == 3
+    assert secrets["s3_settings"].secret_access_key == "t0p-s3cr3t"
+    assert "t0p-s3cr3t" not in cfg.to_yaml() and "AKIA2" not in cfg.to_yaml()  # what is written next to the run
+
+
 def test_block_validation():
     from blocks import CheckpointStorage, KuangchaoCluster, TokenSigningKey
 

@@ -12,7 +12,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -452,8 +452,15 @@ def config_from_dict(data: Any, source: str | None = None) -> JobConfig:
         raise ConfigError(_convert(exc, "", JobConfig), source) from None
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
-    """Read ``path`` (resolving ``extends:``), apply ``--set`` ``overrides``, validate; raise ``ConfigError`` listing every error."""
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    resolve: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> JobConfig:
+    """Read ``path`` (resolving ``extends:``), apply ``--set`` ``overrides``, validate; raise ``ConfigError`` listing every error.
+
+    ``resolve`` may rewrite the merged mapping before validation (the flow replaces Prefect block references there).
+    """
     source = str(path)
     top = Path(path).resolve()
     if not top.exists():
@@ -463,6 +470,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
         raise ConfigError(errors, source)
     data, errors = apply_overrides(data, overrides)
     try:
+        if resolve is not None:
+            data = resolve(data)
         cfg = config_from_dict(data, source)
     except ConfigError as exc:
         raise ConfigError([*errors, *exc.errors], source) from None
