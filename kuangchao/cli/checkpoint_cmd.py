@@ -20,7 +20,9 @@ import typer
 from kuangchao_core.ckpt.integrity import verify_checkpoint
 from kuangchao_core.ckpt.layout import MANIFEST, parse_step_dir, parse_tmp_dir
 
-checkpoint_app = typer.Typer(help="Verify and list checkpoints.", no_args_is_help=True)
+checkpoint_app = typer.Typer(
+    help="Verify, list and convert checkpoints (other parallel layouts, Hugging Face format).", no_args_is_help=True
+)
 
 
 def _dir_size(p: Path) -> int:
