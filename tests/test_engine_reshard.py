@@ -57,10 +57,15 @@ def _copy_at_step(src_root: Path, dst_root: Path) -> Path:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
     ref_root, zero_root = tmp / "ref_dp2tp2", tmp / "ref_zero1"
-    ref = run_distributed(
-        run_trainers, 4, args=([{"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})}],)
+    zero_tp_root = tmp / "ref_zero1_dp2tp2"
+    zero_tp_cfg = _job(zero_tp_root, {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1})
+    four = run_distributed(
+        run_trainers,
+        4,
+        args=([{"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})}, {"cfg": zero_tp_cfg}],),
     )
-    ref = [r[0] for r in ref]
+    ref = [r[0] for r in four]
+    zero_tp_step = zero_tp_root / "ckpt" / "reshard" / f"step_{INTERVAL:08d}"
     _copy_at_step(ref_root, tmp / "tp1")
     _copy_at_step(ref_root, tmp / "pp2")
     zero_cfg = _job(zero_root, {"data_parallel_size": 2, "zero_stage": 1})
@@ -74,6 +79,7 @@ def runs(tmp_path_factory):
                 {"cfg": zero_cfg},
                 {"cfg": _job(tmp / "zero0", {"data_parallel_size": 2}), "resume": str(zero_step)},
                 {"cfg": _job(tmp / "pp2", {"pipeline_parallel_size": 2}), "resume": "auto"},
+                {"cfg": _job(tmp / "zero_tp_to_tp2", {"tensor_parallel_size": 2}), "resume": str(zero_tp_step)},
             ],
         ),
     )
@@ -85,6 +91,8 @@ def runs(tmp_path_factory):
         "zero1": [r[0] for r in two],
         "zero0": [r[1] for r in two],
         "pp2": [r[2] for r in two],
+        "zero_tp": [r[1] for r in four],
+        "zero_tp_to_tp2": [r[3] for r in two],
         "tp1": [one[0][0]],
     }
 
@@ -115,6 +123,12 @@ def test_dp2tp2_checkpoint_resumes_in_another_layout(runs, target):
 def test_zero1_checkpoint_resumes_without_zero(runs):
     assert all(r["steps_run"] == STEPS - INTERVAL for r in runs["zero0"])
     _assert_continues(runs["zero0"], runs["zero1"], "zero1 dp2 -> dp2")
+
+
+def test_zero1_with_tensor_parallel_checkpoint_resumes_at_tp2_without_zero(runs):
+    # ZeRO over DP of TP slices: the optimizer state is gathered over DP and saved per TP slice
+    assert all(r["steps_run"] == STEPS - INTERVAL for r in runs["zero_tp_to_tp2"])
+    _assert_continues(runs["zero_tp_to_tp2"], runs["zero_tp"], "zero1 dp2×tp2 -> tp2")
 
 
 def test_convert_to_hf_gives_identical_logits(runs):

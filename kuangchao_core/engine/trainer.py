@@ -27,7 +27,7 @@ from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dat
 from kuangchao_core.engine.metrics import memory_bytes
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
-from kuangchao_core.errors import CheckpointError, PlanError
+from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.parallel.data import DataParallel
@@ -92,16 +92,6 @@ class Trainer:
         self.micro_batch_size = par.micro_batch_size
         self.grad_accum = par.gradient_accumulation_steps
         self.zero_stage = int(par.zero_stage)
-        if self.zero_stage and mesh.tp > 1:
-            raise PlanError(
-                [
-                    (
-                        "parallel.zero_stage",
-                        f"ZeRO stage {self.zero_stage} with tensor_parallel_size {mesh.tp} is not "
-                        "supported yet; use zero_stage 0 with TP, or tensor_parallel_size 1 with ZeRO",
-                    )
-                ]
-            )
 
         torch.manual_seed(cfg.task.seed)
         self.model_config = config_from_model_section(cfg.model)
@@ -174,10 +164,20 @@ class Trainer:
             for name, p in self.model.named_parameters():
                 tensors[f"param.{name}"] = p.detach().cpu()
                 slices[f"param.{name}"] = regions[name].to_meta()
-        if self.zero_stage:
+        if self.zero_stage and self.mesh.tp == 1:
             opt_tensors, opt_slices, _ = self.optimizer.state_dict_for_checkpoint()
             tensors.update(opt_tensors)
             slices.update(opt_slices)
+        elif self.zero_stage:
+            # a ZeRO range of a TP slice has no slice description: gather the state over DP, save it per TP slice
+            full, _ = self.optimizer.full_state_dict()
+            if self.dp_rank == 0:
+                for name in self.param_names:
+                    for key in ADAM_KEYS:
+                        k = f"optim.{name}.{key}"
+                        if k in full:
+                            tensors[k] = full[k].detach().cpu().clone()
+                            slices[k] = regions[name].to_meta()
         elif self.dp_rank == 0:
             params = dict(self.model.named_parameters())
             for name, p in params.items():
@@ -309,9 +309,10 @@ class Trainer:
             self.optimizer.finish_gradient_sync()
             grads = self.optimizer.grad_shards()
             sq = torch.zeros((), dtype=torch.float64)
-            for g in grads:
-                sq += g.double().pow(2).sum()
-            self._sum_over(sq, self.dp_group, mesh.pp_group)
+            for slot, lo, hi, offset in self.optimizer.owned_pieces():
+                piece = grads[slot.bucket][offset : offset + hi - lo]
+                sq += piece.double().pow(2).sum() * self.parts.norm_weight[slot.name]
+            self._sum_over(sq, self.dp_group, mesh.tp_group, mesh.pp_group)
         elif mesh.tp == 1 and mesh.pp == 1:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if max_norm > 0:

@@ -294,6 +294,11 @@ class ZeroOptimizer:
             self._launch_in_order()
         self._synced = True
 
+    def owned_pieces(self) -> list[tuple[Any, int, int, int]]:
+        """``(slot, lo, hi, offset)`` of every parameter range this rank owns: elements ``[lo, hi)`` of the flattened
+        parameter ``slot.name`` sit at ``offset`` in this rank's shard of bucket ``slot.bucket``."""
+        return self._pieces()
+
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's averaged gradient shards (valid after :meth:`finish_gradient_sync`), one per bucket."""
         return list(self._grad_shards())
