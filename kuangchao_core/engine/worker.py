@@ -127,6 +127,10 @@ def _final_eval(trainer, sink) -> None:
     corpus = getattr(trainer.dataset, "corpus", None)
     if corpus is None or not hasattr(corpus, "heldout_accuracy"):
         return
+    if trainer.mesh.tp > 1 or trainer.mesh.pp > 1:
+        # greedy decoding needs the whole model in one process; this rank holds a TP slice or a pipeline stage
+        log_event(log, "held-out accuracy is evaluated for layouts without TP or PP only; skipped")
+        return
     trainer.model.eval()
     acc = float(corpus.heldout_accuracy(trainer.model, 200, trainer.device))
     floor = float(corpus.loss_floor())
