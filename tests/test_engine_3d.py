@@ -170,3 +170,10 @@ def test_worker_refuses_world_size_mismatch_with_numbers(tmp_path):
     assert "PlanError" in text or "plan" in text.lower()
     assert re.search(r"2 x tensor_parallel_size 2 x pipeline_parallel_size 1 = 4", text), text
     assert "world size is 2" in text, text
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_worker_entry_point_finishes_a_model_parallel_job(tmp_path, parallel):
+    # the worker's end-of-run evaluation needs the whole model; TP/PP ranks must skip it, not fail the job
+    config = _yaml(tmp_path, "mp_job", **parallel)
+    assert run_distributed(_worker_main, 2, args=(config,), timeout=120) == [0, 0]
