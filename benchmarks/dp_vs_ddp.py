@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -23,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from kuangchao_core.sched.launcher import free_port
 
 WORLD = 2
 
@@ -119,9 +120,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(WORLD)]

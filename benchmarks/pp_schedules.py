@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from kuangchao_core.sched.launcher import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -193,9 +194,7 @@ def _body(rank, p, port, q):
 
 
 def _run(p):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_body, args=(r, p, port, q)) for r in range(p)]

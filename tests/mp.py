@@ -18,18 +18,12 @@ A failure in any rank raises ``RuntimeError`` with that rank's traceback; a hang
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kuangchao_core.sched.launcher import free_port
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env):

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.sched.launcher import free_port
+
 DEFAULT_AGENT_PORT = int(os.environ.get("KC_DOCTOR_PORT", "29411"))
 CONNECT_TIMEOUT_S = 3.0
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
@@ -245,15 +247,9 @@ _GLOO_PROBE = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_gloo(timeout_s: float = 60.0, world_size: int = 2) -> Check:
     """A real ``world_size``-process Gloo all_reduce over loopback."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     procs = [

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import CommError
+from kuangchao_core.sched.launcher import free_port
 
 DEFAULT_SIZES = (8, 1 << 20)
 
@@ -275,9 +276,7 @@ def probe_topology(
         raise CommError(f"probe_topology needs world_size >= 2, got {world_size}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     procs = [
         ctx.Process(target=_spawned_rank, args=(r, world_size, port, tuple(sizes), iters, timeout_s, q))
