@@ -62,11 +62,14 @@ def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_step
 def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     """Run several engine jobs one after another in this process (all ranks run the same list).
 
-    ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``) and ``max_steps``. Each job builds its
+    ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps`` and ``sabotage`` (the
+    name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
     own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
-    ``{"losses", "params", "regions", "first_step", "steps_run"}``: ``regions`` maps each parameter to the slice of
-    the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of the first step
-    this process ran, ``steps_run`` how many steps it ran (a resumed job runs only the remaining ones).
+    ``{"losses", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``regions`` maps each parameter
+    to the slice of the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of
+    the first step this process ran, ``first_grads`` the gradients after that step's reduction and clipping
+    (parameters whose ``.grad`` the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran
+    (a resumed job runs only the remaining ones).
     """
     import torch
 
@@ -84,25 +87,38 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
         cfg = job["cfg"]
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
         trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, mesh)
+        undo = SABOTAGE[job["sabotage"]](trainer) if job.get("sabotage") else None
         seen: list[list[dict[str, Any]]] = []
+        grads: dict[str, Any] = {}
         step_fn = trainer.train_step
 
         calls = [0]
 
-        def recording_step(micro_batches, _seen=seen, _step=step_fn, _calls=calls):
+        def recording_step(micro_batches, _seen=seen, _step=step_fn, _calls=calls, _grads=grads, _t=trainer):
             _calls[0] += 1
-            if not _seen:
+            first = not _seen
+            if first:
                 _seen.append([{k: v.numpy().copy() for k, v in b.items()} for b in micro_batches])
-            return _step(micro_batches)
+            result = _step(micro_batches)
+            if first:  # train_step leaves the reduced, clipped gradients in place until the next step
+                for n, p in _t.model.named_parameters():
+                    if p.grad is not None:
+                        _grads[n] = p.grad.detach().numpy().copy()
+            return result
 
         trainer.train_step = recording_step
-        state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
+        try:
+            state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
+        finally:
+            if undo is not None:
+                undo()
         out.append(
             {
                 "losses": list(state.losses),
                 "params": {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()},
                 "regions": {n: r.to_meta() for n, r in trainer.parts.regions.items()},
                 "first_step": seen[0] if seen else None,
+                "first_grads": grads,
                 "steps_run": calls[0],
             }
         )
@@ -110,11 +126,105 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     return out
 
 
-def gather_full(results: list[dict[str, Any]]):
-    """Reassemble full parameters from every rank's slices (one job's results, by rank).
+# ---------------------------------------------------------------------- negative controls
+# Each breaks one reduction of a built Trainer the way a real bug would and returns how to undo it (module-level
+# patches must not leak into the next job of the same process). A comparison with one process must catch each.
 
-    Returns ``{name: numpy array}``; raises AssertionError when a region is missing or when two ranks holding
-    the same region (DP replicas, replicated kv heads) disagree beyond float32 rounding.
+
+def _missing_row_parallel_all_reduce(trainer):
+    """TP: layer 1's MLP down projection keeps its partial sum (the all-reduce of a row-parallel layer is lost)."""
+    import torch.nn.functional as F
+
+    layer = trainer.model.model.layers[1].mlp.down_proj
+    layer.forward = lambda x, _w=layer.weight: F.linear(x, _w)
+    return None
+
+
+def _skipped_micro_batch(trainer):
+    """PP: the schedule runs the first micro-batch twice and the last one never."""
+    executor = trainer.parts.executor
+    run = executor.run
+    executor.run = lambda batches, _run=run: _run([*batches[:-1], batches[0]])
+    return None
+
+
+class _NoCommFirstBucket:
+    """A stand-in for the comm module: the first bucket of each step is not reduced across ranks."""
+
+    def __init__(self, real, first_buffer):
+        self.real = real
+        self.first_buffer = first_buffer
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        if tensor.data_ptr() == self.first_buffer().data_ptr():
+            return _Done()
+        return self.real.all_reduce(tensor, *args, **kwargs)
+
+    def reduce_scatter(self, out, buf, *args, group=None, **kwargs):
+        if buf.data_ptr() == self.first_buffer().data_ptr():
+            out.copy_(buf.view(group.size, -1)[group.rank])  # only this rank's own gradient, never summed
+            return None
+        return self.real.reduce_scatter(out, buf, *args, group=group, **kwargs)
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def _unreduced_dp_bucket(trainer):
+    """DP: the all-reduce of the first gradient bucket is skipped (each replica keeps its own gradient / dp)."""
+    from kuangchao_core.parallel import data
+
+    real = data.comm
+    data.comm = _NoCommFirstBucket(real, lambda: trainer.dp._buckets[0].buffer)
+
+    def undo():
+        data.comm = real
+
+    return undo
+
+
+def _unreduced_zero_bucket(trainer):
+    """ZeRO: the reduce-scatter of the first bucket keeps this rank's own gradient chunk instead of the sum."""
+    from kuangchao_core.parallel import zero
+
+    opt = trainer.optimizer
+    real = zero._comm
+
+    def first_buffer():
+        if opt.stage == 1:
+            bk = opt.buckets[0]
+            return opt.flat_grads[bk.start : bk.start + bk.size]
+        return opt._bucket_bufs[0] if opt._bucket_bufs[0] is not None else opt.flat_params[:0]
+
+    shim = _NoCommFirstBucket(real(), first_buffer)
+    zero._comm = lambda: shim
+
+    def undo():
+        zero._comm = real
+
+    return undo
+
+
+#: Negative controls by name (a job's ``sabotage`` field).
+SABOTAGE = {
+    "missing_row_parallel_all_reduce": _missing_row_parallel_all_reduce,
+    "skipped_micro_batch": _skipped_micro_batch,
+    "unreduced_dp_bucket": _unreduced_dp_bucket,
+    "unreduced_zero_bucket": _unreduced_zero_bucket,
+}
+
+
+def gather_full(results: list[dict[str, Any]], key: str = "params", check_replicas: bool = True):
+    """Reassemble full tensors (``key``: ``params`` or ``first_grads``) from every rank's slices of one job.
+
+    Returns ``{name: numpy array}``; raises AssertionError when a region is missing or, with ``check_replicas``,
+    when two ranks holding the same region (DP replicas, replicated kv heads) differ at all: replicas receive the
+    same reduced values, so they are bitwise equal.
     """
     import numpy as np
 
@@ -122,14 +232,16 @@ def gather_full(results: list[dict[str, Any]]):
     filled: dict[str, np.ndarray] = {}
     for res in results:
         for name, meta in res["regions"].items():
-            value = res["params"][name]
+            if name not in res[key]:
+                continue
+            value = res[key][name]
             if name not in full:
                 full[name] = np.zeros(meta["full_shape"], dtype=value.dtype)
                 filled[name] = np.zeros(meta["full_shape"], dtype=bool)
             index = tuple(slice(o, o + s) for o, s in zip(meta["offsets"], meta["shape"], strict=True))
             seen = filled[name][index]
-            if seen.any():
-                np.testing.assert_allclose(full[name][index][seen], value[seen], rtol=1e-5, atol=1e-7)
+            if seen.any() and check_replicas:
+                np.testing.assert_array_equal(full[name][index][seen], value[seen], err_msg=f"replicas of {name}")
             full[name][index] = value.reshape(meta["shape"])
             filled[name][index] = True
     for name, mask in filled.items():

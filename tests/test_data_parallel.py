@@ -1,7 +1,8 @@
 """Data parallel (SPEC L3.1): equivalence with one process, overlap, no_sync, unused parameters, edge cases.
 
 Every distributed test runs real Gloo processes; the reference is the same model trained in this process on the
-whole global batch.
+whole global batch. The equivalence runs are in float64 (tolerances derived in tests/tolerances.py); the negative
+control with an unreduced bucket is in tests/test_engine_3d.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.mp import run_distributed
+from tests.tolerances import FP64_REL
 
 STEPS = 5
 MICRO_BATCH = 2
@@ -32,7 +34,7 @@ def _build_model(seed: int):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_model_config())
     model.init_weights(seed)
-    return model
+    return model.double()
 
 
 def _global_batch(step: int, size: int):
@@ -159,11 +161,11 @@ def _check_equivalence(results, accum, world_size):
     ref_losses, ref_params = _reference(MICRO_BATCH * accum * world_size)
     dp_losses = np.mean([r["losses"] for r in results], axis=0)
     for step, (got, want) in enumerate(zip(dp_losses, ref_losses, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: dp loss {got} vs one-process {want}"
+        assert abs(got - want) <= FP64_REL * abs(want), f"step {step}: dp loss {got} vs one-process {want}"
     for name, want in ref_params.items():
         for rank, r in enumerate(results):
             err = _rel(r["params"][name], want)
-            assert err <= 1e-5, f"{name} on rank {rank}: relative error {err:.2e}"
+            assert err <= FP64_REL, f"{name} on rank {rank}: relative error {err:.2e}"
     # the parameters really moved, so equality is not trivially true
     initial = {n: p.detach().numpy() for n, p in _build_model(seed=7).named_parameters()}
     assert any(_rel(ref_params[n], initial[n]) > 1e-3 for n in initial)
@@ -256,9 +258,12 @@ def _unused_and_edges(rank, world_size):
 
 def test_unused_parameters_grad_dtype_and_misuse():
     results = run_distributed(_unused_and_edges, 2)
+    # fp32 gradients of one backward through Linear(6,8)-tanh-Linear(8,8)-Linear(8,1) over 4 rows, averaged over two
+    # ranks vs summed in one process: each differs by at most ~(8+8+4+2)·u32 ≈ 1.3e-6 relative (the γ_n bound of
+    # those sums), so 1e-5 holds on any CPU; a missing average or a dropped bucket is off by ≥ 0.5.
     for rank, r in enumerate(results):
         for label in ("view", "fp64"):
             for name, err in r[label].items():
-                assert err <= 1e-6, f"rank {rank} {label}: {name} gradient off by {err:.2e}"
+                assert err <= 1e-5, f"rank {rank} {label}: {name} gradient off by {err:.2e}"
         assert r["solo_ops"] == 0
         assert r["solo_equal"]

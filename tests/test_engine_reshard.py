@@ -2,10 +2,10 @@
 
 The reference trains dp2×tp2 for 6 steps without interruption, checkpointing every 3 steps. Copies of its checkpoint
 directory (the step-6 checkpoint removed, so ``resume: auto`` picks step 3) are resumed at tp1 (one process) and at
-pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges). The
-losses after step 3 must continue as the uninterrupted reference within 1e-5 relative (not bitwise: the reduction
-order differs between layouts), and the final parameters must agree within 1e-5 relative norm per tensor (AdamW's
-eps amplifies last-bit differences element-wise; see tests/test_engine_3d.py).
+pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges). Jobs
+train in float64: the losses after step 3 must continue as the uninterrupted reference within ``FP64_REL`` = 1e-10
+relative (not bitwise: the reduction order differs between layouts), and the final parameters within 1e-10 relative
+norm per tensor (tolerances derived in tests/tolerances.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kuangchao.cli.main import app
 from kuangchao_core.models.llama import LlamaForCausalLM, load_hf_llama_config
 from tests.engine_helpers import gather_full, run_trainers, tiny_job
 from tests.mp import run_distributed
+from tests.tolerances import FP64_REL, rel_norm
 
 STEPS = 6
 INTERVAL = 3
@@ -37,7 +38,7 @@ def _job(root: Path, parallel: dict):
         model={"preset": "tiny", "num_layers": 4},
         data={"seq_len": 16},
         parallel={"micro_batch_size": MICRO, "gradient_accumulation_steps": GLOBAL_MICRO_BATCHES // dp, **parallel},
-        train={"steps": STEPS},
+        train={"steps": STEPS, "dtype": "fp64"},
         checkpoint={"interval": INTERVAL, "keep_last": 3},
     )
 
@@ -104,12 +105,12 @@ def _assert_continues(resumed: list[dict], reference: list[dict], label: str) ->
         got = np.array(r["losses"])
         assert len(got) == STEPS, f"{label}: {len(got)} losses"
         np.testing.assert_array_equal(got[:INTERVAL], want[:INTERVAL])  # restored from the checkpoint
-        np.testing.assert_allclose(got[INTERVAL:], want[INTERVAL:], rtol=1e-5, atol=0, err_msg=label)
+        np.testing.assert_allclose(got[INTERVAL:], want[INTERVAL:], rtol=FP64_REL, atol=0, err_msg=label)
     ref_full, got_full = gather_full(reference), gather_full(resumed)
     assert set(ref_full) == set(got_full)
     for name, want_p in ref_full.items():
-        diff = np.linalg.norm(got_full[name].astype(np.float64) - want_p) / np.linalg.norm(want_p)
-        assert diff <= 1e-5, f"{label}: {name} relative norm difference {diff:.2e}"
+        diff = rel_norm(got_full[name], want_p)
+        assert diff <= FP64_REL, f"{label}: {name} relative norm difference {diff:.2e}"
 
 
 @pytest.mark.timeout(600)

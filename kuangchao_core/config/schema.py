@@ -208,7 +208,7 @@ class TrainSection(Section):
     log_interval: Int = Field(default=1, ge=1)
     eval_interval: Int = Field(default=50, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
     deterministic: bool = False
 
 

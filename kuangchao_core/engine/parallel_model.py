@@ -15,6 +15,7 @@ from torch import nn
 
 from kuangchao_core.ckpt.reshard import Region, TargetLayout
 from kuangchao_core.errors import PlanError
+from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
@@ -67,7 +68,9 @@ def _prune_to_stage(model: LlamaForCausalLM, owned: set[str]) -> None:
 
 
 def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: torch.device) -> ParallelModel:
-    """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``."""
+    """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``; its parameters are
+    in the dtype ``train.dtype`` names (initialised in fp32 in every case, so an fp64 job starts from the same
+    values as an fp32 one)."""
     seed = int(cfg.task.seed)
     par = cfg.parallel
     if mesh.tp > 1:
@@ -78,18 +81,25 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
         model = LlamaForCausalLM(llama_cfg)
         model.init_weights(seed)
         loss_fn = causal_lm_loss
+    dtype = param_dtype(cfg.train.dtype)
     layout = _target(mesh, cfg)
     regions = layout.param_slices(llama_cfg)
     executor = None
     if mesh.pp > 1:
         chunks = build_stage_chunks(model, mesh.pp, mesh.pp_rank, int(par.virtual_pipeline_size))
         _prune_to_stage(model, set(regions))
-        model = model.to(device)
+        model = model.to(device=device, dtype=dtype)
         executor = PipelineExecutor(
-            mesh.pp_group, chunks, loss_fn, llama_cfg.hidden_size, schedule=par.pipeline_schedule, device=device
+            mesh.pp_group,
+            chunks,
+            loss_fn,
+            llama_cfg.hidden_size,
+            schedule=par.pipeline_schedule,
+            device=device,
+            dtype=dtype,
         )
     else:
-        model = model.to(device)
+        model = model.to(device=device, dtype=dtype)
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):
         raise PlanError(

@@ -94,6 +94,12 @@ class Trainer:
         self.zero_stage = int(par.zero_stage)
 
         torch.manual_seed(cfg.task.seed)
+        if cfg.train.dtype in ("bf16", "fp16") and rank == 0:
+            log.warning(
+                "train.dtype %s: mixed precision is not implemented yet; this job trains with fp32 parameters and "
+                "fp32 compute (set train.dtype: fp32 to silence this)",
+                cfg.train.dtype,
+            )
         self.model_config = config_from_model_section(cfg.model)
         self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
         self.model = self.parts.model

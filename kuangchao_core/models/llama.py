@@ -25,6 +25,7 @@ from torch import nn
 
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
+from kuangchao_core.hal.dtypes import at_least_fp32
 
 IGNORE_INDEX = -100
 
@@ -195,7 +196,7 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 and cast back (as Hugging Face does)."""
+    """Root-mean-square layer norm, computed in at least fp32 and cast back (as Hugging Face does)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -204,7 +205,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
+        h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
@@ -218,6 +219,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # the tables are computed in fp32 for every dtype, as Hugging Face does, so fp64 logits match theirs
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -380,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of ``logits`` (batch, seq, vocab) against ``labels`` (batch, seq) already aligned to them
     (label t is the token after input t), ignoring ``-100``; ``mean`` over the counted tokens, or ``sum``."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    flat = at_least_fp32(logits.reshape(-1, logits.shape[-1]))
     loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
     if reduction == "sum":
         return loss

@@ -29,6 +29,7 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import PlanError
+from kuangchao_core.hal.dtypes import at_least_fp32
 
 IGNORE_INDEX = -100
 
@@ -307,7 +308,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start):
-        logits = logits.float()
+        logits = at_least_fp32(logits)
         n_local = logits.shape[-1]
         row_max = logits.max(dim=-1).values
         comm.all_reduce(row_max, group=group, op="max")
@@ -350,7 +351,7 @@ def vocab_parallel_cross_entropy(
         labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
     if _size(group) == 1:
         per_token = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
+            at_least_fp32(logits.reshape(-1, logits.shape[-1])),
             labels.reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="none",

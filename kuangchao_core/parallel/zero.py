@@ -1,9 +1,10 @@
-"""ZeRO optimizer-state sharding across the data-parallel group (SPEC L3.5), AdamW in fp32.
+"""ZeRO optimizer-state sharding across the data-parallel group (SPEC L3.5), AdamW in fp32 (fp64 for fp64 models).
 
 Layout. Trainable parameters are laid out in *reverse registration order* (roughly the order backward produces
 their gradients) and cut into buckets of at most ``bucket_cap_mb``. Each bucket is padded to a multiple of the DP
 size ``N``; bucket ``b`` is split into ``N`` equal chunks and DP rank ``r`` owns chunk ``r`` of every bucket. All
-buckets live in one contiguous fp32 buffer and every fp32 parameter becomes a view into it (no second copy).
+buckets live in one contiguous buffer of the master dtype (fp32, or fp64 when every parameter is fp64) and every
+parameter of that dtype becomes a view into it (no second copy).
 
 Per rank this keeps (Ψ = trainable elements, fp32): parameters 4Ψ (replicated), AdamW ``exp_avg`` +
 ``exp_avg_sq`` 8Ψ/N, gradients 4Ψ at stage 1 (a flat buffer that ``param.grad`` views) or 4Ψ/N at stage 2.
@@ -137,6 +138,8 @@ class ZeroOptimizer:
         if len(devices) != 1:
             raise KuangchaoError(f"ZeroOptimizer: parameters live on several devices {sorted(map(str, devices))}")
         self.device = devices.pop()
+        self.dtype = _master_dtype(p.dtype for _, p in self._named)
+        self._item = torch.empty((), dtype=self.dtype).element_size()
         self._build_layout(bucket_cap_mb)
         self._sync_enabled = True
         self._synced = False
@@ -160,7 +163,7 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self, bucket_cap_mb: float) -> None:
-        cap = max(1, int(bucket_cap_mb * _MB) // 4)
+        cap = max(1, int(bucket_cap_mb * _MB) // self._item)
         self.buckets: list[_Bucket] = []
         self._slots: list[_Slot] = []
         current: list[tuple[str, torch.nn.Parameter]] = []
@@ -191,27 +194,27 @@ class ZeroOptimizer:
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
-        self.flat_params = torch.zeros(start, dtype=torch.float32, device=self.device)
+        self.flat_params = torch.zeros(start, dtype=self.dtype, device=self.device)
         self._copy_back: list[_Slot] = []
         with torch.no_grad():
             for b in self.buckets:
                 for s in b.slots:
                     view = self.flat_params[b.start + s.offset : b.start + s.offset + s.numel]
                     view.copy_(s.param.detach().reshape(-1))
-                    if s.param.dtype == torch.float32:
+                    if s.param.dtype == self.dtype:
                         s.param.data = view.view_as(s.param)
                     else:
                         self._copy_back.append(s)
         if self.stage == 1:
-            self.flat_grads = torch.zeros(start, dtype=torch.float32, device=self.device)
+            self.flat_grads = torch.zeros(start, dtype=self.dtype, device=self.device)
             for b in self.buckets:
                 for s in b.slots:
-                    if s.param.dtype == torch.float32:
+                    if s.param.dtype == self.dtype:
                         s.param.grad = self.flat_grads[b.start + s.offset : b.start + s.offset + s.numel].view_as(
                             s.param
                         )
         else:
-            self.grad_shard = torch.zeros(start // self.size, dtype=torch.float32, device=self.device)
+            self.grad_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
 
     def _param_chunk(self, b: int) -> torch.Tensor:
         bk = self.buckets[b]
@@ -310,7 +313,7 @@ class ZeroOptimizer:
         ``torch.nn.utils.clip_grad_norm_`` on the full averaged gradient.
         """
         self.finish_gradient_sync()
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq = torch.zeros((), dtype=self.dtype, device=self.device)
         for g in self._grad_shards():
             sq += g.pow(2).sum()
         if self.size > 1:
@@ -379,8 +382,8 @@ class ZeroOptimizer:
     def _take_gradient(self, b: int, i: int, s: _Slot) -> None:
         bk = self.buckets[b]
         if self._bucket_bufs[b] is None:
-            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=torch.float32, device=self.device)
-            held = sum(x.numel() * 4 for x in self._bucket_bufs if x is not None)
+            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
+            held = sum(x.numel() * self._item for x in self._bucket_bufs if x is not None)
             self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
         if s.param.grad is not None:
             self._bucket_bufs[b][s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
@@ -415,15 +418,16 @@ class ZeroOptimizer:
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank held for parameters, gradients and AdamW state: measured tensors and the formulas.
 
-        Formulas (fp32, Ψ trainable elements, N = DP size): params 4Ψ, grads 4Ψ (stage 1) or 4Ψ/N (stage 2),
-        Adam ``exp_avg`` + ``exp_avg_sq`` 8Ψ/N. Measured sizes include the padding of each bucket to a multiple of N.
+        Formulas (b = 4 bytes per element in fp32, 8 in fp64; Ψ trainable elements, N = DP size): params bΨ, grads bΨ
+        (stage 1) or bΨ/N (stage 2), Adam ``exp_avg`` + ``exp_avg_sq`` 2bΨ/N. Measured sizes include the padding of
+        each bucket to a multiple of N.
         """
-        psi, n = self.numel, self.size
-        params = self.flat_params.numel() * 4 + sum(s.param.numel() * s.param.element_size() for s in self._copy_back)
+        psi, n, b = self.numel, self.size, self._item
+        params = self.flat_params.numel() * b + sum(s.param.numel() * s.param.element_size() for s in self._copy_back)
         if self.stage == 1:
-            grads = self.flat_grads.numel() * 4
+            grads = self.flat_grads.numel() * b
         else:
-            grads = self.grad_shard.numel() * 4 + sum(b.numel() * 4 for b in self._bucket_bufs if b is not None)
+            grads = self.grad_shard.numel() * b + sum(x.numel() * b for x in self._bucket_bufs if x is not None)
             grads += sum(
                 s.param.grad.numel() * s.param.grad.element_size() for s in self._slots if s.param.grad is not None
             )
@@ -442,10 +446,10 @@ class ZeroOptimizer:
             "num_buckets": len(self.buckets),
             "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
             "formula": {
-                "params": 4 * psi,
-                "grads": 4 * psi if self.stage == 1 else 4 * psi / n,
-                "optimizer_state": 8 * psi / n,
-                "total": 4 * psi + (4 * psi if self.stage == 1 else 4 * psi / n) + 8 * psi / n,
+                "params": b * psi,
+                "grads": b * psi if self.stage == 1 else b * psi / n,
+                "optimizer_state": 2 * b * psi / n,
+                "total": b * psi + (b * psi if self.stage == 1 else b * psi / n) + 2 * b * psi / n,
             },
             "optimizer_state_elements": optim_elems,
             "peak_transient_grad_bytes": self.peak_transient_grad_bytes,
@@ -552,7 +556,7 @@ class ZeroOptimizer:
         new = [
             {
                 "step": torch.tensor(step, dtype=torch.float32),
-                **{k: torch.zeros(bk.chunk, dtype=torch.float32, device=self.device) for k in _STATE_KEYS},
+                **{k: torch.zeros(bk.chunk, dtype=self.dtype, device=self.device) for k in _STATE_KEYS},
             }
             for bk in self.buckets
         ]
@@ -574,6 +578,12 @@ class ZeroOptimizer:
         """Rebuild this rank's shard from every rank's :meth:`state_dict_for_checkpoint` of any DP size/stage."""
         tensors, meta = merge_shards_to_full(shards)
         self.load_full_state(tensors, meta)
+
+
+def _master_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """fp64 when every parameter is fp64, else fp32 (the master dtype of fp32 and half-precision parameters)."""
+    found = set(dtypes)
+    return torch.float64 if found == {torch.float64} else torch.float32
 
 
 def _jsonable(v: Any) -> bool:
@@ -623,12 +633,13 @@ def merge_shards_to_full(
     shapes = {n: list(s) for n, s in meta0["param_shapes"].items()}
     order = list(meta0.get("param_order", shapes))
     has_state = any(t for t, _, _ in shards)
+    dtype = next((v.dtype for t, _, _ in shards for v in t.values()), torch.float32)
     full: dict[str, dict[str, torch.Tensor]] = {}
     if has_state:
         covered: dict[str, torch.Tensor] = {}
         for name in order:
             numel = math.prod(shapes[name])
-            full[name] = {k: torch.zeros(numel, dtype=torch.float32) for k in _STATE_KEYS}
+            full[name] = {k: torch.zeros(numel, dtype=dtype) for k in _STATE_KEYS}
             covered[name] = torch.zeros(numel, dtype=torch.bool)
         for tensors, slices, _ in shards:
             for key, t in tensors.items():
