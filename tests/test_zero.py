@@ -233,7 +233,9 @@ def test_state_and_gradients_sharded(run):
         mem = r["rec"]["mem_after_sync"][-1]
         assert mem["optimizer_state_elements"] == 2 * padded // n
         assert mem["measured"]["optimizer_state"] == 2 * ITEM * padded // n
-        assert abs(mem["measured"]["optimizer_state"] - mem["formula"]["optimizer_state"]) <= 2 * ITEM * (padded - numel)
+        assert abs(mem["measured"]["optimizer_state"] - mem["formula"]["optimizer_state"]) <= 2 * ITEM * (
+            padded - numel
+        )
         assert mem["measured"]["params"] == ITEM * padded
         if stage == 2:
             assert mem["measured"]["grads"] == ITEM * padded // n
@@ -326,7 +328,9 @@ def _odd_body(rank, world_size):
     ref, model = _Odd().double(), _Odd().double()
     model.load_state_dict(ref.state_dict())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    opt = ZeroOptimizer(list(model.parameters()), group, stage=2, lr=LR, weight_decay=WD, bucket_cap_mb=40 * ITEM / 2**20)
+    opt = ZeroOptimizer(
+        list(model.parameters()), group, stage=2, lr=LR, weight_decay=WD, bucket_cap_mb=40 * ITEM / 2**20
+    )
     gen = torch.Generator().manual_seed(11)
     for _ in range(5):
         x, y = torch.randn(8, 7, generator=gen).double(), torch.randn(8, 3, generator=gen).double()
