@@ -21,9 +21,8 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed  ## create .venv and install kuangchao with its dev extra
 
 demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local Prefect, local MLflow
-	# each demo trains from scratch (the config resumes automatically, which would find the last demo finished)
-	rm -rf checkpoints/kc-tiny-demo
-	$(VENV)/bin/kc train --config configs/tiny.yaml
+	# each demo trains from scratch in a new checkpoint lineage (earlier demos' lineages stay as they were)
+	$(VENV)/bin/kc train --config configs/tiny.yaml --resume never
 
 test: setup  ## the whole test suite
 	$(PY) -m pytest tests -q -ra --durations=15

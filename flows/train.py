@@ -20,9 +20,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.states import Completed
 
+from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
 from kuangchao_core.config import load_config
-from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.parallel.plan import raise_for_plan
 from kuangchao_core.perm import guard_api
@@ -54,30 +56,65 @@ def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, A
     return load_config(config_path, overrides, resolve=lambda data: resolve_blocks(data, secrets))
 
 
+def _for_people(value: Any) -> str:
+    """Floats to 4 significant digits (the JSON summary and MLflow keep full precision)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    rows = "\n".join(f"| {k} | {_for_people(v)} |" for k, v in summary.items())
     return f"# Kuangchao run summary: {cfg.task.name}\n\n| field | value |\n|---|---|\n{rows}\n"
 
 
 @flow(name="kuangchao-train", log_prints=True)
-def train_flow(config_path: str, overrides: list[str] | None = None, resume: str | None = None) -> dict[str, Any]:
+def train_flow(
+    config_path: str, overrides: list[str] | None = None, resume: str | None = None, if_finished: str = "error"
+) -> Any:
     """Run a training job end to end from a YAML config (plus ``--set`` style ``overrides``).
 
-    ``resume``: ``auto`` (newest intact checkpoint, local or S3), ``never`` or a step directory; default
-    ``checkpoint.resume``. Returns the run summary (also a Prefect artifact and an MLflow artifact).
+    ``resume``: ``auto`` (the newest lineage's newest intact checkpoint, local or S3), ``never`` (a new lineage) or
+    a step directory; default ``checkpoint.resume``. The run's checkpoints go to one lineage
+    (``<checkpoint.dir>/<task>/<lineage>/``), pinned for every attempt. ``if_finished``: what to do when the resume
+    checkpoint is already at or past ``train.steps``: ``error`` (default; fails with the fix, before any worker
+    starts) or ``skip`` (trains nothing; the flow run ends in a Completed state named ``Skipped`` whose summary
+    says ``trained_steps: 0``). Returns the run summary (also a Prefect artifact and an MLflow artifact).
     """
+    if if_finished not in ("error", "skip"):
+        raise ConfigError([("if_finished", f"must be 'error' or 'skip', got {if_finished!r}")])
     logger = get_run_logger()
     # This process is the job's authority (it issues the tokens); it verifies, downloads and uploads checkpoints
     # itself, and those calls pass the permission guard, so it runs them trusted. The previous guard is restored
     # on the way out: `kc train` and tests share the process with other code.
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     try:
-        return _run(logger, config_path, list(overrides or []), resume)
+        return _run(logger, config_path, list(overrides or []), resume, if_finished)
+    except KuangchaoError as exc:  # the reason, in the flow run's own log (`prefect flow-run logs <id>`)
+        logger.error("kuangchao-train failed: %s", exc)
+        raise
     finally:
         guard_api.install_guard(previous_guard)
 
 
-def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None) -> dict[str, Any]:
+def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
+    """The Completed state named ``Skipped`` of a run that had nothing to train, with an honest summary."""
+    summary = {
+        "task": cfg.task.name,
+        "outcome": "nothing to train",
+        "trained_steps": 0,
+        "steps": plan.step,
+        "train_steps": cfg.train.steps,
+        "lineage": plan.lineage,
+        "checkpoint_path": plan.step_dir,
+        "run_dir": str(run_dir),
+    }
+    message = f"0 steps trained: {plan.step_dir} is already at step {plan.step} of {cfg.train.steps}"
+    create_markdown_artifact(
+        _summary_markdown(cfg, summary), key="kuangchao-run-summary", description="training run summary"
+    )
+    return Completed(name="Skipped", message=message, data=summary)
+
+
+def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str) -> Any:
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
@@ -88,29 +125,40 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     resolved.write_text(cfg.to_yaml(), encoding="utf-8")
     logger.info("resolved config written to %s", resolved)
 
+    resume_arg = resume or cfg.checkpoint.resume
+    if resume_arg == "auto" and cfg.checkpoint.uri:
+        restored = restore_checkpoint(cfg, None, s3_settings)
+        for skip in restored["skipped"]:
+            logger.warning("skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"])
+    plan = plan_resume(cfg, resume_arg)
+    logger.info("checkpoints: %s (resume from %s)", plan.reason, plan.step_dir or "scratch")
+    if plan.step >= cfg.train.steps:
+        if if_finished == "error":
+            raise NothingToTrain(plan.step, cfg.train.steps, str(plan.step_dir))
+        logger.warning("0 steps trained: %s is already at step %d of %d", plan.step_dir, plan.step, cfg.train.steps)
+        return _nothing_to_train(cfg, plan, run_dir)
+    worker_resume = plan.step_dir or "never"  # with the pinned lineage, later attempts prefer its newest step
+
     doctor(cfg)
     probe_topology(cfg)
-    run_id = tracking.open_run(cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir)})
+    run_id = tracking.open_run(
+        cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
+    )
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
     try:
         validate_data(cfg, mlflow_run_id=run_id)
-        resume_arg = resume or cfg.checkpoint.resume
+        if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
+            create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
         result: dict[str, Any] | None = None
         max_restarts = cfg.cluster.max_restarts
         for attempt in range(max_restarts + 1):
             attempts = attempt + 1
-            if resume_arg == "auto" and cfg.checkpoint.uri:
-                restored = restore_checkpoint(cfg, run_id, s3_settings)
-                for skip in restored["skipped"]:
-                    logger.warning(
-                        "skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"]
-                    )
-            env = issue_tokens(cfg, str(run_dir), attempt)
+            env = {**issue_tokens(cfg, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
             try:
-                result = launch(cfg, str(resolved), str(run_dir), attempt, resume_arg, run_id, env)
+                result = launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env)
                 break
             except WorkerFailed as exc:
                 causes.append(f"attempt {attempt}: rank {exc.rank}: {exc.cause}")
@@ -124,23 +172,26 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
                         exc.exit_code,
                     ) from exc
                 logger.warning("attempt %d failed: rank %s: %s; recovering", attempt, exc.rank, exc.cause)
-                plan = recover(cfg, attempt, f"rank {exc.rank}: {exc.cause}", run_id)
-                logger.warning("attempt %d resumes from %s", attempt + 1, plan["resume_from"] or "scratch")
-                resume_arg = "auto"
+                recovery = recover(cfg, attempt, f"rank {exc.rank}: {exc.cause}", run_id, plan.lineage, plan.step_dir)
+                logger.warning("attempt %d resumes from %s", attempt + 1, recovery["resume_from"] or "scratch")
         assert result is not None
-        ckpt = checkpoint(cfg, run_id, s3_settings)
+        ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
         summary = {
             "task": cfg.task.name,
             "layout": tracking.layout_tag(cfg),
+            "lineage": plan.lineage,
+            "resumed_from": plan.step_dir,
             "steps": result["steps"],
+            "trained_steps": (result["steps"] or plan.step) - plan.step,
             "final_loss": result["final_loss"],
-            "tokens_per_s": result["tokens_per_s"],
+            "tokens_per_s_mean": result["tokens_per_s_mean"],
+            "tokens_per_s_last": result["tokens_per_s"],
             "heldout_accuracy": result["heldout_accuracy"],
             "loss_floor": result["loss_floor"],
             "attempts": attempts,
             "restarts": attempts - 1,
             "restart_causes": causes,
-            "checkpoints": result.get("checkpoints", []),
+            "checkpoints": ckpt["steps"],
             "checkpoint_step": ckpt["step"],
             "checkpoint_path": ckpt["path"],
             "checkpoint_uri": ckpt["uri"],

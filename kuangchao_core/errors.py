@@ -67,6 +67,23 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint failed its integrity checks (missing manifest, sha256 or size mismatch)."""
 
 
+class NothingToTrain(ConfigError):
+    """The checkpoint a run would resume from is already at or past ``train.steps``."""
+
+    def __init__(self, step: int, steps: int, checkpoint: str):
+        self.step, self.steps, self.checkpoint = step, steps, checkpoint
+        super().__init__(
+            [
+                (
+                    "train.steps",
+                    f"already at step {step} of {steps} ({checkpoint}); pass --resume never to train from scratch, "
+                    f"raise train.steps above {step} to continue, or --if-finished skip to accept a run that "
+                    "trains nothing",
+                )
+            ]
+        )
+
+
 class DataError(KuangchaoError):
     """A dataset is missing, malformed or too small for the planned job."""
 

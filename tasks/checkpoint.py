@@ -1,9 +1,11 @@
 """Prefect tasks around checkpoints: verify and record the newest one, mirror checkpoints to S3, restore from S3.
 
-``checkpoint`` (after the last attempt) verifies the newest local checkpoint, uploads every intact local step that
-S3 does not hold yet when ``checkpoint.uri`` is ``s3://…``, and logs per-checkpoint metadata (step, sha256, size,
-URI) to MLflow. ``restore_checkpoint`` (before each attempt) downloads the newest intact S3 checkpoint into the
-local checkpoint directory when the local one has none, so the workers' ``--resume auto`` finds it; corrupt newer
+Every task works on one lineage (``<checkpoint.dir>/<task>/<lineage>/``, see ``kuangchao_core.ckpt.lineage``): a
+run records, uploads and reports its own checkpoints only. ``checkpoint`` (after the last attempt) verifies the
+lineage's newest checkpoint, uploads every intact step of the lineage that S3 does not hold yet when
+``checkpoint.uri`` is ``s3://…`` (``<uri>/<task>/<lineage>/step_<N>``), and logs per-checkpoint metadata (step,
+sha256, size, URI) to MLflow. ``restore_checkpoint`` (before planning a resume) downloads the newest intact S3
+checkpoint of the newest S3 lineage when no local lineage has one, so ``resume: auto`` finds it; corrupt newer
 checkpoints are skipped, logged and recorded.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.ckpt.layout import parse_step_dir
+from kuangchao_core.ckpt.lineage import LEGACY, create_lineage, lineage_dir, list_lineages
 from kuangchao_core.ckpt.reader import find_latest_intact, read_manifest, verify_checkpoint
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 from kuangchao_core.obs import tracking
@@ -27,8 +30,13 @@ log = logging.getLogger("kuangchao.tasks.checkpoint")
 
 
 def task_dir_of(cfg: Any) -> Path:
-    """``<checkpoint.dir>/<task.name>``: where the workers write and look for checkpoints."""
+    """``<checkpoint.dir>/<task.name>``: the task's lineages live below it."""
     return Path(cfg.checkpoint.dir) / cfg.task.name
+
+
+def _s3_task(cfg: Any, lineage: str) -> str:
+    """The S3 key part below ``checkpoint.uri`` of a lineage: ``<task>/<lineage>`` (``<task>`` for ``legacy``)."""
+    return cfg.task.name if lineage == LEGACY else f"{cfg.task.name}/{lineage}"
 
 
 def s3_settings_for(cfg: Any, secrets: dict[str, Any] | None = None):
@@ -67,16 +75,18 @@ def checkpoint_metadata(step_dir: Path, uri: str | None = None) -> dict[str, Any
     }
 
 
-def upload_intact(cfg: Any, settings=None, client=None) -> dict[int, str]:
-    """Upload every intact local checkpoint that ``checkpoint.uri`` does not hold yet; ``{step: step URI}`` of all
-    checkpoints present in S3 afterwards that also exist locally."""
+def upload_intact(cfg: Any, settings=None, client=None, lineage: str | None = None) -> dict[int, str]:
+    """Upload every intact local checkpoint of ``lineage`` (default: the newest) that ``checkpoint.uri`` does not
+    hold yet; ``{step: step URI}`` of all its checkpoints present in S3 afterwards that also exist locally."""
     from kuangchao_core.ckpt.s3 import list_checkpoints, make_client, upload_checkpoint
 
+    lineage = lineage or _newest_lineage(cfg)
     uri = cfg.checkpoint.uri
     s3 = client or make_client(settings)
-    remote = dict(list_checkpoints(uri, cfg.task.name, client=s3))
+    s3_task = _s3_task(cfg, lineage)
+    remote = dict(list_checkpoints(uri, s3_task, client=s3))
     out: dict[int, str] = {}
-    tdir = task_dir_of(cfg)
+    tdir = lineage_dir(cfg, lineage)
     for name in sorted(os.listdir(tdir)) if tdir.is_dir() else []:
         step = parse_step_dir(name)
         if step is None or not (tdir / name).is_dir():
@@ -86,19 +96,30 @@ def upload_intact(cfg: Any, settings=None, client=None) -> dict[int, str]:
             continue
         if verify_checkpoint(tdir / name):
             continue  # a torn or corrupt local step is never mirrored
-        out[step] = upload_checkpoint(tdir / name, uri, cfg.task.name, client=s3, settings=settings)
+        out[step] = upload_checkpoint(tdir / name, uri, s3_task, client=s3, settings=settings)
         log.info("uploaded checkpoint step %d to %s", step, out[step])
     return out
 
 
-def verify_and_record(cfg: Any, mlflow_run_id: str | None = None, settings=None) -> dict[str, Any]:
-    """Find the newest intact checkpoint, mirror it (and older intact ones) to S3 when ``checkpoint.uri`` is set,
-    log every checkpoint's metadata and the newest manifest to MLflow; return the newest one's metadata."""
-    tdir = task_dir_of(cfg)
+def _newest_lineage(cfg: Any) -> str:
+    found = list_lineages(task_dir_of(cfg))
+    if not found:
+        raise CheckpointCorrupt(f"no checkpoint lineage under {task_dir_of(cfg)}; the job wrote no checkpoint")
+    return found[-1].name
+
+
+def verify_and_record(
+    cfg: Any, mlflow_run_id: str | None = None, settings=None, lineage: str | None = None
+) -> dict[str, Any]:
+    """Find the newest intact checkpoint of ``lineage`` (default: the task's newest lineage), mirror it (and the
+    lineage's older intact ones) to S3 when ``checkpoint.uri`` is set, log each one's metadata and the newest
+    manifest to MLflow; return the newest one's metadata plus ``steps`` (every intact step of the lineage)."""
+    lineage = lineage or _newest_lineage(cfg)
+    tdir = lineage_dir(cfg, lineage)
     step_dir = find_latest_intact(tdir) if tdir.exists() else None
     if step_dir is None:
         raise CheckpointCorrupt(f"no intact checkpoint under {tdir}; the job wrote none or all are corrupt")
-    uploaded = upload_intact(cfg, settings) if cfg.checkpoint.uri else {}
+    uploaded = upload_intact(cfg, settings, lineage=lineage) if cfg.checkpoint.uri else {}
     records = []
     for name in sorted(os.listdir(tdir)):
         step = parse_step_dir(name)
@@ -122,21 +143,37 @@ def verify_and_record(cfg: Any, mlflow_run_id: str | None = None, settings=None)
                 "kuangchao.checkpoint.latest_uri": summary["uri"],
             },
         )
-    return summary
+    return {**summary, "lineage": lineage, "steps": [r["step"] for r in records]}
+
+
+def _s3_lineages(cfg: Any, s3) -> list[str]:
+    """Lineage names under ``<uri>/<task>/`` in S3, newest first (``legacy`` last when bare steps exist)."""
+    from kuangchao_core.ckpt.layout import is_lineage_name
+    from kuangchao_core.ckpt.s3 import list_checkpoints, list_prefixes
+
+    names = sorted(n for n in list_prefixes(cfg.checkpoint.uri, cfg.task.name, client=s3) if is_lineage_name(n))
+    out = list(reversed(names))
+    if list_checkpoints(cfg.checkpoint.uri, cfg.task.name, client=s3):
+        out.append(LEGACY)
+    return out
 
 
 def restore_from_s3(cfg: Any, settings=None, client=None) -> dict[str, Any]:
-    """Make the newest intact checkpoint available locally before an attempt.
+    """Make the newest intact checkpoint available locally before a run plans its resume.
 
-    Nothing happens when ``checkpoint.uri`` is unset or the local directory already has an intact checkpoint.
-    Otherwise S3's committed checkpoints are tried newest first; each one that fails its sha256/size check is
-    skipped with a WARNING and listed under ``skipped``; the first that verifies lands in
-    ``<checkpoint.dir>/<task>/step_<N>``. Returns ``{"source", "step", "path", "skipped": [{step, uri, reason}]}``.
+    Nothing happens when ``checkpoint.uri`` is unset or a local lineage already has an intact checkpoint.
+    Otherwise the newest S3 lineage's committed checkpoints are tried newest first; each one that fails its
+    sha256/size check is skipped with a WARNING and listed under ``skipped``; the first that verifies lands in
+    ``<checkpoint.dir>/<task>/<lineage>/step_<N>``. Returns ``{"source", "step", "path", "lineage",
+    "skipped": [{step, uri, reason}]}``.
     """
     from kuangchao_core.ckpt.s3 import download_checkpoint, list_checkpoints, make_client
 
-    tdir = task_dir_of(cfg)
-    local = find_latest_intact(tdir) if tdir.exists() else None
+    local = None
+    for lin in reversed(list_lineages(task_dir_of(cfg))):
+        local = find_latest_intact(lin.path)
+        if local is not None:
+            break
     if local is not None or not cfg.checkpoint.uri:
         step = parse_step_dir(local.name) if local else None
         return {
@@ -147,23 +184,27 @@ def restore_from_s3(cfg: Any, settings=None, client=None) -> dict[str, Any]:
         }
     s3 = client or make_client(settings)
     skipped: list[dict[str, Any]] = []
-    for step, step_uri in reversed(list_checkpoints(cfg.checkpoint.uri, cfg.task.name, client=s3)):
-        dest = tdir / step_uri.rsplit("/", 1)[-1]
-        try:
-            download_checkpoint(step_uri, dest, client=s3, settings=settings)
-        except CheckpointError as exc:
-            log.warning("skipping corrupt S3 checkpoint %s (step %d): %s", step_uri, step, exc)
-            skipped.append({"step": step, "uri": step_uri, "reason": str(exc)})
-            continue
-        log.info("restored checkpoint step %d from %s into %s", step, step_uri, dest)
-        return {"source": step_uri, "step": step, "path": str(dest), "skipped": skipped}
-    return {"source": None, "step": None, "path": None, "skipped": skipped}
+    for lineage in _s3_lineages(cfg, s3):
+        for step, step_uri in reversed(list_checkpoints(cfg.checkpoint.uri, _s3_task(cfg, lineage), client=s3)):
+            tdir = create_lineage(cfg, lineage) if lineage != LEGACY else task_dir_of(cfg)
+            dest = tdir / step_uri.rsplit("/", 1)[-1]
+            try:
+                download_checkpoint(step_uri, dest, client=s3, settings=settings)
+            except CheckpointError as exc:
+                log.warning("skipping corrupt S3 checkpoint %s (step %d): %s", step_uri, step, exc)
+                skipped.append({"step": step, "uri": step_uri, "reason": str(exc)})
+                continue
+            log.info("restored checkpoint step %d from %s into %s", step, step_uri, dest)
+            return {"source": step_uri, "step": step, "path": str(dest), "lineage": lineage, "skipped": skipped}
+        if skipped:
+            break  # the newest lineage had checkpoints, all corrupt: do not silently fall back to an older run
+    return {"source": None, "step": None, "path": None, "lineage": None, "skipped": skipped}
 
 
 @task(name="checkpoint", retries=1, retry_delay_seconds=2)
-def checkpoint(cfg: Any, mlflow_run_id: str | None = None, settings: Any = None) -> dict[str, Any]:
-    """Prefect task: verify the newest checkpoint, mirror to S3, record in MLflow (see :func:`verify_and_record`)."""
-    return verify_and_record(cfg, mlflow_run_id, settings)
+def checkpoint(cfg: Any, mlflow_run_id: str | None = None, settings: Any = None, lineage: str | None = None) -> dict:
+    """Prefect task: verify the lineage's newest checkpoint, mirror to S3, record in MLflow (:func:`verify_and_record`)."""
+    return verify_and_record(cfg, mlflow_run_id, settings, lineage)
 
 
 @task(name="restore_checkpoint", retries=2, retry_delay_seconds=2)

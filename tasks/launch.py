@@ -30,7 +30,8 @@ class LaunchSummary:
     attempt: int
     steps: int | None
     final_loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # the last logged step's
+    tokens_per_s_mean: float | None  # over every step this attempt trained
     heldout_accuracy: float | None
     loss_floor: float | None
     checkpoints: list[int] = field(default_factory=list)
@@ -123,6 +124,7 @@ def launch_workers(
         steps=(done[-1].get("step") if done else last.get("step")),
         final_loss=(done[-1].get("final_loss") if done else last.get("loss")),
         tokens_per_s=last.get("tokens_per_s"),
+        tokens_per_s_mean=done[-1].get("tokens_per_s_mean") if done else None,
         heldout_accuracy=evals[-1].get("heldout_accuracy") if evals else None,
         loss_floor=evals[-1].get("loss_floor") if evals else None,
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],

@@ -15,7 +15,8 @@ from typing import Any
 
 from prefect import task
 
-from kuangchao_core.ckpt.reader import find_latest_intact, read_state
+from kuangchao_core.ckpt.lineage import plan_resume
+from kuangchao_core.ckpt.reader import read_state
 from kuangchao_core.obs import tracking
 
 log = logging.getLogger("kuangchao.tasks.recover")
@@ -36,10 +37,23 @@ def backfill_losses(cfg: Any, run_id: str, step_dir: Path) -> list[int]:
     return [m.step for m in missing]
 
 
-def plan_recovery(cfg: Any, failed_attempt: int, cause: str, mlflow_run_id: str | None = None) -> dict[str, Any]:
-    """Newest intact checkpoint (or a fresh start), with the cause logged and recorded on the MLflow run."""
-    task_dir = Path(cfg.checkpoint.dir) / cfg.task.name
-    step_dir = find_latest_intact(task_dir, log=log) if task_dir.exists() else None
+def plan_recovery(
+    cfg: Any,
+    failed_attempt: int,
+    cause: str,
+    mlflow_run_id: str | None = None,
+    lineage: str | None = None,
+    started_from: str | None = None,
+) -> dict[str, Any]:
+    """The newest intact checkpoint of the run's ``lineage`` (else the checkpoint the run ``started_from``, else a
+    fresh start), with the cause logged and recorded on the MLflow run. Without a lineage: the task's newest."""
+    if lineage is not None:
+        plan = plan_resume(cfg, started_from or "never", pinned=lineage)
+        step_dir = Path(plan.step_dir) if plan.step_dir else None
+    else:
+        task_dir = Path(cfg.checkpoint.dir) / cfg.task.name
+        found = plan_resume(cfg, "auto") if task_dir.exists() else None
+        step_dir = Path(found.step_dir) if found and found.step_dir else None
     plan: dict[str, Any] = {
         "failed_attempt": failed_attempt,
         "next_attempt": failed_attempt + 1,
@@ -71,6 +85,13 @@ def plan_recovery(cfg: Any, failed_attempt: int, cause: str, mlflow_run_id: str 
 
 
 @task(name="recover", retries=0)
-def recover(cfg: Any, failed_attempt: int, cause: str, mlflow_run_id: str | None = None) -> dict[str, Any]:
+def recover(
+    cfg: Any,
+    failed_attempt: int,
+    cause: str,
+    mlflow_run_id: str | None = None,
+    lineage: str | None = None,
+    started_from: str | None = None,
+) -> dict[str, Any]:
     """Prefect task: see :func:`plan_recovery`."""
-    return plan_recovery(cfg, failed_attempt, cause, mlflow_run_id)
+    return plan_recovery(cfg, failed_attempt, cause, mlflow_run_id, lineage, started_from)

@@ -107,8 +107,8 @@ class Saboteur(threading.Thread):
 
 
 def committed(ckpt_task_dir: Path, step: int) -> bool:
-    """Whether checkpoint ``step`` has its manifest (was committed)."""
-    return (ckpt_task_dir / f"step_{step:08d}" / "manifest.json").exists()
+    """Whether checkpoint ``step`` of any lineage of the task has its manifest (was committed)."""
+    return bool(glob.glob(str(ckpt_task_dir / "*" / f"step_{step:08d}" / "manifest.json")))
 
 
 def run_flow(workdir: Path, overrides: list[str], config_path: str = TINY, resume: str | None = None) -> dict:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config import config_from_dict
+
+
+def only_lineage(task_dir) -> Path:
+    """The single lineage directory of a task directory (a test that ran one run of the task)."""
+    from kuangchao_core.ckpt.lineage import list_lineages
+
+    found = list_lineages(task_dir)
+    assert len(found) == 1, f"{task_dir}: expected one lineage, found {[lin.name for lin in found]}"
+    return found[0].path
 
 
 def tiny_job(tmp_dir: str, **sections: Any):
@@ -62,7 +72,8 @@ def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_step
 def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     """Run several engine jobs one after another in this process (all ranks run the same list).
 
-    ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps`` and ``sabotage`` (the
+    ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps``, ``lineage`` (pins
+    the checkpoint lineage, as a flow run does) and ``sabotage`` (the
     name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
     own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
     ``{"losses", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``regions`` maps each parameter
@@ -108,7 +119,9 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
 
         trainer.train_step = recording_step
         try:
-            state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
+            state = trainer.run(
+                resume=job.get("resume", "never"), max_steps=job.get("max_steps"), lineage=job.get("lineage")
+            )
         finally:
             if undo is not None:
                 undo()

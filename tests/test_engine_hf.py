@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, load_hf_llama_config
-from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from tests.engine_helpers import gather_full, only_lineage, run_trainers, tiny_job
 from tests.mp import run_distributed
 from tests.tolerances import FP32_LOSS_REL, assert_logits_match
 
@@ -138,7 +138,7 @@ def test_finetune_first_step_loss_is_transformers_loss(runs, layout):
 
 
 def test_finetuned_tp2pp2_exports_back_to_transformers(runs):
-    step_dir = runs["tmp"] / "tp2pp2_ft" / "ckpt" / "finetune" / "step_00000001"
+    step_dir = only_lineage(runs["tmp"] / "tp2pp2_ft" / "ckpt" / "finetune") / "step_00000001"
     out = runs["tmp"] / "export"
     res = CliRunner().invoke(
         app, ["checkpoint", "convert", str(step_dir), str(out), "--parallel", "tp=1,pp=1", "--format", "hf"]

@@ -19,8 +19,9 @@ import torch
 from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
+from kuangchao_core.ckpt.lineage import new_lineage_id
 from kuangchao_core.models.llama import LlamaForCausalLM, load_hf_llama_config
-from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from tests.engine_helpers import gather_full, only_lineage, run_trainers, tiny_job
 from tests.mp import run_distributed
 from tests.tolerances import FP64_REL, rel_norm
 
@@ -46,7 +47,7 @@ def _job(root: Path, parallel: dict):
 def _copy_at_step(src_root: Path, dst_root: Path) -> Path:
     """Copy ``src_root/ckpt`` to ``dst_root/ckpt`` keeping only the checkpoints up to step INTERVAL."""
     shutil.copytree(src_root / "ckpt", dst_root / "ckpt")
-    task = dst_root / "ckpt" / "reshard"
+    task = only_lineage(dst_root / "ckpt" / "reshard")
     later = [p for p in task.iterdir() if p.name.startswith("step_") and int(p.name[5:]) > INTERVAL]
     assert later, f"the reference wrote no checkpoint after step {INTERVAL}: {sorted(task.iterdir())}"
     for p in later:
@@ -66,18 +67,19 @@ def runs(tmp_path_factory):
         args=([{"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})}, {"cfg": zero_tp_cfg}],),
     )
     ref = [r[0] for r in four]
-    zero_tp_step = zero_tp_root / "ckpt" / "reshard" / f"step_{INTERVAL:08d}"
+    zero_tp_step = only_lineage(zero_tp_root / "ckpt" / "reshard") / f"step_{INTERVAL:08d}"
     _copy_at_step(ref_root, tmp / "tp1")
     _copy_at_step(ref_root, tmp / "pp2")
     zero_cfg = _job(zero_root, {"data_parallel_size": 2, "zero_stage": 1})
     # two-process jobs, in order: the ZeRO-1 reference, its resume without ZeRO (explicit path), and pp2 from dp2×tp2
-    zero_step = zero_root / "ckpt" / "reshard" / f"step_{INTERVAL:08d}"
+    zero_lineage = new_lineage_id()  # pinned, so the next job of the same batch can name its checkpoint
+    zero_step = zero_root / "ckpt" / "reshard" / zero_lineage / f"step_{INTERVAL:08d}"
     two = run_distributed(
         run_trainers,
         2,
         args=(
             [
-                {"cfg": zero_cfg},
+                {"cfg": zero_cfg, "lineage": zero_lineage},
                 {"cfg": _job(tmp / "zero0", {"data_parallel_size": 2}), "resume": str(zero_step)},
                 {"cfg": _job(tmp / "pp2", {"pipeline_parallel_size": 2}), "resume": "auto"},
                 {"cfg": _job(tmp / "zero_tp_to_tp2", {"tensor_parallel_size": 2}), "resume": str(zero_tp_step)},
@@ -133,7 +135,7 @@ def test_zero1_with_tensor_parallel_checkpoint_resumes_at_tp2_without_zero(runs)
 
 
 def test_convert_to_hf_gives_identical_logits(runs):
-    src = runs["ref_root"] / "ckpt" / "reshard" / f"step_{STEPS:08d}"
+    src = only_lineage(runs["ref_root"] / "ckpt" / "reshard") / f"step_{STEPS:08d}"
     dst = runs["tmp"] / "hf_out"
     res = CliRunner().invoke(
         app, ["checkpoint", "convert", str(src), str(dst), "--parallel", "tp=1,pp=1", "--format", "hf"]

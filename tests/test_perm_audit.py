@@ -240,15 +240,20 @@ def test_kc_audit_lines_filters_and_verify(tmp_path, authority):
     res = _cli(["--task", "mytask", "--action", "deny", "--log", str(tmp_path / "audit")])
     assert res.exit_code == 0, res.output
     out = res.output.strip().splitlines()
-    assert len(out) == 2
+    assert len(out) == 3 and out[-1] == "2 denials in 1 audit log"
     parts = out[0].split(" | ")
     assert parts[1:] == ["worker-3", "memory_alloc", "DENIED", "token expired (memory:params)"]
     assert len(parts[0]) == 19 and parts[0][4] == "-" and parts[0][13] == ":"
     res = _cli(["--task", "mytask", "--action", "deny", "--module", "data_loader-0", "--json", "--log", str(p)])
     recs = [json.loads(x) for x in res.output.strip().splitlines()]
     assert [r["actor"] for r in recs] == ["data_loader-0"]
-    assert _cli(["--task", "mytask", "--since", "2999-01-01", "--log", str(p)]).output.strip() == ""
-    assert len(_cli(["--task", "mytask", "--since", "1h", "--log", str(p)]).output.strip().splitlines()) == 3
+    assert (
+        _cli(["--task", "mytask", "--since", "2999-01-01", "--log", str(p)]).output.strip()
+        == "0 records in 1 audit log"
+    )
+    none = _cli(["--task", "mytask", "--action", "deny", "--since", "2999-01-01", "--log", str(p)])
+    assert none.output.strip() == "0 denials in 1 audit log"  # said, not an empty screen
+    assert len(_cli(["--task", "mytask", "--since", "1h", "--log", str(p)]).output.strip().splitlines()) == 4
     res = _cli(["--task", "mytask", "--verify", "--log", str(p)])
     assert res.exit_code == 0 and res.output.startswith("OK") and "1 signed checkpoints" in res.output
     ls = lines(p)

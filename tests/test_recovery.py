@@ -34,6 +34,7 @@ from tests.conftest_prefect import (  # noqa: F401
     session_store,
     tiny_overrides,
 )
+from tests.engine_helpers import only_lineage
 
 
 def _free_port() -> int:
@@ -117,11 +118,10 @@ def test_sigkill_mid_run_flow_recovers_bitwise_and_mirrors_to_s3(reference_run, 
     assert run.data.tags["kuangchao.restart.1.cause"].startswith("rank ")
     assert run.data.metrics["restarts"] == 1
 
-    remote = dict(
-        list_checkpoints(
-            "s3://kc-ckpt/runs", override_value(overrides, "task.name"), settings=S3Settings(endpoint_url=moto_s3)
-        )
-    )
+    # both attempts wrote into the one lineage of this flow run, which is what S3 holds
+    assert summary["lineage"] == only_lineage(task_dir).name
+    s3_task = f"{override_value(overrides, 'task.name')}/{summary['lineage']}"
+    remote = dict(list_checkpoints("s3://kc-ckpt/runs", s3_task, settings=S3Settings(endpoint_url=moto_s3)))
     assert STEPS in remote and summary["checkpoint_uri"] == remote[STEPS]
 
 
@@ -203,7 +203,12 @@ class Cycle:
     def final_losses(self) -> list[float]:
         from kuangchao_core.ckpt.reader import read_state
 
-        return list(read_state(self.task_dir / f"step_{STEPS:08d}")["losses"])
+        return list(read_state(self.lineage_dir / f"step_{STEPS:08d}")["losses"])
+
+    @property
+    def lineage_dir(self) -> Path:
+        """The job's one checkpoint lineage (every attempt resumes inside it)."""
+        return only_lineage(self.task_dir)
 
 
 def _store(ref: dict) -> Path:
@@ -237,10 +242,10 @@ def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference
     assert detected - stopper.fired[0][2] <= timeout + interval + 1.5, detected - stopper.fired[0][2]
 
     steps = sorted(
-        int(p.name[5:]) for p in cyc.task_dir.glob("step_????????") if committed(cyc.task_dir, int(p.name[5:]))
+        int(p.name[5:]) for p in cyc.lineage_dir.glob("step_????????") if committed(cyc.task_dir, int(p.name[5:]))
     )
     newest = steps[-1]
-    _corrupt_file(cyc.task_dir / f"step_{newest:08d}" / "shards" / "rank_00000.safetensors")
+    _corrupt_file(cyc.lineage_dir / f"step_{newest:08d}" / "shards" / "rank_00000.safetensors")
     with caplog.at_level(logging.WARNING):
         plan = plan_recovery(cyc.cfg, 0, f"rank 1: {info.value.cause}")
     assert plan["resume_from"].endswith(f"step_{steps[-2]:08d}")
@@ -258,7 +263,7 @@ def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp
     seen: list[int] = []
 
     def writing() -> bool:
-        tmps = [int(Path(p).name[5:13]) for p in glob.glob(str(cyc.task_dir / "step_*.tmp-*"))]
+        tmps = [int(Path(p).name[5:13]) for p in glob.glob(str(cyc.task_dir / "*" / "step_*.tmp-*"))]
         tmps = [s for s in tmps if s >= 8 and not committed(cyc.task_dir, s)]
         if tmps:
             seen.append(max(tmps))
@@ -318,7 +323,8 @@ def test_corrupt_newest_s3_checkpoint_falls_back_to_previous(reference_run, tmp_
     steps = sorted(uploaded)
     assert len(steps) >= 2 and steps[-1] == STEPS
     s3 = boto3.client("s3", endpoint_url=moto_s3)
-    key = f"corrupt/{cfg.task.name}/step_{STEPS:08d}/shards/rank_00000.safetensors"
+    lineage = only_lineage(local).name
+    key = f"corrupt/{cfg.task.name}/{lineage}/step_{STEPS:08d}/shards/rank_00000.safetensors"
     body = bytearray(s3.get_object(Bucket="kc-ckpt", Key=key)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     s3.put_object(Bucket="kc-ckpt", Key=key, Body=bytes(body))
@@ -329,6 +335,8 @@ def test_corrupt_newest_s3_checkpoint_falls_back_to_previous(reference_run, tmp_
     assert restored["step"] == steps[-2] and restored["source"] == uploaded[steps[-2]]
     assert [s["step"] for s in restored["skipped"]] == [STEPS] and "sha256" in restored["skipped"][0]["reason"]
     assert any("skipping corrupt S3 checkpoint" in r.getMessage() for r in caplog.records)
+    assert restored["lineage"] == lineage  # restored into the lineage it was uploaded from
+    local = local / lineage
     assert (local / f"step_{steps[-2]:08d}" / "manifest.json").exists()
     assert not (local / f"step_{STEPS:08d}").exists()
     manifest = json.loads((local / f"step_{steps[-2]:08d}" / "manifest.json").read_text())

@@ -115,6 +115,7 @@ def audit(
         raise typer.Exit(2)
     if verify:
         raise typer.Exit(_verify(logs, trust_store, as_json))
+    shown = 0
     for path in logs:
         for rec in read_records(path):
             if action != "all" and rec.get("decision") != action:
@@ -126,6 +127,10 @@ def audit(
                 if t is None or t < cutoff:
                     continue
             typer.echo(json.dumps(rec, sort_keys=True) if as_json else format_line(rec))
+            shown += 1
+    if not as_json:  # JSON lines stay pure records; people get the count, "0 denials" included
+        what = {"deny": "denials", "allow": "allowed decisions", "all": "records"}[action]
+        typer.echo(f"{shown} {what} in {len(logs)} audit log{'s' if len(logs) != 1 else ''}")
 
 
 def _verify(logs: list[Path], trust_store: Path | None, as_json: bool) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 import typer
 
 from kuangchao_core.ckpt.integrity import verify_checkpoint
-from kuangchao_core.ckpt.layout import MANIFEST, parse_step_dir, parse_tmp_dir
+from kuangchao_core.ckpt.layout import MANIFEST, is_lineage_name, parse_step_dir, parse_tmp_dir
+from kuangchao_core.ckpt.lineage import Lineage, list_lineages
 
 checkpoint_app = typer.Typer(
     help="Verify, list and convert checkpoints (other parallel layouts, Hugging Face format).", no_args_is_help=True
@@ -69,11 +70,21 @@ def verify(
 
 def _task_dirs(root: Path) -> list[Path]:
     def is_task(p: Path) -> bool:
-        return any(parse_step_dir(c.name) is not None or parse_tmp_dir(c.name) is not None for c in p.iterdir())
+        return any(
+            parse_step_dir(c.name) is not None or parse_tmp_dir(c.name) is not None or is_lineage_name(c.name)
+            for c in p.iterdir()
+        )
 
     if is_task(root):
         return [root]
     return [c for c in sorted(root.iterdir()) if c.is_dir() and is_task(c)]
+
+
+def _lineages(directory: Path) -> list[tuple[str, Lineage]]:
+    """(task, lineage) pairs under ``directory``: a lineage directory, a task directory or a checkpoint root."""
+    if is_lineage_name(directory.name):
+        return [(directory.parent.name, Lineage(directory.name, directory))]
+    return [(task.name, lin) for task in _task_dirs(directory) for lin in list_lineages(task)]
 
 
 def _status(entry: Path) -> tuple[int | None, str, list[str]]:
@@ -92,22 +103,26 @@ def _status(entry: Path) -> tuple[int | None, str, list[str]]:
 
 @checkpoint_app.command("list")
 def list_(
-    directory: Path = typer.Argument(..., help="A task directory (<checkpoint.dir>/<task>) or a checkpoint root."),
+    directory: Path = typer.Argument(
+        ..., help="A lineage directory, a task directory (<checkpoint.dir>/<task>) or a checkpoint root."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON lines instead of a table."),
 ) -> None:
-    """List step directories with their status (hashes every file: intact, corrupt, incomplete, replaced)."""
+    """List step directories by run lineage, oldest lineage first, with their status (hashes every file: intact,
+    corrupt, incomplete, replaced). ``resume: auto`` continues the newest lineage that has an intact step."""
     if not directory.is_dir():
         typer.echo(f"error: {directory} is not a directory", err=True)
         raise typer.Exit(2)
     rows = []
-    for task in _task_dirs(directory):
-        for entry in sorted(task.iterdir()):
+    for task, lineage in _lineages(directory):
+        for entry in sorted(lineage.path.iterdir()):
             if not entry.is_dir() or not entry.name.startswith("step_"):
                 continue
             step, status, problems = _status(entry)
             rows.append(
                 {
-                    "task": task.name,
+                    "task": task,
+                    "lineage": lineage.name,
                     "name": entry.name,
                     "step": step,
                     "status": status,
@@ -126,11 +141,12 @@ def list_(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("task", "directory", "step", "status", "MiB", "created", "problems")
+    table = Table("task", "lineage", "directory", "step", "status", "MiB", "created", "problems")
     for r in rows:
         colour = {"intact": "green", "corrupt": "red", "incomplete": "yellow"}.get(r["status"], "white")
         table.add_row(
             r["task"],
+            r["lineage"],
             r["name"],
             "" if r["step"] is None else str(r["step"]),
             f"[{colour}]{r['status']}[/{colour}]",

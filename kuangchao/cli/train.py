@@ -21,9 +21,17 @@ def register(app: typer.Typer) -> None:
         resume: str = typer.Option(
             None, "--resume", help="auto (newest intact checkpoint), never, or a step directory."
         ),
+        if_finished: str = typer.Option(
+            "error",
+            "--if-finished",
+            help="When the resume checkpoint is already at train.steps: error (default) or skip (train nothing).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
     ) -> None:
-        """Train: doctor, topology probe, data validation, tokens, launch with recovery, checkpoint verification."""
+        """Train: doctor, topology probe, data validation, tokens, launch with recovery, checkpoint verification.
+
+        Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
+        continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
         from kuangchao_core.config import load_config
         from kuangchao_core.parallel.plan import raise_for_plan
 
@@ -33,21 +41,57 @@ def register(app: typer.Typer) -> None:
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
             raise typer.Exit(2) from None
+        if if_finished not in ("error", "skip"):
+            typer.echo(f"--if-finished must be error or skip, got {if_finished!r}", err=True)
+            raise typer.Exit(2)
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        unreachable = prefect_api_problem()
+        if unreachable:
+            typer.echo(f"kc train: {unreachable}", err=True)
+            raise typer.Exit(1)
         from flows.train import train_flow
 
         try:
-            summary = train_flow(config_path=config, overrides=list(set_), resume=resume)
+            state = train_flow(
+                config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
+            )
+            summary = state.result()
         except ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2) from None
         except KuangchaoError as exc:
             typer.echo(f"kc train failed: {exc}", err=True)
             raise typer.Exit(1) from None
+        if state.name == "Skipped":
+            typer.echo(f"kc train: {state.message}", err=True)
         if as_json:
             typer.echo(json.dumps(summary, indent=2))
         else:
             _print_summary(summary)
+
+
+def prefect_api_problem(timeout_s: float = 3.0) -> str | None:
+    """One line saying why the configured Prefect API cannot be used, or None (none configured, or it answers).
+
+    Without ``PREFECT_API_URL`` the flow runs on Prefect's ephemeral local API, which needs no server."""
+    import urllib.error
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s):
+            return None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return (
+            f"the Prefect API at {url} does not answer ({reason}). Start that server (prefect server start), or run "
+            "locally without one: prefect config unset PREFECT_API_URL (and unset the PREFECT_API_URL environment "
+            "variable if it is set)"
+        )
 
 
 def _print_summary(summary: dict) -> None:
@@ -55,6 +99,6 @@ def _print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="kc train: run summary", show_header=False)
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    for key, value in summary.items():  # rounded for people; --json prints full precision
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console(file=sys.stdout).print(table)

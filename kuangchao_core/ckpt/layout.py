@@ -2,14 +2,15 @@
 
 ::
 
-    <checkpoint.dir>/<task.name>/step_<N:08d>/
+    <checkpoint.dir>/<task.name>/<lineage>/step_<N:08d>/      (lineage: run-<UTC time>-<6 hex>, see ckpt.lineage)
         shards/rank_<r:05d>.safetensors   tensors only: param.<name>, optim.<name>.<key>
         rng/rank_<r:05d>.json             RNG states of that rank (torch CPU/CUDA, numpy, python)
         state.json                        step, scheduler, sampler, … (written by rank 0)
         manifest.json                     written last: sha256 + size of every file, versions, configs
 
 A step directory is published by renaming ``step_<N>.tmp-<nonce>`` to ``step_<N>``; only a directory whose
-name is exactly ``step_<N:08d>`` (at least 8 digits, no other spelling) is a checkpoint.
+name is exactly ``step_<N:08d>`` (at least 8 digits, no other spelling) is a checkpoint. Task directories written
+before lineages hold their step directories directly; they are still read.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE = "state.json"
 LOGGER_NAME = "kuangchao.ckpt"
+LINEAGE_FILE = "lineage.json"
 
 # safetensors metadata keys (the header holds string -> string; values are JSON)
 META_FORMAT = "kuangchao.format_version"
@@ -28,6 +30,26 @@ META_EXTRA = "kuangchao.extra"
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_RE = re.compile(r"^step_(\d{8,})\.tmp-([A-Za-z0-9_.-]+)$")
+_LINEAGE_RE = re.compile(r"^run-\d{8}T\d{6}Z-[0-9a-f]{6}$")
+
+
+def is_lineage_name(name: str) -> bool:
+    """Whether ``name`` is a lineage directory name (``run-<UTC time>-<6 hex>``)."""
+    return bool(_LINEAGE_RE.match(name))
+
+
+def task_of_dir(directory: str) -> str:
+    """The task of a task or lineage directory (path or storage key): its name, or its parent's for a lineage."""
+    parts = [p for p in directory.replace("\\", "/").split("/") if p]
+    if len(parts) >= 2 and is_lineage_name(parts[-1]):
+        return parts[-2]
+    return parts[-1] if parts else ""
+
+
+def task_of_step_dir(step_dir: str) -> str:
+    """The task a step directory (path or storage key) belongs to, through its lineage directory if it has one."""
+    parts = [p for p in step_dir.replace("\\", "/").split("/") if p]
+    return task_of_dir("/".join(parts[:-1])) if len(parts) >= 2 else ""
 
 
 def step_dir_name(step: int) -> str:

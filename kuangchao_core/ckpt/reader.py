@@ -19,7 +19,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file as st_load_file
 
 from kuangchao_core.ckpt.integrity import corrupt, find_latest_intact, locate, read_manifest, verify_checkpoint
-from kuangchao_core.ckpt.layout import META_EXTRA, META_FORMAT, META_SLICES, STATE, rng_name, shard_name
+from kuangchao_core.ckpt.layout import (
+    META_EXTRA,
+    META_FORMAT,
+    META_SLICES,
+    STATE,
+    rng_name,
+    shard_name,
+    task_of_step_dir,
+)
 from kuangchao_core.ckpt.storage import Storage
 from kuangchao_core.perm import guard_api
 
@@ -37,14 +45,9 @@ __all__ = [
 _MAX_HEADER = 256 << 20
 
 
-def _task_of(key: str) -> str:
-    parts = [p for p in key.replace("\\", "/").split("/") if p]
-    return parts[-2] if len(parts) >= 2 else ""
-
-
 def _guard(st: Storage, key: str, where: str) -> None:
     local = st.local_path(key)
-    task = Path(local).resolve().parent.name if local is not None else _task_of(key)
+    task = task_of_step_dir(Path(local).resolve().as_posix() if local is not None else key)
     guard_api.check("checkpoint_read", f"checkpoint:{task}")
 
 

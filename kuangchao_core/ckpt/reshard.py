@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 
 from kuangchao_core.ckpt.integrity import corrupt, read_manifest
-from kuangchao_core.ckpt.layout import shard_name
+from kuangchao_core.ckpt.layout import shard_name, task_of_step_dir
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.perm import guard_api
 
@@ -135,7 +135,7 @@ class CheckpointIndex:
         """
         step_dir = Path(step_dir)
         manifest = read_manifest(step_dir)
-        guard_api.check("checkpoint_read", f"checkpoint:{step_dir.resolve().parent.name}")
+        guard_api.check("checkpoint_read", f"checkpoint:{task_of_step_dir(step_dir.resolve().as_posix())}")
         table = manifest.get("tensors")
         world = manifest.get("world_size")
         if not isinstance(table, dict) or not isinstance(world, int):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.ckpt.integrity import _child, _locate_task, verify_checkpoint
-from kuangchao_core.ckpt.layout import LOGGER_NAME, parse_step_dir, parse_tmp_dir
+from kuangchao_core.ckpt.layout import LOGGER_NAME, parse_step_dir, parse_tmp_dir, task_of_dir
 from kuangchao_core.ckpt.storage import Storage
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.perm import guard_api
@@ -44,12 +44,16 @@ def apply_retention(
     keep_last: int,
     storage: Storage | None = None,
     log: logging.Logger | None = None,
+    protect: str | None = None,
 ) -> RetentionResult:
-    """Delete intact step directories beyond the ``keep_last`` newest intact ones; see the module docstring."""
+    """Delete intact step directories beyond the ``keep_last`` newest intact ones; see the module docstring.
+
+    ``task_dir`` is one lineage's directory (or a pre-lineage task directory): other lineages are never looked at.
+    ``protect`` names a step directory that is kept whatever its rank (the one the caller just wrote)."""
     if keep_last < 1:
         raise CheckpointError(f"checkpoint.keep_last must be >= 1, got {keep_last}; it would delete every checkpoint")
     log = log or logger
-    guard_api.check("checkpoint_write", f"checkpoint:{Path(task_dir).name}")
+    guard_api.check("checkpoint_write", f"checkpoint:{task_of_dir(Path(task_dir).as_posix())}")
     st, key, where = _locate_task(task_dir, storage)
     names = st.list_dir(key)
     published = sorted(
@@ -68,6 +72,9 @@ def apply_retention(
             intact.append((step, name))
     result.kept = [n for _, n in intact[:keep_last]]
     for _, name in intact[keep_last:]:
+        if name == protect:
+            result.kept.append(name)
+            continue
         st.remove_tree(_child(key, name))
         result.deleted.append(name)
         log.info("retention: deleted %s/%s (keep_last=%d)", where, name, keep_last)

@@ -1,6 +1,7 @@
 """Checkpoints on S3 (``checkpoint.uri: s3://bucket/prefix``), with boto3.
 
-Layout mirrors the local one: ``s3://bucket/prefix/<task>/step_<N:08d>/<relpath>``. S3 has no atomic update
+Layout mirrors the local one: ``s3://bucket/prefix/<task>/<lineage>/step_<N:08d>/<relpath>`` (functions take
+``task`` as ``<task>/<lineage>``; a pre-lineage ``<task>/step_<N>`` still reads). S3 has no atomic update
 across keys, so a step is *committed* by its ``manifest.json``, uploaded last with ``If-None-Match: *``: it is
 created once and never overwritten (a second commit of the same step gets 412 → ``CheckpointError``). Data files
 go up first, big ones as multipart uploads, each with an S3 SHA256 checksum. The ETag is never trusted for
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.ckpt.integrity import read_manifest, verify_checkpoint
-from kuangchao_core.ckpt.layout import LOGGER_NAME, MANIFEST, parse_step_dir
+from kuangchao_core.ckpt.layout import LOGGER_NAME, MANIFEST, parse_step_dir, task_of_step_dir
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 from kuangchao_core.perm import guard_api
 
@@ -150,7 +151,7 @@ def upload_checkpoint(
 
     step_dir = Path(local_step_dir)
     task = task or step_dir.parent.name
-    guard_api.check("checkpoint_write", f"checkpoint:{task}")
+    guard_api.check("checkpoint_write", f"checkpoint:{task.split('/')[0]}")  # ``task`` may be ``<task>/<lineage>``
     if parse_step_dir(step_dir.name) is None:
         raise CheckpointError(f"{step_dir} is not a step directory (step_<N:08d>); pass a published checkpoint")
     problems = verify_checkpoint(step_dir)
@@ -212,6 +213,12 @@ def _list_prefixes(s3, bucket: str, prefix: str) -> Iterator[str]:
     for page in paginator.paginate(Bucket=bucket, Prefix=prefix + "/" if prefix else "", Delimiter="/"):
         for cp in page.get("CommonPrefixes", []):
             yield cp["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+
+
+def list_prefixes(uri: str, under: str, *, client=None, settings: S3Settings | None = None) -> list[str]:
+    """Names of the "directories" directly below ``<uri>/<under>/`` (e.g. a task's lineages)."""
+    bucket, prefix = parse_s3_uri(uri)
+    return list(_list_prefixes(_client(client, settings), bucket, _join(prefix, under)))
 
 
 def list_checkpoints(
@@ -279,8 +286,7 @@ def download_checkpoint(
 
     bucket, base = parse_s3_uri(uri_step)
     dest = Path(local_dir)
-    task = base.rsplit("/", 2)[-2] if base.count("/") >= 1 else base
-    guard_api.check("checkpoint_read", f"checkpoint:{task}")
+    guard_api.check("checkpoint_read", f"checkpoint:{task_of_step_dir(base)}")
     s3 = _client(client, settings)
     tc = transfer_config(settings)
     body, manifest = _get_manifest(s3, bucket, base, uri_step)

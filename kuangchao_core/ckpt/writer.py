@@ -153,6 +153,7 @@ class CheckpointWriter:
         attempt_id: str | None = None,
         keep_last: int | None = None,
         on_existing: str = "move_aside",
+        lineage: str | None = None,
     ):
         if not task_name or "/" in task_name or task_name in (".", ".."):
             raise CheckpointError(f"task name {task_name!r} cannot name a checkpoint directory; set task.name")
@@ -171,11 +172,13 @@ class CheckpointWriter:
         self.nonce = _sanitize(attempt_id if attempt_id is not None else default_attempt_id())
         self.keep_last = keep_last
         self.on_existing = on_existing
+        self.lineage = lineage
 
     @property
     def task_dir(self) -> Path:
-        """``<root_dir>/<task_name>``."""
-        return self.root_dir / self.task_name
+        """Where step directories go: ``<root_dir>/<task_name>/<lineage>`` (``<root_dir>/<task_name>`` without one)."""
+        base = self.root_dir / self.task_name
+        return base / self.lineage if self.lineage else base
 
     def save(
         self,
@@ -197,7 +200,7 @@ class CheckpointWriter:
         """
         guard_api.check("checkpoint_write", f"checkpoint:{self.task_name}")
         step = int(step)
-        task = self.task_name
+        task = f"{self.task_name}/{self.lineage}" if self.lineage else self.task_name
         tmp_key = f"{task}/{tmp_dir_name(step, self.nonce)}"
         final_key = f"{task}/{step_dir_name(step)}"
 
@@ -252,7 +255,7 @@ class CheckpointWriter:
         if self.rank == 0 and self.keep_last:
             from kuangchao_core.ckpt.retention import apply_retention
 
-            apply_retention(self.task_name, self.keep_last, storage=st)
+            apply_retention(task, self.keep_last, storage=st, protect=step_dir_name(step))
         return self.task_dir / step_dir_name(step)
 
     def _commit(self, step: int, tmp_key: str, final_key: str, meta: Mapping[str, Any]) -> None:

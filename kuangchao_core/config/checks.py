@@ -206,13 +206,6 @@ def _backend_device(parallel: Any, train: Any) -> Errors:
     return []
 
 
-@_check("train")
-def _warmup(train: Any) -> Errors:
-    if train.warmup_steps >= train.steps:
-        return [("train.warmup_steps", f"warmup_steps {train.warmup_steps} must be less than steps {train.steps}")]
-    return []
-
-
 @_check("data", "model")
 def _data_vs_model(data: Any, model: Any) -> Errors:
     errors: Errors = []

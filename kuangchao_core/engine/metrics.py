@@ -1,10 +1,33 @@
-"""Small helpers for the per-step metrics: memory in use and a step timer."""
+"""Small helpers for the per-step metrics: memory in use, named for what it is."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+
+def memory_kind(device: torch.device) -> str:
+    """What :func:`memory_bytes` measures on ``device``: ``cuda_peak`` (peak allocated tensor bytes) or ``rss``
+    (the whole process: tensors plus the Python runtime and libraries)."""
+    return "cuda_peak" if device.type == "cuda" and torch.cuda.is_available() else "rss"
+
+
+def tensor_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (what ``kc plan`` estimates)."""
+    report = getattr(optimizer, "memory_report", None)
+    if callable(report):  # ZeRO knows its flat buffers and shards
+        measured = report()["measured"]
+        return {"params": measured["params"], "grads": measured["grads"], "optimizer": measured["optimizer_state"]}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    optim = sum(
+        v.numel() * v.element_size()
+        for st in optimizer.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    return {"params": params, "grads": grads, "optimizer": optim}
 
 
 def memory_bytes(device: torch.device) -> int:

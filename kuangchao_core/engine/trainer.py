@@ -7,6 +7,7 @@ loss scale across micro-steps, so the step equals one process training on the wh
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import nullcontext
@@ -17,14 +18,15 @@ from typing import Any
 import torch
 
 from kuangchao_core import __version__
-from kuangchao_core.ckpt.reader import find_latest_intact, read_rng, read_state
+from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
+from kuangchao_core.ckpt.reader import read_rng, read_state
 from kuangchao_core.ckpt.reshard import Region, load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
-from kuangchao_core.engine.metrics import memory_bytes
+from kuangchao_core.engine.metrics import memory_bytes, memory_kind, tensor_bytes
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.errors import CheckpointError
@@ -69,6 +71,13 @@ class TrainState:
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
+    trained_tokens: int = 0  # global tokens of the steps this run trained (not of resumed ones)
+    train_seconds: float = 0.0  # wall time of those steps
+
+    @property
+    def tokens_per_s_mean(self) -> float | None:
+        """Mean global throughput of this run's steps (total tokens / total step time); None before any step."""
+        return self.trained_tokens / self.train_seconds if self.train_seconds > 0 else None
 
 
 class Trainer:
@@ -99,6 +108,13 @@ class Trainer:
                 "train.dtype %s: mixed precision is not implemented yet; this job trains with fp32 parameters and "
                 "fp32 compute (set train.dtype: fp32 to silence this)",
                 cfg.train.dtype,
+            )
+        if cfg.train.warmup_steps >= cfg.train.steps and rank == 0:
+            log.warning(
+                "train.warmup_steps %d >= train.steps %d: the learning rate rises for the whole run and never reaches "
+                "optimizer.lr",
+                cfg.train.warmup_steps,
+                cfg.train.steps,
             )
         self.model_config = config_from_model_section(cfg.model)
         self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
@@ -140,6 +156,7 @@ class Trainer:
         self._global_config_version = -1
         self.task_dir = Path(cfg.checkpoint.dir) / cfg.task.name
         self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, rank, world_size, barrier=self.barrier)
+        self.plan: ResumePlan | None = None  # set by run(): this run's lineage and resume checkpoint
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -218,20 +235,34 @@ class Trainer:
         if self.rank == 0 and keep:
             from kuangchao_core.ckpt.retention import apply_retention
 
-            apply_retention(self.task_dir, keep)
+            # this lineage only, and never the step just written
+            apply_retention(self.writer.task_dir, keep, protect=path.name)
         self.barrier()
         return path
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """The step directory to resume from: ``auto`` = newest intact, ``never`` = none, else a path."""
-        if resume == "never":
-            return None
-        if resume == "auto":
-            return find_latest_intact(self.task_dir) if self.task_dir.exists() else None
-        path = Path(resume)
-        if not path.exists():
-            raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
-        return path
+    def plan_checkpoints(self, resume: str, lineage: str | None = None) -> ResumePlan:
+        """Agree on this run's lineage and resume checkpoint (see :mod:`kuangchao_core.ckpt.lineage`); collective.
+
+        Rank 0 decides (``lineage`` pins it, as a flow run does for every attempt) and broadcasts the plan, so all
+        ranks write into the same lineage even when it is new; rank 0 creates it.
+        """
+        payload = b""
+        if self.rank == 0:
+            plan = plan_resume(self.cfg, resume, pinned=lineage)
+            if plan.new:
+                create_lineage(self.cfg, plan.lineage, started_from=plan.step_dir)
+            payload = json.dumps(plan.to_dict()).encode("utf-8")
+        if self.world_size > 1:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            P.broadcast(size, src=0, group=self.world_group)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if self.rank == 0:
+                buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            P.broadcast(buf, src=0, group=self.world_group)
+            payload = bytes(buf.tolist())
+        self.plan = ResumePlan(**json.loads(payload.decode("utf-8")))
+        self.writer.lineage = None if self.plan.lineage == LEGACY else self.plan.lineage
+        return self.plan
 
     @torch.no_grad()
     def _copy_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
@@ -461,12 +492,39 @@ class Trainer:
         self.lr_scale = new["lr_scale"]
         return new["log_interval"], new["checkpoint_interval"]
 
+    def _report_memory(self, result: StepResult) -> None:
+        """Once, after the first step: rank 0's measured tensor bytes beside ``kc plan``'s estimate of them, and
+        the process memory (RSS on CPU), which also counts the runtime and is not what the plan estimates."""
+        from kuangchao_core.parallel.plan import explain_plan
+
+        measured = tensor_bytes(self.model, self.optimizer)
+        try:
+            est = explain_plan(self.cfg)["ranks"][self.rank]["memory_bytes"]
+            estimate = int(est["params"] + est["grads"] + est["optimizer"])
+        except Exception:  # the estimate is informative only; a job never fails on it
+            estimate = None
+        fields = {
+            "tensor_bytes": sum(measured.values()),
+            **{f"tensor_bytes_{k}": v for k, v in measured.items()},
+            "plan_estimate_bytes": estimate,
+            "mem_kind": memory_kind(self.device),
+            "mem_bytes": result.mem_bytes,
+        }
+        log_event(log, "memory", **fields)
+        emit_event("memory", **fields)
+
     # ------------------------------------------------------------------ the loop
-    def run(self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None) -> TrainState:
-        """Train to ``train.steps`` (or ``max_steps`` more steps), checkpointing every ``checkpoint.interval``."""
+    def run(
+        self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None, lineage: str | None = None
+    ) -> TrainState:
+        """Train to ``train.steps`` (or ``max_steps`` more steps), checkpointing every ``checkpoint.interval`` into
+        this run's lineage (``lineage`` pins it; else :meth:`plan_checkpoints` decides from ``resume``)."""
         if self.dp is not None:
             self.dp.sync_parameters()
-        step_dir = self.resolve_resume(resume)
+        plan = self.plan_checkpoints(resume, lineage)
+        if self.rank == 0:
+            log_event(log, "checkpoints", lineage=plan.lineage, resume_from=plan.step_dir, reason=plan.reason)
+        step_dir = Path(plan.step_dir) if plan.step_dir else None
         if step_dir is not None:
             self.load_checkpoint(step_dir)
         elif self.cfg.model.checkpoint:
@@ -480,10 +538,16 @@ class Trainer:
         start_step = self.state.step
         t_start = time.perf_counter()
         if self.rank == 0:
-            emit_event("start", total_steps=total, start_step=start_step, world_size=self.world_size)
+            emit_event(
+                "start", total_steps=total, start_step=start_step, world_size=self.world_size, lineage=plan.lineage
+            )
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
+                self.state.trained_tokens += round(result.tokens_per_s * result.step_time_s)
+                self.state.train_seconds += result.step_time_s
+                if result.step == start_step + 1 and self.rank == 0:
+                    self._report_memory(result)
                 log_interval, interval = self._follow_global_config(
                     result.step, log_interval, interval, first=result.step == start_step + 1
                 )
@@ -493,7 +557,12 @@ class Trainer:
                     elapsed = time.perf_counter() - t_start
                     done = result.step - start_step
                     eta = elapsed / done * (total - result.step) if done else None
-                    fields = result.metrics() | {"step": result.step, "total_steps": total, "eta_s": eta}
+                    fields = result.metrics() | {
+                        "step": result.step,
+                        "total_steps": total,
+                        "eta_s": eta,
+                        "mem_kind": memory_kind(self.device),
+                    }
                     log_event(log, "step", **fields)
                     emit_event("step", **fields)
                 if interval and result.step % interval == 0:

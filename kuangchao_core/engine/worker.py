@@ -103,10 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         trainer.global_config = GlobalConfig(global_config, cfg.task.name)
     resume = args.resume or cfg.checkpoint.resume
     try:
-        state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps)
+        # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself
+        lineage = os.environ.get("KC_CKPT_LINEAGE") or None
+        state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps, lineage=lineage)
         if rank == 0:
             _final_eval(trainer, sink)
-            emit_event("done", step=state.step, final_loss=state.losses[-1] if state.losses else None)
+            final_loss = state.losses[-1] if state.losses else None
+            mean = state.tokens_per_s_mean
+            emit_event("done", step=state.step, final_loss=final_loss, tokens_per_s_mean=mean)
+            if sink is not None:  # run-level values, at the final step with the rest
+                finals = {"final_loss": final_loss, "tokens_per_s_mean": mean}
+                sink.log_final({k: v for k, v in finals.items() if v is not None}, state.step)
     finally:
         if sink is not None:
             sink.close()

@@ -18,7 +18,7 @@ def _fmt_bytes(n: float | None) -> str:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024:
-            return f"{n:.0f}{unit}"
+            return f"{n:.1f}{unit}" if unit != "B" and abs(n) < 10 else f"{n:.0f}{unit}"
         n /= 1024
     return f"{n:.0f}PiB"
 
@@ -30,8 +30,18 @@ def format_step(ev: dict[str, Any]) -> str:
     return (
         f"step {ev.get('step')}/{ev.get('total_steps')}  loss {ev.get('loss', float('nan')):.4f}  "
         f"lr {ev.get('lr', 0.0):.2e}  {ev.get('tokens_per_s', 0.0):,.0f} tok/s  "
-        f"grad_norm {ev.get('grad_norm', 0.0):.3f}  mem {_fmt_bytes(ev.get('mem_bytes'))}  "
+        f"grad_norm {ev.get('grad_norm', 0.0):.3f}  {ev.get('mem_kind', 'mem')} {_fmt_bytes(ev.get('mem_bytes'))}  "
         f"comm {100 * ev.get('comm_share', 0.0):.1f}%  ETA {eta_s}"
+    )
+
+
+def format_memory(ev: dict[str, Any]) -> str:
+    """One human line for the memory event: measured tensor bytes vs the plan's estimate, and process memory."""
+    est = ev.get("plan_estimate_bytes")
+    kind = "process RSS (runtime and libraries included)" if ev.get("mem_kind") == "rss" else "CUDA peak allocated"
+    return (
+        f"memory of rank 0: tensors {_fmt_bytes(ev.get('tensor_bytes'))} measured (params + grads + optimizer), "
+        f"kc plan estimated {_fmt_bytes(est) if est is not None else 'n/a'}; {kind} {_fmt_bytes(ev.get('mem_bytes'))}"
     )
 
 
@@ -80,9 +90,11 @@ class LiveView:
             elif kind == "checkpoint":
                 self._print(f"checkpoint saved at step {event.get('step')}")
             elif kind == "eval":
-                self._print(
-                    f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {event.get('loss_floor')})"
-                )
+                floor = event.get("loss_floor")
+                floor_s = f"{floor:.4f}" if isinstance(floor, (int, float)) else "n/a"
+                self._print(f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {floor_s} nats/token)")
+            elif kind == "memory":
+                self._print(format_memory(event))
             elif kind == "done":
                 self.close()
 

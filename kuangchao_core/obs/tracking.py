@@ -20,6 +20,12 @@ _PARAM_VALUE_LIMIT = 6000
 _PARAMS_PER_BATCH = 100
 
 
+#: MLflow's UI opens an experiment in the view its kind names; training runs belong in "Machine learning"
+#: (without the tag, MLflow 3 opens a new experiment in its GenAI view of traces).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def tracking_uri(cfg: Any) -> str:
     """The tracking URI of a job config."""
     return cfg.tracking.uri or "sqlite:///mlflow.db"
@@ -61,7 +67,12 @@ def open_run(cfg: Any, flow_run_id: str | None = None, extra_tags: dict[str, str
     client = _client(uri)
     name = experiment_name(cfg)
     exp = client.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
+    if exp is None:
+        exp_id = client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    else:
+        exp_id = exp.experiment_id
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment made before, or by hand: open it as ML training
+            client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     tags = {
         "kuangchao.layout": layout_tag(cfg),
         "kuangchao.config_hash": cfg.config_hash(),
