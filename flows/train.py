@@ -24,9 +24,9 @@ from prefect.states import Completed
 
 from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
 from kuangchao_core.config import load_config
+from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
-from kuangchao_core.parallel.plan import raise_for_plan
 from kuangchao_core.perm import guard_api
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor

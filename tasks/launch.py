@@ -76,7 +76,7 @@ def launch_workers(
 ) -> LaunchSummary:
     """Run one attempt of the job's workers; raises WorkerFailed naming the rank and cause on failure."""
     run_dir = Path(run_dir)
-    view = view or LiveView(task=cfg.task.name)
+    view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
     worker_env = {
         "KC_RUN_DIR": str(run_dir),
         "KC_ATTEMPT": str(attempt),

@@ -76,7 +76,8 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     the checkpoint lineage, as a flow run does) and ``sabotage`` (the
     name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
     own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
-    ``{"losses", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``regions`` maps each parameter
+    ``{"losses", "eval_loss", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``eval_loss`` is
+    the held-out loss of the final model (None where the layout has none), ``regions`` maps each parameter
     to the slice of the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of
     the first step this process ran, ``first_grads`` the gradients after that step's reduction and clipping
     (parameters whose ``.grad`` the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran
@@ -125,9 +126,11 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
         finally:
             if undo is not None:
                 undo()
+        held_out = trainer.evaluator() if trainer.evaluator is not None else None  # collective
         out.append(
             {
                 "losses": list(state.losses),
+                "eval_loss": held_out,
                 "params": {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()},
                 "regions": {n: r.to_meta() for n, r in trainer.parts.regions.items()},
                 "first_step": seen[0] if seen else None,
@@ -193,7 +196,7 @@ def _unreduced_dp_bucket(trainer):
     from kuangchao_core.parallel import data
 
     real = data.comm
-    data.comm = _NoCommFirstBucket(real, lambda: trainer.dp._buckets[0].buffer)
+    data.comm = _NoCommFirstBucket(real, lambda: trainer.sync.dp._buckets[0].buffer)
 
     def undo():
         data.comm = real
@@ -205,7 +208,7 @@ def _unreduced_zero_bucket(trainer):
     """ZeRO: the reduce-scatter of the first bucket keeps this rank's own gradient chunk instead of the sum."""
     from kuangchao_core.parallel import zero
 
-    opt = trainer.optimizer
+    opt = trainer.sync.optimizer
     real = zero._comm
 
     def first_buffer():

@@ -22,7 +22,6 @@ from typer.testing import CliRunner
 
 from kuangchao.cli.checkpoint_cmd import register
 from kuangchao_core.ckpt.integrity import find_latest_intact, verify_checkpoint
-from kuangchao_core.ckpt.optim_state import flatten_optimizer_state, load_optimizer_state
 from kuangchao_core.ckpt.reader import (
     load_shard,
     read_manifest,
@@ -35,6 +34,7 @@ from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError, PermissionDenied
+from kuangchao_core.parallel.optim_state import flatten_optimizer_state, load_optimizer_state
 from kuangchao_core.perm.guard_api import AllowAll, DenyAll, install_guard
 from tests.mp import run_distributed
 

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
 from kuangchao_core.config import load_config
+from kuangchao_core.engine.plan import check_plan, explain_plan, raise_for_plan
 from kuangchao_core.errors import PlanError
 from kuangchao_core.models.llama import config_from_model_section
-from kuangchao_core.parallel.plan import check_plan, explain_plan, raise_for_plan
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 RUN = CliRunner()

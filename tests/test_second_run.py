@@ -56,7 +56,7 @@ def _overrides(workdir: Path, store: Path, task: str, steps: int, interval: int,
 def two_runs(prefect_api, session_store, tmp_path_factory):  # noqa: F811
     workdir = tmp_path_factory.mktemp("second-run")
     a = _overrides(workdir, session_store, "kc-second-run", 8, 4, 3)
-    b = _overrides(workdir, session_store, "kc-second-run", 6, 2, 2)
+    b = _overrides(workdir, session_store, "kc-second-run", 6, 2, 2) + ["train.eval_interval=2"]
     first = _flow(workdir, a, resume="never")
     second = _flow(workdir, b, resume="never")
     return {"workdir": workdir, "a": a, "b": b, "first": first, "second": second}
@@ -95,6 +95,9 @@ def test_second_runs_mlflow_holds_only_its_own_checkpoints(two_runs):
     assert run.data.metrics["final_loss"] == pytest.approx(second["final_loss"])
     assert run.data.metrics["tokens_per_s_mean"] > 0
     assert {m.step for m in client.get_metric_history(run.info.run_id, "final_loss")} == {6}
+    # train.eval_interval: the held-out loss every 2 steps
+    held_out = client.get_metric_history(run.info.run_id, "eval_loss")
+    assert sorted(m.step for m in held_out) == [2, 4, 6] and all(0 < m.value < 10 for m in held_out)
     # the experiment opens in MLflow's model-training view, not the GenAI one
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"

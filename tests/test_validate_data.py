@@ -105,6 +105,24 @@ def test_files_are_read_per_record(tmp_path):
     assert rep.result("valid_utf8").observed == 1
 
 
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [(b'{"text": 5}', "field 'text' is int, expected a string"), (b'{"text": null}', "is NoneType")],
+    ids=["number", "null"],
+)
+def test_validation_refuses_what_training_refuses_with_the_same_words(tmp_path, line, fragment):
+    from kuangchao_core.data.files import read_documents
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(json.dumps({"text": doc}).encode() for doc in _good_docs(30)) + b"\n" + line + b"\n")
+    with pytest.raises(DataError) as training:
+        list(read_documents(path))
+    with pytest.raises(DataError) as validation:  # it used to stringify the value and pass the data
+        V.validate_dataset(_cfg(tmp_path, path, steps=2))
+    assert fragment in str(training.value) and str(validation.value) == str(training.value)
+    assert "d.jsonl:31" in str(training.value)
+
+
 def test_parquet_records(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -67,7 +67,7 @@ def _np(tensors):
 
 def _reference(global_size: int):
     """One process, whole global batch: losses, clip norms, params and the AdamW state at RESHARD_AT and the end."""
-    from kuangchao_core.ckpt.optim_state import flatten_optimizer_state
+    from kuangchao_core.parallel.optim_state import flatten_optimizer_state
 
     model = _model(7)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
@@ -284,7 +284,7 @@ def test_reshard_round_trips(run):
     _, _, results = run
     mid_full, full_meta = results[0]["rec"]["mid_full"]
     # the gathered (full) state loads into a plain torch AdamW
-    from kuangchao_core.ckpt.optim_state import load_optimizer_state
+    from kuangchao_core.parallel.optim_state import load_optimizer_state
 
     model = _model(7)
     plain = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)

@@ -22,7 +22,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Explain the layout: TP/PP/DP groups, layers per (virtual) stage, micro-batches, bubble, memory per rank."""
-    from kuangchao_core.parallel.plan import check_plan, explain_plan, format_plan
+    from kuangchao_core.engine.plan import check_plan, explain_plan, format_plan
 
     try:
         cfg = load_config(config, set_)

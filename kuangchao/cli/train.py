@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
         from kuangchao_core.config import load_config
-        from kuangchao_core.parallel.plan import raise_for_plan
+        from kuangchao_core.engine.plan import raise_for_plan
 
         try:
             raise_for_plan(load_config(config, set_))

@@ -1,6 +1,10 @@
-"""Checkpoints: atomic multi-rank safetensors + JSON step directories, integrity checks, retention.
+"""L3 checkpoints: atomic multi-rank safetensors + JSON step directories in run lineages, integrity checks,
+retention, resharding, Hugging Face import/export, S3.
 
-Layout and protocol: ``layout.py`` and ``writer.py``; no pickle anywhere in the format.
+Layout and protocol: ``layout.py``, ``lineage.py`` and ``writer.py``; no pickle anywhere in the format.
+
+May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``, ``models``; the guard interface
+``perm.guard_api``.
 """
 
 from kuangchao_core.ckpt.integrity import find_latest_intact, list_step_dirs, read_manifest, verify_checkpoint

@@ -1,4 +1,7 @@
-"""L2 communication: groups, the six primitives behind one dispatch point, timeouts, state dump, timers."""
+"""L2 communication: groups, the six primitives behind one dispatch point, timeouts, state dump, timers.
+
+May import: ``errors``, ``hal``; the guard interface ``perm.guard_api``.
+"""
 
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import DEFAULT_TIMEOUT_MS, CommGroup, all_groups, init_distributed, world_group

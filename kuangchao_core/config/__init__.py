@@ -1,4 +1,8 @@
-"""Job configuration: schema (pydantic v2), safe YAML loading with ``extends:`` and ``--set`` overrides."""
+"""Job configuration (L6 user interface, imported by every layer as the schema): pydantic v2 schema, safe YAML
+loading with ``extends:`` and ``--set`` overrides.
+
+May import: ``errors``.
+"""
 
 from kuangchao_core.config.loader import apply_overrides, config_from_dict, deep_merge, load_config, parse_yaml
 from kuangchao_core.config.presets import MODEL_PRESETS

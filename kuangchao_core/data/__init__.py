@@ -1,4 +1,7 @@
-"""kuangchao_core.data: datasets, tokenizers, resumable sampler and prefetching loader."""
+"""L3 data: datasets, tokenizers, file readers shared with data validation, resumable sampler, prefetching loader.
+
+May import: ``errors``, ``config``; the guard interface ``perm.guard_api``.
+"""
 
 from kuangchao_core.data.dataset import TokenDataset, build_dataset, dataset_name
 from kuangchao_core.data.loader import PrefetchLoader, collate

@@ -2,7 +2,12 @@
 
 - ``.txt``: UTF-8; documents are separated by blank lines (a file without blank lines is one document).
 - ``.jsonl``: one JSON object per line, the document in the field ``text_field``; blank lines are skipped.
-- ``.parquet``: the string column ``text_field`` (read with pyarrow), one document per row.
+- ``.parquet``: the string column ``text_field`` (read with pyarrow), one document per row (a null is an empty one).
+
+:func:`iter_records` is the one reader: training (:func:`read_documents`) and data validation both use it, so
+validation passes exactly what training accepts. It raises ``DataError`` for what no reader can use (missing file,
+bad JSON, a missing or non-string field, an unreadable parquet file) and yields each record raw with where it came
+from, so validation can count records that are not valid UTF-8 where training refuses the first one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from kuangchao_core.errors import DataError
 
 EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
-_BLANK = re.compile(r"\n(?:[ \t]*\n)+")
+_BLANK_LINES = re.compile(rb"\r?\n(?:[ \t]*\r?\n)+")
 
 
 def resolve_files(path: str | Path, fmt: str = "auto") -> list[tuple[Path, str]]:
@@ -56,46 +61,60 @@ def resolve_files(path: str | Path, fmt: str = "auto") -> list[tuple[Path, str]]
     return out
 
 
-def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"{path}: bytes at offset {exc.start} are not valid UTF-8 ({exc.reason}); convert the file to UTF-8"
-        ) from exc
+Record = tuple[bytes | str, str]  # (raw record, "file:line" or "file#block")
 
 
-def read_txt(path: Path) -> Iterator[str]:
-    """Blank-line separated documents of a UTF-8 text file."""
-    for block in _BLANK.split(_read_text(path).replace("\r\n", "\n")):
-        block = block.strip("\n")
-        if block.strip():
-            yield block
-
-
-def read_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    """The ``text_field`` of every JSON object in a JSON-lines file."""
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
+def decode_record(raw: bytes | str) -> tuple[str, bool]:
+    """A record as text, and whether it was valid UTF-8 (invalid bytes become U+FFFD in the text returned)."""
+    if isinstance(raw, str):
         try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc}); each line must be one JSON object") from exc
-        if not isinstance(obj, dict) or text_field not in obj:
-            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise DataError(
-                f"{path}:{lineno}: no field {text_field!r} (found {keys}); set data.text_field to the text field"
-            )
-        value = obj[text_field]
-        if not isinstance(value, str):
-            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string")
-        yield value
+            raw.encode("utf-8")
+            return raw, True
+        except UnicodeEncodeError:  # lone surrogates, e.g. from a JSON "\udcff" escape
+            return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), False
+    try:
+        return raw.decode("utf-8").replace("\r\n", "\n"), True
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace").replace("\r\n", "\n"), False
 
 
-def read_parquet(path: Path, text_field: str) -> Iterator[str]:
-    """The string column ``text_field`` of a parquet file."""
+def read_txt(path: Path) -> Iterator[Record]:
+    """Blank-line separated documents of a text file, as bytes (decoded per record)."""
+    for i, block in enumerate(_BLANK_LINES.split(path.read_bytes())):
+        block = block.strip(b"\r\n")
+        if block.strip():
+            yield block, f"{path}#{i + 1}"
+
+
+def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
+    """The ``text_field`` of every JSON object in a JSON-lines file (a line that is not UTF-8 comes back as bytes)."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                yield line, f"{path}:{lineno}"
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc}); each line must be one JSON object") from None
+            if not isinstance(obj, dict) or text_field not in obj:
+                keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(
+                    f"{path}:{lineno}: no field {text_field!r} (found {keys}); set data.text_field to the text field"
+                )
+            value = obj[text_field]
+            if not isinstance(value, str):
+                raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string")
+            yield value, f"{path}:{lineno}"
+
+
+def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
+    """The string column ``text_field`` of a parquet file (a null row is an empty document)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -109,13 +128,12 @@ def read_parquet(path: Path, text_field: str) -> Iterator[str]:
     if not (pa.types.is_string(field_type) or pa.types.is_large_string(field_type)):
         raise DataError(f"{path}: column {text_field!r} has type {field_type}, expected strings")
     table = pq.read_table(path, columns=[text_field])
-    for value in table.column(text_field).to_pylist():
-        if value is not None:
-            yield value
+    for row, value in enumerate(table.column(text_field).to_pylist()):
+        yield ("" if value is None else value), f"{path}#row{row}"
 
 
-def read_documents(path: str | Path, fmt: str = "auto", text_field: str = "text") -> Iterator[str]:
-    """Every document under ``path`` in a stable order (files sorted by name)."""
+def iter_records(path: str | Path, fmt: str = "auto", text_field: str = "text") -> Iterator[Record]:
+    """Every raw record under ``path`` in a stable order (files sorted by name), with where it came from."""
     for f, kind in resolve_files(path, fmt):
         if kind == "txt":
             yield from read_txt(f)
@@ -123,3 +141,18 @@ def read_documents(path: str | Path, fmt: str = "auto", text_field: str = "text"
             yield from read_jsonl(f, text_field)
         else:
             yield from read_parquet(f, text_field)
+
+
+def read_documents(path: str | Path, fmt: str = "auto", text_field: str = "text") -> Iterator[str]:
+    """Every document under ``path`` as text; the first record that is not valid UTF-8 raises DataError."""
+    for raw, where in iter_records(path, fmt, text_field):
+        text, ok = decode_record(raw)
+        if not ok:
+            detail = "not valid UTF-8"
+            if isinstance(raw, bytes):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    detail = f"bytes at offset {exc.start} of this record are not valid UTF-8 ({exc.reason})"
+            raise DataError(f"{where}: {detail}; convert the file to UTF-8")
+        yield text

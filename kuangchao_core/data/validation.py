@@ -33,12 +33,11 @@ import json
 import logging
 import math
 import os
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from kuangchao_core.data.files import decode_record
 from kuangchao_core.errors import DataError
 
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
@@ -137,90 +136,21 @@ def _jsonable(v: Any) -> Any:
 # ------------------------------------------------------------------------------------------------- records
 
 
-def _decode(raw: bytes | str) -> tuple[str, bool]:
-    if isinstance(raw, str):
-        try:
-            raw.encode("utf-8")
-            return raw, True
-        except UnicodeEncodeError:  # lone surrogates, e.g. from a JSON "\udcff" escape
-            return raw.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), False
-    try:
-        return raw.decode("utf-8"), True
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "replace"), False
-
-
-_BLANK_LINES = re.compile(rb"\r?\n(?:[ \t]*\r?\n)+")
-
-
-def _read_txt(path: Path) -> Iterable[bytes]:
-    """Blank-line separated documents, as bytes (so invalid UTF-8 is found per record, not per file)."""
-    for block in _BLANK_LINES.split(path.read_bytes()):
-        block = block.strip(b"\r\n")
-        if block.strip():
-            yield block
-
-
-def _read_jsonl(path: Path, text_field: str) -> Iterable[bytes | str]:
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError:
-                yield line  # counted as an invalid-encoding record
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object"
-                ) from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                raise DataError(
-                    f"{path}:{lineno}: no field {text_field!r}; set data.text_field to the field holding the text"
-                )
-            value = obj[text_field]
-            yield "" if value is None else str(value)
-
-
-def _read_parquet(path: Path, text_field: str) -> Iterable[bytes | str]:
-    import pyarrow.parquet as pq
-
-    try:
-        names = pq.read_schema(path).names
-    except Exception as exc:  # pyarrow raises ArrowInvalid and OSError subclasses
-        raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
-    if text_field not in names:
-        raise DataError(f"{path}: no column {text_field!r} (columns: {names}); set data.text_field to the text column")
-    for value in pq.read_table(path, columns=[text_field]).column(text_field).to_pylist():
-        yield "" if value is None else value
-
-
 def load_records(data_cfg: Any) -> tuple[list[bytes | str], str]:
     """Read the raw records named by a ``data`` config section; returns ``(records, source description)``.
 
-    Files are resolved as ``kuangchao_core.data`` resolves them (file, directory or glob). Raises ``DataError``
-    when the path is missing or a file is malformed.
+    The records come from the training reader itself (:func:`kuangchao_core.data.files.iter_records`), so what
+    passes here is what training reads. Raises ``DataError`` when the path is missing or a file is malformed, with
+    the training reader's message.
     """
-    from kuangchao_core.data.files import resolve_files
+    from kuangchao_core.data.files import iter_records
 
     path = _field(data_cfg, "path")
     fmt = _field(data_cfg, "format", "auto")
     text_field = _field(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
         return _synthetic_records(data_cfg), "synthetic corpus"
-    records: list[bytes | str] = []
-    for p, kind in resolve_files(path, fmt):
-        if kind == "txt":
-            records.extend(_read_txt(p))
-        elif kind == "jsonl":
-            records.extend(_read_jsonl(p, text_field))
-        else:
-            records.extend(_read_parquet(p, text_field))
-    return records, str(path)
+    return [raw for raw, _ in iter_records(path, fmt, text_field)], str(path)
 
 
 def _field(section: Any, name: str, default: Any = None) -> Any:
@@ -260,7 +190,7 @@ def records_frame(records: Sequence[bytes | str], tokenizer: Any = None):
     valid: list[bool] = []
     n_bytes: list[int] = []
     for raw in records:
-        text, ok = _decode(raw)
+        text, ok = decode_record(raw)
         texts.append(text)
         valid.append(ok)
         n_bytes.append(len(raw) if isinstance(raw, bytes) else len(text.encode("utf-8", "replace")))

@@ -13,20 +13,16 @@ def memory_kind(device: torch.device) -> str:
     return "cuda_peak" if device.type == "cuda" and torch.cuda.is_available() else "rss"
 
 
-def tensor_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer state (what ``kc plan`` estimates)."""
-    report = getattr(optimizer, "memory_report", None)
+def tensor_bytes(model: torch.nn.Module, sync) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (what ``kc plan`` estimates); ``sync``
+    is the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync`."""
+    report = getattr(sync, "memory_report", None)
     if callable(report):  # ZeRO knows its flat buffers and shards
         measured = report()["measured"]
         return {"params": measured["params"], "grads": measured["grads"], "optimizer": measured["optimizer_state"]}
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    optim = sum(
-        v.numel() * v.element_size()
-        for st in optimizer.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
+    optim = sum(t.numel() * t.element_size() for t in sync.state_tensors())
     return {"params": params, "grads": grads, "optimizer": optim}
 
 

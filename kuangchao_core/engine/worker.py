@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
     _install_guard(cfg, rank)
     from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.engine.plan import raise_for_plan
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.hal import device_init
     from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.parallel.plan import raise_for_plan
 
     ctx = device_init(cfg.train.device, local_rank=local_rank)
     init_distributed(backend=cfg.parallel.backend, timeout_ms=cfg.parallel.timeout_ms)

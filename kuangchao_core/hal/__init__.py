@@ -1,4 +1,7 @@
-"""L1 hardware abstraction: device contexts, adapters, memory pool and records, streams."""
+"""L1 hardware abstraction: device contexts, adapters, memory pool and records, streams.
+
+May import: ``errors``; the guard interface ``perm.guard_api``.
+"""
 
 from kuangchao_core.hal.adapters import Adapter, CpuAdapter, CudaAdapter, get_adapter, register_adapter
 from kuangchao_core.hal.context import DeviceContext, current_context, device_init, stream_create

@@ -1,4 +1,7 @@
-"""kuangchao_core.models: model definitions (a Llama-style decoder)."""
+"""L3 models: the Llama-style decoder and its tensor-parallel form.
+
+May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``; the guard interface ``perm.guard_api``.
+"""
 
 from kuangchao_core.models.llama import (
     PRESETS,

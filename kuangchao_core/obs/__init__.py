@@ -1,1 +1,4 @@
-"""Observability: structured JSON logs, the live console view, MLflow metrics."""
+"""L4 observability: structured JSON logs, the live console view, MLflow metrics.
+
+May import: ``errors``, ``config``; the guard interface ``perm.guard_api``.
+"""

@@ -60,9 +60,12 @@ def _is_noteworthy(line: str) -> bool:
 class LiveView:
     """Consumes launcher output lines; keeps the latest step event for the run summary."""
 
-    def __init__(self, stream: TextIO | None = None, rich_live: bool | None = None, task: str = "train"):
+    def __init__(
+        self, stream: TextIO | None = None, rich_live: bool | None = None, task: str = "train", quiet: bool = False
+    ):
         self.stream = stream or sys.stdout
-        self.rich_live = self.stream.isatty() if rich_live is None else rich_live
+        self.quiet = quiet  # logging.console: false — events are still collected, nothing is printed
+        self.rich_live = False if quiet else (self.stream.isatty() if rich_live is None else rich_live)
         self.task = task
         self.last_step: dict[str, Any] | None = None
         self.events: list[dict[str, Any]] = []
@@ -77,7 +80,7 @@ class LiveView:
         event = parse_event(line)
         if event is None:
             if _is_noteworthy(line):
-                self._print(line.rstrip())
+                self._print(line.rstrip(), always=True)  # warnings and errors even without the console view
             return
         kind = event.get("event")
         if kind == "step":
@@ -95,6 +98,8 @@ class LiveView:
                 self._print(f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {floor_s} nats/token)")
             elif kind == "memory":
                 self._print(format_memory(event))
+            elif kind == "eval_loss":
+                self._print(f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}")
             elif kind == "done":
                 self.close()
 
@@ -129,7 +134,9 @@ class LiveView:
         else:
             self._print(format_step(event))
 
-    def _print(self, text: str) -> None:
+    def _print(self, text: str, always: bool = False) -> None:
+        if self.quiet and not always:
+            return
         if self._progress is not None:
             self._progress.console.print(text, markup=False, highlight=False)
         else:

@@ -1,4 +1,8 @@
-"""L3 parallelism: data parallel (bucketed, overlapped gradient all-reduce) and, in later issues, TP/PP/ZeRO."""
+"""L3 parallel strategy: the mesh, data parallel, tensor-parallel layers, pipeline schedules, ZeRO, the
+gradient-sync interface and the step's forward/backward.
+
+May import: ``errors``, ``config``, ``hal``, ``comm``; the guard interface ``perm.guard_api``.
+"""
 
 from kuangchao_core.parallel.data import DataParallel
 

@@ -42,6 +42,11 @@ def rank_of(dp_idx: int, pp_idx: int, tp_idx: int, tp: int, pp: int) -> int:
     return dp_idx * (pp * tp) + pp_idx * tp + tp_idx
 
 
+def group_name(kind: str, ranks) -> str:
+    """The canonical name of a parallel group, ``<kind>[<sorted ranks>]`` (``tp[0,1]``), as tokens list it."""
+    return f"{kind}[{','.join(str(r) for r in sorted(int(r) for r in ranks))}]"
+
+
 def coords_of(rank: int, tp: int, pp: int) -> tuple[int, int, int]:
     """Mesh coordinates (dp_rank, tp_rank, pp_rank) of a global rank."""
     return rank // (pp * tp), rank % tp, (rank // tp) % pp
@@ -134,7 +139,6 @@ class ParallelMesh:
 
     def _build(self, kind: str, groups: list[list[int]]):
         from kuangchao_core.comm import CommGroup
-        from kuangchao_core.perm.layout import group_name
 
         mine = None
         for ranks in groups:  # all of them, in order, on every rank: construction is collective

@@ -31,7 +31,7 @@ Typical step::
 
 Checkpoints: :meth:`state_dict_for_checkpoint` gives this rank's pieces (``optim.<name>.exp_avg`` …, each a 1-D range
 of the flattened parameter, with writer slice metadata); :meth:`full_state_dict` (collective) gives the unsharded
-state in :func:`kuangchao_core.ckpt.optim_state.flatten_optimizer_state` format; :meth:`load_full_state` and
+state in :func:`kuangchao_core.parallel.optim_state.flatten_optimizer_state` format; :meth:`load_full_state` and
 :meth:`load_sharded_states` rebuild this rank's shard from either. :func:`merge_shards_to_full` works offline.
 """
 
@@ -502,7 +502,7 @@ class ZeroOptimizer:
         """Collective over the DP group: the unsharded state as ``flatten_optimizer_state`` of a plain AdamW.
 
         The result loads into ``torch.optim.AdamW(model.parameters(), foreach=False)`` with
-        ``kuangchao_core.ckpt.optim_state.load_optimizer_state`` (names as given to this optimizer).
+        ``kuangchao_core.parallel.optim_state.load_optimizer_state`` (names as given to this optimizer).
         """
         full: dict[str, dict[str, torch.Tensor]] = {}
         states = [self.optimizer.state.get(sp) for sp in self._shard_params]
@@ -599,7 +599,7 @@ def _as_flat_adamw(
     named: Sequence[tuple[str, Any]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Express per-parameter AdamW state as ``flatten_optimizer_state`` output of an equivalent plain AdamW."""
-    from kuangchao_core.ckpt.optim_state import flatten_optimizer_state
+    from kuangchao_core.parallel.optim_state import flatten_optimizer_state
 
     shapes = [(n, list(p.shape) if hasattr(p, "shape") else list(p)) for n, p in named]
     placeholders = [torch.empty(shape, device="meta", requires_grad=True) for _, shape in shapes]

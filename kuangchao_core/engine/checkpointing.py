@@ -1,0 +1,178 @@
+"""The trainer's checkpoint I/O: which lineage a run writes to, saving a step, resuming one, starting from HF weights.
+
+Every rank holds one :class:`TrainerCheckpoints`. A checkpoint holds the parameters of the first DP replica and the
+optimizer state as the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync` gives it, each tensor with the
+slice of the full tensor it is, so any layout reads only its own slices back
+(:func:`~kuangchao_core.ckpt.reshard.load_for_layout`). Step directories go into the run's lineage
+(:mod:`kuangchao_core.ckpt.lineage`), which rank 0 decides and broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kuangchao_core import __version__
+from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
+from kuangchao_core.ckpt.reader import read_rng, read_state
+from kuangchao_core.ckpt.reshard import load_for_layout, load_optimizer_for_layout, param_keys
+from kuangchao_core.ckpt.retention import apply_retention
+from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
+from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.comm import primitives as P
+from kuangchao_core.errors import CheckpointError
+from kuangchao_core.obs.jsonlog import log_event
+from kuangchao_core.parallel.grad_sync import GradSync, require_full_state
+
+log = logging.getLogger("kuangchao.engine")
+
+
+class TrainerCheckpoints:
+    """Checkpoint I/O of one rank. ``parts``: the rank's :class:`~kuangchao_core.engine.parallel_model.ParallelModel`;
+    ``layout``: its resharding view (:func:`~kuangchao_core.engine.parallel_model.target_layout`); ``barrier``:
+    a barrier over every rank."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        rank: int,
+        world_size: int,
+        mesh: Any,
+        parts: Any,
+        sync: GradSync,
+        world_group: Any,
+        model_config: Any,
+        layout: Any,
+        barrier: Any,
+    ):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.mesh = mesh
+        self.parts = parts
+        self.sync = sync
+        self.world_group = world_group
+        self.model_config = model_config
+        self.layout = layout
+        self.barrier = barrier
+        self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, rank, world_size, barrier=barrier)
+        self.plan: ResumePlan | None = None
+
+    # ------------------------------------------------------------------ lineage
+    def plan_run(self, resume: str, lineage: str | None = None) -> ResumePlan:
+        """Agree on this run's lineage and resume checkpoint; collective.
+
+        Rank 0 decides (``lineage`` pins it, as a flow run does for every attempt) and broadcasts the plan, so all
+        ranks write into the same lineage even when it is new; rank 0 creates it.
+        """
+        payload = b""
+        if self.rank == 0:
+            plan = plan_resume(self.cfg, resume, pinned=lineage)
+            if plan.new:
+                create_lineage(self.cfg, plan.lineage, started_from=plan.step_dir)
+            payload = json.dumps(plan.to_dict()).encode("utf-8")
+        if self.world_size > 1:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            P.broadcast(size, src=0, group=self.world_group)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if self.rank == 0:
+                buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            P.broadcast(buf, src=0, group=self.world_group)
+            payload = bytes(buf.tolist())
+        self.plan = ResumePlan(**json.loads(payload.decode("utf-8")))
+        self.writer.lineage = None if self.plan.lineage == LEGACY else self.plan.lineage
+        return self.plan
+
+    # ------------------------------------------------------------------ save
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model.model_dump(mode="json"),
+            "model_shape": asdict(self.model_config),
+            "parallel": self.cfg.parallel.model_dump(mode="json"),
+            "task": self.cfg.task.name,
+        }
+
+    def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """This rank's tensors and their slice metadata: parameters (first DP replica only) and optimizer state."""
+        tensors: dict[str, torch.Tensor] = {}
+        slices: dict[str, dict[str, Any]] = {}
+        regions = self.parts.regions
+        if self.mesh.dp_rank == 0:
+            for name, p in self.parts.model.named_parameters():
+                tensors[f"param.{name}"] = p.detach().cpu()
+                slices[f"param.{name}"] = regions[name].to_meta()
+        opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)
+        tensors.update(opt_tensors)
+        slices.update(opt_slices)
+        return tensors, slices
+
+    def save(self, step: int, losses: list[float], sampler_state: dict[str, Any]) -> Path:
+        """Write the checkpoint of ``step`` into this run's lineage, then apply retention (collective)."""
+        tensors, slices = self._tensors()
+        state = {
+            "step": step,
+            "optimizer_steps": step,
+            "sampler": sampler_state,
+            "losses": losses,
+            "kuangchao_version": __version__,
+            "config_hash": self.cfg.config_hash(),
+        }
+        path = self.writer.save(
+            step,
+            tensors,
+            rng_state=capture_rng_state(),
+            state=state if self.rank == 0 else None,
+            meta=self._meta(),
+            slices=slices,
+        )
+        keep = self.cfg.checkpoint.keep_last
+        if self.rank == 0 and keep:
+            apply_retention(self.writer.task_dir, keep, protect=path.name)  # this lineage only, never this step
+        self.barrier()
+        return path
+
+    # ------------------------------------------------------------------ load
+    @torch.no_grad()
+    def _copy_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
+        for name, p in self.parts.model.named_parameters():
+            if name not in full_named:
+                raise CheckpointError(f"{source}: tensor for parameter {name} missing")
+            value = full_named[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    f"{source}: {name} has shape {tuple(value.shape)}, this rank needs {tuple(p.shape)}"
+                )
+            p.copy_(value.to(p.dtype))  # ZeRO keeps parameters as views of its flat buffer: no refresh
+
+    def load_pretrained(self, hf_dir: str) -> None:
+        """Start from a local Hugging Face Llama directory, reading only the slices this rank holds."""
+        from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
+
+        weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
+        self._copy_params(weights, hf_dir)
+        log_event(log, "loaded pretrained weights", path=hf_dir, tensors=len(weights))
+
+    def load(self, step_dir: Path) -> dict[str, Any]:
+        """Restore params, optimizer and RNG from ``step_dir`` — written in this or any other layout: each rank
+        reads only the slices its layout holds. Returns the checkpoint's ``state.json`` (step, losses, sampler)."""
+        state = read_state(step_dir)
+        params = load_for_layout(step_dir, param_keys(self.parts.regions))
+        self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir))
+        steps = int(state.get("optimizer_steps", state["step"]))
+        optim = load_optimizer_for_layout(step_dir, self.parts.regions)
+        names = [n for n, _ in self.parts.model.named_parameters()]
+        if require_full_state(optim, names, str(step_dir)):
+            self.sync.load_state(optim, steps)
+        elif steps:
+            log.warning("%s holds no optimizer state; AdamW moments start from zero", step_dir)
+        try:
+            restore_rng_state(read_rng(step_dir, self.rank))
+        except CheckpointError as exc:  # a new layout with more ranks than the old one
+            log.warning("no RNG state for rank %d in %s (%s); RNG continues from the seed", self.rank, step_dir, exc)
+        log_event(log, "resumed", step=int(state["step"]), checkpoint=str(step_dir))
+        return state

@@ -1,0 +1,82 @@
+"""Following the job's global configuration while it trains (``kc config set``: lr scale, log/checkpoint interval).
+
+Ranks may see the file change at different moments, so only rank 0 reads it (a stat-cached read, no lock), on
+the first step of an attempt and then every ``log_interval`` steps, and broadcasts ``[version, lr_scale,
+log_interval, checkpoint_interval]`` over the world group; every rank applies what it received at the same step.
+There is no per-step collective: one small broadcast every ``log_interval`` steps, and a change waits at most that
+many steps. Each applied change is logged on every rank and emitted as a ``config_applied`` event by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kuangchao_core.comm import primitives as P
+from kuangchao_core.obs.jsonlog import emit_event, log_event
+
+log = logging.getLogger("kuangchao.engine")
+
+
+@dataclass
+class LiveSettings:
+    """The settings a running job follows."""
+
+    lr_scale: float
+    log_interval: int
+    checkpoint_interval: int | None
+
+
+class LiveConfig:
+    """Applies changes of ``global_config`` (a :class:`~kuangchao_core.perm.global_config.GlobalConfig`, or None
+    for nothing to follow) to :attr:`settings` at step boundaries every rank agrees on."""
+
+    def __init__(self, global_config: Any, rank: int, world_size: int, world_group: Any, settings: LiveSettings):
+        self.global_config = global_config
+        self.rank = rank
+        self.world_size = world_size
+        self.world_group = world_group
+        self.settings = settings
+        self._version = -1
+
+    def follow(self, step: int, first: bool) -> LiveSettings:
+        """Check for a change after ``step`` (always on the ``first`` step of an attempt); returns the settings."""
+        gc = self.global_config
+        current = self.settings
+        if gc is None or (not first and step % current.log_interval):
+            return current
+        packet = torch.zeros(4, dtype=torch.float64)
+        if self.rank == 0:
+            try:
+                snap = gc.snapshot()
+                v = snap.values
+                packet = torch.tensor(
+                    [snap.version, v.get("lr_scale", 1.0), v.get("log_interval", 0), v.get("checkpoint_interval", 0)],
+                    dtype=torch.float64,
+                )
+            except Exception as exc:  # rank 0 must still join the broadcast; the job keeps its current settings
+                packet[0] = -1
+                log.warning("global config %s not readable at step %d (%s); settings unchanged", gc.path, step, exc)
+        if self.world_size > 1:
+            P.broadcast(packet, src=0, group=self.world_group)
+        version = int(packet[0])
+        if version < 0 or version == self._version:
+            return current
+        self._version = version
+        new = LiveSettings(
+            lr_scale=float(packet[1]),
+            log_interval=int(packet[2]) or current.log_interval,
+            checkpoint_interval=int(packet[3]) or current.checkpoint_interval,
+        )
+        for key in ("lr_scale", "log_interval", "checkpoint_interval"):
+            value, old = getattr(new, key), getattr(current, key)
+            if value != old:
+                fields = {"version": version, "key": key, "value": value, "old": old, "step": step}
+                log_event(log, "global config applied", **fields)
+                if self.rank == 0:
+                    emit_event("config_applied", **fields)
+        self.settings = new
+        return new

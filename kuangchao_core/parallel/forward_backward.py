@@ -1,0 +1,54 @@
+"""The forward and backward of one optimizer step, chosen once per job (as Megatron's ``get_forward_backward_func``).
+
+:func:`get_forward_backward` returns a function ``(sync, micro_batches) -> (local mean loss, tokens)`` that runs every
+micro-batch's forward and backward and completes the gradient reduction through the job's
+:class:`~kuangchao_core.parallel.grad_sync.GradSync`:
+
+- without a pipeline: micro-batch ``i`` runs ``loss / n`` backward under ``no_sync`` except the last, whose
+  backward overlaps the reduction;
+- with a pipeline: the executor runs the schedule's whole step under ``no_sync`` (its backwards interleave with
+  forwards), then the reduction runs once.
+
+The loss returned is this rank's: the mean over micro-batches on the last pipeline stage, 0 on other stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kuangchao_core.parallel.grad_sync import GradSync, maybe_no_sync
+
+ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]]], tuple[float, int]]
+
+
+def _tokens(batches: list[dict[str, torch.Tensor]]) -> int:
+    return sum(int((b["labels"] != -100).sum()) for b in batches)
+
+
+def get_forward_backward(model: torch.nn.Module, loss_fn: Callable, executor: Any = None) -> ForwardBackward:
+    """The step function for this rank: pipelined when ``executor`` (a PipelineExecutor) is given, else plain."""
+    if executor is not None:
+
+        def pipelined(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+            with sync.no_sync():
+                loss = executor.run(batches)
+            sync.finish(accumulated=True)
+            return (float(loss) if loss is not None else 0.0), _tokens(batches)
+
+        return pipelined
+
+    def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        n = len(batches)
+        local = 0.0
+        for i, batch in enumerate(batches):
+            with maybe_no_sync(sync, last=i == n - 1):
+                loss = loss_fn(model(batch["input_ids"]), batch["labels"]) / n
+                loss.backward()
+            local += float(loss.detach())
+        sync.finish()
+        return local, _tokens(batches)
+
+    return plain

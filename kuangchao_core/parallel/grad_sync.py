@@ -1,0 +1,297 @@
+"""One gradient-synchronisation interface for the engine (SPEC L3.1, L3.5): replicated AdamW or ZeRO.
+
+The trainer holds one :class:`GradSync` and never asks which kind it is:
+
+- :class:`ReplicatedAdamW`: :class:`~kuangchao_core.parallel.data.DataParallel` (bucketed all-reduce during
+  backward) and a plain ``torch.optim.AdamW`` on every DP replica;
+- :class:`ShardedAdamW`: :class:`~kuangchao_core.parallel.zero.ZeroOptimizer` (ZeRO-1/2: reduce-scatter, AdamW on
+  this rank's shard, all-gather).
+
+Both clip with the global gradient norm over every group of the mesh, each element counted once (``norm_weight``:
+1 / number of TP ranks holding the same region), and both give their optimizer state for a checkpoint as
+``optim.<name>.exp_avg|exp_avg_sq`` tensors with slice metadata, so a checkpoint of either loads into the other.
+:func:`make_grad_sync` picks the implementation from ``parallel.zero_stage``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from kuangchao_core.comm import primitives as P
+from kuangchao_core.errors import CheckpointError
+from kuangchao_core.parallel.data import DataParallel
+from kuangchao_core.parallel.zero import ZeroOptimizer
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class GradSync(Protocol):
+    """What the step loop needs from gradient synchronisation and the optimizer."""
+
+    param_groups: list[dict[str, Any]]
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward inside this block accumulates locally and communicates nothing."""
+
+    def zero_grad(self) -> None:
+        """Clear gradients before a step."""
+
+    def finish(self, accumulated: bool = False) -> None:
+        """Complete the reduction of this step's gradients; ``accumulated``: every backward ran under no_sync."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm before clipping (each element once); clip to ``max_norm`` when it is > 0."""
+
+    def step(self) -> None:
+        """Apply the optimizer; afterwards every replica holds the same parameters."""
+
+    def prepare(self) -> None:
+        """Make every DP replica start from the same parameters (before training or after a load)."""
+
+    def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's optimizer tensors for a checkpoint and their slice metadata (collective)."""
+
+    def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
+        """Restore the optimizer from full-slice ``optim.<name>.<key>`` tensors after ``steps`` optimizer steps."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer-state tensors this rank holds (for memory accounting)."""
+
+
+def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
+    for group in groups:
+        if group is not None and group.size > 1:
+            P.all_reduce(t, group=group, op="sum")
+    return t
+
+
+def _apply_clip(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
+
+class ReplicatedAdamW:
+    """Data parallel with a full AdamW on every replica (``parallel.zero_stage: 0``)."""
+
+    def __init__(self, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float], hyper: dict, bucket_mb: float):
+        self.model = model
+        self.mesh = mesh
+        self.norm_weight = norm_weight
+        self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb)
+        self.optimizer = torch.optim.AdamW(list(model.parameters()), foreach=False, **hyper)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The AdamW param groups (set ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """See :meth:`GradSync.no_sync`."""
+        return self.dp.no_sync()
+
+    def zero_grad(self) -> None:
+        """See :meth:`GradSync.zero_grad`."""
+        self.dp.zero_grad()
+
+    def finish(self, accumulated: bool = False) -> None:
+        """See :meth:`GradSync.finish`."""
+        if accumulated:
+            self.dp.sync_accumulated()
+        else:
+            self.dp.finish_gradient_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """See :meth:`GradSync.clip_grad_norm`; without TP and PP, ``torch.nn.utils.clip_grad_norm_`` itself."""
+        mesh = self.mesh
+        if mesh.tp == 1 and mesh.pp == 1:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            if max_norm > 0:
+                return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+            return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        grads = []
+        sq = torch.zeros((), dtype=torch.float64)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            sq += p.grad.double().pow(2).sum() * self.norm_weight[name]
+        total = float(_sum_over(sq, mesh.tp_group, mesh.pp_group).sqrt())
+        _apply_clip(grads, total, max_norm)
+        return total
+
+    def step(self) -> None:
+        """See :meth:`GradSync.step`."""
+        self.optimizer.step()
+
+    def prepare(self) -> None:
+        """Broadcast DP rank 0's parameters to the other replicas."""
+        self.dp.sync_parameters()
+
+    def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The first DP replica's AdamW moments, sliced like the parameters."""
+        tensors: dict[str, torch.Tensor] = {}
+        slices: dict[str, Any] = {}
+        if self.mesh.dp_rank != 0:
+            return tensors, slices
+        for name, p in self.model.named_parameters():
+            st = self.optimizer.state.get(p) or {}
+            for key in ADAM_KEYS:
+                if key in st:
+                    tensors[f"optim.{name}.{key}"] = st[key].detach().cpu().clone()
+                    slices[f"optim.{name}.{key}"] = regions[name].to_meta()
+        return tensors, slices
+
+    def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
+        """See :meth:`GradSync.load_state`."""
+        for name, p in self.model.named_parameters():
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(steps), dtype=torch.float32),
+                "exp_avg": optim[f"optim.{name}.exp_avg"].to(p.dtype).clone(),
+                "exp_avg_sq": optim[f"optim.{name}.exp_avg_sq"].to(p.dtype).clone(),
+            }
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """See :meth:`GradSync.state_tensors`."""
+        return [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+
+
+class ShardedAdamW:
+    """ZeRO-1/2 over the DP group (``parallel.zero_stage: 1|2``), with or without TP and PP."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: Any,
+        norm_weight: dict[str, float],
+        hyper: dict,
+        bucket_mb: float,
+        stage: int,
+    ):
+        self.model = model
+        self.mesh = mesh
+        self.norm_weight = norm_weight
+        self.names = [n for n, _ in model.named_parameters()]
+        self.optimizer = ZeroOptimizer(
+            list(model.named_parameters()), mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper
+        )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner AdamW's param groups (set ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """See :meth:`GradSync.no_sync`."""
+        return self.optimizer.no_sync()
+
+    def zero_grad(self) -> None:
+        """See :meth:`GradSync.zero_grad`."""
+        self.optimizer.zero_grad()
+
+    def finish(self, accumulated: bool = False) -> None:
+        """See :meth:`GradSync.finish` (ZeRO reduces what is left either way)."""
+        self.optimizer.finish_gradient_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Sum of squares over the owned pieces of the shards, weighted per TP replication, over dp×tp×pp."""
+        self.optimizer.finish_gradient_sync()
+        shards = self.optimizer.grad_shards()
+        sq = torch.zeros((), dtype=torch.float64)
+        for slot, lo, hi, offset in self.optimizer.owned_pieces():
+            piece = shards[slot.bucket][offset : offset + hi - lo]
+            sq += piece.double().pow(2).sum() * self.norm_weight[slot.name]
+        total = float(_sum_over(sq, self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt())
+        _apply_clip(shards, total, max_norm)
+        return total
+
+    def step(self) -> None:
+        """See :meth:`GradSync.step`."""
+        self.optimizer.step()
+
+    def prepare(self) -> None:
+        """Nothing to do: the ZeRO optimizer broadcast rank 0's parameters when it was built and all-gathers after
+        every step."""
+
+    def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Each rank's flat ranges without TP; under TP (a ZeRO range of a TP slice has no slice description) the
+        state gathered over DP and saved per TP slice by the first DP replica."""
+        if self.mesh.tp == 1:
+            tensors, slices, _ = self.optimizer.state_dict_for_checkpoint()
+            return tensors, slices
+        full, _ = self.optimizer.full_state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        slices: dict[str, Any] = {}
+        if self.mesh.dp_rank == 0:
+            for name in self.names:
+                for key in ADAM_KEYS:
+                    k = f"optim.{name}.{key}"
+                    if k in full:
+                        tensors[k] = full[k].detach().cpu().clone()
+                        slices[k] = regions[name].to_meta()
+        return tensors, slices
+
+    def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
+        """See :meth:`GradSync.load_state`."""
+        names = self.names
+        tensors = {f"optim.{n}.{k}": optim[f"optim.{n}.{k}"] for n in names for k in ADAM_KEYS}
+        tensors.update({f"optim.{n}.step": torch.tensor(float(steps)) for n in names})
+        meta = {
+            "format": 1,
+            "optimizer": "AdamW",
+            "param_groups": [{"param_names": names}],
+            "state_keys": {n: ["exp_avg", "exp_avg_sq", "step"] for n in names},
+            "state_scalars": {},
+        }
+        self.optimizer.load_full_state(tensors, meta)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """See :meth:`GradSync.state_tensors`."""
+        return [v for st in self.optimizer.optimizer.state.values() for k, v in st.items() if k != "step"]
+
+    def memory_report(self) -> dict[str, Any]:
+        """The ZeRO optimizer's measured and formula bytes per rank."""
+        return self.optimizer.memory_report()
+
+
+def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:
+    """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
+    opt, par = cfg.optimizer, cfg.parallel
+    hyper = {
+        "lr": float(opt.lr),
+        "betas": tuple(opt.betas),
+        "eps": float(opt.eps),
+        "weight_decay": float(opt.weight_decay),
+    }
+    stage = int(par.zero_stage)
+    if stage:
+        return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage)
+    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb)
+
+
+def require_full_state(optim: dict[str, torch.Tensor], names: list[str], where: str) -> bool:
+    """Whether ``optim`` holds AdamW moments for every parameter (False when it holds none: moments start from
+    zero); raises CheckpointError when only some are there."""
+    have = [n for n in names if all(f"optim.{n}.{k}" in optim for k in ADAM_KEYS)]
+    if not have:
+        return False
+    if len(have) != len(names):
+        missing = sorted(set(names) - set(have))[:3]
+        raise CheckpointError(f"{where}: optimizer state missing for {missing}")
+    return True
+
+
+@contextlib.contextmanager
+def maybe_no_sync(sync: GradSync, last: bool) -> Iterator[None]:
+    """``sync.no_sync()`` except for the last micro-batch of a step, whose backward communicates."""
+    if last:
+        yield
+    else:
+        with sync.no_sync():
+            yield
