@@ -27,6 +27,7 @@ from kuangchao_core.config import load_config
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
+from kuangchao_core.obs.console import for_people
 from kuangchao_core.perm import guard_api
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
@@ -56,13 +57,8 @@ def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, A
     return load_config(config_path, overrides, resolve=lambda data: resolve_blocks(data, secrets))
 
 
-def _for_people(value: Any) -> str:
-    """Floats to 4 significant digits (the JSON summary and MLflow keep full precision)."""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
 def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:
-    rows = "\n".join(f"| {k} | {_for_people(v)} |" for k, v in summary.items())
+    rows = "\n".join(f"| {k} | {for_people(v)} |" for k, v in summary.items())
     return f"# Kuangchao run summary: {cfg.task.name}\n\n| field | value |\n|---|---|\n{rows}\n"
 
 

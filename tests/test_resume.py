@@ -11,9 +11,9 @@ STEPS, STOP_AT = 8, 4
 
 
 def _no_rng_restore():
-    import kuangchao_core.engine.trainer as trainer_mod
+    import kuangchao_core.engine.checkpointing as checkpointing
 
-    trainer_mod.restore_rng_state = lambda state: None
+    checkpointing.restore_rng_state = lambda state: None
 
 
 def _job(tmp_path, name):

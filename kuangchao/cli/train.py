@@ -98,7 +98,9 @@ def _print_summary(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kuangchao_core.obs.console import for_people
+
     table = Table(title="kc train: run summary", show_header=False)
     for key, value in summary.items():  # rounded for people; --json prints full precision
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, for_people(value))
     Console(file=sys.stdout).print(table)

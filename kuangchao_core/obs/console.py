@@ -23,6 +23,14 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n:.0f}PiB"
 
 
+def for_people(value: Any) -> str:
+    """A value as people read it: floats to 4 significant digits, large ones with thousands separators (JSON and
+    MLflow keep full precision)."""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
 def format_step(ev: dict[str, Any]) -> str:
     """One human line for a step event."""
     eta = ev.get("eta_s")
