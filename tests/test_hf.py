@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
 from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
-from kuangchao_core.ckpt.reshard import Region, TargetLayout
 from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, load_hf_llama_config
 from kuangchao_core.models.tp_llama import tp_shard_slices
 from kuangchao_core.perm.guard_api import AllowAll, install_guard

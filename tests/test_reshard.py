@@ -13,8 +13,6 @@ from kuangchao.cli.main import app
 from kuangchao_core.ckpt.integrity import verify_checkpoint
 from kuangchao_core.ckpt.reader import load_shard, read_manifest
 from kuangchao_core.ckpt.reshard import (
-    Region,
-    TargetLayout,
     load_for_layout,
     load_full_tensors,
     load_optimizer_for_layout,
@@ -22,6 +20,7 @@ from kuangchao_core.ckpt.reshard import (
 )
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.errors import CheckpointCorrupt
+from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
 from kuangchao_core.models.tp_llama import tp_shard_slices
 from kuangchao_core.parallel.mesh import coords_of

@@ -2,7 +2,7 @@
 
 - :func:`load_hf_weights_for_layout` reads a local directory holding ``config.json`` and ``model.safetensors``
   (or shards listed in ``model.safetensors.index.json``) and returns, by HF parameter name, only the slices a
-  :class:`~kuangchao_core.ckpt.reshard.TargetLayout` rank holds, read with ``safe_open(...).get_slice``.
+  :class:`~kuangchao_core.models.layout.TargetLayout` rank holds, read with ``safe_open(...).get_slice``.
 - :func:`export_hf` writes a Kuangchao checkpoint (any layout) as one ``model.safetensors`` plus ``config.json``
   that ``transformers.LlamaForCausalLM.from_pretrained`` loads. Safetensors and JSON only, never pickle.
 """
@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kuangchao_core.ckpt.reshard import PARAM, CheckpointIndex, Region, TargetLayout
+from kuangchao_core.ckpt.reshard import PARAM, CheckpointIndex
 from kuangchao_core.errors import CheckpointError, ConfigError
+from kuangchao_core.models.layout import Region, TargetLayout
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kuangchao_core.ckpt.reshard import Region, TargetLayout
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
+from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks

@@ -106,7 +106,7 @@ def _bytes(n: float) -> float:
 
 def explain_plan(cfg: Any) -> dict[str, Any]:
     """JSON-able description of the layout (call :func:`check_plan` first; this raises PlanError on a bad plan)."""
-    from kuangchao_core.ckpt.reshard import slices_for_rank
+    from kuangchao_core.models.layout import slices_for_rank
     from kuangchao_core.parallel.mesh import coords_of, mesh_layout
     from kuangchao_core.parallel.pipeline import partition_layers
     from kuangchao_core.parallel.pp_schedules import bubble_fraction

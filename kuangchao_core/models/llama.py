@@ -29,9 +29,8 @@ from kuangchao_core.hal.dtypes import at_least_fp32
 
 IGNORE_INDEX = -100
 
-#: Roles a projection can have; q/k/v/gate/up split their output features under tensor parallelism, o/down their input.
-COLUMN_ROLES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_ROLES = ("o_proj", "down_proj")
+#: Roles a projection can have (how tensor parallelism splits each is ``models.tp_llama.TP_PLAN``).
+PROJECTION_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 @dataclass
@@ -367,16 +366,30 @@ class LlamaForCausalLM(nn.Module):
             )
         return self.head(self.run_layers(self.embed(input_ids)))
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation: norms to one, every other weight N(0, 0.02) from a CPU generator seeded
-        with ``seed``, drawn in parameter-name order (so the result is independent of device and sharding)."""
-        gen = torch.Generator(device="cpu").manual_seed(int(seed))
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+        """Deterministic initialisation (:func:`init_from_seed` with every tensor whole)."""
+        init_from_seed(self, seed)
+
+
+@torch.no_grad()
+def init_from_seed(model: LlamaForCausalLM, seed: int, slices: dict[str, tuple[int, int, int] | None] | None = None):
+    """The one weight initialisation: norms to one, every other weight N(0, 0.02) from a CPU generator seeded with
+    ``seed``, one full tensor at a time in parameter-name order, each rank keeping its ``slices`` entry
+    ``(dim, start, length)`` (None or absent: the whole tensor). Every layout therefore starts from the same
+    network as one process, and no rank ever holds more than one full tensor at a time."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    slices = slices or {}
+    params = dict(model.named_parameters())
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in LlamaForCausalLM(model.config).named_parameters()}
+    for name, shape in shapes.items():
+        param = params[name]
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        full = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
+        spec = slices.get(name)
+        param.copy_(full if spec is None else full.narrow(spec[0], spec[1], spec[2]))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

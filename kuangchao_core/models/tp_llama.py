@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from kuangchao_core.errors import PlanError
-from kuangchao_core.models.llama import ROW_ROLES, LlamaConfig, LlamaForCausalLM, RMSNorm
+from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm
+from kuangchao_core.models.llama import init_from_seed as _init_from_seed
 from kuangchao_core.parallel.tensor import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
@@ -31,6 +32,27 @@ from kuangchao_core.parallel.tensor import (
 )
 
 _KEY = "parallel.tensor_parallel_size"
+
+#: The TP plan, one table for both the layers built (:meth:`TPLlamaForCausalLM.make_linear`) and the slices recorded
+#: for checkpoints (:func:`tp_shard_spec`): ``column`` splits output features (dim 0), ``row`` input features
+#: (dim 1), ``vocab`` the vocabulary rows (dim 0); parameter kinds not named (the norms) are replicated.
+TP_PLAN: dict[str, str] = {
+    "q_proj": "column",
+    "k_proj": "column",
+    "v_proj": "column",
+    "o_proj": "row",
+    "gate_proj": "column",
+    "up_proj": "column",
+    "down_proj": "row",
+    "lm_head": "column",
+    "embed_tokens": "vocab",
+}
+_SPLIT_DIM = {"column": 0, "row": 1, "vocab": 0}
+
+
+def _kind(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``; ``lm_head.weight`` -> ``lm_head``."""
+    return name.split(".")[-2]
 
 
 def validate_tp(cfg: LlamaConfig, tp: int) -> None:
@@ -61,22 +83,8 @@ def _kv_slot(cfg: LlamaConfig, tp: int, tp_rank: int) -> int:
 
 
 def tp_shard_spec(cfg: LlamaConfig) -> dict[str, int | None]:
-    """Hugging Face parameter name -> dimension split across TP ranks (None: replicated)."""
-    out: dict[str, int | None] = {"model.embed_tokens.weight": 0}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for role in ("q_proj", "k_proj", "v_proj"):
-            out[f"{p}self_attn.{role}.weight"] = 0
-        out[f"{p}self_attn.o_proj.weight"] = 1
-        out[f"{p}mlp.gate_proj.weight"] = 0
-        out[f"{p}mlp.up_proj.weight"] = 0
-        out[f"{p}mlp.down_proj.weight"] = 1
-        out[f"{p}input_layernorm.weight"] = None
-        out[f"{p}post_attention_layernorm.weight"] = None
-    out["model.norm.weight"] = None
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = 0
-    return out
+    """Hugging Face parameter name -> dimension split across TP ranks (None: replicated), from :data:`TP_PLAN`."""
+    return {name: _SPLIT_DIM.get(TP_PLAN.get(_kind(name), ""), None) for name in full_shapes(cfg)}
 
 
 def tp_shard_slices(cfg: LlamaConfig, tp: int, tp_rank: int) -> dict[str, tuple[int, int, int] | None]:
@@ -138,9 +146,10 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         self.model.norm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
 
     def make_linear(self, in_features: int, out_features: int, role: str):
-        """Column-parallel for q/k/v/gate/up/lm_head, row-parallel for o/down, replicated-head k/v when needed."""
+        """The layer :data:`TP_PLAN` names for ``role`` (row- or column-parallel), replicated-head k/v when there are
+        fewer key/value heads than TP ranks."""
         cfg, group = self.config, self.tp_group
-        if role in ROW_ROLES:
+        if TP_PLAN[role] == "row":
             return RowParallelLinear(in_features, out_features, group)
         if role in ("k_proj", "v_proj") and cfg.num_kv_heads < self.tp_size:
             slot = _kv_slot(cfg, self.tp_size, self.tp_rank)
@@ -179,21 +188,10 @@ def load_full_state_dict(model: TPLlamaForCausalLM, full_state_dict: dict[str, t
         param.copy_(part)
 
 
-@torch.no_grad()
 def init_from_seed(model: TPLlamaForCausalLM, seed: int) -> None:
-    """Initialise exactly as ``LlamaForCausalLM.init_weights(seed)`` would the full model, one full tensor at a time
-    (drawn, sliced, dropped), so no rank ever holds the whole model."""
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    slices = model.shard_slices()
-    params = dict(model.named_parameters())
-    for name, shape in full_shapes(model.config).items():
-        param = params[name]
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        full = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
-        spec = slices[name]
-        param.copy_(full if spec is None else full.narrow(spec[0], spec[1], spec[2]))
+    """Initialise exactly as ``LlamaForCausalLM.init_weights(seed)`` would the full model, keeping this rank's
+    slices (:func:`~kuangchao_core.models.llama.init_from_seed`)."""
+    _init_from_seed(model, seed, model.shard_slices())
 
 
 def build_tp_model(
