@@ -95,7 +95,10 @@ def _train(group, schedule, virtual, num_layers, m):
     ex = PipelineExecutor(
         group, chunks, causal_lm_loss, model.config.hidden_size, schedule=schedule, dtype=torch.float64
     )
+    from kuangchao_core.comm import COMM_STATS
+
     losses = []
+    COMM_STATS.reset()
     for batch in _batches(m, model.config.vocab_size):
         opt.zero_grad()
         mbs = [{k: t[i * MB_SIZE : (i + 1) * MB_SIZE] for k, t in batch.items()} for i in range(m)]
@@ -104,6 +107,7 @@ def _train(group, schedule, virtual, num_layers, m):
         losses.append(None if loss is None else loss.item())
     return {
         "losses": losses,
+        "p2p_counts": {k: v for k, v in COMM_STATS.counts_by_op().items() if k in ("send", "recv")},
         "params": {n: p.detach().numpy().copy() for n, p in params.items()},
         "trace": [str(e.action) for e in ex.trace],
         "times": [(e.t0, e.t1) for e in ex.trace],
@@ -177,6 +181,11 @@ def test_executed_order_is_the_schedule(runs, layout):
     for r in ranks:
         res = runs[r][layout]
         assert res["trace"] == res["definition"], f"{layout} rank {r}: executed order differs from the schedule"
+        # every transfer went through the comm layer's dispatch (guarded, timed, counted), one per schedule action
+        want = {
+            k: STEPS * sum(a.startswith(p) for a in res["definition"]) for k, p in (("send", "SEND"), ("recv", "RECV"))
+        }
+        assert res["p2p_counts"] == {k: v for k, v in want.items() if v}, (layout, r, res["p2p_counts"])
 
 
 @pytest.mark.parametrize("layout", ["pp4_1f1b", "pp4_interleaved"])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kuangchao_core.comm import dispatch
+from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup, world_group
 from kuangchao_core.errors import CommError
 
@@ -182,6 +183,28 @@ def recv(tensor: torch.Tensor, src: int, group: CommGroup | None = None) -> torc
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
     dispatch.run("recv", g, tensor.nbytes, lambda a: _p2p(dist.irecv, tensor, src, g, a), peer=src)
     return tensor
+
+
+def isend(tensor: torch.Tensor, dst: int, group: CommGroup | None = None, tag: int = 0) -> CommHandle:
+    """Send ``tensor`` to global rank ``dst`` asynchronously with a message ``tag``; wait on the returned handle
+    before reusing ``tensor``. Guarded and timed as ``send``, like every primitive."""
+    g = _group(group)
+    if dst not in g.ranks:
+        raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
+    return dispatch.run_async(
+        "send", g, tensor.nbytes, lambda _a: dist.isend(tensor, dst, group=g.pg, tag=tag), peer=dst
+    )
+
+
+def irecv(tensor: torch.Tensor, src: int, group: CommGroup | None = None, tag: int = 0) -> CommHandle:
+    """Receive into ``tensor`` from global rank ``src`` asynchronously (message ``tag``); the data is there after
+    the returned handle's ``wait()``. Guarded and timed as ``recv``."""
+    g = _group(group)
+    if src not in g.ranks:
+        raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
+    return dispatch.run_async(
+        "recv", g, tensor.nbytes, lambda _a: dist.irecv(tensor, src, group=g.pg, tag=tag), peer=src
+    )
 
 
 def _p2p(fn, tensor, peer, g, async_op):

@@ -1,8 +1,9 @@
 """The one pipeline executor: runs any schedule's action list with real point-to-point traffic (SPEC L3.3).
 
-Activations and their gradients travel between stages through ``comm.dispatch`` (``send``/``recv`` interfaces,
-so the permission guard, sequence numbers and timers apply). Sends are issued asynchronously and waited at the
-end of the step; each receive is posted one compute action early and waited where the schedule places it. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
+Activations and their gradients travel between stages through the comm layer's tagged ``isend``/``irecv``
+(``send``/``recv`` interfaces, so the permission guard, sequence numbers and timers apply). Sends are issued
+asynchronously and waited at the end of the step; each receive is posted one compute action early and waited where
+the schedule places it. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
 Messages carry a tag derived from (kind, micro-batch, receiving stage) so Gloo matches them exactly; the
 schedules also keep every pair of ranks in send order, which in-order transports need.
 
@@ -17,9 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.comm.group import CommGroup
 from kuangchao_core.errors import PlanError
 from kuangchao_core.parallel.pp_schedules import (
@@ -112,7 +112,6 @@ class PipelineExecutor:
         self.trace = []
         self.compute_seconds = 0.0
         ranks = self.group.ranks
-        pg = self.group.pg
         actions = self.actions(m)
         posted: dict[int, tuple[object, torch.Tensor]] = {}
         compute_at = [i for i, a in enumerate(actions) if a.kind in (FORWARD, BACKWARD)]
@@ -126,13 +125,7 @@ class PipelineExecutor:
                 if r.kind in (RECV_ACT, RECV_GRAD):
                     buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
                     src, tag = ranks[r.peer], self._tag(r, m)
-                    h = dispatch.run_async(
-                        "recv",
-                        self.group,
-                        buf.nbytes,
-                        lambda _a, b=buf, s=src, g=tag: dist.irecv(b, s, group=pg, tag=g),
-                        peer=src,
-                    )
+                    h = comm.irecv(buf, src, group=self.group, tag=tag)
                     posted[j] = (h, buf)
             next_post = max(next_post, stop)
 
@@ -170,13 +163,7 @@ class PipelineExecutor:
                 t = t.contiguous()
                 shape = tuple(t.shape)
                 dst, tag = ranks[a.peer], self._tag(a, m)
-                h = dispatch.run_async(
-                    "send",
-                    self.group,
-                    t.nbytes,
-                    lambda _a, t=t, d=dst, g=tag: dist.isend(t, d, group=pg, tag=g),
-                    peer=dst,
-                )
+                h = comm.isend(t, dst, group=self.group, tag=tag)
                 pending.append((h, t))
             else:
                 if i not in posted:
