@@ -29,6 +29,7 @@ from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, W
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
 from kuangchao_core.perm import guard_api
+from kuangchao_core.sched.recovery import RestartPolicy, supervise
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
 from tasks.issue_tokens import issue_tokens
@@ -148,29 +149,27 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         validate_data(cfg, mlflow_run_id=run_id)
         if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
             create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
-        result: dict[str, Any] | None = None
-        max_restarts = cfg.cluster.max_restarts
-        for attempt in range(max_restarts + 1):
+
+        def one_attempt(attempt: int) -> dict[str, Any]:
+            nonlocal attempts
             attempts = attempt + 1
             env = {**issue_tokens(cfg, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
-            try:
-                result = launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env)
-                break
-            except WorkerFailed as exc:
-                causes.append(f"attempt {attempt}: rank {exc.rank}: {exc.cause}")
-                if attempt == max_restarts:
-                    tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
-                    raise WorkerFailed(
-                        exc.rank,
-                        f"{exc.cause}; gave up after {attempts} attempts (1 + cluster.max_restarts={max_restarts}); "
-                        f"history: {'; '.join(causes)}. Fix the cause, then rerun: it resumes from the newest "
-                        "intact checkpoint",
-                        exc.exit_code,
-                    ) from exc
-                logger.warning("attempt %d failed: rank %s: %s; recovering", attempt, exc.rank, exc.cause)
-                recovery = recover(cfg, attempt, f"rank {exc.rank}: {exc.cause}", run_id, plan.lineage, plan.step_dir)
-                logger.warning("attempt %d resumes from %s", attempt + 1, recovery["resume_from"] or "scratch")
-        assert result is not None
+            return launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env)
+
+        def before_restart(next_attempt: int, exc: BaseException) -> None:
+            failed = next_attempt - 1
+            cause = f"rank {getattr(exc, 'rank', None)}: {getattr(exc, 'cause', exc)}"
+            causes.append(f"attempt {failed}: {cause}")
+            logger.warning("attempt %d failed: %s; recovering", failed, cause)
+            recovery = recover(cfg, failed, cause, run_id, plan.lineage, plan.step_dir)
+            logger.warning("attempt %d resumes from %s", next_attempt, recovery["resume_from"] or "scratch")
+
+        policy = RestartPolicy(max_restarts=cfg.cluster.max_restarts, setting="cluster.max_restarts")
+        try:
+            result = supervise(one_attempt, policy, on_restart=before_restart).result
+        except WorkerFailed:
+            tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
+            raise
         ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
         summary = {
             "task": cfg.task.name,

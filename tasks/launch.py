@@ -18,9 +18,9 @@ from kuangchao_core.obs.console import LiveView
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.global_config import GlobalConfig
+from kuangchao_core.perm.issuance import audit_log_path, authority_for
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.sched.launcher import run_workers
-from tasks.issue_tokens import audit_log_path, authority_for
 
 
 @dataclass

@@ -198,7 +198,8 @@ def _cfg(**perm):
 
 
 def test_issue_tokens_writes_private_tokens_and_env(tmp_path, monkeypatch):
-    from tasks.issue_tokens import issue_tokens, issue_tokens_for_run
+    from kuangchao_core.perm.issuance import issue_tokens_for_run
+    from tasks.issue_tokens import issue_tokens
 
     monkeypatch.chdir(tmp_path)
     cfg = _cfg()

@@ -181,7 +181,7 @@ class Cycle:
     """One job driven through ``launch_workers`` / ``plan_recovery`` directly, as the flow does it."""
 
     def __init__(self, workdir: Path, store: Path, **extra):
-        from tasks.issue_tokens import issue_tokens_for_run
+        from kuangchao_core.perm.issuance import issue_tokens_for_run
 
         self.workdir = workdir
         self.overrides = tiny_overrides(workdir, store, **extra)

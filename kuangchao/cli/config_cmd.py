@@ -89,8 +89,8 @@ def set_cmd(
     from kuangchao_core.perm.audit import AuditLog
     from kuangchao_core.perm.global_config import GlobalConfig
     from kuangchao_core.perm.guard import TokenGuard
+    from kuangchao_core.perm.issuance import audit_log_path, authority_for, job_id_for
     from kuangchao_core.perm.roles import Policy
-    from tasks.issue_tokens import audit_log_path, authority_for, job_id_for
 
     run_dir = Path(run)
     config_file = run_dir / "config.yaml"

@@ -1,9 +1,9 @@
-"""Bounded restarts of a worker group (L4.4).
+"""Bounded restarts of a worker group (L4.4): the one recovery policy, used by the ``kuangchao-train`` flow.
 
-Prefect retries a task that raises, not one whose process crashed, so the ``launch`` task supervises its worker
-processes itself: ``supervise`` calls ``launch_fn(attempt)`` for attempts ``0..max_restarts`` (each attempt gets a
-fresh rendezvous port and heartbeat directory from the launcher), retries only worker failures, and never retries a
-configuration, data or permission error: those fail the same way every time.
+``supervise`` calls ``launch_fn(attempt)`` for attempts ``0..max_restarts`` (each attempt gets a fresh rendezvous
+port and heartbeat directory from the launcher), retries only worker failures, and never retries a configuration,
+data or permission error: those fail the same way every time. Between attempts ``on_restart`` records the cause and
+picks the resume checkpoint (the flow's ``recover`` task).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class RestartPolicy:
     max_restarts: int = 2
     retry_on: tuple[type[BaseException], ...] = (WorkerFailed,)
     backoff_s: float = 0.0
+    setting: str = "max_restarts"  # the config field to name in messages (``cluster.max_restarts``)
 
     def __post_init__(self):
         if self.max_restarts < 0:
@@ -85,8 +86,9 @@ def supervise(
                 last = exc if isinstance(exc, WorkerFailed) else None
                 raise WorkerFailed(
                     last.rank if last else None,
-                    f"{_describe(exc)} — giving up after {total} attempts (1 + max_restarts={policy.max_restarts}); "
-                    f"history: {history}. Fix the cause named above, then resume from the newest intact checkpoint.",
+                    f"{_describe(exc)}; gave up after {total} attempts (1 + {policy.setting}={policy.max_restarts}); "
+                    f"history: {history}. Fix the cause named above, then rerun: it resumes from the newest intact "
+                    "checkpoint",
                     last.exit_code if last else None,
                 ) from exc
             if on_restart is not None:
