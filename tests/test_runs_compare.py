@@ -27,13 +27,16 @@ def test_compare_lists_runs_and_writes_plot(tmp_path):
     client = MlflowClient(uri)
     exp = client.create_experiment("cmp")
     _fake_run(client, exp, "a", "dp2-tp1-pp1-zero0", [3.0, 2.5, 2.0])
-    _fake_run(client, exp, "b", "dp1-tp2-pp1-zero0", [3.0, 2.8, 2.6, 2.4])
+    b = _fake_run(client, exp, "b", "dp1-tp2-pp1-zero0", [3.0, 2.8, 2.6, 2.4])
+    client.log_metric(b, "tokens_per_s_mean", 1234.5, step=4)  # what the engine logs at the final step
     png = tmp_path / "loss.png"
     res = CliRunner().invoke(app, ["runs", "compare", "cmp", "--tracking-uri", uri, "--json", "--plot", str(png)])
     assert res.exit_code == 0, res.output
     rows = {r["name"]: r for r in json.loads(res.output)}
     assert rows["a"]["final_loss"] == 2.0 and rows["a"]["steps"] == 3 and rows["a"]["layout"] == "dp2-tp1-pp1-zero0"
     assert rows["b"]["final_loss"] == 2.4 and rows["b"]["steps"] == 4 and rows["b"]["status"] == "FINISHED"
+    # tokens/s: the run's mean where it was logged (as the run summary reports it), else the per-step median
+    assert rows["b"]["tokens_per_s"] == 1234.5 and rows["a"]["tokens_per_s"] == 1001.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
     table = CliRunner().invoke(app, ["runs", "compare", "cmp", "--tracking-uri", uri])

@@ -33,7 +33,8 @@ def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list
                 "layout": tags.get("kuangchao.layout"),
                 "steps": curve[-1][0] if curve else 0,
                 "final_loss": curve[-1][1] if curve else None,
-                "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+                # the run summary's definition (tokens / step time over the run); runs logged before it: the median
+                "tokens_per_s": run.data.metrics.get("tokens_per_s_mean", sorted(tps)[len(tps) // 2] if tps else None),
                 "attempts": int(tags.get("kuangchao.attempts", tags.get("kuangchao.attempt", "0")) or 0) or None,
                 "config_hash": tags.get("kuangchao.config_hash"),
                 "flow_run_id": tags.get("prefect.flow_run_id"),
