@@ -6,7 +6,9 @@ ones ``docs/architecture.md`` states and each package's ``__init__`` docstring r
 - no core module imports ``tasks``, ``flows``, ``blocks`` or ``kuangchao`` (the CLI and SDK sit above the engine);
 - a package imports only the packages below it (``ALLOWED``); the one way up is the guard interface
   ``kuangchao_core.perm.guard_api``, which every layer calls to ask permission;
-- there is no import cycle among the packages.
+- there is no import cycle among the packages, nor among the modules (a cycle between two modules of one package
+  works only by the accident of which is imported first); imports under ``if TYPE_CHECKING:`` do not run and do
+  not count.
 
 The checks run on the real tree and, as negative controls, on a graph with one rule broken each.
 """
@@ -112,6 +114,72 @@ def cycles(graph) -> list[list[str]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST):
+    """Import nodes that run (those under ``if TYPE_CHECKING:`` are skipped)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_runtime_imports(child)] if _is_import(n))
+            continue
+        if _is_import(node):
+            yield node
+        yield from _runtime_imports(node)
+
+
+def _is_import(node: ast.AST) -> bool:
+    return isinstance(node, ast.Import | ast.ImportFrom)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the ``kuangchao_core`` modules it imports at run time (``from pkg import sub`` names ``pkg.sub``)."""
+    files = {_module_name(f): f for f in CORE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for mod, f in files.items():
+        for node in _runtime_imports(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level or not (node.module or "").startswith("kuangchao_core"):
+                    continue
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
+                ]
+            else:
+                targets = [a.name for a in node.names]
+            graph[mod] |= {t for t in targets if t in files and t != mod}
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_every_package_has_a_rule_and_a_layer_docstring():
     packages = {p.name for p in CORE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages - {"errors"} <= set(ALLOWED), packages - set(ALLOWED)
@@ -142,3 +210,11 @@ def test_a_broken_rule_is_reported():
     clean["parallel"]["ckpt"].append("kuangchao_core/parallel/zero.py")  # ckpt imports parallel: now a cycle
     found = cycles(clean)
     assert found and all(c[0] == c[-1] and "ckpt" in c and "parallel" in c for c in found), found
+
+
+def test_no_import_cycle_among_core_modules():
+    graph = module_graph()
+    assert "kuangchao_core.comm.registry" in graph["kuangchao_core.comm.group"], "the parser missed an import"
+    assert module_cycles(graph) == []
+    graph["kuangchao_core.ckpt.index"].add("kuangchao_core.ckpt.convert")  # the index reaching the converter
+    assert module_cycles(graph) == [["kuangchao_core.ckpt.convert", "kuangchao_core.ckpt.index"]]

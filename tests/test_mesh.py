@@ -52,7 +52,7 @@ def test_bad_sizes_refused_with_every_number():
 
 def _mesh_body(rank, world_size):
     from kuangchao_core.comm import primitives as comm
-    from kuangchao_core.comm.group import all_groups
+    from kuangchao_core.comm.registry import all_groups
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 

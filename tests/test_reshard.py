@@ -10,14 +10,14 @@ import torch
 from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
-from kuangchao_core.ckpt.integrity import verify_checkpoint
-from kuangchao_core.ckpt.reader import load_shard, read_manifest
-from kuangchao_core.ckpt.reshard import (
+from kuangchao_core.ckpt.index import (
     load_for_layout,
     load_full_tensors,
     load_optimizer_for_layout,
     param_keys,
 )
+from kuangchao_core.ckpt.integrity import verify_checkpoint
+from kuangchao_core.ckpt.reader import load_shard, read_manifest
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.errors import CheckpointCorrupt
 from kuangchao_core.models.layout import Region, TargetLayout

@@ -187,8 +187,7 @@ def convert(
     fmt: str = typer.Option("kuangchao", "--format", help="kuangchao (re-laid-out checkpoint) or hf (Hugging Face)"),
 ) -> None:
     """Write SRC in another parallel layout, or as a Hugging Face Llama directory (--format hf)."""
-    from kuangchao_core.ckpt.hf import export_hf
-    from kuangchao_core.ckpt.reshard import relayout_checkpoint
+    from kuangchao_core.ckpt.convert import export_hf, relayout_checkpoint
     from kuangchao_core.errors import CheckpointError, ConfigError
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 

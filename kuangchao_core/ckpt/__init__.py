@@ -1,7 +1,9 @@
 """L3 checkpoints: atomic multi-rank safetensors + JSON step directories in run lineages, integrity checks,
 retention, resharding, Hugging Face import/export, S3.
 
-Layout and protocol: ``layout.py``, ``lineage.py`` and ``writer.py``; no pickle anywhere in the format.
+Layout and protocol: ``layout.py``, ``lineage.py`` and ``writer.py``; no pickle anywhere in the format. Reading:
+``reader.py`` (one rank's own shard), ``index.py`` (any layout: which shard holds which slice), ``hf.py`` (Hugging
+Face directories). Conversion: ``convert.py`` (another layout, Hugging Face export).
 
 May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``, ``models``; the guard interface
 ``perm.guard_api``.

@@ -1,25 +1,22 @@
-"""Hugging Face Llama directories: read the slices one rank needs (fine-tuning start), and export a checkpoint.
+"""The Hugging Face Llama format: read the slices one rank needs from an HF directory (fine-tuning start).
 
 - :func:`load_hf_weights_for_layout` reads a local directory holding ``config.json`` and ``model.safetensors``
   (or shards listed in ``model.safetensors.index.json``) and returns, by HF parameter name, only the slices a
   :class:`~kuangchao_core.models.layout.TargetLayout` rank holds, read with ``safe_open(...).get_slice``.
-- :func:`export_hf` writes a Kuangchao checkpoint (any layout) as one ``model.safetensors`` plus ``config.json``
-  that ``transformers.LlamaForCausalLM.from_pretrained`` loads. Safetensors and JSON only, never pickle.
+- :func:`hf_config_dict` is the ``config.json`` that ``transformers.LlamaForCausalLM`` reads for a model config
+  (the export in :mod:`kuangchao_core.ckpt.convert` writes it). Safetensors and JSON only, never pickle.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from kuangchao_core.ckpt.reshard import PARAM, CheckpointIndex
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.models.layout import Region, TargetLayout
 
@@ -119,47 +116,3 @@ def hf_config_dict(cfg: Any) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
     }
-
-
-def model_config_of_checkpoint(manifest: Mapping[str, Any]):
-    """The LlamaConfig a checkpoint was written for, from its manifest (``model_shape``, else ``model``)."""
-    from kuangchao_core.models.llama import LlamaConfig
-
-    shape = manifest.get("model_shape")
-    if isinstance(shape, dict):
-        return LlamaConfig(**shape)
-    if isinstance(manifest.get("model"), dict):
-        return _as_llama_config(manifest["model"])
-    raise CheckpointError("the checkpoint manifest records no model config ('model_shape' or 'model')")
-
-
-def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Write ``out_dir/model.safetensors`` (full fp32 parameters, HF names) and ``out_dir/config.json``.
-
-    Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``.
-    """
-    index = CheckpointIndex.open(step_dir)
-    try:
-        cfg = model_config_of_checkpoint(index.manifest)
-        tensors = {
-            key[len(PARAM) :]: index.read(key).to(torch.float32).contiguous()
-            for key in index.keys()
-            if key.startswith(PARAM)
-        }
-    finally:
-        index.close()
-    from kuangchao_core.models.tp_llama import full_shapes
-
-    expected = full_shapes(cfg)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{step_dir}: parameters missing from the checkpoint: {missing[:5]}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SINGLE_FILE}.tmp"
-    save_file({n: tensors[n] for n in expected}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / SINGLE_FILE)
-    cfg_tmp = out / ".config.json.tmp"
-    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(cfg_tmp, out / "config.json")
-    return out

@@ -4,8 +4,9 @@ May import: ``errors``, ``hal``; the guard interface ``perm.guard_api``.
 """
 
 from kuangchao_core.comm.dispatch import CommHandle
-from kuangchao_core.comm.group import DEFAULT_TIMEOUT_MS, CommGroup, all_groups, init_distributed, world_group
+from kuangchao_core.comm.group import DEFAULT_TIMEOUT_MS, CommGroup, init_distributed, world_group
 from kuangchao_core.comm.primitives import all_gather, all_reduce, broadcast, recv, reduce_scatter, send
+from kuangchao_core.comm.registry import all_groups
 from kuangchao_core.comm.state import check_consistency, dump_groups, write_dump
 from kuangchao_core.comm.timing import COMM_STATS
 

@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from kuangchao_core.comm.registry import all_groups
+
 _PREFIX = "kc_comm_diag"
 
 _BELL_WAIT = timedelta(days=7)
@@ -55,8 +57,6 @@ def _connect(timeout_s: float = 30.0):
 
 def snapshot() -> dict:
     """This process's progress: ``{group name: {"seq": n, "p2p": {peer: n}}}``."""
-    from kuangchao_core.comm.group import all_groups
-
     return {g.name: {"seq": g.seq, "p2p": {str(k): v for k, v in dict(g.p2p).items()}} for g in all_groups()}
 
 

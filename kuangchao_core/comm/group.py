@@ -8,19 +8,17 @@ timeout, and per-rank progress counters (collective sequence number, point-to-po
 from __future__ import annotations
 
 import os
-import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from kuangchao_core.comm import diag, registry
 from kuangchao_core.errors import CommError
 
 DEFAULT_TIMEOUT_MS = 30000
 _BACKENDS = ("auto", "gloo", "nccl")
 
-_lock = threading.Lock()
-_groups: list[CommGroup] = []  # every group this process constructed, in construction order
 _world: CommGroup | None = None
 _world_timeout_ms: int | None = None
 
@@ -123,7 +121,7 @@ class CommGroup:
             raise CommError(f"CommGroup timeout_ms must be positive, got {timeout_ms}")
         chosen = resolve_backend(backend)
         if name is None:
-            name = f"g{len(_groups)}[{','.join(map(str, ranks))}]"
+            name = f"g{registry.count()}[{','.join(map(str, ranks))}]"
         if sorted(ranks) == world.ranks and chosen == world.backend and timeout_ms == world.timeout_ms:
             pg = world.pg
         else:
@@ -152,10 +150,7 @@ class CommGroup:
         self.p2p: dict[int, int] = {}  # point-to-point ops entered with each peer (global rank)
         self.ops: dict[str, int] = {}
         self.broken: str | None = None  # set after a timeout: the group's state is undefined from then on
-        with _lock:
-            _groups.append(self)
-        from kuangchao_core.comm import diag
-
+        registry.register(self)
         diag.ensure_responder()
 
     @property
@@ -169,16 +164,9 @@ class CommGroup:
         )
 
 
-def all_groups() -> list[CommGroup]:
-    """Every group this process constructed, in construction order (the world group first if used)."""
-    with _lock:
-        return list(_groups)
-
-
 def _reset_for_tests() -> None:
     """Forget every group (for a process that re-initialises torch.distributed)."""
     global _world, _world_timeout_ms
-    with _lock:
-        _groups.clear()
+    registry.clear()
     _world = None
     _world_timeout_ms = None

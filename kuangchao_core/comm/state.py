@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from kuangchao_core.comm.group import all_groups
+from kuangchao_core.comm.registry import all_groups
 
 
 def dump_groups() -> list[dict]:

@@ -3,7 +3,7 @@
 Every rank holds one :class:`TrainerCheckpoints`. A checkpoint holds the parameters of the first DP replica and the
 optimizer state as the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync` gives it, each tensor with the
 slice of the full tensor it is, so any layout reads only its own slices back
-(:func:`~kuangchao_core.ckpt.reshard.load_for_layout`). Step directories go into the run's lineage
+(:func:`~kuangchao_core.ckpt.index.load_for_layout`). Step directories go into the run's lineage
 (:mod:`kuangchao_core.ckpt.lineage`), which rank 0 decides and broadcasts.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from kuangchao_core import __version__
+from kuangchao_core.ckpt.index import load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
 from kuangchao_core.ckpt.reader import read_rng, read_state
-from kuangchao_core.ckpt.reshard import load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter

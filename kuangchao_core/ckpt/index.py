@@ -1,4 +1,4 @@
-"""Layout-independent checkpoint loading: assemble full tensors, or read just the slices one rank's layout needs.
+"""The index of a step directory: which shard holds which slice; assemble full tensors or read one layout's slices.
 
 Every shard records, per tensor, which rectangular slice of which full tensor it holds (``kuangchao.slices``;
 the manifest repeats the table under ``"tensors"``): ``{"full_shape", "offsets", "shape"}``. Two kinds of slices
@@ -40,7 +40,7 @@ from safetensors import safe_open
 from kuangchao_core.ckpt.integrity import corrupt, read_manifest
 from kuangchao_core.ckpt.layout import shard_name, task_of_step_dir
 from kuangchao_core.errors import CheckpointError
-from kuangchao_core.models.layout import Region, TargetLayout
+from kuangchao_core.models.layout import Region
 from kuangchao_core.perm import guard_api
 
 __all__ = [
@@ -48,8 +48,8 @@ __all__ = [
     "load_for_layout",
     "load_full_tensors",
     "load_optimizer_for_layout",
+    "model_config_of_checkpoint",
     "param_keys",
-    "relayout_checkpoint",
 ]
 
 PARAM = "param."
@@ -317,88 +317,13 @@ def load_optimizer_for_layout(
     return out
 
 
-# ---------------------------------------------------------------------- offline re-layout
-def relayout_checkpoint(
-    src_step_dir: str | os.PathLike[str],
-    dst_task_dir: str | os.PathLike[str],
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    virtual: int = 1,
-) -> Path:
-    """Write ``src_step_dir`` again under ``dst_task_dir/step_<N>`` laid out for dp x tp x pp (same format).
+def model_config_of_checkpoint(manifest: Mapping[str, Any]):
+    """The LlamaConfig a checkpoint was written for, from its manifest (``model_shape``, else ``model``)."""
+    from kuangchao_core.models.llama import LlamaConfig, config_from_model_section
 
-    Each new rank's shard holds its parameters' slices and their optimizer state cut the same way (DP replicas
-    each hold a copy, ZeRO ranges become unsharded). ``state.json`` is copied (``parallel`` in the manifest is
-    updated, ``zero_stage`` 0); new rank ``r`` gets the RNG file of old rank ``r`` (rank 0's when there is none).
-    The writer's protocol runs with one thread per new rank, so the manifest is written last and the step
-    directory appears atomically. Returns the new step directory.
-    """
-    import threading
-
-    from kuangchao_core.ckpt.hf import model_config_of_checkpoint
-    from kuangchao_core.ckpt.reader import read_rng, read_state
-    from kuangchao_core.ckpt.writer import CheckpointWriter
-    from kuangchao_core.parallel.mesh import coords_of, mesh_layout
-
-    src = Path(src_step_dir)
-    index = CheckpointIndex.open(src)
-    manifest = index.manifest
-    index.close()
-    cfg = model_config_of_checkpoint(manifest)
-    world = mesh_layout(dp, tp, pp).world_size
-    state = read_state(src)
-    step = int(state.get("step", manifest.get("step")))
-    old_world = int(manifest["world_size"])
-    parallel = dict(manifest.get("parallel") or {})
-    parallel.update(
-        data_parallel_size=dp,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        virtual_pipeline_size=virtual,
-        zero_stage=0,
-    )
-    reserved = {"format_version", "step", "kuangchao_version", "torch_version", "created_at", "world_size"}
-    meta = {k: v for k, v in manifest.items() if k not in reserved | {"files", "tensors"}}
-    meta["parallel"] = parallel
-    meta["converted_from"] = {"path": str(src), "world_size": old_world, "parallel": manifest.get("parallel")}
-    dst = Path(dst_task_dir)
-    barrier = threading.Barrier(world, timeout=600)
-    errors: list[BaseException] = []
-
-    def save(rank: int) -> None:
-        try:
-            _dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
-            slices = TargetLayout(tp, pp, tp_rank, pp_rank, virtual).param_slices(cfg)
-            tensors = load_for_layout(src, param_keys(slices))
-            optim = load_optimizer_for_layout(src, slices)
-            tensors.update(optim)
-            spec = {k: r.to_meta() for k, r in param_keys(slices).items()}
-            for key in optim:
-                name = key[len(OPTIM) :].rsplit(".", 1)[0]
-                if tuple(optim[key].shape) == tuple(slices[name].shape) and optim[key].dim():
-                    spec[key] = slices[name].to_meta()
-            writer = CheckpointWriter(dst.parent, dst.name, rank, world, barrier.wait, attempt_id=f"convert-{step}")
-            writer.save(
-                step,
-                tensors,
-                rng_state=read_rng(src, rank if rank < old_world else 0),
-                state=state,
-                meta=meta,
-                slices=spec,
-            )
-        except BaseException as exc:  # reported after join; abort the barrier so peers do not wait forever
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=save, args=(r,), name=f"convert-rank{r}") for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if errors:
-        raise (real or errors)[0]
-    from kuangchao_core.ckpt.layout import step_dir_name
-
-    return dst / step_dir_name(step)
+    shape = manifest.get("model_shape")
+    if isinstance(shape, dict):
+        return LlamaConfig(**shape)
+    if isinstance(manifest.get("model"), dict):
+        return config_from_model_section(manifest["model"])
+    raise CheckpointError("the checkpoint manifest records no model config ('model_shape' or 'model')")
