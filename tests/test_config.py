@@ -472,3 +472,37 @@ def test_warmup_longer_than_the_run_is_accepted_and_never_peaks():
     cfg = config_from_dict({"task": {"name": "w"}, "train": {"steps": 4, "warmup_steps": 10}})
     lrs = [lr_at(s, 1.0, cfg.train.steps, cfg.train.warmup_steps) for s in range(cfg.train.steps)]
     assert lrs == pytest.approx([0.1, 0.2, 0.3, 0.4])  # linear warmup, cut short by the end of the run
+
+
+def test_settings_the_job_does_not_use_are_named_and_defaults_are_quiet(tmp_path):
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+    from kuangchao_core.config.unused import unused_settings
+
+    assert unused_settings(load_config(CONFIGS / "tiny.yaml")) == []
+    assert unused_settings(config_from_dict({"task": {"name": "d"}})) == []  # every default: nothing to say
+    cases = {
+        "checkpoint.endpoint_url": {"checkpoint": {"endpoint_url": "http://127.0.0.1:9000"}},
+        "train.min_lr_ratio": {"train": {"lr_schedule": "constant", "min_lr_ratio": 0.5}},
+        "parallel.pipeline_schedule": {"parallel": {"pipeline_schedule": "afab"}},
+        "data.text_field": {"data": {"text_field": "body"}},
+        "data.synthetic": {"data": {"path": str(tmp_path), "format": "jsonl", "synthetic": {"num_train": 10}}},
+        "permission.token_ttl_seconds": {"permission": {"mode": "trusted", "token_ttl_seconds": 60}},
+        "cluster.mode": {"cluster": {"mode": "dynamic", "registry": "prefect://pool"}},
+        "task.priority": {"task": {"priority": "high"}},
+        "train.dtype": {"train": {"dtype": "bf16"}},
+        "train.warmup_steps": {"train": {"steps": 4, "warmup_steps": 4}},
+    }
+    for path, section in cases.items():
+        raw = {"task": {"name": "u"}, **section}
+        raw["task"] = {"name": "u", **section.get("task", {})}
+        found = dict(unused_settings(config_from_dict(raw)))
+        assert list(found) == [path], (path, found)
+    # the same setting used where it means something: no warning
+    used = {"checkpoint": {"uri": "s3://b/p", "endpoint_url": "http://127.0.0.1:9000"}, "task": {"name": "u"}}
+    assert unused_settings(config_from_dict(used)) == []
+    cfg_file = write(tmp_path, "u.yaml", "task: {name: u}\ncheckpoint: {endpoint_url: 'http://127.0.0.1:9000'}\n")
+    res = CliRunner().invoke(app, ["config", "validate", str(cfg_file)])
+    assert res.exit_code == 0
+    assert f"{cfg_file}: warning: checkpoint.endpoint_url: only used with checkpoint.uri" in res.output

@@ -43,8 +43,15 @@ def validate(
     file: str = typer.Argument(..., help="Job config YAML file."),
     set_: list[str] = typer.Option([], "--set", help=_SET_HELP),
 ) -> None:
-    """Check a config; exit 0 when valid, 2 listing every error as `FILE: dotted.path: message`."""
+    """Check a config; exit 0 when valid, 2 listing every error as `FILE: dotted.path: message`.
+
+    Settings the job would not use are listed as `FILE: warning: dotted.path: reason` (exit stays 0).
+    """
+    from kuangchao_core.config.unused import unused_settings
+
     cfg = _load_or_exit(file, set_)
+    for path, why in unused_settings(cfg):
+        typer.echo(f"{file}: warning: {path}: {why}", err=True)
     typer.echo(f"ok: {file} (world size {cfg.world_size})")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import num_windows, pack_documents, window
 from kuangchao_core.data.synthetic import make_corpus
@@ -14,13 +15,6 @@ from kuangchao_core.errors import DataError
 from kuangchao_core.perm import guard_api
 
 _SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500, "seed": 1234}
-
-
-def _get(section: Any, name: str, default: Any = None) -> Any:
-    if section is None:
-        return default
-    value = section.get(name) if isinstance(section, dict) else getattr(section, name, None)
-    return default if value is None else value
 
 
 class TokenDataset:
@@ -60,8 +54,8 @@ class TokenDataset:
 
 def dataset_name(data_cfg: Any) -> str:
     """The name used in the ``dataset:<name>`` permission resource: ``synthetic`` or the configured path."""
-    path = _get(data_cfg, "path")
-    if path is None or _get(data_cfg, "format", "auto") == "synthetic":
+    path = setting(data_cfg, "path")
+    if path is None or setting(data_cfg, "format", "auto") == "synthetic":
         return "synthetic"
     return str(path)
 
@@ -74,12 +68,12 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     """
     name = dataset_name(data_cfg)
     guard_api.check("dataset_read", f"dataset:{name}")
-    seq_len = int(_get(data_cfg, "seq_len", 0))
-    tokenizer = get_tokenizer(_get(data_cfg, "tokenizer", "byte"), vocab_size)
+    seq_len = int(setting(data_cfg, "seq_len", 0))
+    tokenizer = get_tokenizer(setting(data_cfg, "tokenizer", "byte"), vocab_size)
     corpus = None
     if name == "synthetic":
-        syn = _get(data_cfg, "synthetic")
-        s = {k: _get(syn, k, v) for k, v in _SYNTHETIC_DEFAULTS.items()}
+        syn = setting(data_cfg, "synthetic")
+        s = {k: setting(syn, k, v) for k, v in _SYNTHETIC_DEFAULTS.items()}
         corpus = make_corpus(s["task"], int(s["num_train"]), int(s["num_eval"]), int(s["seed"]), tokenizer)
         docs = corpus.documents(split)
         label = f"synthetic:{s['task']}:{split}"
@@ -87,7 +81,7 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
         if split != "train":
             raise DataError(f"dataset {name!r}: user files have only a 'train' split, not {split!r}")
         docs = read_documents(
-            _get(data_cfg, "path"), _get(data_cfg, "format", "auto"), _get(data_cfg, "text_field", "text")
+            setting(data_cfg, "path"), setting(data_cfg, "format", "auto"), setting(data_cfg, "text_field", "text")
         )
         label = name
     tokens = pack_documents(docs, tokenizer, vocab_size)

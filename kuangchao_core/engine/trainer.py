@@ -20,6 +20,7 @@ import torch
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.comm.timing import COMM_STATS
+from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.evaluation import held_out_loss_for
@@ -131,27 +132,11 @@ class Trainer:
         )
 
     def _warn_unused(self, cfg: Any) -> None:
-        """Settings this job accepts but cannot honour, said once at start (never silently dropped)."""
+        """Settings this job accepts but does not use, said once at start (never silently dropped)."""
         if self.rank != 0:
             return
-        if cfg.train.dtype in ("bf16", "fp16"):
-            log.warning(
-                "train.dtype %s: mixed precision is not implemented yet; this job trains with fp32 parameters and "
-                "fp32 compute (set train.dtype: fp32 to silence this)",
-                cfg.train.dtype,
-            )
-        if cfg.task.priority != "normal":
-            log.warning(
-                "task.priority %s has no effect on this job: placement by priority needs a multi-node cluster",
-                cfg.task.priority,
-            )
-        if cfg.train.warmup_steps >= cfg.train.steps:
-            log.warning(
-                "train.warmup_steps %d >= train.steps %d: the learning rate rises for the whole run and never reaches "
-                "optimizer.lr",
-                cfg.train.warmup_steps,
-                cfg.train.steps,
-            )
+        for path, why in unused_settings(cfg):
+            log.warning("%s: %s", path, why)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:

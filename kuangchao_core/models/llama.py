@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
@@ -102,12 +103,6 @@ PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**shape) for name, shape in
 _FIELDS = [f.name for f in fields(LlamaConfig)]
 
 
-def _section_get(section: Any, name: str) -> Any:
-    if isinstance(section, dict):
-        return section.get(name)
-    return getattr(section, name, None)
-
-
 def config_from_model_section(model_section: Any) -> LlamaConfig:
     """Build a LlamaConfig from the job config's ``model`` section (an object or a dict).
 
@@ -115,8 +110,8 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     else from ``preset``. Raises ConfigError naming every field that stays unset or is inconsistent.
     """
     base: dict[str, Any] = {}
-    checkpoint = _section_get(model_section, "checkpoint")
-    preset = _section_get(model_section, "preset")
+    checkpoint = setting(model_section, "checkpoint")
+    preset = setting(model_section, "preset")
     if checkpoint:
         base = vars(load_hf_llama_config(checkpoint)).copy()
     elif preset:
@@ -125,7 +120,7 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
         base = vars(PRESETS[preset]).copy()
     missing = []
     for name in _FIELDS:
-        value = _section_get(model_section, name)
+        value = setting(model_section, name)
         if value is not None:
             base[name] = value
         elif name not in base:

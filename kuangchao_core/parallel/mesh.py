@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.errors import PlanError
 
 
@@ -152,20 +153,14 @@ class ParallelMesh:
         cls, parallel_cfg: Any, rank: int | None = None, world_size: int | None = None, backend: str | None = None
     ) -> ParallelMesh:
         """Build the mesh from the job config's ``parallel`` section (object or dict)."""
-
-        def get(name: str, default: Any = None) -> Any:
-            if isinstance(parallel_cfg, dict):
-                return parallel_cfg.get(name, default)
-            return getattr(parallel_cfg, name, default)
-
         return cls(
-            int(get("data_parallel_size", 1)),
-            int(get("tensor_parallel_size", 1)),
-            int(get("pipeline_parallel_size", 1)),
+            int(setting(parallel_cfg, "data_parallel_size", 1)),
+            int(setting(parallel_cfg, "tensor_parallel_size", 1)),
+            int(setting(parallel_cfg, "pipeline_parallel_size", 1)),
             rank=rank,
             world_size=world_size,
-            backend=backend or get("backend", "auto"),
-            timeout_ms=int(get("timeout_ms", 300_000)),
+            backend=backend or setting(parallel_cfg, "backend", "auto"),
+            timeout_ms=int(setting(parallel_cfg, "timeout_ms", 300_000)),
         )
 
     @property

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.layout import DEFAULT_REGIONS, dataset_resource_name, group_layout, groups_of_rank
 from kuangchao_core.perm.roles import Policy
@@ -29,10 +30,6 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 #: first tokens live at least this long, so a short ``token_ttl_seconds`` cannot expire during worker start-up;
 #: renewals (``RenewalServer(ttl_s=token_ttl_seconds)``) bring the lifetime down to the configured TTL
 STARTUP_GRACE_S = 120.0
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
 
 
 def job_id_for(cfg: Any, run_dir: str | os.PathLike) -> str:
@@ -49,36 +46,36 @@ def job_id_for(cfg: Any, run_dir: str | os.PathLike) -> str:
 def audit_log_path(cfg: Any, job_id: str) -> Path:
     """Where the job's audit log goes: ``permission.audit_log`` (``{task}``/``{job_id}`` are filled in; a path
     without placeholders is a directory) or ``audit/<task>/<job_id>.jsonl``."""
-    setting = _get(_get(cfg, "permission"), "audit_log")
+    configured = setting(cfg, "permission.audit_log")
     task_name = cfg.task.name
-    if setting and "{" in setting:
-        return Path(setting.format(task=task_name, job_id=job_id))
-    base = Path(setting) if setting else Path(os.environ.get("KC_AUDIT_DIR", "audit"))
+    if configured and "{" in configured:
+        return Path(configured.format(task=task_name, job_id=job_id))
+    base = Path(configured) if configured else Path(os.environ.get("KC_AUDIT_DIR", "audit"))
     return base / task_name / f"{job_id}.jsonl"
 
 
 def authority_for(cfg: Any, run_dir: str | os.PathLike) -> Authority:
     """Open (or create) the run's authority; only the orchestrating process (issue, launch) calls this."""
-    perm = _get(cfg, "permission")
-    ttl = float(_get(perm, "token_ttl_seconds", 3600))
+    perm = setting(cfg, "permission")
+    ttl = float(setting(perm, "token_ttl_seconds", 3600))
     return Authority(Path(run_dir) / "authority", max_ttl_s=max(24 * 3600.0, ttl))
 
 
 def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> dict[str, str]:
     """Issue every module's token for ``attempt`` and return the worker environment (see module docstring)."""
     run_dir = Path(run_dir)
-    perm = _get(cfg, "permission")
+    perm = setting(cfg, "permission")
     policy = Policy.from_config(perm)  # unknown interface or role names fail here, before any token exists
     authority = authority_for(cfg, run_dir)
     job_id = job_id_for(cfg, run_dir)
-    ttl = float(_get(perm, "token_ttl_seconds", 3600))
-    first_ttl = max(ttl, float(_get(perm, "startup_grace_seconds", STARTUP_GRACE_S)))
+    ttl = float(setting(perm, "token_ttl_seconds", 3600))
+    first_ttl = max(ttl, STARTUP_GRACE_S)
     par = cfg.parallel
     dp, tp, pp = int(par.data_parallel_size), int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
     world = dp * tp * pp
     layout = group_layout(dp, tp, pp)
-    nproc = _get(_get(cfg, "cluster"), "nproc_per_node") or world
-    use_cuda = _get(_get(cfg, "train"), "device", "auto") != "cpu"
+    nproc = setting(cfg, "cluster.nproc_per_node") or world
+    use_cuda = setting(cfg, "train.device", "auto") != "cpu"
     task_name = cfg.task.name
     datasets = [f"dataset:{d}" for d in {dataset_resource_name(cfg.data), "synthetic"} if d]
     tok_dir = run_dir / "tokens"
@@ -152,6 +149,6 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
         "KC_JOB_ID": job_id,
         "KC_ATTEMPT": str(int(attempt)),
         "KC_AUDIT_LOG": str(audit.resolve()),
-        "KC_PERMISSION_MODE": str(_get(perm, "mode", "enforcing")),
+        "KC_PERMISSION_MODE": str(setting(perm, "mode", "enforcing")),
         "KC_TOKEN_TTL": str(ttl),
     }

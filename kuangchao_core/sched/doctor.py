@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.sched.launcher import free_port
 
 DEFAULT_AGENT_PORT = int(os.environ.get("KC_DOCTOR_PORT", "29411"))
@@ -99,14 +100,6 @@ class DoctorReport:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _get(obj: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if obj is None:
-            return default
-        obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
-    return default if obj is None else obj
 
 
 def local_versions() -> dict[str, Any]:
@@ -213,7 +206,7 @@ def check_versions() -> Check:
 def check_cuda(cfg: Any = None) -> Check:
     """CUDA/NCCL versions when CUDA is available; fail only when the config needs CUDA and it is absent."""
     v = local_versions()
-    wants_cuda = _get(cfg, "train.device") == "cuda" or _get(cfg, "parallel.backend") == "nccl"
+    wants_cuda = setting(cfg, "train.device") == "cuda" or setting(cfg, "parallel.backend") == "nccl"
     if v["cuda_available"]:
         return Check(
             "cuda",
@@ -294,7 +287,7 @@ def check_gloo(timeout_s: float = 60.0, world_size: int = 2) -> Check:
 
 def configured_nodes(cfg: Any) -> list[str]:
     """Hosts of ``cluster.nodes`` (empty for a local cluster)."""
-    nodes = _get(cfg, "cluster.nodes", []) or []
+    nodes = setting(cfg, "cluster.nodes", []) or []
     hosts = []
     for n in nodes:
         host = n.get("host") if isinstance(n, dict) else getattr(n, "host", None)
@@ -423,15 +416,11 @@ def _probe_s3(uri: str, endpoint: str | None) -> Check:
 
 def check_checkpoint_storage(cfg: Any) -> Check:
     """The configured checkpoint storage (local directory or S3) accepts writes."""
-    uri = _get(cfg, "checkpoint.uri")
+    uri = setting(cfg, "checkpoint.uri")
     if uri and str(uri).startswith("s3://"):
-        endpoint = (
-            _get(cfg, "checkpoint.endpoint_url")
-            or _get(cfg, "checkpoint.endpoint")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        endpoint = setting(cfg, "checkpoint.endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         return _probe_s3(str(uri), endpoint)
-    return _probe_local_dir(Path(str(_get(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
+    return _probe_local_dir(Path(str(setting(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
 
 
 def _http_health(url: str, timeout: float) -> str | None:
@@ -448,7 +437,7 @@ def _http_health(url: str, timeout: float) -> str | None:
 
 def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
     """The MLflow tracking store is reachable (sqlite/file: directory writable; http: ``/health``)."""
-    uri = str(_get(cfg, "tracking.uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    uri = str(setting(cfg, "tracking.uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     fix_dir = "set tracking.uri to a location you can write, e.g. sqlite:///mlflow.db in the working directory"
     if uri.startswith("sqlite:"):
         path = uri.split("sqlite:///", 1)[1] if "sqlite:///" in uri else ""

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.errors import CommError
 from kuangchao_core.sched.launcher import free_port
 
@@ -321,14 +322,7 @@ def cluster_facts(cfg: Any = None) -> dict[str, Any]:
     """What identifies a cluster for the probe cache: hosts, devices, world size, torch version, backend."""
     import torch
 
-    def get(obj, dotted, default=None):
-        for part in dotted.split("."):
-            obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
-            if obj is None:
-                return default
-        return obj
-
-    nodes = get(cfg, "cluster.nodes", []) or []
+    nodes = setting(cfg, "cluster.nodes", []) or []
     hosts = sorted(str(n.get("host") if isinstance(n, dict) else getattr(n, "host", "")) for n in nodes) or [
         socket.gethostname()
     ]
@@ -337,19 +331,19 @@ def cluster_facts(cfg: Any = None) -> dict[str, Any]:
         device = {"kind": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
     else:
         device = {"kind": "cpu", "count": os.cpu_count()}
-    par = get(cfg, "parallel")
+    par = setting(cfg, "parallel")
     world = getattr(par, "world_size", None) if par is not None else None
     if world is None and par is not None:
         world = 1
         for k in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            world *= int(get(par, k, 1) or 1)
+            world *= int(setting(par, k, 1))
     return {
         "hosts": hosts,
         "gpus_per_node": gpus_per_node,
         "device": device,
         "world_size": int(world or 1),
         "torch": torch.__version__,
-        "backend": str(get(cfg, "parallel.backend", "auto")),
+        "backend": str(setting(cfg, "parallel.backend", "auto")),
     }
 
 

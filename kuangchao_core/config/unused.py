@@ -1,0 +1,80 @@
+"""Settings a job accepts but does not use, said once at start (a config key is never silently ignored).
+
+Each entry is ``(dotted path, why)``. Most are settings that only mean something together with another one
+(``checkpoint.endpoint_url`` without ``checkpoint.uri``); a few are not built yet (mixed precision, multi-node
+placement) and say what the job does instead. A setting counts as *given* when the config file or an override
+names it, so defaults never produce a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Warnings = list[tuple[str, str]]
+
+
+def _given(section: Any, name: str) -> bool:
+    return name in getattr(section, "model_fields_set", ())
+
+
+def unused_settings(cfg: Any) -> Warnings:
+    """Every setting of ``cfg`` (a validated JobConfig) this job will not use, with the reason."""
+    out: Warnings = []
+    train, par, data, perm, cluster, ckpt = (
+        cfg.train,
+        cfg.parallel,
+        cfg.data,
+        cfg.permission,
+        cfg.cluster,
+        cfg.checkpoint,
+    )
+    if train.dtype in ("bf16", "fp16"):
+        out.append(
+            (
+                "train.dtype",
+                f"{train.dtype}: mixed precision is not implemented yet; this job trains with fp32 parameters and "
+                "fp32 compute (set train.dtype: fp32 to silence this)",
+            )
+        )
+    if train.lr_schedule == "constant" and _given(train, "min_lr_ratio"):
+        out.append(("train.min_lr_ratio", "only used by lr_schedule cosine; this job's learning rate is constant"))
+    if train.warmup_steps >= train.steps:
+        out.append(
+            (
+                "train.warmup_steps",
+                f"{train.warmup_steps} >= train.steps {train.steps}: the learning rate rises for the whole run and "
+                "never reaches optimizer.lr",
+            )
+        )
+    if cfg.task.priority != "normal":
+        out.append(
+            ("task.priority", f"{cfg.task.priority} has no effect: placement by priority needs a multi-node cluster")
+        )
+    if cluster.mode != "local":
+        what = "cluster.nodes" if cluster.mode == "static" else "cluster.registry"
+        out.append(
+            (
+                "cluster.mode",
+                f"{cluster.mode}: multi-node launch is not built yet; every rank of this job starts on this machine "
+                f"and {what} is not used",
+            )
+        )
+    if par.pipeline_parallel_size == 1 and _given(par, "pipeline_schedule"):
+        out.append(("parallel.pipeline_schedule", "only used with pipeline_parallel_size > 1"))
+    if ckpt.endpoint_url and not ckpt.uri:
+        out.append(
+            ("checkpoint.endpoint_url", "only used with checkpoint.uri (s3://bucket/prefix); nothing is mirrored")
+        )
+    if data.is_synthetic:
+        if _given(data, "text_field"):
+            out.append(("data.text_field", "not used by the synthetic corpus (it has no records with fields)"))
+    else:
+        if _given(data, "synthetic"):
+            out.append(("data.synthetic", f"not used: the job reads {data.path}"))
+        if data.format == "txt" and _given(data, "text_field"):
+            out.append(("data.text_field", "not used for plain-text files (only jsonl and parquet have fields)"))
+    if perm.mode == "trusted":
+        for name in ("token_ttl_seconds", "roles", "allowed_interfaces"):
+            if _given(perm, name):
+                out.append((f"permission.{name}", "not used in permission.mode trusted (no tokens are checked)"))
+    return out
