@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from kuangchao.cli.config_cmd import register
-from kuangchao_core.config.loader import MAX_FILE_BYTES
+from kuangchao_core.config.safe_yaml import MAX_FILE_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

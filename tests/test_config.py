@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kuangchao_core.config import MODEL_PRESETS, ConfigError, JobConfig, config_from_dict, deep_merge, load_config
-from kuangchao_core.config.loader import MAX_EXPANDED_NODES, MAX_FILE_BYTES
+from kuangchao_core.config.safe_yaml import MAX_EXPANDED_NODES, MAX_FILE_BYTES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

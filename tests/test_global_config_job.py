@@ -20,7 +20,7 @@ from kuangchao.cli.main import app
 from kuangchao_core.config import load_config
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.perm import guard_api
-from kuangchao_core.perm.audit import read_records, verify_log
+from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.issuance import audit_log_path, issue_tokens_for_run, job_id_for
 
 ROOT = Path(__file__).resolve().parent.parent

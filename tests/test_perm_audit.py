@@ -8,7 +8,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from kuangchao_core.perm.audit import AuditLog, anchors_path_for, genesis_hash, read_records, record_hash, verify_log
+from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.audit_chain import anchors_path_for, genesis_hash, record_hash
+from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.authority import Authority
 from tests.mp import run_distributed
 

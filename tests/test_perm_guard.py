@@ -12,7 +12,8 @@ from kuangchao_core.config import KNOWN_INTERFACES, config_from_dict
 from kuangchao_core.errors import ConfigError, PermissionDenied
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm import reasons as R
-from kuangchao_core.perm.audit import AuditLog, read_records, verify_log
+from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.guard import TokenGuard
 from kuangchao_core.perm.names import INTERFACES

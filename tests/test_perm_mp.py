@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kuangchao_core.perm import reasons as R
-from kuangchao_core.perm.audit import read_records, verify_log
+from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.layout import DEFAULT_REGIONS, group_layout, groups_of_rank
 from kuangchao_core.perm.runtime import RenewalServer

@@ -260,7 +260,7 @@ def _vocab_body(rank, world_size):
     import torch.nn.functional as F
 
     from kuangchao_core.comm.group import CommGroup
-    from kuangchao_core.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
+    from kuangchao_core.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     group = CommGroup(list(range(world_size)), backend="gloo", name="tp0")
     gen = torch.Generator().manual_seed(11)

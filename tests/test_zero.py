@@ -254,7 +254,7 @@ def test_state_and_gradients_sharded(run):
 
 def test_checkpoint_shards_disjoint_and_cover(run):
     _, _, results = run
-    from kuangchao_core.parallel.zero import merge_shards_to_full
+    from kuangchao_core.parallel.zero_state import merge_shards_to_full
 
     shards = [r["rec"]["shard"] for r in results]
     covered: dict[str, np.ndarray] = {}

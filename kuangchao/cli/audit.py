@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from kuangchao_core.perm.audit import read_records, verify_log
+from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.reasons import phrase
 from kuangchao_core.perm.tokens import TrustStore
 

@@ -3,6 +3,8 @@
 A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a synthetic corpus.
 Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
 with the numbers involved, can be reported at once under its own dotted path.
+
+One file on purpose (a little over 400 lines): it is the config reference, read top to bottom, section by section.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   replicas stay identical. o_proj is row-parallel.
 - MLP: gate/up column-parallel, down row-parallel.
 - Embedding vocab-parallel; lm_head column-parallel with the logits left vocab-split for
-  :func:`~kuangchao_core.parallel.tensor.vocab_parallel_cross_entropy`.
+  :func:`~kuangchao_core.parallel.vocab_parallel.vocab_parallel_cross_entropy`.
 - RMSNorm weights replicated. Each norm that feeds a column-parallel block also carries the block's single
   copy-to-TP-region, so backward does one all-reduce per block (2 per layer forward, 2 backward).
 
@@ -25,11 +25,10 @@ from kuangchao_core.parallel.tensor import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     copy_to_tp_region,
     gather_from_tp_region,
-    vocab_parallel_cross_entropy,
 )
+from kuangchao_core.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 _KEY = "parallel.tensor_parallel_size"
 

@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism (SPEC L3.2): split linear layers, vocabulary-parallel embedding and loss.
+"""Megatron-style tensor parallelism (SPEC L3.2): the TP region functions and the split linear layers.
 
 The four conjugate region functions carry every communication (through :mod:`kuangchao_core.comm.primitives`, so
 they are guarded and timed):
@@ -17,6 +17,8 @@ splits its input features (optional ``scatter`` in, ``reduce`` out). A column la
 all-reduce forward and one backward. When the TP group has one rank every function is the identity and the layers
 behave as plain ``nn.Linear``/``nn.Embedding`` with no communication.
 
+The vocabulary-parallel embedding and cross-entropy are in :mod:`kuangchao_core.parallel.vocab_parallel`.
+
 Weights are always initialised from the FULL tensor (given, or drawn from a seed exactly as a one-process model
 would), and each rank keeps its slice, so a TP run computes what one process computes.
 """
@@ -29,16 +31,17 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import PlanError
-from kuangchao_core.hal.dtypes import at_least_fp32
 
 IGNORE_INDEX = -100
 
 
-def _size(group) -> int:
+def tp_size_of(group) -> int:
+    """Ranks in the TP group (1 for None: no tensor parallelism)."""
     return 1 if group is None else group.size
 
 
-def _rank(group) -> int:
+def tp_rank_of(group) -> int:
+    """This process's rank inside the TP group (0 for None)."""
     return 0 if group is None else group.rank
 
 
@@ -49,12 +52,12 @@ def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    n = _size(group)
+    n = tp_size_of(group)
     if x.shape[-1] % n:
         raise PlanError(
             [("parallel.tensor_parallel_size", f"last dimension {x.shape[-1]} is not divisible by TP size {n}")]
         )
-    return x.chunk(n, dim=-1)[_rank(group)].contiguous()
+    return x.chunk(n, dim=-1)[tp_rank_of(group)].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -106,22 +109,22 @@ class _ScatterToTP(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (entry of a column-parallel region)."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if tp_size_of(group) == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward (exit of a row-parallel region)."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if tp_size_of(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the last dimension forward; keep this rank's slice of the gradient backward."""
-    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)
+    return x if tp_size_of(group) == 1 else _GatherFromTP.apply(x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+    return x if tp_size_of(group) == 1 else _ScatterToTP.apply(x, group)
 
 
 def divide(n: int, parts: int, what: str) -> int:
@@ -138,7 +141,7 @@ def divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
-def _local_weight(
+def local_slice_weight(
     full_shape: tuple[int, ...],
     dim: int,
     start: int,
@@ -189,17 +192,17 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group = group
-        self.tp = _size(group)
+        self.tp = tp_size_of(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.copy_input = copy_input
         if row_slice is None:
             local = divide(out_features, self.tp, "output features")
-            row_slice = (_rank(group) * local, local)
+            row_slice = (tp_rank_of(group) * local, local)
         self.row_slice = row_slice
         start, length = row_slice
         self.weight = nn.Parameter(
-            _local_weight((out_features, in_features), 0, start, length, weight, seed, dtype, device)
+            local_slice_weight((out_features, in_features), 0, start, length, weight, seed, dtype, device)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,13 +241,13 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group = group
-        self.tp = _size(group)
+        self.tp = tp_size_of(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         local = divide(in_features, self.tp, "input features")
-        self.col_slice = (_rank(group) * local, local)
+        self.col_slice = (tp_rank_of(group) * local, local)
         self.weight = nn.Parameter(
-            _local_weight((out_features, in_features), 1, self.col_slice[0], local, weight, seed, dtype, device)
+            local_slice_weight((out_features, in_features), 1, self.col_slice[0], local, weight, seed, dtype, device)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,113 +263,6 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp}, cols={self.col_slice}"
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary rows split: each rank looks up the ids it owns, zeros the rest, and an
-    all-reduce sums the partial embeddings."""
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        group,
-        weight: torch.Tensor | None = None,
-        seed: int | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp = _size(group)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        local = divide(num_embeddings, self.tp, "vocab_size")
-        self.vocab_start = _rank(group) * local
-        self.vocab_end = self.vocab_start + local
-        self.weight = nn.Parameter(
-            _local_weight((num_embeddings, embedding_dim), 0, self.vocab_start, local, weight, seed, dtype, device)
-        )
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.group)
-
-    def shard_spec(self, name: str = "weight") -> tuple[int, int, int] | None:
-        """(split dim, start, length) of this rank's slice of the full tensor, or None if not split."""
-        if self.tp == 1:
-            return None
-        return (0, self.vocab_start, self.vocab_end - self.vocab_start)
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy of vocabulary-split logits (Megatron's recipe): all-reduce the max, then one
-    all-reduce of [sum of exp, target logit]; backward is softmax minus one-hot, with no communication."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start):
-        logits = at_least_fp32(logits)
-        n_local = logits.shape[-1]
-        row_max = logits.max(dim=-1).values
-        comm.all_reduce(row_max, group=group, op="max")
-        shifted = logits - row_max.unsqueeze(-1)
-        in_range = (labels >= vocab_start) & (labels < vocab_start + n_local)
-        local_target = (labels - vocab_start).masked_fill(~in_range, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp = shifted.exp_()
-        stats = torch.stack((exp.sum(dim=-1), target_logit))
-        comm.all_reduce(stats, group=group)
-        sum_exp, target_logit = stats[0], stats[1]
-        loss = sum_exp.log() - target_logit
-        ignored = labels == IGNORE_INDEX
-        loss = loss.masked_fill(ignored, 0.0)
-        exp.div_(sum_exp.unsqueeze(-1))  # now the local softmax
-        ctx.save_for_backward(exp, local_target, in_range & ~ignored, ignored)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target, hit, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        flat = grad.view(-1, grad.shape[-1])
-        rows = torch.arange(flat.shape[0], device=flat.device)
-        flat[rows, local_target.view(-1)] -= hit.view(-1).to(grad.dtype)
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, group, reduction: str = "mean", ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Cross-entropy of vocabulary-split ``logits`` (..., vocab/tp) against full-vocabulary ``labels`` (...).
-
-    Rank r holds vocabulary entries [r*V/tp, (r+1)*V/tp). Tokens labelled ``ignore_index`` count for nothing;
-    ``mean`` divides by the number of counted tokens (the same value as full cross-entropy in fp32), ``sum``
-    returns the total, ``none`` the per-token losses.
-    """
-    if ignore_index != IGNORE_INDEX:
-        labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
-    if _size(group) == 1:
-        per_token = F.cross_entropy(
-            at_least_fp32(logits.reshape(-1, logits.shape[-1])),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
-    else:
-        vocab_start = _rank(group) * logits.shape[-1]
-        per_token = _VocabParallelCE.apply(logits, labels, group, vocab_start)
-    if reduction == "none":
-        return per_token
-    total = per_token.sum()
-    if reduction == "sum":
-        return total
-    if reduction != "mean":
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 class _ReplicatedColumnLinear(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """ZeRO optimizer-state sharding across the data-parallel group (SPEC L3.5), AdamW in fp32 (fp64 for fp64 models).
 
-Layout. Trainable parameters are laid out in *reverse registration order* (roughly the order backward produces
+Layout (planned in :mod:`kuangchao_core.parallel.zero_layout`). Trainable parameters are laid out in *reverse registration order* (roughly the order backward produces
 their gradients) and cut into buckets of at most ``bucket_cap_mb``. Each bucket is padded to a multiple of the DP
 size ``N``; bucket ``b`` is split into ``N`` equal chunks and DP rank ``r`` owns chunk ``r`` of every bucket. All
 buckets live in one contiguous buffer of the master dtype (fp32, or fp64 when every parameter is fp64) and every
@@ -29,71 +29,29 @@ Typical step::
     opt.step()
     opt.zero_grad()
 
-Checkpoints: :meth:`state_dict_for_checkpoint` gives this rank's pieces (``optim.<name>.exp_avg`` …, each a 1-D range
-of the flattened parameter, with writer slice metadata); :meth:`full_state_dict` (collective) gives the unsharded
-state in :func:`kuangchao_core.parallel.optim_state.flatten_optimizer_state` format; :meth:`load_full_state` and
-:meth:`load_sharded_states` rebuild this rank's shard from either. :func:`merge_shards_to_full` works offline.
+Checkpoints of the sharded state (this rank's pieces, the gathered full state, loading either, offline merge) are
+in :mod:`kuangchao_core.parallel.zero_state`; the optimizer's methods of the same names call it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kuangchao_core.errors import CheckpointError, KuangchaoError
+from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.parallel import zero_state
+from kuangchao_core.parallel.zero_layout import Slot, named_trainable, pieces_of, plan_buckets
 
 _MB = 1024 * 1024
-_STATE_KEYS = ("exp_avg", "exp_avg_sq")
-ZERO_META_FORMAT = 1
 
 
 def _comm():
     from kuangchao_core.comm import primitives
 
     return primitives
-
-
-@dataclass
-class _Slot:
-    name: str
-    param: torch.nn.Parameter
-    bucket: int
-    offset: int  # start inside the bucket
-    numel: int
-    index: int  # position inside the bucket's slot list
-
-
-@dataclass
-class _Bucket:
-    start: int  # start inside the flat buffer
-    size: int  # padded size (multiple of N)
-    slots: list[_Slot]
-    chunk: int  # size // N; DP rank r owns [r * chunk, (r + 1) * chunk) of the bucket
-
-
-def _named(params) -> list[tuple[str, torch.nn.Parameter]]:
-    items = list(params)
-    if not items:
-        raise KuangchaoError("ZeroOptimizer: got no parameters; pass model.parameters() or model.named_parameters()")
-    if isinstance(items[0], tuple):
-        named = [(str(n), p) for n, p in items]
-    else:
-        named = [(f"param_{i}", p) for i, p in enumerate(items)]
-    seen: set[int] = set()
-    out = []
-    for n, p in named:
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        out.append((n, p))
-    if not out:
-        raise KuangchaoError("ZeroOptimizer: none of the given parameters requires a gradient; nothing to optimize")
-    return out
 
 
 class ZeroOptimizer:
@@ -133,7 +91,7 @@ class ZeroOptimizer:
         self.stage = stage
         self.size = dp_group.size
         self.rank = dp_group.rank
-        self._named = _named(params)
+        self._named = named_trainable(params)
         devices = {p.device for _, p in self._named}
         if len(devices) != 1:
             raise KuangchaoError(f"ZeroOptimizer: parameters live on several devices {sorted(map(str, devices))}")
@@ -164,38 +122,13 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ layout
     def _build_layout(self, bucket_cap_mb: float) -> None:
         cap = max(1, int(bucket_cap_mb * _MB) // self._item)
-        self.buckets: list[_Bucket] = []
-        self._slots: list[_Slot] = []
-        current: list[tuple[str, torch.nn.Parameter]] = []
-        count = 0
-        groups = []
-        for name, p in reversed(self._named):
-            if current and count + p.numel() > cap:
-                groups.append(current)
-                current, count = [], 0
-            current.append((name, p))
-            count += p.numel()
-        groups.append(current)
-        start = 0
-        for params in groups:
-            total = sum(p.numel() for _, p in params)
-            padded = math.ceil(total / self.size) * self.size
-            bucket = _Bucket(start=start, size=padded, slots=[], chunk=padded // self.size)
-            off = 0
-            for name, p in params:
-                slot = _Slot(
-                    name=name, param=p, bucket=len(self.buckets), offset=off, numel=p.numel(), index=len(bucket.slots)
-                )
-                bucket.slots.append(slot)
-                self._slots.append(slot)
-                off += p.numel()
-            self.buckets.append(bucket)
-            start += padded
+        self.buckets, self._slots = plan_buckets(self._named, cap, self.size)
+        start = sum(b.size for b in self.buckets)
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
         self.flat_params = torch.zeros(start, dtype=self.dtype, device=self.device)
-        self._copy_back: list[_Slot] = []
+        self._copy_back: list[Slot] = []
         with torch.no_grad():
             for b in self.buckets:
                 for s in b.slots:
@@ -233,18 +166,8 @@ class ZeroOptimizer:
             shard_off += bk.chunk
         return out
 
-    def _pieces(self, rank: int | None = None) -> list[tuple[_Slot, int, int, int]]:
-        """``(slot, lo, hi, chunk_off)`` for every parameter range ``[lo, hi)`` that DP rank ``rank`` owns;
-        ``chunk_off`` is where it starts inside that rank's chunk of the bucket."""
-        r = self.rank if rank is None else rank
-        out = []
-        for bk in self.buckets:
-            c_lo, c_hi = r * bk.chunk, (r + 1) * bk.chunk
-            for s in bk.slots:
-                lo, hi = max(s.offset, c_lo), min(s.offset + s.numel, c_hi)
-                if lo < hi:
-                    out.append((s, lo - s.offset, hi - s.offset, lo - c_lo))
-        return out
+    def _pieces(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
+        return pieces_of(self.buckets, self.rank if rank is None else rank)
 
     # ------------------------------------------------------------------ torch.optim-like surface
     @property
@@ -379,7 +302,7 @@ class ZeroOptimizer:
         self._take_gradient(b, i, slot)
         self._launch_in_order()
 
-    def _take_gradient(self, b: int, i: int, s: _Slot) -> None:
+    def _take_gradient(self, b: int, i: int, s: Slot) -> None:
         bk = self.buckets[b]
         if self._bucket_bufs[b] is None:
             self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
@@ -416,167 +339,66 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ memory
     def memory_report(self) -> dict[str, Any]:
-        """Bytes per rank held for parameters, gradients and AdamW state: measured tensors and the formulas.
+        """Bytes per rank for parameters, gradients and AdamW state: :func:`~kuangchao_core.parallel.zero_state.memory_report`."""
+        return zero_state.memory_report(self)
 
-        Formulas (b = 4 bytes per element in fp32, 8 in fp64; Ψ trainable elements, N = DP size): params bΨ, grads bΨ
-        (stage 1) or bΨ/N (stage 2), Adam ``exp_avg`` + ``exp_avg_sq`` 2bΨ/N. Measured sizes include the padding of
-        each bucket to a multiple of N.
-        """
-        psi, n, b = self.numel, self.size, self._item
-        params = self.flat_params.numel() * b + sum(s.param.numel() * s.param.element_size() for s in self._copy_back)
-        if self.stage == 1:
-            grads = self.flat_grads.numel() * b
-        else:
-            grads = self.grad_shard.numel() * b + sum(x.numel() * b for x in self._bucket_bufs if x is not None)
-            grads += sum(
-                s.param.grad.numel() * s.param.grad.element_size() for s in self._slots if s.param.grad is not None
-            )
-        optim = 0
-        optim_elems = 0
-        for st in self.optimizer.state.values():
-            for k in _STATE_KEYS:
-                if k in st:
-                    optim += st[k].numel() * st[k].element_size()
-                    optim_elems += st[k].numel()
-        return {
-            "stage": self.stage,
-            "dp_size": n,
-            "numel": psi,
-            "padded_numel": self.padded_numel,
-            "num_buckets": len(self.buckets),
-            "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
-            "formula": {
-                "params": b * psi,
-                "grads": b * psi if self.stage == 1 else b * psi / n,
-                "optimizer_state": 2 * b * psi / n,
-                "total": b * psi + (b * psi if self.stage == 1 else b * psi / n) + 2 * b * psi / n,
-            },
-            "optimizer_state_elements": optim_elems,
-            "peak_transient_grad_bytes": self.peak_transient_grad_bytes,
-        }
+    @property
+    def item_bytes(self) -> int:
+        """Bytes per element of the master dtype (4 in fp32, 8 in fp64)."""
+        return self._item
+
+    def copied_back_params(self) -> list[Any]:
+        """Slots of parameters in another dtype than the master buffer (copied back after each step)."""
+        return list(self._copy_back)
+
+    def transient_grad_buffers(self) -> list[torch.Tensor]:
+        """Stage 2's bucket buffers alive now (filled by backward, freed after their reduce-scatter)."""
+        return [x for x in self._bucket_bufs if x is not None]
 
     # ------------------------------------------------------------------ checkpoints
-    def _hyper(self) -> dict[str, Any]:
+    def hyperparameters(self) -> dict[str, Any]:
+        """AdamW's settings (lr, betas, eps, weight_decay …) as the wrapped optimizer holds them."""
         g = self.optimizer.param_groups[0]
         return {k: v for k, v in g.items() if k != "params"}
 
-    def _step_count(self) -> float:
+    def step_count(self) -> float:
+        """Optimizer steps taken (AdamW's ``step``), 0 before the first."""
         for st in self.optimizer.state.values():
             if "step" in st:
                 return float(st["step"])
         return 0.0
 
-    def state_dict_for_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
-        """``(tensors, slices, meta)`` for this rank's shard of the optimizer state.
+    @property
+    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The optimised parameters with their names, in registration order."""
+        return list(self._named)
 
-        ``tensors``: ``optim.<name>.exp_avg`` / ``.exp_avg_sq``, each a 1-D range of the *flattened* parameter;
-        ``slices``: per tensor the writer's slice metadata (``full_shape`` = [numel], ``offsets`` = [start]);
-        ``meta``: JSON with the step, hyperparameters, stage, DP size/rank and every parameter's shape. Pass
-        ``slices`` to ``CheckpointWriter.save(..., slices=...)`` and keep ``meta`` in the manifest extras.
-        """
-        tensors: dict[str, torch.Tensor] = {}
-        slices: dict[str, dict[str, Any]] = {}
-        states = [self.optimizer.state.get(sp) for sp in self._shard_params]
-        if any(states):
-            for s, lo, hi, coff in self._pieces():
-                st = states[s.bucket]
-                for k in _STATE_KEYS:
-                    key = f"optim.{s.name}.{k}"
-                    tensors[key] = st[k][coff : coff + hi - lo].detach().clone()
-                    slices[key] = {"full_shape": [s.numel], "offsets": [lo], "shape": [hi - lo]}
-        hyper = self._hyper()
-        meta = {
-            "format": ZERO_META_FORMAT,
-            "optimizer": "AdamW",
-            "zero_stage": self.stage,
-            "dp_size": self.size,
-            "dp_rank": self.rank,
-            "step": self._step_count(),
-            "hyper": {k: (list(v) if isinstance(v, tuple) else v) for k, v in hyper.items() if _jsonable(v)},
-            "param_shapes": {s.name: list(s.param.shape) for s in self._slots},
-            "param_order": self.parameter_names(),
-        }
-        return tensors, slices, meta
+    @property
+    def shard_params(self) -> list[torch.Tensor]:
+        """This rank's chunk of every bucket: the parameters the wrapped AdamW steps."""
+        return self._shard_params
+
+    def shard_states(self) -> list[dict[str, torch.Tensor] | None]:
+        """AdamW state of this rank's chunk of every bucket (None for a bucket never stepped)."""
+        return [self.optimizer.state.get(sp) for sp in self._shard_params]
+
+    def state_dict_for_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
+        """This rank's shard of the optimizer state: :func:`~kuangchao_core.parallel.zero_state.sharded_state`."""
+        return zero_state.sharded_state(self)
 
     def full_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Collective over the DP group: the unsharded state as ``flatten_optimizer_state`` of a plain AdamW.
-
-        The result loads into ``torch.optim.AdamW(model.parameters(), foreach=False)`` with
-        ``kuangchao_core.parallel.optim_state.load_optimizer_state`` (names as given to this optimizer).
-        """
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        states = [self.optimizer.state.get(sp) for sp in self._shard_params]
-        if any(states):
-            comm = _comm()
-            for b, bk in enumerate(self.buckets):
-                for k in _STATE_KEYS:
-                    mine = states[b][k].detach().clone()
-                    if self.size > 1:
-                        parts = comm.all_gather(None, mine, group=self.group)
-                        whole = torch.cat(parts)
-                    else:
-                        whole = mine
-                    for s in bk.slots:
-                        full.setdefault(s.name, {})[k] = whole[s.offset : s.offset + s.numel].view_as(s.param).clone()
-        return _as_flat_adamw(full, self._step_count(), self._hyper(), self._named)
+        """Collective over the DP group: :func:`~kuangchao_core.parallel.zero_state.gather_full_state`."""
+        return zero_state.gather_full_state(self)
 
     def load_full_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        """Keep this rank's ranges of an unsharded AdamW state (``flatten_optimizer_state`` format).
-
-        Parameters without state in the checkpoint (never stepped) reset the whole optimizer to fresh.
-        """
-        if meta.get("optimizer") != "AdamW":
-            raise CheckpointError(
-                f"ZeroOptimizer can load AdamW state only; the checkpoint holds {meta.get('optimizer')!r} state"
-            )
-        groups = meta.get("param_groups") or []
-        if len(groups) != 1:
-            raise CheckpointError(f"ZeroOptimizer expects one optimizer param group, the checkpoint has {len(groups)}")
-        names = set(groups[0].get("param_names", []))
-        mine = set(self.parameter_names())
-        if names != mine:
-            raise CheckpointError(
-                f"optimizer checkpoint parameters differ: only in checkpoint {sorted(names - mine)[:3]}, "
-                f"only in the model {sorted(mine - names)[:3]}"
-            )
-        for k in ("lr", "eps", "weight_decay", "betas"):
-            if k in groups[0]:
-                v = groups[0][k]
-                self.optimizer.param_groups[0][k] = tuple(v) if isinstance(v, list) else v
-        state_keys = meta.get("state_keys", {})
-        self.optimizer.state.clear()
-        if not state_keys:
-            return
-        missing = sorted(mine - set(state_keys))
-        if missing:
-            raise CheckpointError(f"optimizer checkpoint has no state for {missing[:3]}; it cannot seed ZeRO shards")
-        first = next(iter(sorted(state_keys)))
-        step_t = tensors.get(f"optim.{first}.step")
-        step = float(step_t) if step_t is not None else float(meta.get("state_scalars", {}).get(first, {}).get("step"))
-        new = [
-            {
-                "step": torch.tensor(step, dtype=torch.float32),
-                **{k: torch.zeros(bk.chunk, dtype=self.dtype, device=self.device) for k in _STATE_KEYS},
-            }
-            for bk in self.buckets
-        ]
-        for s, lo, hi, coff in self._pieces():
-            for k in _STATE_KEYS:
-                key = f"optim.{s.name}.{k}"
-                if key not in tensors:
-                    raise CheckpointError(f"optimizer state tensor {key} is missing from the checkpoint")
-                src = tensors[key].reshape(-1)
-                if src.numel() != s.numel:
-                    raise CheckpointError(f"{key} has {src.numel()} elements, the parameter has {s.numel}")
-                new[s.bucket][k][coff : coff + hi - lo].copy_(src[lo:hi])
-        for sp, st in zip(self._shard_params, new, strict=True):
-            self.optimizer.state[sp] = st
+        """Keep this rank's ranges of an unsharded AdamW state: :func:`~kuangchao_core.parallel.zero_state.load_full_state`."""
+        zero_state.load_full_state(self, tensors, meta)
 
     def load_sharded_states(
         self, shards: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Mapping[str, Any]], Mapping[str, Any]]]
     ) -> None:
         """Rebuild this rank's shard from every rank's :meth:`state_dict_for_checkpoint` of any DP size/stage."""
-        tensors, meta = merge_shards_to_full(shards)
+        tensors, meta = zero_state.merge_shards_to_full(shards)
         self.load_full_state(tensors, meta)
 
 
@@ -584,78 +406,3 @@ def _master_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """fp64 when every parameter is fp64, else fp32 (the master dtype of fp32 and half-precision parameters)."""
     found = set(dtypes)
     return torch.float64 if found == {torch.float64} else torch.float32
-
-
-def _jsonable(v: Any) -> bool:
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return True
-    return isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)
-
-
-def _as_flat_adamw(
-    full: Mapping[str, Mapping[str, torch.Tensor]],
-    step: float,
-    hyper: Mapping[str, Any],
-    named: Sequence[tuple[str, Any]],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Express per-parameter AdamW state as ``flatten_optimizer_state`` output of an equivalent plain AdamW."""
-    from kuangchao_core.parallel.optim_state import flatten_optimizer_state
-
-    shapes = [(n, list(p.shape) if hasattr(p, "shape") else list(p)) for n, p in named]
-    placeholders = [torch.empty(shape, device="meta", requires_grad=True) for _, shape in shapes]
-    keep = {k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper}
-    betas = keep.get("betas")
-    if isinstance(betas, list):
-        keep["betas"] = tuple(betas)
-    opt = torch.optim.AdamW(placeholders, foreach=False, **keep)
-    for k, v in hyper.items():
-        if k in opt.param_groups[0] and k not in keep and k != "params":
-            opt.param_groups[0][k] = tuple(v) if isinstance(v, list) else v
-    if full:
-        for (name, _), ph in zip(shapes, placeholders, strict=True):
-            opt.state[ph] = {"step": torch.tensor(float(step), dtype=torch.float32), **full[name]}
-    return flatten_optimizer_state(opt, [n for n, _ in shapes])
-
-
-def merge_shards_to_full(
-    shards: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Mapping[str, Any]], Mapping[str, Any]]],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Offline: join every rank's ``(tensors, slices, meta)`` into one unsharded AdamW state.
-
-    Returns ``flatten_optimizer_state``-format ``(tensors, meta)``; every element of every parameter must be
-    covered by some shard (a missing rank is reported).
-    """
-    if not shards:
-        raise CheckpointError("merge_shards_to_full: no shards given")
-    meta0 = shards[0][2]
-    if meta0.get("format") != ZERO_META_FORMAT:
-        raise CheckpointError(f"ZeRO shard meta has format {meta0.get('format')!r}, expected {ZERO_META_FORMAT}")
-    shapes = {n: list(s) for n, s in meta0["param_shapes"].items()}
-    order = list(meta0.get("param_order", shapes))
-    has_state = any(t for t, _, _ in shards)
-    dtype = next((v.dtype for t, _, _ in shards for v in t.values()), torch.float32)
-    full: dict[str, dict[str, torch.Tensor]] = {}
-    if has_state:
-        covered: dict[str, torch.Tensor] = {}
-        for name in order:
-            numel = math.prod(shapes[name])
-            full[name] = {k: torch.zeros(numel, dtype=dtype) for k in _STATE_KEYS}
-            covered[name] = torch.zeros(numel, dtype=torch.bool)
-        for tensors, slices, _ in shards:
-            for key, t in tensors.items():
-                name, k = key.removeprefix("optim.").rsplit(".", 1)
-                sl = slices[key]
-                lo = int(sl["offsets"][0])
-                full[name][k][lo : lo + t.numel()].copy_(t.reshape(-1))
-                if k == _STATE_KEYS[0]:
-                    covered[name][lo : lo + t.numel()] = True
-        holes = [n for n, c in covered.items() if not bool(c.all())]
-        if holes:
-            raise CheckpointError(
-                f"ZeRO shards do not cover {len(holes)} parameters (first {holes[0]}); "
-                f"got {len(shards)} shards of dp_size {meta0.get('dp_size')}: pass every rank's shard"
-            )
-        for name in order:
-            for k in _STATE_KEYS:
-                full[name][k] = full[name][k].view(shapes[name])
-    return _as_flat_adamw(full, float(meta0.get("step", 0.0)), meta0.get("hyper", {}), [(n, shapes[n]) for n in order])

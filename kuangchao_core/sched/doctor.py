@@ -22,177 +22,31 @@ Each check gives ``name``, ``ok``, ``detail`` and, when it fails, a ``fix``. The
 
 from __future__ import annotations
 
+# The result types, the version agent and the service probes live in doctor_report, version_agent and
+# service_checks; they are imported here so that ``kc doctor`` and its tests reach every check through one module.
 import json
 import os
-import platform
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.sched.doctor_report import Check, DoctorReport
 from kuangchao_core.sched.launcher import free_port
-
-DEFAULT_AGENT_PORT = int(os.environ.get("KC_DOCTOR_PORT", "29411"))
-CONNECT_TIMEOUT_S = 3.0
-LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
-
-
-@dataclass
-class Check:
-    """One doctor check: ``fix`` says what to do when ``ok`` is false."""
-
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-
-
-@dataclass
-class DoctorReport:
-    """All checks of one doctor run."""
-
-    checks: list[Check] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """True when every check passed."""
-        return all(c.ok for c in self.checks)
-
-    @property
-    def failed(self) -> list[Check]:
-        """The checks that failed."""
-        return [c for c in self.checks if not c.ok]
-
-    def check(self, name: str) -> Check:
-        """The check called ``name``."""
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"ok": self.ok, "elapsed_s": round(self.elapsed_s, 3), "checks": [asdict(c) for c in self.checks]}
-
-    def to_markdown(self) -> str:
-        """Markdown table (for a Prefect artifact)."""
-        lines = [
-            f"# kc doctor: {'all checks passed' if self.ok else f'{len(self.failed)} check(s) FAILED'}",
-            "",
-            "| check | result | detail | fix |",
-            "|---|---|---|---|",
-        ]
-        for c in self.checks:
-            cells = [c.name, "ok" if c.ok else "**FAIL**", c.detail, c.fix if not c.ok else ""]
-            lines.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
-        return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-
-
-def local_versions() -> dict[str, Any]:
-    """Versions of this machine's Python, torch, CUDA, cuDNN and NCCL (None where absent)."""
-    import torch
-
-    out: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cuda_available": False,
-        "nccl": None,
-        "cudnn": None,
-        "gpus": 0,
-    }
-    try:
-        if torch.cuda.is_available():
-            out["cuda_available"] = True
-            out["gpus"] = torch.cuda.device_count()
-            out["gpu_name"] = torch.cuda.get_device_name(0)
-            out["cudnn"] = torch.backends.cudnn.version()
-            nccl = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    except Exception as exc:  # a broken driver must not crash the doctor
-        out["cuda_error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def _is_local(host: str) -> bool:
-    return host in LOCAL_HOSTS or host in {socket.gethostname(), socket.getfqdn()}
-
-
-def _split_host(spec: str) -> tuple[str, int]:
-    if spec.count(":") == 1:
-        host, port = spec.split(":")
-        return host, int(port)
-    return spec, DEFAULT_AGENT_PORT
-
-
-def _tcp_connect(host: str, port: int, timeout: float) -> str | None:
-    """None when a TCP connection succeeds, else the reason it did not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def query_agent(host: str, port: int, timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
-    """Ask the doctor agent on ``host:port`` for its versions (raises ``OSError`` or ``ValueError``)."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > 65536:
-                raise ValueError("agent answer too long")
-    return json.loads(buf.decode("utf-8"))
-
-
-def serve_versions(
-    host: str = "0.0.0.0", port: int = DEFAULT_AGENT_PORT, versions: dict | None = None, ready: Any = None
-) -> socket.socket:
-    """Doctor agent: answer every TCP connection with one JSON line of this node's versions; runs until closed.
-
-    ``ready`` (a ``threading.Event``-like object with ``set``) is set once listening; the socket is returned when
-    the server stops (closing it from another thread stops the loop).
-    """
-    info = dict(versions or local_versions())
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
-    srv.listen(16)
-    if ready is not None:
-        ready.port = srv.getsockname()[1]
-        ready.sock = srv
-        ready.set()
-    payload = (json.dumps(info) + "\n").encode()
-    while True:
-        try:
-            conn, _ = srv.accept()
-        except OSError:
-            return srv
-        with conn:
-            try:
-                conn.sendall(payload)
-            except OSError:
-                pass
-
+from kuangchao_core.sched.service_checks import check_checkpoint_storage, check_mlflow, check_prefect
+from kuangchao_core.sched.version_agent import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_AGENT_PORT,
+    is_local,
+    local_versions,
+    query_agent,
+    serve_versions,
+    split_host,
+    tcp_connect,
+)
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -303,14 +157,14 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
     reports: dict[str, dict] = {}
     checks: list[Check] = []
     unreachable: list[str] = []
-    remote = [h for h in configured_nodes(cfg) if not _is_local(_split_host(h)[0])]
+    remote = [h for h in configured_nodes(cfg) if not is_local(split_host(h)[0])]
     for spec in configured_nodes(cfg):
-        host, port = _split_host(spec)
-        if _is_local(host):
+        host, port = split_host(spec)
+        if is_local(host):
             reports[spec] = mine
             checks.append(Check(f"node:{spec}", True, "this machine"))
             continue
-        err = _tcp_connect(host, port, timeout)
+        err = tcp_connect(host, port, timeout)
         if err is not None:
             unreachable.append(spec)
             checks.append(
@@ -338,7 +192,7 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
             )
     if not remote:
         return checks, Check("version_agreement", True, "local cluster: nothing to compare")
-    if not any(_is_local(_split_host(h)[0]) for h in reports):  # the launching machine counts too
+    if not any(is_local(split_host(h)[0]) for h in reports):  # the launching machine counts too
         reports["(this machine)"] = mine
     differ = {}
     for k in keys:
@@ -356,141 +210,6 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
         )
     agreed = ", ".join(f"{k} {mine.get(k)}" for k in keys)
     return checks, Check("version_agreement", True, f"{len(reports)} nodes agree: {agreed}{skipped}")
-
-
-def _probe_local_dir(path: Path) -> Check:
-    created: list[Path] = []
-    try:
-        missing = path
-        while not missing.exists() and missing.parent != missing:
-            created.append(missing)
-            missing = missing.parent
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".kc-doctor-{uuid.uuid4().hex}"
-        with open(probe, "wb") as f:
-            f.write(b"kc doctor probe\n")
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-        for d in created:  # leave the tree as it was; the job creates its directories itself
-            d.rmdir()
-        return Check("checkpoint_storage", True, f"{path} writable (write+fsync+delete)")
-    except OSError as exc:
-        return Check(
-            "checkpoint_storage",
-            False,
-            f"cannot write to checkpoint dir {path}: {type(exc).__name__}: {exc}",
-            "set checkpoint.dir to a writable directory (shared by all nodes for multi-node jobs), "
-            "or fix its permissions / free space",
-        )
-
-
-def _probe_s3(uri: str, endpoint: str | None) -> Check:
-    import boto3
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    rest = uri[len("s3://") :]
-    bucket, _, prefix = rest.partition("/")
-    where = f"{uri}" + (f" at {endpoint}" if endpoint else "")
-    try:
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            config=Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=10, retries={"max_attempts": 1}),
-        )
-        s3.head_bucket(Bucket=bucket)
-        key = f"{prefix.rstrip('/') + '/' if prefix else ''}.kc-doctor-{uuid.uuid4().hex}"
-        s3.put_object(Bucket=bucket, Key=key, Body=b"kc doctor probe\n")
-        s3.delete_object(Bucket=bucket, Key=key)
-        return Check("checkpoint_storage", True, f"{where} writable (head_bucket + put/delete)")
-    except (BotoCoreError, ClientError) as exc:
-        return Check(
-            "checkpoint_storage",
-            False,
-            f"S3 checkpoint storage {where} not usable: {type(exc).__name__}: {exc}",
-            "check that the bucket exists, the endpoint (checkpoint.endpoint_url / AWS_ENDPOINT_URL) is right, and "
-            "the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the storage block) allow put and delete",
-        )
-
-
-def check_checkpoint_storage(cfg: Any) -> Check:
-    """The configured checkpoint storage (local directory or S3) accepts writes."""
-    uri = setting(cfg, "checkpoint.uri")
-    if uri and str(uri).startswith("s3://"):
-        endpoint = setting(cfg, "checkpoint.endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        return _probe_s3(str(uri), endpoint)
-    return _probe_local_dir(Path(str(setting(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
-
-
-def _http_health(url: str, timeout: float) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            if 200 <= resp.status < 300:
-                return None
-            return f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-
-
-def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
-    """The MLflow tracking store is reachable (sqlite/file: directory writable; http: ``/health``)."""
-    uri = str(setting(cfg, "tracking.uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
-    fix_dir = "set tracking.uri to a location you can write, e.g. sqlite:///mlflow.db in the working directory"
-    if uri.startswith("sqlite:"):
-        path = uri.split("sqlite:///", 1)[1] if "sqlite:///" in uri else ""
-        if path in ("", ":memory:"):
-            return Check("mlflow", True, f"{uri}: in-memory store")
-        directory = Path(path).expanduser().resolve().parent
-    elif uri.startswith(("http://", "https://")):
-        err = _http_health(uri.rstrip("/") + "/health", timeout)
-        if err is None:
-            return Check("mlflow", True, f"{uri} healthy")
-        return Check(
-            "mlflow",
-            False,
-            f"MLflow server {uri} not reachable: {err}",
-            "start it (`mlflow server --host 0.0.0.0 --port 5000`) or fix tracking.uri / MLFLOW_TRACKING_URI",
-        )
-    elif uri.startswith("file:") or "://" not in uri:
-        directory = Path(uri.split("file://", 1)[-1]).expanduser().resolve()
-    else:
-        return Check("mlflow", True, f"{uri}: scheme not probed by the doctor")
-    if not directory.exists():
-        return Check("mlflow", False, f"directory {directory} of {uri} does not exist", fix_dir)
-    if not os.access(directory, os.W_OK):
-        return Check("mlflow", False, f"directory {directory} of {uri} is not writable", fix_dir)
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kc-doctor-"):
-            pass
-    except OSError as exc:
-        return Check("mlflow", False, f"cannot create files in {directory}: {exc}", fix_dir)
-    return Check("mlflow", True, f"{uri}: {directory} writable")
-
-
-def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
-    """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used."""
-    api = os.environ.get("PREFECT_API_URL")
-    if not api and "prefect" in sys.modules:  # a profile or an active test harness may set it
-        try:
-            from prefect.settings import get_current_settings
-
-            api = get_current_settings().api.url
-        except Exception:
-            api = None
-    if not api:
-        return Check("prefect", True, "PREFECT_API_URL not set: flows use Prefect's ephemeral local API")
-    err = _http_health(api.rstrip("/") + "/health", timeout)
-    if err is None:
-        return Check("prefect", True, f"{api} healthy")
-    return Check(
-        "prefect",
-        False,
-        f"Prefect API {api} not reachable: {err}",
-        "start the server (`prefect server start`) or unset PREFECT_API_URL to use the ephemeral API",
-    )
 
 
 def _guarded(name: str, fn: Callable[[], Any]) -> list[Check]:
@@ -545,3 +264,20 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+__all__ = [
+    "DEFAULT_AGENT_PORT",
+    "Check",
+    "DoctorReport",
+    "check_checkpoint_storage",
+    "check_cuda",
+    "check_gloo",
+    "check_mlflow",
+    "check_nodes",
+    "check_prefect",
+    "check_versions",
+    "local_versions",
+    "run_doctor",
+    "serve_versions",
+]

@@ -1,0 +1,58 @@
+"""What ``kc doctor`` reports: one :class:`Check` per probe, gathered in a :class:`DoctorReport`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Check:
+    """One doctor check: ``fix`` says what to do when ``ok`` is false."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class DoctorReport:
+    """All checks of one doctor run."""
+
+    checks: list[Check] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every check passed."""
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        """The checks that failed."""
+        return [c for c in self.checks if not c.ok]
+
+    def check(self, name: str) -> Check:
+        """The check called ``name``."""
+        for c in self.checks:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"ok": self.ok, "elapsed_s": round(self.elapsed_s, 3), "checks": [asdict(c) for c in self.checks]}
+
+    def to_markdown(self) -> str:
+        """Markdown table (for a Prefect artifact)."""
+        lines = [
+            f"# kc doctor: {'all checks passed' if self.ok else f'{len(self.failed)} check(s) FAILED'}",
+            "",
+            "| check | result | detail | fix |",
+            "|---|---|---|---|",
+        ]
+        for c in self.checks:
+            cells = [c.name, "ok" if c.ok else "**FAIL**", c.detail, c.fix if not c.ok else ""]
+            lines.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,156 @@
+"""The doctor's probes of the services a job writes to: checkpoint storage (local or S3), MLflow, Prefect.
+
+Each probe does the smallest real operation (write+fsync+delete of a probe file, S3 ``head_bucket`` and a
+put/delete, HTTP ``/health``) and returns a :class:`~kuangchao_core.sched.doctor_report.Check` with a fix when it
+fails; none raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.config.access import setting
+from kuangchao_core.sched.doctor_report import Check
+from kuangchao_core.sched.version_agent import CONNECT_TIMEOUT_S
+
+
+def _probe_local_dir(path: Path) -> Check:
+    created: list[Path] = []
+    try:
+        missing = path
+        while not missing.exists() and missing.parent != missing:
+            created.append(missing)
+            missing = missing.parent
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".kc-doctor-{uuid.uuid4().hex}"
+        with open(probe, "wb") as f:
+            f.write(b"kc doctor probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+        for d in created:  # leave the tree as it was; the job creates its directories itself
+            d.rmdir()
+        return Check("checkpoint_storage", True, f"{path} writable (write+fsync+delete)")
+    except OSError as exc:
+        return Check(
+            "checkpoint_storage",
+            False,
+            f"cannot write to checkpoint dir {path}: {type(exc).__name__}: {exc}",
+            "set checkpoint.dir to a writable directory (shared by all nodes for multi-node jobs), "
+            "or fix its permissions / free space",
+        )
+
+
+def _probe_s3(uri: str, endpoint: str | None) -> Check:
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    rest = uri[len("s3://") :]
+    bucket, _, prefix = rest.partition("/")
+    where = f"{uri}" + (f" at {endpoint}" if endpoint else "")
+    try:
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            config=Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=10, retries={"max_attempts": 1}),
+        )
+        s3.head_bucket(Bucket=bucket)
+        key = f"{prefix.rstrip('/') + '/' if prefix else ''}.kc-doctor-{uuid.uuid4().hex}"
+        s3.put_object(Bucket=bucket, Key=key, Body=b"kc doctor probe\n")
+        s3.delete_object(Bucket=bucket, Key=key)
+        return Check("checkpoint_storage", True, f"{where} writable (head_bucket + put/delete)")
+    except (BotoCoreError, ClientError) as exc:
+        return Check(
+            "checkpoint_storage",
+            False,
+            f"S3 checkpoint storage {where} not usable: {type(exc).__name__}: {exc}",
+            "check that the bucket exists, the endpoint (checkpoint.endpoint_url / AWS_ENDPOINT_URL) is right, and "
+            "the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the storage block) allow put and delete",
+        )
+
+
+def check_checkpoint_storage(cfg: Any) -> Check:
+    """The configured checkpoint storage (local directory or S3) accepts writes."""
+    uri = setting(cfg, "checkpoint.uri")
+    if uri and str(uri).startswith("s3://"):
+        endpoint = setting(cfg, "checkpoint.endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+        return _probe_s3(str(uri), endpoint)
+    return _probe_local_dir(Path(str(setting(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
+
+
+def _http_health(url: str, timeout: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            if 200 <= resp.status < 300:
+                return None
+            return f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+
+
+def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
+    """The MLflow tracking store is reachable (sqlite/file: directory writable; http: ``/health``)."""
+    uri = str(setting(cfg, "tracking.uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    fix_dir = "set tracking.uri to a location you can write, e.g. sqlite:///mlflow.db in the working directory"
+    if uri.startswith("sqlite:"):
+        path = uri.split("sqlite:///", 1)[1] if "sqlite:///" in uri else ""
+        if path in ("", ":memory:"):
+            return Check("mlflow", True, f"{uri}: in-memory store")
+        directory = Path(path).expanduser().resolve().parent
+    elif uri.startswith(("http://", "https://")):
+        err = _http_health(uri.rstrip("/") + "/health", timeout)
+        if err is None:
+            return Check("mlflow", True, f"{uri} healthy")
+        return Check(
+            "mlflow",
+            False,
+            f"MLflow server {uri} not reachable: {err}",
+            "start it (`mlflow server --host 0.0.0.0 --port 5000`) or fix tracking.uri / MLFLOW_TRACKING_URI",
+        )
+    elif uri.startswith("file:") or "://" not in uri:
+        directory = Path(uri.split("file://", 1)[-1]).expanduser().resolve()
+    else:
+        return Check("mlflow", True, f"{uri}: scheme not probed by the doctor")
+    if not directory.exists():
+        return Check("mlflow", False, f"directory {directory} of {uri} does not exist", fix_dir)
+    if not os.access(directory, os.W_OK):
+        return Check("mlflow", False, f"directory {directory} of {uri} is not writable", fix_dir)
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kc-doctor-"):
+            pass
+    except OSError as exc:
+        return Check("mlflow", False, f"cannot create files in {directory}: {exc}", fix_dir)
+    return Check("mlflow", True, f"{uri}: {directory} writable")
+
+
+def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
+    """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used."""
+    api = os.environ.get("PREFECT_API_URL")
+    if not api and "prefect" in sys.modules:  # a profile or an active test harness may set it
+        try:
+            from prefect.settings import get_current_settings
+
+            api = get_current_settings().api.url
+        except Exception:
+            api = None
+    if not api:
+        return Check("prefect", True, "PREFECT_API_URL not set: flows use Prefect's ephemeral local API")
+    err = _http_health(api.rstrip("/") + "/health", timeout)
+    if err is None:
+        return Check("prefect", True, f"{api} healthy")
+    return Check(
+        "prefect",
+        False,
+        f"Prefect API {api} not reachable: {err}",
+        "start the server (`prefect server start`) or unset PREFECT_API_URL to use the ephemeral API",
+    )
