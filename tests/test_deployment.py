@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest_prefect import session_store  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
@@ -50,7 +52,7 @@ def _cli(args: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subpro
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_on_demand_deployment_runs_to_completion(tmp_path):
+def test_on_demand_deployment_runs_to_completion(tmp_path, session_store):  # noqa: F811
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -63,6 +65,7 @@ def test_on_demand_deployment_runs_to_completion(tmp_path):
         "KC_PROJECT_DIR": str(ROOT),
         "KC_RUNS_DIR": str(tmp_path / "runs"),
         "OMP_NUM_THREADS": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # pick the run up at once instead of on the next 10 s poll
     }
     env.pop("PREFECT_PROFILES_PATH", None)
     logs = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
@@ -105,7 +108,7 @@ def test_on_demand_deployment_runs_to_completion(tmp_path):
             "train.warmup_steps=2",
             "checkpoint.interval=4",
             f"checkpoint.dir={tmp_path / 'ckpt'}",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.uri=sqlite:///{session_store / 'mlflow.db'}",  # the session's store: migrated once
             f"permission.audit_log={tmp_path / 'audit'}",
         ]
         run = _cli(
@@ -118,6 +121,8 @@ def test_on_demand_deployment_runs_to_completion(tmp_path):
                 "--param",
                 f"overrides={json.dumps(overrides)}",
                 "--watch",
+                "--watch-interval",
+                "1",
                 "--watch-timeout",
                 "300",
             ],

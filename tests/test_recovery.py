@@ -285,22 +285,28 @@ def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp
 
 @pytest.mark.slow
 def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp_path, trusted):  # noqa: F811
+    """One job killed five times: each retry resumes from the newest checkpoint, commits a newer one (it
+    recovered on its first try) and is then killed again; the sixth attempt finishes with the reference losses."""
     from tasks.recover import plan_recovery
 
     repeats = int(os.environ.get("KC_RECOVERY_REPEATS", "5"))
-    for i in range(repeats):
-        cyc = Cycle(tmp_path / f"rep{i}", _store(reference_run))
-        killer = Saboteur(cyc.attempt_glob, [0], rank=1, ready=lambda c=cyc: committed(c.task_dir, 8))
+    assert repeats * INTERVAL < STEPS, "every kill needs a checkpoint beyond the previous resume point"
+    cyc = Cycle(tmp_path, _store(reference_run))
+    resumed_from = 0
+    for attempt in range(repeats):
+        target = resumed_from + INTERVAL  # this attempt must get past its resume point before it is killed
+        killer = Saboteur(cyc.attempt_glob, [attempt], rank=1, ready=lambda t=target: committed(cyc.task_dir, t))
         killer.start()
         with pytest.raises(WorkerFailed) as info:
-            cyc.launch(0)
+            cyc.launch(attempt)
         killer.stop()
-        assert killer.fired and info.value.rank == 1 and "SIGKILL" in info.value.cause, (i, info.value)
-        plan = plan_recovery(cyc.cfg, 0, str(info.value))
-        assert plan["resume_from"] is not None
-        assert cyc.launch(1).steps == STEPS, f"repeat {i}: the first retry did not finish"
-        assert cyc.final_losses() == _ref_values(reference_run), f"repeat {i}: losses differ"
-        shutil.rmtree(tmp_path / f"rep{i}")
+        assert killer.fired and info.value.rank == 1 and "SIGKILL" in info.value.cause, (attempt, info.value)
+        plan = plan_recovery(cyc.cfg, attempt, str(info.value))
+        step = int(Path(plan["resume_from"]).name.removeprefix("step_"))
+        assert step >= target, f"attempt {attempt} did not get past step {resumed_from}: resumes from {step}"
+        resumed_from = step
+    assert cyc.launch(repeats).steps == STEPS, "the attempt after the last kill did not finish"
+    assert cyc.final_losses() == _ref_values(reference_run), "losses differ from the uninterrupted run"
 
 
 # ------------------------------------------------------------------------------------------------ S3 corruption
