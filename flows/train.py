@@ -145,6 +145,7 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
+    lost_nodes: list[str] = []  # machines lost in earlier attempts; the next attempts run without them
     try:
         validate_data(cfg, mlflow_run_id=run_id)
         if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
@@ -154,11 +155,16 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
             nonlocal attempts
             attempts = attempt + 1
             env = {**issue_tokens(cfg, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
-            return launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env)
+            return launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env, lost_nodes)
 
         def before_restart(next_attempt: int, exc: BaseException) -> None:
             failed = next_attempt - 1
-            cause = f"rank {getattr(exc, 'rank', None)}: {getattr(exc, 'cause', exc)}"
+            node = getattr(exc, "node", None)
+            if node is not None and getattr(exc, "rank", None) is None:
+                lost_nodes.append(node)
+                cause = f"node {node}: {getattr(exc, 'cause', exc)}"
+            else:
+                cause = f"rank {getattr(exc, 'rank', None)}: {getattr(exc, 'cause', exc)}"
             causes.append(f"attempt {failed}: {cause}")
             logger.warning("attempt %d failed: %s; recovering", failed, cause)
             recovery = recover(cfg, failed, cause, run_id, plan.lineage, plan.step_dir)

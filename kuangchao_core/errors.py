@@ -89,12 +89,16 @@ class DataError(KuangchaoError):
 
 
 class WorkerFailed(KuangchaoError):
-    """A worker process died or hung; ``rank`` and ``cause`` say which and why."""
+    """A worker process died or hung; ``rank`` and ``cause`` say which and why. ``node`` names the machine when
+    a whole node was lost (its agent and every rank on it gone), so recovery can leave it out."""
 
-    def __init__(self, rank: int | None, cause: str, exit_code: int | None = None):
+    def __init__(self, rank: int | None, cause: str, exit_code: int | None = None, node: str | None = None):
         self.rank = rank
         self.cause = cause
         self.exit_code = exit_code
-        super().__init__(
-            f"worker rank {rank} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else "")
-        )
+        self.node = node
+        who = f"node {node}" if node is not None and rank is None else f"worker rank {rank}"
+        super().__init__(f"{who} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.cause, self.exit_code, self.node))

@@ -18,9 +18,11 @@ from kuangchao_core.obs.console import LiveView
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.global_config import GlobalConfig
-from kuangchao_core.perm.issuance import audit_log_path, authority_for
+from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.sched.launcher import run_workers
+from kuangchao_core.sched.multinode import choose_cluster_nodes, launch_cluster_attempt
+from kuangchao_core.sched.nodes import route_address
 
 
 @dataclass
@@ -73,8 +75,13 @@ def launch_workers(
     mlflow_run_id: str | None = None,
     env: dict[str, str] | None = None,
     view: LiveView | None = None,
+    exclude_nodes: list[str] | None = None,
 ) -> LaunchSummary:
-    """Run one attempt of the job's workers; raises WorkerFailed naming the rank and cause on failure."""
+    """Run one attempt of the job's workers; raises WorkerFailed naming the rank (or the lost node) on failure.
+
+    ``cluster.mode`` local starts every rank here; static and dynamic clusters run on node agents
+    (:func:`kuangchao_core.sched.multinode.launch_cluster_attempt`), leaving out ``exclude_nodes``.
+    """
     run_dir = Path(run_dir)
     view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
     worker_env = {
@@ -91,31 +98,43 @@ def launch_workers(
     args = ["--config", str(config_path)]
     if resume:
         args += ["--resume", resume]
-    nproc = cfg.parallel.world_size
     recovery = cfg.cluster
+    multinode = cfg.cluster.mode != "local"
+    assignments = choose_cluster_nodes(cfg, exclude_nodes or []) if multinode else []
     with ExitStack() as stack:
         if "KC_TOKEN_FILE" in worker_env:
-            # the authority stays in this process; workers renew their tokens through this endpoint
+            # the authority stays in this process; workers renew their tokens through this endpoint, which
+            # listens on the address the nodes reach this machine at
             server = RenewalServer(
                 authority_for(cfg, run_dir),
                 worker_env["KC_JOB_ID"],
                 attempt,
                 audit_log=worker_env.get("KC_AUDIT_LOG"),
                 ttl_s=float(cfg.permission.token_ttl_seconds),
+                host=route_address(assignments[0].address) if assignments else "127.0.0.1",
             )
             worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
         stack.callback(view.close)
-        run_workers(
-            "kuangchao_core.engine.worker",
-            args,
-            nproc=nproc,
-            env={**os.environ, **worker_env},
-            run_dir=run_dir,
-            heartbeat_timeout_s=recovery.heartbeat_timeout_s,
-            heartbeat_interval_s=recovery.heartbeat_interval_s,
-            log_sink=view,
-            attempt=attempt,
-        )
+        if multinode:
+
+            def env_for(node) -> dict[str, str]:  # each node gets only its own ranks' tokens
+                if "KC_TOKEN_FILE" not in worker_env:
+                    return dict(worker_env)
+                return node_token_env(worker_env, node.name, node.ranks)
+
+            launch_cluster_attempt(cfg, assignments, run_dir, attempt, args, env_for, view)
+        else:
+            run_workers(
+                "kuangchao_core.engine.worker",
+                args,
+                nproc=cfg.parallel.world_size,
+                env={**os.environ, **worker_env},
+                run_dir=run_dir,
+                heartbeat_timeout_s=recovery.heartbeat_timeout_s,
+                heartbeat_interval_s=recovery.heartbeat_interval_s,
+                log_sink=view,
+                attempt=attempt,
+            )
     last = view.last_step or {}
     evals = [e for e in view.events if e.get("event") == "eval"]
     done = [e for e in view.events if e.get("event") == "done"]
@@ -140,6 +159,9 @@ def launch(
     resume: str | None = None,
     mlflow_run_id: str | None = None,
     env: dict[str, str] | None = None,
+    exclude_nodes: list[str] | None = None,
 ) -> dict[str, Any]:
     """Prefect task: one attempt of the workers (see :func:`launch_workers`)."""
-    return launch_workers(cfg, config_path, run_dir, attempt, resume, mlflow_run_id, env).to_dict()
+    return launch_workers(
+        cfg, config_path, run_dir, attempt, resume, mlflow_run_id, env, exclude_nodes=exclude_nodes
+    ).to_dict()

@@ -489,7 +489,7 @@ def test_settings_the_job_does_not_use_are_named_and_defaults_are_quiet(tmp_path
         "data.text_field": {"data": {"text_field": "body"}},
         "data.synthetic": {"data": {"path": str(tmp_path), "format": "jsonl", "synthetic": {"num_train": 10}}},
         "permission.token_ttl_seconds": {"permission": {"mode": "trusted", "token_ttl_seconds": 60}},
-        "cluster.mode": {"cluster": {"mode": "dynamic", "registry": "prefect://pool"}},
+        "cluster.registry": {"cluster": {"registry": "prefect://pool"}},
         "task.priority": {"task": {"priority": "high"}},
         "train.dtype": {"train": {"dtype": "bf16"}},
         "train.warmup_steps": {"train": {"steps": 4, "warmup_steps": 4}},

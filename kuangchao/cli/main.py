@@ -32,6 +32,7 @@ _COMMAND_MODULES = [
     "audit",
     "debug",
     "runs",
+    "node",
 ]
 
 

@@ -1,8 +1,8 @@
 """Settings a job accepts but does not use, said once at start (a config key is never silently ignored).
 
 Each entry is ``(dotted path, why)``. Most are settings that only mean something together with another one
-(``checkpoint.endpoint_url`` without ``checkpoint.uri``); a few are not built yet (mixed precision, multi-node
-placement) and say what the job does instead. A setting counts as *given* when the config file or an override
+(``checkpoint.endpoint_url`` without ``checkpoint.uri``); a few are not built yet (mixed precision, placement by
+priority) and say what the job does instead. A setting counts as *given* when the config file or an override
 names it, so defaults never produce a warning.
 """
 
@@ -47,18 +47,9 @@ def unused_settings(cfg: Any) -> Warnings:
             )
         )
     if cfg.task.priority != "normal":
-        out.append(
-            ("task.priority", f"{cfg.task.priority} has no effect: placement by priority needs a multi-node cluster")
-        )
-    if cluster.mode != "local":
-        what = "cluster.nodes" if cluster.mode == "static" else "cluster.registry"
-        out.append(
-            (
-                "cluster.mode",
-                f"{cluster.mode}: multi-node launch is not built yet; every rank of this job starts on this machine "
-                f"and {what} is not used",
-            )
-        )
+        out.append(("task.priority", f"{cfg.task.priority} has no effect yet: nodes are not placed by job priority"))
+    if cluster.mode == "local" and cluster.registry:
+        out.append(("cluster.registry", "only used with cluster.mode static or dynamic; this job runs on this machine"))
     if par.pipeline_parallel_size == 1 and _given(par, "pipeline_schedule"):
         out.append(("parallel.pipeline_schedule", "only used with pipeline_parallel_size > 1"))
     if ckpt.endpoint_url and not ckpt.uri:

@@ -152,3 +152,21 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
         "KC_PERMISSION_MODE": str(setting(perm, "mode", "enforcing")),
         "KC_TOKEN_TTL": str(ttl),
     }
+
+
+def node_token_env(env: dict[str, str], node: str, ranks: list[int]) -> dict[str, str]:
+    """The worker environment of one node of a multi-node job: ``KC_TOKEN_FILE`` points into a directory that
+    holds only the tokens of that node's ``ranks`` (the node never gets another node's tokens)."""
+    src = Path(env["KC_TOKEN_FILE"])
+    own = src.parent / "nodes" / node
+    own.mkdir(parents=True, exist_ok=True)
+    os.chmod(own, 0o700)
+    for rank in ranks:
+        for module in (f"worker-{rank}", f"data_loader-{rank}"):
+            token = (src.parent / f"{module}.token").read_bytes()
+            tmp = own / f".{module}.token.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(token)
+            os.replace(tmp, own / f"{module}.token")
+    return {**env, "KC_TOKEN_FILE": str(own / src.name)}

@@ -212,6 +212,52 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
     return checks, Check("version_agreement", True, f"{len(reports)} nodes agree: {agreed}{skipped}")
 
 
+def check_node_agents(cfg: Any) -> list[Check] | None:
+    """A static or dynamic cluster whose pool has node agents (``kc node start``): the placement the launch would
+    make (every static node live, enough live nodes for a dynamic one) and the agents' versions against ours.
+    None when the pool has no agents or no Prefect API answers (then the TCP doctor agents are asked)."""
+    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.placement import NodeUnavailable, choose_nodes, cluster_pool
+
+    if setting(cfg, "cluster.mode", "local") == "local":
+        return None
+    try:
+        pool = cluster_pool(cfg)
+        registered = list_nodes(pool)
+    except Exception:  # noqa: BLE001 - no registry reachable: fall back to the TCP agents
+        return None
+    if not registered:
+        return None
+    try:
+        placed = choose_nodes(cfg, registered)
+    except NodeUnavailable as exc:
+        fix = f"start `kc node start --pool {pool}` on the named machines (or fix cluster.nodes / nproc_per_node)"
+        return [Check("node_agents", False, str(exc), fix)]
+    by_name = {n.name: n for n in registered}
+    checks = [
+        Check(f"node:{a.name}", True, f"agent live at {a.address} ({a.ifname or 'default interface'}), ranks {a.ranks}")
+        for a in placed
+    ]
+    mine = local_versions()
+    differ = [
+        f"{a.name}: torch {by_name[a.name].facts.torch}"
+        for a in placed
+        if by_name[a.name].facts.torch not in (None, mine.get("torch"))
+    ]
+    if differ:
+        checks.append(
+            Check(
+                "version_agreement",
+                False,
+                f"torch differs from this machine's {mine.get('torch')}: {', '.join(differ)}",
+                "install the same Python, torch, CUDA and NCCL on every node (same container image or lock file)",
+            )
+        )
+    else:
+        checks.append(Check("version_agreement", True, f"{len(placed)} node agents run torch {mine.get('torch')}"))
+    return checks
+
+
 def _guarded(name: str, fn: Callable[[], Any]) -> list[Check]:
     try:
         out = fn()
@@ -226,6 +272,9 @@ def run_doctor(cfg: Any = None, *, gloo_timeout_s: float = 60.0, skip: Sequence[
     report = DoctorReport()
 
     def nodes() -> list[Check]:
+        agents = check_node_agents(cfg)
+        if agents is not None:
+            return agents
         node_checks, agreement = check_nodes(cfg)
         return [*node_checks, agreement]
 

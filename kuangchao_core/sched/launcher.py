@@ -176,6 +176,10 @@ def run_workers(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     rdzv_id: str | None = None,
+    local_addr: str | None = None,
+    rdzv_is_host: bool | None = None,
+    out_dir: Path | None = None,
+    stop_file: Path | None = None,
     startup_grace_s: float | None = None,
     shutdown_timeout_s: int = 2,
     monitor_interval_s: float = 0.1,
@@ -191,7 +195,11 @@ def run_workers(
     With ``heartbeat_timeout_s`` set, a rank silent for longer (after its first beat; before it only if
     ``startup_grace_s`` is set and passes) makes the launcher SIGKILL the group. ``timeout_s`` bounds the whole
     attempt. For several nodes pass ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` and a shared
-    ``rdzv_id``; heartbeats are then watched for this node's ranks.
+    ``rdzv_id``; heartbeats are then watched for this node's ranks. ``local_addr`` is the address this node's
+    agent announces (the c10d rendezvous orders nodes by it) and ``rdzv_is_host`` says whether this node hosts the
+    rendezvous store (hosts that share a hostname, e.g. network namespaces, cannot tell by themselves).
+    ``out_dir`` (default ``run_dir/attempt_<n>``) receives this node's logs; the heartbeat directory stays shared.
+    A ``stop_file`` that appears makes the launcher SIGKILL the group (the orchestrator stopping a node's share).
 
     Returns a ``LaunchResult`` when every worker exits 0; raises ``WorkerFailed(rank, cause, exit_code)`` otherwise.
     """
@@ -202,7 +210,8 @@ def run_workers(
     port = master_port if master_port is not None else free_port(master_addr)
     endpoint = f"{master_addr}:{port}"
     attempt_dir = Path(run_dir) / f"attempt_{attempt}"
-    log_dir = attempt_dir / "logs"
+    own_dir = Path(out_dir) if out_dir is not None else attempt_dir
+    log_dir = own_dir / "logs"
     hb_dir = attempt_dir / "heartbeat"
     log_dir.mkdir(parents=True, exist_ok=True)
     hb_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +243,8 @@ def run_workers(
         endpoint,
         "--rdzv-id",
         rdzv_id or f"kc-{attempt}-{uuid.uuid4().hex[:8]}",
+        *(["--local-addr", local_addr] if local_addr else []),
+        *(["--rdzv-conf", f"is_host={str(rdzv_is_host).lower()}"] if rdzv_is_host is not None else []),
         "--max-restarts",
         "0",
         "--monitor-interval",
@@ -253,7 +264,7 @@ def run_workers(
     last_by_rank: dict[int, str] = {}
     lock = threading.Lock()
     counter = [0]
-    launcher_log = open(attempt_dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in finally
+    launcher_log = open(own_dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in finally
 
     def pump(stream) -> None:
         for raw in iter(stream.readline, ""):
@@ -311,6 +322,10 @@ def run_workers(
                         rank, f"{what} for {silent:.1f} s (timeout {heartbeat_timeout_s:g} s, attempt {attempt})"
                     )
                     break
+            if stop_file is not None and stop_file.exists() and proc.poll() is None:
+                kill_tree(proc)
+                failure = WorkerFailed(None, f"stopped by the orchestrator ({stop_file.read_text().strip()})")
+                break
             if timeout_s is not None and time.monotonic() - t0 > timeout_s and proc.poll() is None:
                 kill_tree(proc)
                 failure = WorkerFailed(None, f"attempt {attempt} exceeded its time limit of {timeout_s:g} s")

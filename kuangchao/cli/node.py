@@ -1,0 +1,130 @@
+"""``kc node start`` (this machine's node agent) and ``kc node list`` (the nodes of a pool and whether they live).
+
+A node agent is a Prefect worker of a process work pool polling the work queue named after the node; its facts
+(training address and interface, devices, versions, free memory) are published through the Prefect API. Both
+commands need a Prefect server every node reaches (``PREFECT_API_URL``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+node_app = typer.Typer(
+    help="Node agents of multi-node clusters (Prefect workers, one per machine).", no_args_is_help=True
+)
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+
+
+def _need_server() -> None:
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.echo(
+            "kc node: PREFECT_API_URL is not set; node agents and the orchestrator must share one Prefect server "
+            "(start it with `prefect server start --host <address the nodes reach>` and export "
+            "PREFECT_API_URL=http://<address>:4200/api on every node)",
+            err=True,
+        )
+        raise typer.Exit(2)
+
+
+@node_app.command("start")
+def start(
+    pool: str = typer.Option(..., "--pool", help="Process work pool of the cluster (created if missing)."),
+    name: str = typer.Option(None, "--name", help="Node name (default: the hostname); also its work queue."),
+    address: str = typer.Option(None, "--address", help="Address other nodes reach this one at for training."),
+    ifname: str = typer.Option(None, "--ifname", help="Network interface of that address (GLOO/NCCL_SOCKET_IFNAME)."),
+    project_dir: str = typer.Option(
+        str(PROJECT_DIR), "--project-dir", help="The Kuangchao checkout the agent runs flows from."
+    ),
+) -> None:
+    """Publish this node's facts and run its agent (a Prefect worker) until interrupted."""
+    from kuangchao_core.errors import ConfigError
+    from kuangchao_core.sched import nodes
+
+    _need_server()
+    try:
+        node = nodes.check_node_name(name or nodes.default_node_name(), "--name")
+    except ConfigError as exc:
+        typer.echo(f"kc node start: {exc.errors[0][1]}", err=True)
+        raise typer.Exit(2) from None
+    nodes.ensure_pool(pool)
+    nodes.ensure_queue(pool, node)
+    nodes.ensure_agent_deployment(pool, str(Path(project_dir).resolve()))
+    facts = nodes.local_facts(node, address, ifname)
+    nodes.publish_facts(pool, facts)
+    typer.echo(
+        f"node {node}: {facts.address} ({facts.ifname or 'default interface'}), "
+        f"{facts.device_count} {facts.device_kind} devices, {facts.cpu_count} CPUs; pool {pool}"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "worker",
+        "start",
+        "--pool",
+        pool,
+        "--work-queue",
+        node,
+        "--name",
+        nodes.worker_name(node),
+        "--type",
+        "process",
+    ]
+    env = {**os.environ, "KC_PROJECT_DIR": str(Path(project_dir).resolve()), "KC_NODE": node}
+    if facts.ifname:
+        env.setdefault("GLOO_SOCKET_IFNAME", facts.ifname)
+    try:
+        raise typer.Exit(subprocess.call(cmd, env=env))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+@node_app.command("list")
+def list_cmd(
+    pool: str = typer.Option(..., "--pool", help="Work pool of the cluster."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """The nodes of POOL, their facts and whether their agent is live."""
+    from kuangchao_core.sched import nodes
+
+    _need_server()
+    found = nodes.list_nodes(pool)
+    if as_json:
+        typer.echo(json.dumps([n.to_dict() for n in found], indent=2))
+        return
+    if not found:
+        typer.echo(f"no nodes in pool {pool}; start one with `kc node start --pool {pool}`")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"nodes of pool {pool}")
+    for col in ("node", "live", "address", "ifname", "devices", "cpus", "torch", "free memory", "last heartbeat"):
+        table.add_column(col)
+    for n in found:
+        f = n.facts
+        mem = f"{f.free_memory_bytes / 2**30:.1f} GiB" if f.free_memory_bytes else "-"
+        table.add_row(
+            n.name,
+            "yes" if n.live else "NO",
+            f.address,
+            f.ifname or "-",
+            f"{f.device_count} {f.device_kind}",
+            str(f.cpu_count),
+            f.torch or "-",
+            mem,
+            n.last_heartbeat or "never",
+        )
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach ``kc node``."""
+    app.add_typer(node_app, name="node")

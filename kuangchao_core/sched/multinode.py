@@ -1,0 +1,255 @@
+"""The orchestrator's side of a multi-node attempt: one node-agent flow run per node, watched to the end.
+
+For each :class:`~kuangchao_core.sched.placement.NodeAssignment` a flow run of the pool's node-agent deployment is
+started on the node's own work queue, with a :class:`~kuangchao_core.sched.node_share.NodeShare` as parameters
+(a fresh rendezvous id and port on the first node per attempt). While the nodes run, their torchrun output is
+tailed into ``log_sink`` (the live view: steps, events and MLflow metrics from rank 0 as on one node), and each
+node's share files are watched:
+
+- every node reports ``ok`` → the attempt succeeded;
+- a node reports a failure → the other nodes are stopped (``attempt_<n>/stop``) and the failure is raised as
+  ``WorkerFailed`` with its rank and cause — unless a node is found lost meanwhile;
+- a node's agent stops beating without a result (its machine died or was cut off), or never starts the share →
+  the node is **lost**: the others are stopped, its flow run is marked Crashed, and ``WorkerFailed(node=...)``
+  names it so that recovery leaves it out.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.node_share import AGENT_BEAT, RESULT, NodeShare, node_dir, read_json, stop_path
+from kuangchao_core.sched.placement import NodeAssignment
+
+#: rendezvous ports are drawn from this range (the orchestrator cannot probe a port on another machine)
+RDZV_PORTS = (29500, 29999)
+
+
+@dataclass
+class _Watch:
+    share: NodeShare
+    flow_run_id: Any = None
+    counter: int | None = None
+    changed_at: float = 0.0
+    result: dict[str, Any] | None = None
+
+
+class _Tail(threading.Thread):
+    """Feeds the lines appended to a node's ``launcher.log`` to ``sink`` until stopped."""
+
+    def __init__(self, path: Path, sink: Callable[[str], None] | None):
+        super().__init__(daemon=True, name=f"kc-tail-{path.parent.name}")
+        self.path, self.sink = path, sink
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        handle = None
+        pending = ""
+        while True:
+            if handle is None and self.path.exists():
+                handle = open(self.path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below
+            chunk = handle.read() if handle is not None else ""
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    if self.sink is not None:
+                        try:
+                            self.sink(line)
+                        except Exception:  # noqa: BLE001 - a broken sink must not stop the tail
+                            pass
+            elif self.halt.is_set():
+                break
+            else:
+                time.sleep(0.1)
+        if handle is not None:
+            handle.close()
+
+
+def _start_flow_run(deployment: str, share: NodeShare):
+    from prefect.deployments import run_deployment
+
+    return run_deployment(
+        deployment,
+        parameters={"share": share.to_params()},
+        work_queue_name=share.node,
+        timeout=0,
+        as_subflow=False,
+        flow_run_name=f"{Path(share.run_dir).name}-a{share.attempt}-{share.node}",
+        tags=["kuangchao", "node-share"],
+    ).id
+
+
+def _mark_crashed(flow_run_id: Any, message: str) -> None:
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+    except Exception:  # noqa: BLE001 - bookkeeping only; the failure itself is raised to the flow
+        pass
+
+
+def launch_on_nodes(
+    assignments: list[NodeAssignment],
+    *,
+    run_dir: str | Path,
+    attempt: int,
+    module: str,
+    args: list[str],
+    env_for: Callable[[NodeAssignment], dict[str, str]],
+    deployment: str,
+    log_sink: Callable[[str], None] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    heartbeat_interval_s: float = 1.0,
+    start_timeout_s: float = 180.0,
+    lost_after_s: float | None = None,
+    poll_s: float = 0.2,
+) -> None:
+    """Run one attempt on ``assignments`` and return when every node succeeded; raises ``WorkerFailed``.
+
+    ``lost_after_s`` (default: the heartbeat timeout, at least 3 s) is how long a node's agent may stay silent
+    before the node counts as lost; ``start_timeout_s`` how long a node may take to start its share.
+    """
+    run_dir = Path(run_dir)
+    stop = stop_path(run_dir, attempt)
+    stop.parent.mkdir(parents=True, exist_ok=True)
+    stop.unlink(missing_ok=True)
+    lost_after = float(lost_after_s or max(3.0, heartbeat_timeout_s or 10.0))
+    first = assignments[0]
+    rdzv_port = random.randint(*RDZV_PORTS)
+    rdzv_id = f"kc-{run_dir.name}-{attempt}-{uuid.uuid4().hex[:6]}"
+    watches: dict[str, _Watch] = {}
+    tails: list[_Tail] = []
+    t0 = time.monotonic()
+    try:
+        for a in assignments:
+            share = NodeShare(
+                run_dir=str(run_dir.resolve()),
+                attempt=attempt,
+                node=a.name,
+                node_rank=a.node_rank,
+                nnodes=len(assignments),
+                nproc=a.nproc,
+                rdzv_host=first.address,
+                rdzv_port=rdzv_port,
+                rdzv_id=rdzv_id,
+                local_addr=a.address,
+                ifname=a.ifname,
+                module=module,
+                args=list(args),
+                env=env_for(a),
+                heartbeat_timeout_s=heartbeat_timeout_s,
+                heartbeat_interval_s=heartbeat_interval_s,
+            )
+            out = node_dir(run_dir, attempt, a.name)
+            out.mkdir(parents=True, exist_ok=True)
+            tail = _Tail(out / "launcher.log", log_sink)
+            tail.start()
+            tails.append(tail)
+            watches[a.name] = _Watch(share, _start_flow_run(deployment, share), changed_at=time.monotonic())
+        _watch(watches, run_dir, attempt, stop, lost_after, start_timeout_s, t0, poll_s)
+    finally:
+        for tail in tails:
+            tail.halt.set()
+        for tail in tails:
+            tail.join(timeout=5)
+
+
+def _poll(watches: dict[str, _Watch], run_dir: Path, attempt: int) -> None:
+    now = time.monotonic()
+    for name, w in watches.items():
+        out = node_dir(run_dir, attempt, name)
+        if w.result is None:
+            w.result = read_json(out / RESULT)
+        beat = read_json(out / AGENT_BEAT)
+        counter = beat.get("counter") if beat else None
+        if counter is not None and counter != w.counter:
+            w.counter, w.changed_at = counter, now
+
+
+def _lost(watches: dict[str, _Watch], lost_after: float, start_timeout: float, t0: float) -> list[tuple[str, str]]:
+    now = time.monotonic()
+    out = []
+    for name, w in watches.items():
+        if w.result is not None:
+            continue
+        if w.counter is None and now - t0 > start_timeout:
+            out.append((name, f"its agent did not start the node's share within {start_timeout:g} s"))
+        elif w.counter is not None and now - w.changed_at > lost_after:
+            out.append(
+                (name, f"its agent and ranks went silent for {now - w.changed_at:.1f} s (limit {lost_after:g} s)")
+            )
+    return out
+
+
+def _watch(watches, run_dir: Path, attempt: int, stop: Path, lost_after, start_timeout, t0, poll_s) -> None:
+    while True:
+        time.sleep(poll_s)
+        _poll(watches, run_dir, attempt)
+        lost = _lost(watches, lost_after, start_timeout, t0)
+        failed = [(n, w.result) for n, w in watches.items() if w.result is not None and not w.result.get("ok")]
+        if all(w.result is not None and w.result.get("ok") for w in watches.values()):
+            return
+        if not lost and not failed:
+            continue
+        stop.write_text(f"attempt {attempt} failed on {(lost or failed)[0][0]}", encoding="utf-8")
+        # give the others the time to report (or to be found lost as well) before naming the culprit
+        deadline = time.monotonic() + lost_after + 5
+        while time.monotonic() < deadline and not lost:
+            time.sleep(poll_s)
+            _poll(watches, run_dir, attempt)
+            lost = _lost(watches, lost_after, start_timeout, t0)
+            if all(w.result is not None for w in watches.values()):
+                break
+        if lost:
+            name, why = lost[0]
+            _mark_crashed(watches[name].flow_run_id, f"node {name} lost: {why}")
+            raise WorkerFailed(None, f"lost: {why}", node=name)
+        real = [(n, r) for n, r in failed if not str(r.get("cause", "")).startswith("stopped by the orchestrator")]
+        name, res = (real or failed)[0]
+        raise WorkerFailed(res.get("rank"), f"on node {name}: {res.get('cause')}", res.get("exit_code"))
+
+
+def choose_cluster_nodes(cfg: Any, exclude: list[str] | tuple[str, ...] = ()) -> list[NodeAssignment]:
+    """The nodes of the next attempt of ``cfg``'s cluster, read from its pool (see :mod:`.placement`)."""
+    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.placement import choose_nodes, cluster_pool
+
+    return choose_nodes(cfg, list_nodes(cluster_pool(cfg)), set(exclude))
+
+
+def launch_cluster_attempt(
+    cfg: Any,
+    assignments: list[NodeAssignment],
+    run_dir: str | Path,
+    attempt: int,
+    args: list[str],
+    env_for: Callable[[NodeAssignment], dict[str, str]],
+    log_sink: Callable[[str], None] | None = None,
+) -> None:
+    """:func:`launch_on_nodes` of the engine's worker with the job's heartbeat settings."""
+    from kuangchao_core.sched.nodes import deployment_name
+    from kuangchao_core.sched.placement import cluster_pool
+
+    launch_on_nodes(
+        assignments,
+        run_dir=run_dir,
+        attempt=attempt,
+        module="kuangchao_core.engine.worker",
+        args=args,
+        env_for=env_for,
+        deployment=deployment_name(cluster_pool(cfg)),
+        log_sink=log_sink,
+        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+        heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
+    )
