@@ -207,7 +207,17 @@ def one_process_losses(tmp_path_factory) -> list[float]:
 
 def _summary(result: subprocess.CompletedProcess) -> dict:
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-4000:])
-    return json.loads(result.stdout[result.stdout.index("{") :])
+    text = result.stdout
+    decoder = json.JSONDecoder()
+    starts = [i + 1 for i, c in enumerate(text) if c == "\n" and text[i + 1 : i + 2] == "{"]
+    for start in reversed(starts):  # the summary comes last; JSON log lines come before it
+        try:
+            found, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and "mlflow_run_id" in found:
+            return found
+    raise AssertionError(f"no run summary in the output: {text[-2000:]}")
 
 
 def _assert_losses(workdir: Path, summary: dict, reference: list[float]) -> None:

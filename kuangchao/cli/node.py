@@ -122,7 +122,7 @@ def list_cmd(
             mem,
             n.last_heartbeat or "never",
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # scripts and logs: no wrapped cells
 
 
 def register(app: typer.Typer) -> None:
