@@ -33,13 +33,15 @@ def _publish(report: DoctorReport) -> None:
 
 
 @task(name="doctor", retries=0)
-def doctor(cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = ()) -> dict:
+def doctor(
+    cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = (), reuse_gloo_s: float = 600.0
+) -> dict:
     """Run ``run_doctor(cfg)``; publish the report as a markdown artifact; raise ``DoctorFailed`` on any failure.
 
     ``skip`` names check groups to leave out (``versions``, ``cuda``, ``gloo``, ``nodes``, ``checkpoint_storage``,
-    ``mlflow``, ``prefect``).
+    ``mlflow``, ``prefect``). A Gloo check passed on this machine within ``reuse_gloo_s`` is not run again.
     """
-    report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip)
+    report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip, reuse_gloo_s=reuse_gloo_s)
     _publish(report)
     if not report.ok:
         raise DoctorFailed(report)

@@ -127,7 +127,7 @@ class Cluster:
 
     def train(self, workdir: Path, overrides: list[str], timeout_s: float = 400) -> subprocess.CompletedProcess:
         argv = [KC, "train", "--config", TINY, "--json", *[a for o in overrides for a in ("--set", o)]]
-        return subprocess.run(
+        result = subprocess.run(
             argv,
             env={**self.env, "KC_RUNS_DIR": str(workdir / "runs")},
             cwd=workdir,
@@ -135,6 +135,8 @@ class Cluster:
             text=True,
             timeout=timeout_s,
         )
+        (workdir / "kc-train.log").write_text(result.stdout + "\n--- stderr ---\n" + result.stderr)
+        return result
 
     def down(self) -> None:
         self.bench.down()
@@ -157,7 +159,7 @@ def cluster(tmp_path_factory):
         assert not remove_leftovers(), "the bench left namespaces or links behind"
 
 
-def _overrides(workdir: Path, task: str, **extra) -> list[str]:
+def _overrides(workdir: Path, task: str, store: Path, **extra) -> list[str]:
     base = {
         "task.name": task,
         "train.steps": STEPS,
@@ -167,7 +169,7 @@ def _overrides(workdir: Path, task: str, **extra) -> list[str]:
         "checkpoint.interval": INTERVAL,
         "checkpoint.keep_last": 10,
         "checkpoint.dir": str(workdir / "ckpt"),
-        "tracking.uri": f"sqlite:///{workdir / 'mlflow.db'}",
+        "tracking.uri": f"sqlite:///{store / 'mlflow.db'}",  # one store for the module: migrated once
         "permission.audit_log": str(workdir / "audit"),
         "parallel.data_parallel_size": 2,
         "parallel.tensor_parallel_size": 2,
@@ -187,12 +189,18 @@ def _static(*hosts: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(tmp_path_factory) -> list[float]:
+def store(tmp_path_factory) -> Path:
+    """The module's MLflow store directory."""
+    return tmp_path_factory.mktemp("cluster-mlflow")
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory, store) -> list[float]:
     """The dp2×tp2 job's losses from one process (same global batch: four micro-batches of 2 per step)."""
     tmp = tmp_path_factory.mktemp("cluster-ref")
     cfg = load_config(
         TINY,
-        _overrides(tmp, "kc-cluster-ref")
+        _overrides(tmp, "kc-cluster-ref", store)
         + [
             "parallel.data_parallel_size=1",
             "parallel.tensor_parallel_size=1",
@@ -220,8 +228,8 @@ def _summary(result: subprocess.CompletedProcess) -> dict:
     raise AssertionError(f"no run summary in the output: {text[-2000:]}")
 
 
-def _assert_losses(workdir: Path, summary: dict, reference: list[float]) -> None:
-    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+def _assert_losses(store: Path, summary: dict, reference: list[float]) -> None:
+    uri = f"sqlite:///{store / 'mlflow.db'}"
     history = loss_history(uri, summary["mlflow_run_id"])
     assert [s for s, _ in history] == list(range(1, STEPS + 1)), "every step exactly once in MLflow"
     for (step, got), want in zip(history, reference, strict=True):
@@ -239,27 +247,27 @@ def test_node_list_shows_every_host_with_its_facts(cluster):
     assert "h0" in table.stdout and cluster.bench.hosts[2].address in table.stdout
 
 
-def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path):
+def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path, store):
     result = cluster.train(
-        tmp_path, _overrides(tmp_path, "kc-cluster-down") + [f"{k}={v}" for k, v in _static("h0", "h9").items()]
+        tmp_path, _overrides(tmp_path, "kc-cluster-down", store) + [f"{k}={v}" for k, v in _static("h0", "h9").items()]
     )
     assert result.returncode != 0
     assert "h9" in result.stdout + result.stderr and "no node agent" in result.stdout + result.stderr
     assert not list((tmp_path / "runs").glob("*/*/attempt_*")), "a rank was started"
 
 
-def test_static_dp2_tp2_on_two_hosts_trains_like_one_process(cluster, tmp_path, one_process_losses):
-    overrides = _overrides(tmp_path, "kc-cluster-static") + [f"{k}={v}" for k, v in _static("h0", "h1").items()]
+def test_static_dp2_tp2_on_two_hosts_trains_like_one_process(cluster, tmp_path, store, one_process_losses):
+    overrides = _overrides(tmp_path, "kc-cluster-static", store) + [f"{k}={v}" for k, v in _static("h0", "h1").items()]
     summary = _summary(cluster.train(tmp_path, overrides))
     assert summary["attempts"] == 1 and summary["steps"] == STEPS
     run_dir = Path(summary["run_dir"])
     assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h1"]
-    _assert_losses(tmp_path, summary, one_process_losses)
+    _assert_losses(store, summary, one_process_losses)
 
 
-def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path, one_process_losses):
+def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path, store, one_process_losses):
     overrides = _overrides(
-        tmp_path, "kc-cluster-dynamic", **{"cluster.mode": "dynamic", "cluster.registry": f"prefect://{POOL}"}
+        tmp_path, "kc-cluster-dynamic", store, **{"cluster.mode": "dynamic", "cluster.registry": f"prefect://{POOL}"}
     )
     ckpt = tmp_path / "ckpt" / "kc-cluster-dynamic"
     proc = subprocess.Popen(
@@ -271,8 +279,11 @@ def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path,
         text=True,
     )
     try:
-        first = _wait(lambda: list(tmp_path.glob("runs/*/*/attempt_0/nodes/*")), 180, "the first attempt placed")
-        placed = sorted(p.name for p in first[0].parent.iterdir())
+        first = _wait(
+            lambda: sorted(tmp_path.glob("runs/*/*/attempt_0/nodes/*/launcher.log")), 180, "both nodes running"
+        )
+        _wait(lambda: len(list(first[0].parent.parent.iterdir())) >= 2, 60, "the second node running")
+        placed = sorted(p.name for p in first[0].parent.parent.iterdir())
         assert placed == ["h0", "h1"], placed  # two of the three live nodes, by name
         _wait(lambda: list(ckpt.glob(f"*/step_{INTERVAL * 2:08d}/manifest.json")), 300, "a checkpoint mid-run")
         assert cluster.bench.kill_host(1) > 0  # the machine h1 dies: its agent and both of its ranks
@@ -285,5 +296,5 @@ def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path,
     assert summary["restart_causes"][0].startswith("attempt 0: node h1: lost"), summary["restart_causes"]
     run_dir = Path(summary["run_dir"])
     assert sorted(p.name for p in (run_dir / "attempt_1" / "nodes").iterdir()) == ["h0", "h2"]
-    _assert_losses(tmp_path, summary, one_process_losses)
+    _assert_losses(store, summary, one_process_losses)
     shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)

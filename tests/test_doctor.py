@@ -261,3 +261,18 @@ def test_doctor_task_fails_fast_with_artifact(prefect_api, tmp_path):
     assert len(failed) == 1 and failed[0].run_count == 1  # no retries
     docs = [a for a in arts if a.key == "kc-doctor"]
     assert len(docs) == 2 and any("checkpoint_storage | **FAIL**" in a.data for a in docs)
+
+
+def test_flow_doctor_reuses_a_recent_gloo_pass_and_kc_doctor_does_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("KC_CACHE_DIR", str(tmp_path))
+    assert D.recent_gloo_pass(600) is None  # nothing remembered yet
+    fresh = D.run_doctor(None, skip=("nodes", "checkpoint_storage", "mlflow", "prefect"), reuse_gloo_s=600)
+    assert fresh.check("gloo").ok and "all_reduce ok" in fresh.check("gloo").detail
+    reused = D.run_doctor(None, skip=("nodes", "checkpoint_storage", "mlflow", "prefect"), reuse_gloo_s=600)
+    assert "not rerun" in reused.check("gloo").detail
+    again = D.run_doctor(None, skip=("nodes", "checkpoint_storage", "mlflow", "prefect"))  # kc doctor: always runs
+    assert "all_reduce ok" in again.check("gloo").detail
+    memo = tmp_path / "doctor-gloo.json"
+    data = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**data, "key": "another-machine"}))
+    assert D.recent_gloo_pass(600) is None  # another host, Python or torch: run it again

@@ -7,9 +7,9 @@ commands need a Prefect server every node reaches (``PREFECT_API_URL``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,28 +62,24 @@ def start(
         f"node {node}: {facts.address} ({facts.ifname or 'default interface'}), "
         f"{facts.device_count} {facts.device_kind} devices, {facts.cpu_count} CPUs; pool {pool}"
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "prefect",
-        "worker",
-        "start",
-        "--pool",
-        pool,
-        "--work-queue",
-        node,
-        "--name",
-        nodes.worker_name(node),
-        "--type",
-        "process",
-    ]
-    env = {**os.environ, "KC_PROJECT_DIR": str(Path(project_dir).resolve()), "KC_NODE": node}
+    os.environ["KC_PROJECT_DIR"] = str(Path(project_dir).resolve())  # the flow runs' working directory
+    os.environ["KC_NODE"] = node
     if facts.ifname:
-        env.setdefault("GLOO_SOCKET_IFNAME", facts.ifname)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", facts.ifname)
     try:
-        raise typer.Exit(subprocess.call(cmd, env=env))
+        asyncio.run(_serve(pool, node))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+async def _serve(pool: str, node: str) -> None:
+    """The node's Prefect worker, in this process: polls the node's queue, runs each flow run in a subprocess."""
+    from prefect.workers.process import ProcessWorker
+
+    from kuangchao_core.sched import nodes
+
+    async with ProcessWorker(work_pool_name=pool, work_queues=[node], name=nodes.worker_name(node)) as worker:
+        await worker.start()
 
 
 @node_app.command("list")

@@ -26,11 +26,13 @@ from __future__ import annotations
 # service_checks; they are imported here so that ``kc doctor`` and its tests reach every check through one module.
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
@@ -92,6 +94,40 @@ _GLOO_PROBE = textwrap.dedent(
     print(repr(t.tolist()))
     """
 )
+
+
+def _gloo_memo() -> tuple[Path, str]:
+    import torch
+
+    base = Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")
+    key = f"{socket.gethostname()}|{sys.executable}|{torch.__version__}"
+    return base / "doctor-gloo.json", key
+
+
+def recent_gloo_pass(max_age_s: float) -> Check | None:
+    """The Gloo check as passed on this machine (same host, Python and torch) less than ``max_age_s`` ago."""
+    if max_age_s <= 0:
+        return None
+    path, key = _gloo_memo()
+    try:
+        memo = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    age = time.time() - float(memo.get("time", 0))
+    if memo.get("key") != key or not 0 <= age < max_age_s:
+        return None
+    return Check("gloo", True, f"passed {age:.0f} s ago on this machine with this Python and torch (not rerun)")
+
+
+def _remember_gloo_pass() -> None:
+    path, key = _gloo_memo()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "time": time.time()}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the next run the check
 
 
 def check_gloo(timeout_s: float = 60.0, world_size: int = 2) -> Check:
@@ -266,8 +302,22 @@ def _guarded(name: str, fn: Callable[[], Any]) -> list[Check]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def run_doctor(cfg: Any = None, *, gloo_timeout_s: float = 60.0, skip: Sequence[str] = ()) -> DoctorReport:
-    """Run every check against ``cfg`` (a ``JobConfig``, a similar object, or None for defaults)."""
+def _fresh_gloo(timeout_s: float) -> Check:
+    check = check_gloo(timeout_s)
+    if check.ok:
+        _remember_gloo_pass()
+    return check
+
+
+def run_doctor(
+    cfg: Any = None, *, gloo_timeout_s: float = 60.0, skip: Sequence[str] = (), reuse_gloo_s: float = 0.0
+) -> DoctorReport:
+    """Run every check against ``cfg`` (a ``JobConfig``, a similar object, or None for defaults).
+
+    ``reuse_gloo_s`` > 0 accepts a Gloo check that passed on this machine (same Python and torch) that recently
+    instead of running it again (the flow's doctor does, so back-to-back jobs do not pay for it; ``kc doctor``
+    always runs it).
+    """
     t0 = time.monotonic()
     report = DoctorReport()
 
@@ -281,7 +331,7 @@ def run_doctor(cfg: Any = None, *, gloo_timeout_s: float = 60.0, skip: Sequence[
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("versions", check_versions),
         ("cuda", lambda: check_cuda(cfg)),
-        ("gloo", lambda: check_gloo(gloo_timeout_s)),
+        ("gloo", lambda: recent_gloo_pass(reuse_gloo_s) or _fresh_gloo(gloo_timeout_s)),
         ("nodes", nodes),
         ("checkpoint_storage", lambda: check_checkpoint_storage(cfg)),
         ("mlflow", lambda: check_mlflow(cfg)),
