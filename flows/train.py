@@ -24,11 +24,13 @@ from prefect.states import Completed
 
 from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
 from kuangchao_core.config import load_config
+from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
 from kuangchao_core.perm import guard_api
+from kuangchao_core.sched.elastic import config_for_attempt
 from kuangchao_core.sched.recovery import RestartPolicy, supervise
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
@@ -114,6 +116,8 @@ def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
 def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str) -> Any:
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
+    for path, why in unused_settings(cfg):  # from the user's config: the resolved one names every field
+        logger.warning("%s: %s", path, why)
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()
@@ -137,7 +141,10 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     worker_resume = plan.step_dir or "never"  # with the pinned lineage, later attempts prefer its newest step
 
     doctor(cfg)
-    probe_topology(cfg)
+    if cfg.cluster.mode == "local":
+        probe_topology(cfg)
+    else:  # the probe measures processes on this machine; it says nothing about the links between the nodes
+        logger.info("topology probe skipped for a %s cluster: it measures this machine only", cfg.cluster.mode)
     run_id = tracking.open_run(
         cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
     )
@@ -154,8 +161,20 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         def one_attempt(attempt: int) -> dict[str, Any]:
             nonlocal attempts
             attempts = attempt + 1
-            env = {**issue_tokens(cfg, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
-            return launch(cfg, str(resolved), str(run_dir), attempt, worker_resume, run_id, env, lost_nodes)
+            job, job_file = config_for_attempt(cfg, lost_nodes), resolved
+            if job is not cfg:  # a lost node left too few: the elastic re-plan, written beside the resolved config
+                job_file = run_dir / f"config.attempt_{attempt}.yaml"
+                job_file.write_text(job.to_yaml(), encoding="utf-8")
+                logger.warning(
+                    "elastic re-plan for attempt %d: data_parallel_size %d -> %d, gradient_accumulation_steps %d -> %d",
+                    attempt,
+                    cfg.parallel.data_parallel_size,
+                    job.parallel.data_parallel_size,
+                    cfg.parallel.gradient_accumulation_steps,
+                    job.parallel.gradient_accumulation_steps,
+                )
+            env = {**issue_tokens(job, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
+            return launch(job, str(job_file), str(run_dir), attempt, worker_resume, run_id, env, lost_nodes)
 
         def before_restart(next_attempt: int, exc: BaseException) -> None:
             failed = next_attempt - 1

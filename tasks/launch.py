@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import task
 
+from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
@@ -90,6 +91,7 @@ def launch_workers(
         "KC_JOB_ID": cfg.task.name,
         "KC_TRACKING_URI": cfg.tracking.uri,
         "PYTHONUNBUFFERED": "1",
+        UNUSED_REPORTED_ENV: "1",  # the flow said them at start, from the user's own config
     }
     if mlflow_run_id:
         worker_env["KC_MLFLOW_RUN_ID"] = mlflow_run_id

@@ -213,6 +213,24 @@ def one_process_losses(tmp_path_factory, store) -> list[float]:
     return list(per_rank[0][0]["losses"])
 
 
+def _start_train(cluster: Cluster, workdir: Path, overrides: list[str]) -> subprocess.Popen:
+    """``kc train`` in the background, its output in files (a pipe nobody reads would block it)."""
+    return subprocess.Popen(
+        [KC, "train", "--config", TINY, "--json", *[a for o in overrides for a in ("--set", o)]],
+        env={**cluster.env, "KC_RUNS_DIR": str(workdir / "runs")},
+        cwd=workdir,
+        stdout=open(workdir / "kc-train.out", "w"),  # noqa: SIM115 - the process owns it
+        stderr=open(workdir / "kc-train.err", "w"),  # noqa: SIM115
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, workdir: Path, timeout_s: float = 400) -> subprocess.CompletedProcess:
+    proc.wait(timeout=timeout_s)
+    out, err = (workdir / "kc-train.out").read_text(), (workdir / "kc-train.err").read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _summary(result: subprocess.CompletedProcess) -> dict:
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-4000:])
     text = result.stdout
@@ -256,28 +274,12 @@ def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path, stor
     assert not list((tmp_path / "runs").glob("*/*/attempt_*")), "a rank was started"
 
 
-def test_static_dp2_tp2_on_two_hosts_trains_like_one_process(cluster, tmp_path, store, one_process_losses):
-    overrides = _overrides(tmp_path, "kc-cluster-static", store) + [f"{k}={v}" for k, v in _static("h0", "h1").items()]
-    summary = _summary(cluster.train(tmp_path, overrides))
-    assert summary["attempts"] == 1 and summary["steps"] == STEPS
-    run_dir = Path(summary["run_dir"])
-    assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h1"]
-    _assert_losses(store, summary, one_process_losses)
-
-
 def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path, store, one_process_losses):
     overrides = _overrides(
         tmp_path, "kc-cluster-dynamic", store, **{"cluster.mode": "dynamic", "cluster.registry": f"prefect://{POOL}"}
     )
     ckpt = tmp_path / "ckpt" / "kc-cluster-dynamic"
-    proc = subprocess.Popen(
-        [KC, "train", "--config", TINY, "--json", *[a for o in overrides for a in ("--set", o)]],
-        env={**cluster.env, "KC_RUNS_DIR": str(tmp_path / "runs")},
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_train(cluster, tmp_path, overrides)
     try:
         first = _wait(
             lambda: sorted(tmp_path.glob("runs/*/*/attempt_0/nodes/*/launcher.log")), 180, "both nodes running"
@@ -287,14 +289,41 @@ def test_dynamic_picks_two_live_nodes_and_survives_losing_one(cluster, tmp_path,
         assert placed == ["h0", "h1"], placed  # two of the three live nodes, by name
         _wait(lambda: list(ckpt.glob(f"*/step_{INTERVAL * 2:08d}/manifest.json")), 300, "a checkpoint mid-run")
         assert cluster.bench.kill_host(1) > 0  # the machine h1 dies: its agent and both of its ranks
-        out, err = proc.communicate(timeout=400)
+        result = _finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
-    summary = _summary(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    summary = _summary(result)
     assert summary["attempts"] == 2, summary
     assert summary["restart_causes"][0].startswith("attempt 0: node h1: lost"), summary["restart_causes"]
     run_dir = Path(summary["run_dir"])
     assert sorted(p.name for p in (run_dir / "attempt_1" / "nodes").iterdir()) == ["h0", "h2"]
     _assert_losses(store, summary, one_process_losses)
     shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+
+
+def test_static_dp2_tp2_on_two_hosts_trains_like_one_process_and_shrinks_when_one_is_lost(
+    cluster, tmp_path, store, one_process_losses
+):
+    """Static dp2×tp2 on h0 and h2 (h1 was lost in the test before); h2 dies mid-run and, with cluster.elastic,
+    the job resumes as dp1×tp2 with doubled accumulation on h0 alone: the loss sequence is the one-process one."""
+    overrides = _overrides(tmp_path, "kc-cluster-static", store, **{"cluster.elastic": "true"})
+    overrides += [f"{k}={v}" for k, v in _static("h0", "h2").items()]
+    ckpt = tmp_path / "ckpt" / "kc-cluster-static"
+    proc = _start_train(cluster, tmp_path, overrides)
+    try:
+        _wait(lambda: list(ckpt.glob(f"*/step_{INTERVAL * 2:08d}/manifest.json")), 300, "a checkpoint mid-run")
+        assert cluster.bench.kill_host(2) > 0
+        result = _finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = _summary(result)
+    run_dir = Path(summary["run_dir"])
+    assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h2"]
+    assert summary["attempts"] == 2 and summary["restart_causes"][0].startswith("attempt 0: node h2: lost")
+    assert sorted(p.name for p in (run_dir / "attempt_1" / "nodes").iterdir()) == ["h0"]
+    replanned = load_config(run_dir / "config.attempt_1.yaml")
+    assert (replanned.parallel.data_parallel_size, replanned.parallel.gradient_accumulation_steps) == (1, 2)
+    assert replanned.parallel.tensor_parallel_size == 2
+    _assert_losses(store, summary, one_process_losses)

@@ -75,3 +75,30 @@ def test_registry_names_are_valid_prefect_variable_names():
 
     VariableCreate(name=facts_variable("Kuangchao Nodes", "h-0"), value={})
     assert worker_name("h0") == "kc-node-h0"
+
+
+def test_elastic_replan_keeps_tp_pp_and_the_global_batch():
+    from kuangchao_core.sched.elastic import shrunk_config, smaller_data_parallel
+
+    assert smaller_data_parallel(dp=4, accum=1, per_replica=2, capacity=6) == (2, 2)
+    assert smaller_data_parallel(dp=2, accum=3, per_replica=2, capacity=2) == (1, 6)
+    assert smaller_data_parallel(dp=2, accum=1, per_replica=4, capacity=3) is None
+    base = config_from_dict(
+        {
+            "task": {"name": "e"},
+            "parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2, "gradient_accumulation_steps": 2},
+            "cluster": {
+                "mode": "static",
+                "nproc_per_node": 2,
+                "elastic": True,
+                "nodes": [{"host": "h0", "role": "worker"}, {"host": "h1", "role": "worker"}],
+            },
+        }
+    )
+    shrunk = shrunk_config(base, ["h1"], [REGISTERED[0]])
+    assert (shrunk.parallel.data_parallel_size, shrunk.parallel.gradient_accumulation_steps) == (1, 4)
+    assert shrunk.parallel.global_batch_size == base.parallel.global_batch_size
+    assert [n.host for n in shrunk.cluster.nodes] == ["h0"] and shrunk.parallel.tensor_parallel_size == 2
+    rigid = config_from_dict({**base.to_dict(), "cluster": {**base.to_dict()["cluster"], "elastic": False}})
+    with pytest.raises(NodeUnavailable, match="lost h1: the remaining live nodes host 2 ranks, the job needs 4"):
+        shrunk_config(rigid, ["h1"], [REGISTERED[0]])

@@ -271,13 +271,15 @@ class ClusterSection(Section):
     """Where the workers run: this machine (``local``), a fixed node list (``static``) or a registry (``dynamic``).
 
     Recovery: a failed attempt is restarted at most ``max_restarts`` times; a worker silent for longer than
-    ``heartbeat_timeout_s`` (``None``: never) is treated as hung.
+    ``heartbeat_timeout_s`` (``None``: never) is treated as hung. ``elastic``: when a lost node leaves too few
+    nodes for the layout, resume with a smaller data-parallel size (same tp×pp and global batch) instead of failing.
     """
 
     mode: Literal["local", "static", "dynamic"] = "local"
     nodes: list[NodeSpec] = Field(default_factory=list)
     nproc_per_node: Int | None = Field(default=None, ge=1)
     registry: str | None = None
+    elastic: bool = False
     max_restarts: Int = Field(default=2, ge=0)
     heartbeat_interval_s: Float = Field(default=1.0, gt=0)
     heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)

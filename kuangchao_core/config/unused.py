@@ -12,6 +12,9 @@ from typing import Any
 
 Warnings = list[tuple[str, str]]
 
+#: set in a worker's environment when the orchestrator has already reported the unused settings
+UNUSED_REPORTED_ENV = "KC_UNUSED_SETTINGS_REPORTED"
+
 
 def _given(section: Any, name: str) -> bool:
     return name in getattr(section, "model_fields_set", ())

@@ -52,6 +52,13 @@ class TokenDataset:
         return window(self.tokens, index % self._n, self.seq_len)
 
 
+def synthetic_settings(data_cfg: Any) -> dict[str, Any]:
+    """``task``, ``num_train``, ``num_eval`` and ``seed`` of the synthetic corpus (defaults where unset): the one
+    reading of them, shared by training and data validation."""
+    syn = setting(data_cfg, "synthetic")
+    return {k: setting(syn, k, v) for k, v in _SYNTHETIC_DEFAULTS.items()}
+
+
 def dataset_name(data_cfg: Any) -> str:
     """The name used in the ``dataset:<name>`` permission resource: ``synthetic`` or the configured path."""
     path = setting(data_cfg, "path")
@@ -72,8 +79,7 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     tokenizer = get_tokenizer(setting(data_cfg, "tokenizer", "byte"), vocab_size)
     corpus = None
     if name == "synthetic":
-        syn = setting(data_cfg, "synthetic")
-        s = {k: setting(syn, k, v) for k, v in _SYNTHETIC_DEFAULTS.items()}
+        s = synthetic_settings(data_cfg)
         corpus = make_corpus(s["task"], int(s["num_train"]), int(s["num_eval"]), int(s["seed"]), tokenizer)
         docs = corpus.documents(split)
         label = f"synthetic:{s['task']}:{split}"

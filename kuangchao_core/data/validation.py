@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kuangchao_core.config.access import setting
 from kuangchao_core.data.files import decode_record
 from kuangchao_core.errors import DataError
 
@@ -145,30 +146,21 @@ def load_records(data_cfg: Any) -> tuple[list[bytes | str], str]:
     """
     from kuangchao_core.data.files import iter_records
 
-    path = _field(data_cfg, "path")
-    fmt = _field(data_cfg, "format", "auto")
-    text_field = _field(data_cfg, "text_field", "text")
+    path = setting(data_cfg, "path")
+    fmt = setting(data_cfg, "format", "auto")
+    text_field = setting(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
         return _synthetic_records(data_cfg), "synthetic corpus"
     return [raw for raw, _ in iter_records(path, fmt, text_field)], str(path)
 
 
-def _field(section: Any, name: str, default: Any = None) -> Any:
-    value = section.get(name) if isinstance(section, dict) else getattr(section, name, None)
-    return default if value is None else value
-
-
 def _synthetic_records(data_cfg: Any) -> list[bytes | str]:
     """Training documents of the synthetic corpus of ``kuangchao_core.data``."""
+    from kuangchao_core.data.dataset import synthetic_settings
     from kuangchao_core.data.synthetic import make_corpus
 
-    syn = _field(data_cfg, "synthetic", {})
-    corpus = make_corpus(
-        str(_field(syn, "task", "arithmetic")),
-        int(_field(syn, "num_train", 4096)),
-        int(_field(syn, "num_eval", 256)),
-        int(_field(syn, "seed", 0)),
-    )
+    syn = synthetic_settings(data_cfg)
+    corpus = make_corpus(str(syn["task"]), int(syn["num_train"]), int(syn["num_eval"]), int(syn["seed"]))
     return list(corpus.documents("train"))
 
 
@@ -355,7 +347,7 @@ def validate_dataset(
     """Load the records of ``cfg.data`` and validate them against the job's planned token budget."""
     records, source = load_records(cfg.data)
     planned, seq_len = planned_tokens_of(cfg)
-    tok = _field(cfg.data, "tokenizer", "byte")
+    tok = setting(cfg.data, "tokenizer", "byte")
     if source == "synthetic corpus":
         max_duplicate_share = 1.0
     return validate_records(

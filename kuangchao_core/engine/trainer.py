@@ -11,6 +11,7 @@ checkpoint I/O is :mod:`kuangchao_core.engine.checkpointing`, following ``kc con
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.comm.timing import COMM_STATS
-from kuangchao_core.config.unused import unused_settings
+from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.evaluation import held_out_loss_for
@@ -132,8 +133,9 @@ class Trainer:
         )
 
     def _warn_unused(self, cfg: Any) -> None:
-        """Settings this job accepts but does not use, said once at start (never silently dropped)."""
-        if self.rank != 0:
+        """Settings this job accepts but does not use, said once at start (never silently dropped). Under the flow
+        the orchestrator has said them already, from the user's config (the resolved one names every field)."""
+        if self.rank != 0 or os.environ.get(UNUSED_REPORTED_ENV):
             return
         for path, why in unused_settings(cfg):
             log.warning("%s: %s", path, why)
