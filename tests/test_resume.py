@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.engine_helpers import run_trainer, tiny_job
 from tests.mp import run_distributed
@@ -34,8 +35,13 @@ def _interrupted(tmp_path, name, patch=None):
     return run_distributed(run_trainer, 2, args=(cfg, "auto", None, patch))
 
 
-def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path):
-    reference = run_distributed(run_trainer, 2, args=(_job(tmp_path, "ref"), "never"))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run both tests compare with."""
+    return run_distributed(run_trainer, 2, args=(_job(tmp_path_factory.mktemp("resume"), "ref"), "never"))
+
+
+def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, reference):
     resumed = _interrupted(tmp_path, "resumed")
     assert len(reference[0]["losses"]) == STEPS
     assert resumed[0]["losses"] == reference[0]["losses"]  # exact float equality, every step
@@ -45,8 +51,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path):
     assert resumed[0]["losses"] == resumed[1]["losses"]
 
 
-def test_negative_control_missing_rng_restore_is_caught(tmp_path):
-    reference = run_distributed(run_trainer, 2, args=(_job(tmp_path, "ref"), "never"))
+def test_negative_control_missing_rng_restore_is_caught(tmp_path, reference):
     broken = _interrupted(tmp_path, "broken", patch=_no_rng_restore)
     assert broken[0]["losses"][:STOP_AT] == reference[0]["losses"][:STOP_AT]
     assert broken[0]["losses"][STOP_AT:] != reference[0]["losses"][STOP_AT:]
