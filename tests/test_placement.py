@@ -102,3 +102,16 @@ def test_elastic_replan_keeps_tp_pp_and_the_global_batch():
     rigid = config_from_dict({**base.to_dict(), "cluster": {**base.to_dict()["cluster"], "elastic": False}})
     with pytest.raises(NodeUnavailable, match="lost h1: the remaining live nodes host 2 ranks, the job needs 4"):
         shrunk_config(rigid, ["h1"], [REGISTERED[0]])
+
+
+def test_kc_node_needs_a_prefect_server_and_a_valid_name(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    res = CliRunner().invoke(app, ["node", "list", "--pool", "p"])
+    assert res.exit_code == 2 and "PREFECT_API_URL is not set" in res.output
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    res = CliRunner().invoke(app, ["node", "start", "--pool", "p", "--name", "Bad Name"])
+    assert res.exit_code == 2 and "cannot name a node" in res.output
