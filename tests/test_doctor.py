@@ -228,6 +228,7 @@ def test_doctor_task_fails_fast_with_artifact(prefect_api, tmp_path):
 
     from prefect import flow
     from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
 
     from kuangchao_core.errors import KuangchaoError
     from tasks.doctor import doctor as doctor_task
@@ -235,9 +236,11 @@ def test_doctor_task_fails_fast_with_artifact(prefect_api, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     calls = []
+    mine: set[str] = set()  # this test's flow runs: the session's server holds other tests' runs too
 
     @flow
     def check(cfg):
+        mine.add(str(flow_run.get_id()))
         out = doctor_task(cfg, skip=NO_GLOO)
         calls.append(1)
         return out
@@ -257,9 +260,10 @@ def test_doctor_task_fails_fast_with_artifact(prefect_api, tmp_path):
             return runs, arts
 
     runs, arts = asyncio.run(runs_and_artifacts())
+    runs = [r for r in runs if str(r.flow_run_id) in mine]
     failed = [r for r in runs if r.name.startswith("doctor") and r.state.is_failed()]
     assert len(failed) == 1 and failed[0].run_count == 1  # no retries
-    docs = [a for a in arts if a.key == "kc-doctor"]
+    docs = [a for a in arts if a.key == "kc-doctor" and str(a.flow_run_id) in mine]
     assert len(docs) == 2 and any("checkpoint_storage | **FAIL**" in a.data for a in docs)
 
 

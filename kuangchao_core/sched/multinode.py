@@ -215,6 +215,7 @@ def _watch(watches, run_dir: Path, attempt: int, stop: Path, lost_after, start_t
             name, why = lost[0]
             _mark_crashed(watches[name].flow_run_id, f"node {name} lost: {why}")
             raise WorkerFailed(None, f"lost: {why}", node=name)
+        failed = [(n, w.result) for n, w in watches.items() if w.result is not None and not w.result.get("ok")]
         real = [(n, r) for n, r in failed if not str(r.get("cause", "")).startswith("stopped by the orchestrator")]
         name, res = (real or failed)[0]
         raise WorkerFailed(res.get("rank"), f"on node {name}: {res.get('cause')}", res.get("exit_code"))
