@@ -327,3 +327,37 @@ def test_static_dp2_tp2_on_two_hosts_trains_like_one_process_and_shrinks_when_on
     assert (replanned.parallel.data_parallel_size, replanned.parallel.gradient_accumulation_steps) == (1, 2)
     assert replanned.parallel.tensor_parallel_size == 2
     _assert_losses(store, summary, one_process_losses)
+
+
+_RENEW = (
+    "import json, sys, urllib.request\n"
+    "req = urllib.request.Request(sys.argv[1] + '/renew', data=json.dumps({'token': sys.argv[2]}).encode(),\n"
+    "                             headers={'Content-Type': 'application/json'})\n"
+    "print(json.loads(urllib.request.urlopen(req, timeout=5).read())['token'])\n"
+)
+
+
+def test_a_token_renews_from_another_host_at_the_orchestrators_bridge_address(cluster, tmp_path):
+    """Workers on other hosts renew through the endpoint the launch task opens on the orchestrator's address towards
+    the nodes; the same endpoint on loopback (the single-node default) is out of their reach (the control)."""
+    from kuangchao_core.perm.authority import Authority
+    from kuangchao_core.perm.runtime import RenewalServer
+    from kuangchao_core.sched.nodes import route_address
+
+    auth = Authority(tmp_path / "auth")
+    token = auth.issue("worker-0", "trainer", "job-R", 0, interfaces=["all_reduce"], ttl_s=60)
+    host = cluster.bench.hosts[0]
+    here = route_address(host.address)
+    assert here == cluster.bench.address  # the root namespace reaches the hosts over the bridge
+    renew = [sys.executable, "-c", _RENEW]
+    with RenewalServer(auth, "job-R", 0, host=here, ttl_s=30) as server:
+        out = subprocess.run(host.command([*renew, server.address, token]), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert server.renewed == 1
+    claims = auth.verifier("job-R").verify(out.stdout.strip(), subject="worker-0")
+    assert claims.exp - claims.iat <= 30  # the renewed token, with the configured lifetime
+    with RenewalServer(auth, "job-R", 0, ttl_s=30) as loopback:
+        out = subprocess.run(
+            host.command([*renew, loopback.address, token]), capture_output=True, text=True, timeout=60
+        )
+    assert out.returncode != 0 and loopback.renewed == 0
