@@ -73,7 +73,8 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     """Run several engine jobs one after another in this process (all ranks run the same list).
 
     ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps``, ``lineage`` (pins
-    the checkpoint lineage, as a flow run does) and ``sabotage`` (the
+    the checkpoint lineage, as a flow run does), ``node_of_rank`` (the node of every rank, for hierarchical
+    reductions) and ``sabotage`` (the
     name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
     own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
     ``{"losses", "eval_loss", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``eval_loss`` is
@@ -97,7 +98,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     out = []
     for job in jobs:
         cfg = job["cfg"]
-        mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
+        mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size, node_of_rank=job.get("node_of_rank"))
         trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, mesh)
         undo = SABOTAGE[job["sabotage"]](trainer) if job.get("sabotage") else None
         seen: list[list[dict[str, Any]]] = []

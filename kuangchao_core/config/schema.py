@@ -167,6 +167,10 @@ class ParallelSection(Section):
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "afab"] = "1f1b"
     zero_stage: Literal[0, 1, 2] = 0
     bucket_size_mb: Float = Field(default=25.0, gt=0)
+    hierarchical_allreduce: Literal["auto", "on", "off"] = "auto"
+    grad_compression: Literal["none", "fp16", "bf16", "topk"] = "none"
+    topk_ratio: Float = Field(default=0.01, gt=0, le=1)
+    topk_warmup_steps: Int = Field(default=0, ge=0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_ms: Int = Field(default=300_000, ge=1)
 
@@ -280,6 +284,7 @@ class ClusterSection(Section):
     nproc_per_node: Int | None = Field(default=None, ge=1)
     registry: str | None = None
     elastic: bool = False
+    placement: Literal["topology", "blind"] = "topology"
     max_restarts: Int = Field(default=2, ge=0)
     heartbeat_interval_s: Float = Field(default=1.0, gt=0)
     heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)

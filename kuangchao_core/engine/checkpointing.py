@@ -20,7 +20,8 @@ import torch
 from kuangchao_core import __version__
 from kuangchao_core.ckpt.index import load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
-from kuangchao_core.ckpt.reader import read_rng, read_state
+from kuangchao_core.ckpt.integrity import read_manifest
+from kuangchao_core.ckpt.reader import load_shard, read_rng, read_state
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
@@ -95,6 +96,7 @@ class TrainerCheckpoints:
             "model_shape": asdict(self.model_config),
             "parallel": self.cfg.parallel.model_dump(mode="json"),
             "task": self.cfg.task.name,
+            "comm_layout": self._comm_layout(),
         }
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -109,7 +111,22 @@ class TrainerCheckpoints:
         opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)
         tensors.update(opt_tensors)
         slices.update(opt_slices)
+        comm_state = getattr(self.sync, "comm_state_tensors", dict)()
+        tensors.update({f"{self._comm_prefix()}{k}": v for k, v in comm_state.items()})
         return tensors, slices
+
+    def _comm_prefix(self) -> str:
+        """Per-rank gradient-compression state lives in the rank's own shard under ``comm.rank<r>.``."""
+        return f"comm.rank{self.rank}."
+
+    def _comm_layout(self) -> dict[str, Any]:
+        par = self.cfg.parallel
+        return {
+            "sizes": [par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size],
+            "compression": [par.grad_compression, par.topk_ratio, par.topk_warmup_steps],
+            "buckets": par.bucket_size_mb,
+            "node_of_rank": list(getattr(self.mesh, "node_of_rank", [])),
+        }
 
     def save(self, step: int, losses: list[float], sampler_state: dict[str, Any]) -> Path:
         """Write the checkpoint of ``step`` into this run's lineage, then apply retention (collective)."""
@@ -170,9 +187,24 @@ class TrainerCheckpoints:
             self.sync.load_state(optim, steps)
         elif steps:
             log.warning("%s holds no optimizer state; AdamW moments start from zero", step_dir)
+        self._load_comm_state(step_dir)
         try:
             restore_rng_state(read_rng(step_dir, self.rank))
         except CheckpointError as exc:  # a new layout with more ranks than the old one
             log.warning("no RNG state for rank %d in %s (%s); RNG continues from the seed", self.rank, step_dir, exc)
         log_event(log, "resumed", step=int(state["step"]), checkpoint=str(step_dir))
         return state
+
+    def _load_comm_state(self, step_dir: Path) -> None:
+        """Top-k residuals back, when the checkpoint was written by the same layout, placement and compression;
+        otherwise the residuals start from zero (they belong to a rank's own shard of the buckets)."""
+        loader = getattr(self.sync, "load_comm_state_tensors", None)
+        if loader is None or self.cfg.parallel.grad_compression != "topk":
+            return
+        saved = read_manifest(step_dir).get("comm_layout")
+        if saved != self._comm_layout():
+            log.warning("%s: gradient-compression residuals were saved by another layout; they start from zero", step_dir)
+            return
+        prefix = self._comm_prefix()
+        shard = load_shard(step_dir, self.rank)
+        loader({k.removeprefix(prefix): v for k, v in shard.items() if k.startswith(prefix)})

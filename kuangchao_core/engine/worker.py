@@ -5,7 +5,8 @@
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional ``KC_MLFLOW_RUN_ID`` +
 ``KC_TRACKING_URI`` (rank 0 logs metrics), ``KC_HEARTBEAT_DIR`` (heartbeats for the launcher),
 ``KC_TOKEN_FILE``/``KC_TRUST_STORE``/``KC_JOB_ID``/``KC_ATTEMPT`` (capability token of this module),
-``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer).
+``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer); ``KC_RANK_MAP`` /
+``KC_NODE_OF_RANK`` (the placement: which mesh rank each torch rank plays, and the node of every mesh rank).
 Sequence: device_init → guard → comm groups → model → data → steps → checkpoints.
 """
 
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (testing)")
     args = parser.parse_args(argv)
 
+    from kuangchao_core.sched.rank_placement import apply_rank_map, node_of_rank_from_env
+
+    apply_rank_map()  # the mesh rank this slot plays, before anything reads RANK
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(backend=cfg.parallel.backend, timeout_ms=cfg.parallel.timeout_ms)
     raise_for_plan(cfg, world_size)
     world = world_group()
-    mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
+    mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size, node_of_rank=node_of_rank_from_env(world_size))
     log_event(log, "worker ready", device=str(ctx.device), world_size=world_size, mesh=repr(mesh))
 
     sink = None

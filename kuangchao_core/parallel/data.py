@@ -69,6 +69,8 @@ class DataParallel(torch.nn.Module):
             capped at ``min(1, bucket_cap_mb)`` MiB so that communication starts early in backward.
         grad_dtype: dtype in which gradients are reduced; ``None`` means each parameter's own dtype. When it differs
             from a parameter's dtype the gradient is copied into the bucket and back instead of living in it.
+        reducer: how a bucket is summed (:class:`~kuangchao_core.parallel.bucket_reduce.BucketReducer`); default
+            one flat asynchronous all-reduce over ``group``.
 
     ``forward`` is the wrapped module's; ``dp.module`` is the bare model (use it for checkpoint names).
     A group of size 1 performs no communication at all.
@@ -80,6 +82,7 @@ class DataParallel(torch.nn.Module):
         group,
         bucket_cap_mb: float = 25,
         grad_dtype: torch.dtype | None = None,
+        reducer=None,
     ):
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -90,6 +93,11 @@ class DataParallel(torch.nn.Module):
         self.group = group
         self.bucket_cap_mb = bucket_cap_mb
         self.grad_dtype = grad_dtype
+        if reducer is None:
+            from kuangchao_core.parallel.bucket_reduce import BucketReducer
+
+            reducer = BucketReducer(group)
+        self.reducer = reducer
         self._sync_enabled = True
         self._backward_seen = False  # a synchronized backward has produced gradients since the last finish
         self._next_launch = 0
@@ -290,5 +298,5 @@ class DataParallel(torch.nn.Module):
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.handle = comm.all_reduce(bucket.buffer, group=self.group, op="sum", async_op=True)
+            bucket.handle = self.reducer.launch(self._next_launch, bucket.buffer)
             self._next_launch += 1

@@ -23,7 +23,9 @@ import torch
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.errors import CheckpointError
+from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
+from kuangchao_core.parallel.grad_compression import make_compressor
 from kuangchao_core.parallel.zero import ZeroOptimizer
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -80,11 +82,21 @@ def _apply_clip(grads: list[torch.Tensor], total: float, max_norm: float) -> Non
 class ReplicatedAdamW:
     """Data parallel with a full AdamW on every replica (``parallel.zero_stage: 0``)."""
 
-    def __init__(self, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float], hyper: dict, bucket_mb: float):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: Any,
+        norm_weight: dict[str, float],
+        hyper: dict,
+        bucket_mb: float,
+        compressor: Any = None,
+    ):
         self.model = model
         self.mesh = mesh
         self.norm_weight = norm_weight
-        self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb)
+        intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
+        self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor if mesh.dp > 1 else None)
+        self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb, reducer=self.reducer)
         self.optimizer = torch.optim.AdamW(list(model.parameters()), foreach=False, **hyper)
 
     @property
@@ -160,6 +172,14 @@ class ReplicatedAdamW:
     def state_tensors(self) -> list[torch.Tensor]:
         """See :meth:`GradSync.state_tensors`."""
         return [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+
+    def comm_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient-compression state (top-k residuals), saved per rank with the checkpoint."""
+        return self.reducer.state_tensors()
+
+    def load_comm_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`comm_state_tensors`."""
+        self.reducer.load_state_tensors(tensors)
 
 
 class ShardedAdamW:
@@ -272,7 +292,8 @@ def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dic
     stage = int(par.zero_stage)
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage)
-    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb)
+    compressor = make_compressor(par.grad_compression, par.topk_ratio, par.topk_warmup_steps)
+    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, compressor)
 
 
 def require_full_state(optim: dict[str, torch.Tensor], names: list[str], where: str) -> bool:

@@ -94,6 +94,18 @@ class MeshLayout:
         }
 
 
+def dp_subgroups(layout: MeshLayout, node_of_rank: list[int] | None, mode: str) -> list[tuple[str, list[int]]]:
+    """The node-local (``dpn``) and cross-node (``dpx``) subgroups of every DP group, in construction order, when
+    the hierarchical all-reduce applies (``mode``: ``parallel.hierarchical_allreduce``); empty otherwise."""
+    from kuangchao_core.comm.hierarchical import subgroup_lists, use_hierarchical
+
+    nodes = list(node_of_rank) if node_of_rank is not None else [0] * layout.world_size
+    groups = layout.dp_groups()
+    if not use_hierarchical(mode, groups, nodes):
+        return []
+    return [("dpn" if kind == "n" else "dpx", ranks) for kind, ranks in subgroup_lists(groups, nodes)]
+
+
 def mesh_layout(dp: int, tp: int, pp: int, world_size: int | None = None) -> MeshLayout:
     """Validated layout of a dp x tp x pp mesh (raises PlanError with every number)."""
     validate_sizes(dp, tp, pp, world_size)
@@ -117,6 +129,8 @@ class ParallelMesh:
         world_size: int | None = None,
         backend: str = "auto",
         timeout_ms: int = 300_000,
+        node_of_rank: list[int] | None = None,
+        hierarchical: str = "off",
     ) -> None:
         import torch.distributed as dist
 
@@ -137,6 +151,21 @@ class ParallelMesh:
         self.tp_group = self._build("tp", self.layout.tp_groups())
         self.pp_group = self._build("pp", self.layout.pp_groups())
         self.dp_group = self._build("dp", self.layout.dp_groups())
+        self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
+        self.dp_intra_group = self.dp_inter_group = None
+        if dp_subgroups(self.layout, self.node_of_rank, hierarchical):
+            self._build_dp_subgroups()
+
+    def _build_dp_subgroups(self) -> None:
+        from kuangchao_core.comm import CommGroup
+
+        for kind, ranks in dp_subgroups(self.layout, self.node_of_rank, "on"):
+            group = CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=group_name(kind, ranks))
+            if self.rank in ranks:
+                if kind == "dpn":
+                    self.dp_intra_group = group
+                else:
+                    self.dp_inter_group = group
 
     def _build(self, kind: str, groups: list[list[int]]):
         from kuangchao_core.comm import CommGroup
@@ -150,9 +179,15 @@ class ParallelMesh:
 
     @classmethod
     def from_config(
-        cls, parallel_cfg: Any, rank: int | None = None, world_size: int | None = None, backend: str | None = None
+        cls,
+        parallel_cfg: Any,
+        rank: int | None = None,
+        world_size: int | None = None,
+        backend: str | None = None,
+        node_of_rank: list[int] | None = None,
     ) -> ParallelMesh:
-        """Build the mesh from the job config's ``parallel`` section (object or dict)."""
+        """Build the mesh from the job config's ``parallel`` section (object or dict); ``node_of_rank`` (the node
+        index of every rank) decides whether DP gradients are reduced hierarchically."""
         return cls(
             int(setting(parallel_cfg, "data_parallel_size", 1)),
             int(setting(parallel_cfg, "tensor_parallel_size", 1)),
@@ -161,6 +196,8 @@ class ParallelMesh:
             world_size=world_size,
             backend=backend or setting(parallel_cfg, "backend", "auto"),
             timeout_ms=int(setting(parallel_cfg, "timeout_ms", 300_000)),
+            node_of_rank=node_of_rank,
+            hierarchical=str(setting(parallel_cfg, "hierarchical_allreduce", "off")),
         )
 
     @property

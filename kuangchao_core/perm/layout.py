@@ -9,7 +9,7 @@ mesh builds.
 
 from __future__ import annotations
 
-from kuangchao_core.parallel.mesh import MeshLayout, group_name
+from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups, group_name
 from kuangchao_core.perm.names import is_canonical_value
 
 #: memory regions the HAL names (``memory_alloc(..., region=...)``); a trainer token grants all of them
@@ -19,13 +19,18 @@ DEFAULT_REGIONS = ("activations", "buffers", "comm", "grads", "optim", "params",
 __all__ = ["DEFAULT_REGIONS", "dataset_resource_name", "group_layout", "group_name", "groups_of_rank"]
 
 
-def group_layout(dp: int, tp: int = 1, pp: int = 1) -> dict[str, list[int]]:
-    """Every group of a dp×tp×pp job: name -> global ranks (``world`` plus the tp, dp and pp groups)."""
+def group_layout(
+    dp: int, tp: int = 1, pp: int = 1, node_of_rank: list[int] | None = None, hierarchical: str = "off"
+) -> dict[str, list[int]]:
+    """Every group of a dp×tp×pp job: name -> global ranks (``world`` plus the tp, dp and pp groups, and the DP
+    groups' node-local ``dpn`` / cross-node ``dpx`` subgroups when the hierarchical all-reduce applies)."""
     mesh = MeshLayout(dp, tp, pp)
     groups: dict[str, list[int]] = {"world": list(range(mesh.world_size))}
     for kind, lists in (("tp", mesh.tp_groups()), ("dp", mesh.dp_groups()), ("pp", mesh.pp_groups())):
         for ranks in lists:
             groups[group_name(kind, ranks)] = list(ranks)
+    for kind, ranks in dp_subgroups(mesh, node_of_rank, hierarchical):
+        groups[group_name(kind, ranks)] = list(ranks)
     return groups
 
 

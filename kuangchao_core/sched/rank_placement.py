@@ -1,0 +1,274 @@
+"""Node-level placement (SPEC L4.1): which global rank of the mesh runs in which slot of which node.
+
+torchrun numbers its processes by node — node ``n`` of ``N`` (in rendezvous order) runs torch ranks
+``[n * nproc, (n + 1) * nproc)``. The mesh's own rank formula puts TP innermost (consecutive ranks), then PP, then
+DP. A :class:`RankPlacement` maps each torch rank (a *slot*) to the mesh rank it plays; the worker renames itself
+before anything reads ``RANK`` (:func:`apply_rank_map`).
+
+Topology-aware placement (``cluster.placement: topology``):
+
+1. estimate the bytes each kind of group moves per optimizer step (:func:`group_traffic`, from the model and the
+   layout: TP all-reduces activations four times per layer and micro-batch, PP sends activations and their
+   gradients across every stage boundary, DP all-reduces the gradients once per step);
+2. order the mesh positions with the heaviest kind innermost, so the groups that move the most bytes land on
+   consecutive slots;
+3. order the nodes as a chain that keeps consecutive nodes on the best measured links (highest bandwidth, then
+   lowest latency), starting at the rendezvous node, and inside a node order the devices so that consecutive ones
+   share the fastest device link (NVLink pairs, when the probe saw any);
+4. fill the slots in that order.
+
+Topology-blind placement (``cluster.placement: blind``, for comparison) deals ranks out to the nodes in turn —
+mesh rank ``r`` on node ``r mod N`` — as a scheduler that spreads processes over machines would, whatever the
+groups are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kuangchao_core.config.access import setting
+
+ENV_RANK_MAP = "KC_RANK_MAP"
+ENV_NODE_OF_RANK = "KC_NODE_OF_RANK"
+ENV_TORCH_RANK = "KC_TORCH_RANK"
+PLACEMENTS = ("topology", "blind")
+
+
+def group_traffic(cfg: Any) -> dict[str, float]:
+    """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}``.
+
+    With b micro-batch, s sequence length, h hidden size, L layers, m micro-batches per step, e bytes per
+    element (4 in fp32), Ψ parameters per rank:
+
+    - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
+      sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
+    - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
+    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``.
+    """
+    from kuangchao_core.models.llama import config_from_model_section
+    from kuangchao_core.models.layout import slices_for_rank
+
+    mcfg = config_from_model_section(cfg.model)
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
+    seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
+    e = 4.0
+    act = b * seq * mcfg.hidden_size * e
+    psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
+    return {
+        "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
+        "pp": 2 * v * m * act if pp > 1 else 0.0,
+        "dp": 2 * (dp - 1) / dp * psi * 4 if dp > 1 else 0.0,
+    }
+
+
+def _mesh_rank(dp_i: int, pp_i: int, tp_i: int, tp: int, pp: int) -> int:
+    return dp_i * (pp * tp) + pp_i * tp + tp_i
+
+
+def mesh_order(dp: int, tp: int, pp: int, traffic: dict[str, float]) -> list[int]:
+    """Mesh ranks in slot order: the kind moving the most bytes innermost (ties keep TP, then PP, then DP)."""
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    priority = {"tp": 0, "pp": 1, "dp": 2}
+    inner_first = sorted(sizes, key=lambda k: (-traffic.get(k, 0.0), priority[k]))
+    outer_first = list(reversed(inner_first))
+    order: list[int] = []
+
+    def walk(level: int, idx: dict[str, int]) -> None:
+        if level == len(outer_first):
+            order.append(_mesh_rank(idx["dp"], idx["pp"], idx["tp"], tp, pp))
+            return
+        kind = outer_first[level]
+        for i in range(sizes[kind]):
+            walk(level + 1, {**idx, kind: i})
+
+    walk(0, {})
+    return order
+
+
+def _link_key(bandwidth: float | None, latency: float | None) -> tuple[float, float]:
+    return (-(bandwidth or 0.0), latency if latency is not None else float("inf"))
+
+
+def chain_order(n: int, bandwidth: list[list[float | None]] | None, latency: list[list[float | None]] | None,
+                start: int = 0) -> list[int]:
+    """A path over ``n`` points that always steps to the best-linked point not yet visited (greedy)."""
+    if n <= 1 or not bandwidth:
+        return list(range(n))
+    order, left = [start], set(range(n)) - {start}
+    while left:
+        here = order[-1]
+        nxt = min(left, key=lambda j: (*_link_key(bandwidth[here][j], (latency or [[None] * n] * n)[here][j]), j))
+        order.append(nxt)
+        left.remove(nxt)
+    return order
+
+
+@dataclass
+class RankPlacement:
+    """Which mesh rank each slot plays. Slots are torch ranks: node ``i`` (rendezvous order) holds slots
+    ``[i * nproc, (i + 1) * nproc)``."""
+
+    nodes: list[str]
+    nproc: int
+    rank_of_slot: list[int]
+    mode: str = "topology"
+    traffic: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks placed."""
+        return len(self.rank_of_slot)
+
+    def slot_of_rank(self) -> list[int]:
+        """Inverse map: mesh rank → slot."""
+        inv = [0] * self.world_size
+        for slot, rank in enumerate(self.rank_of_slot):
+            inv[rank] = slot
+        return inv
+
+    def node_of_rank(self) -> list[int]:
+        """Node index (rendezvous order) of each mesh rank."""
+        return [slot // self.nproc for slot in self.slot_of_rank()]
+
+    def local_of_rank(self) -> list[int]:
+        """Local slot (``LOCAL_RANK``, the device index) of each mesh rank."""
+        return [slot % self.nproc for slot in self.slot_of_rank()]
+
+    def ranks_of_node(self, i: int) -> list[int]:
+        """Mesh ranks hosted by node ``i``, in local-slot order."""
+        return self.rank_of_slot[i * self.nproc : (i + 1) * self.nproc]
+
+    def is_identity(self) -> bool:
+        """Whether every slot plays its own torch rank."""
+        return self.rank_of_slot == list(range(self.world_size))
+
+    def env(self) -> dict[str, str]:
+        """Environment for the workers (``KC_RANK_MAP`` only when the map is not the identity)."""
+        out = {ENV_NODE_OF_RANK: json.dumps(self.node_of_rank())}
+        if not self.is_identity():
+            out[ENV_RANK_MAP] = json.dumps(self.rank_of_slot)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (recorded with the run)."""
+        return {
+            "mode": self.mode,
+            "nodes": list(self.nodes),
+            "nproc": self.nproc,
+            "rank_of_slot": list(self.rank_of_slot),
+            "node_of_rank": self.node_of_rank(),
+            "traffic_bytes_per_step": dict(self.traffic),
+        }
+
+
+def place_ranks(
+    cfg: Any,
+    nodes: list[str],
+    nproc: int,
+    *,
+    mode: str = "topology",
+    node_bandwidth: list[list[float | None]] | None = None,
+    node_latency: list[list[float | None]] | None = None,
+    device_chain: list[int] | None = None,
+) -> RankPlacement:
+    """The placement of ``cfg``'s mesh on ``nodes`` (rendezvous order) × ``nproc`` slots.
+
+    ``node_bandwidth``/``node_latency``: the probe's node matrices, indexed like ``nodes``; ``device_chain``: the
+    local slot order that keeps consecutive devices on the fastest links (default: slot order).
+    """
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    world = dp * tp * pp
+    if world != len(nodes) * nproc:
+        raise ValueError(f"{len(nodes)} nodes × {nproc} slots = {len(nodes) * nproc}, but the mesh has {world} ranks")
+    if mode not in PLACEMENTS:
+        raise ValueError(f"cluster.placement {mode!r}: use one of {', '.join(PLACEMENTS)}")
+    if mode == "blind":
+        n = len(nodes)
+        rank_of_slot = [0] * world
+        for rank in range(world):
+            rank_of_slot[(rank % n) * nproc + rank // n] = rank
+        return RankPlacement(list(nodes), nproc, rank_of_slot, mode, {})
+    traffic = group_traffic(cfg)
+    order = mesh_order(dp, tp, pp, traffic)
+    node_seq = chain_order(len(nodes), node_bandwidth, node_latency)
+    local_seq = list(device_chain) if device_chain else list(range(nproc))
+    rank_of_slot = [0] * world
+    k = 0
+    for node in node_seq:
+        for local in local_seq:
+            rank_of_slot[node * nproc + local] = order[k]
+            k += 1
+    return RankPlacement(list(nodes), nproc, rank_of_slot, mode, traffic)
+
+
+def link_report(placement: RankPlacement, cfg: Any) -> list[dict[str, Any]]:
+    """Per node: its ranks, the groups they belong to, and the bytes per step each group sends inside the node
+    and over the node's links to other nodes (from :func:`group_traffic`)."""
+    from kuangchao_core.parallel.mesh import MeshLayout, group_name
+
+    par = cfg.parallel
+    layout = MeshLayout(par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size)
+    traffic = placement.traffic or group_traffic(cfg)
+    node_of = placement.node_of_rank()
+    out = []
+    for i, name in enumerate(placement.nodes):
+        mine = placement.ranks_of_node(i)
+        groups: dict[str, dict[str, Any]] = {}
+        inside = across = 0.0
+        for kind, lists in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
+            for ranks in lists:
+                members = [r for r in ranks if r in mine]
+                if len(ranks) < 2 or not members:
+                    continue
+                spans = sorted({placement.nodes[node_of[r]] for r in ranks})
+                per_member = traffic.get(kind, 0.0)
+                crosses = len(spans) > 1
+                groups[group_name(kind, ranks)] = {"members_here": members, "nodes": spans, "crosses_nodes": crosses}
+                if crosses:
+                    across += per_member * len(members)
+                else:
+                    inside += per_member * len(members)
+        out.append(
+            {
+                "node": name,
+                "ranks": mine,
+                "groups": groups,
+                "bytes_per_step_inside": inside,
+                "bytes_per_step_across": across,
+            }
+        )
+    return out
+
+
+def apply_rank_map(environ: dict[str, str] | None = None) -> int:
+    """Rename this worker to the mesh rank its slot plays (``KC_RANK_MAP``); returns the rank. Call before anything
+    reads ``RANK``. The torch rank stays in ``KC_TORCH_RANK``."""
+    env = os.environ if environ is None else environ
+    torch_rank = int(env.get("RANK", "0"))
+    raw = env.get(ENV_RANK_MAP)
+    if not raw or ENV_TORCH_RANK in env:
+        return int(env.get("RANK", "0"))
+    rank_of_slot = [int(r) for r in json.loads(raw)]
+    if sorted(rank_of_slot) != list(range(len(rank_of_slot))) or torch_rank >= len(rank_of_slot):
+        raise ValueError(f"{ENV_RANK_MAP} is not a permutation covering torch rank {torch_rank}: {raw}")
+    env[ENV_TORCH_RANK] = str(torch_rank)
+    env["RANK"] = str(rank_of_slot[torch_rank])
+    return rank_of_slot[torch_rank]
+
+
+def node_of_rank_from_env(world_size: int, environ: dict[str, str] | None = None) -> list[int]:
+    """Node index of every mesh rank from ``KC_NODE_OF_RANK`` (default: one node)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_NODE_OF_RANK)
+    if not raw:
+        return [0] * world_size
+    nodes = [int(n) for n in json.loads(raw)]
+    if len(nodes) != world_size:
+        raise ValueError(f"{ENV_NODE_OF_RANK} names {len(nodes)} ranks, the world has {world_size}")
+    return nodes
