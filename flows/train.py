@@ -1,7 +1,11 @@
 """The ``kuangchao-train`` flow: the whole job lifecycle as Prefect tasks.
 
-    doctor → probe_topology → validate_data → issue_tokens → [restore_checkpoint] → launch
-           → (recover → [restore_checkpoint] → launch)* → checkpoint
+    doctor → probe_topology → validate_data → [place_attempt] → issue_tokens → [restore_checkpoint] → launch
+           → (recover → [restore_checkpoint] → [place_attempt] → launch)* → checkpoint
+
+On a static or dynamic cluster the probe measures the links between the candidate nodes through their agents
+(``probe_cluster_topology``, cached by the nodes' fingerprint) and every attempt is placed from that matrix
+(``place_attempt``: which nodes, which mesh rank in which slot), recorded with the run.
 
 ``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set); a Prefect
 deployment (``deployments/prefect.yaml``) runs the same flow on a worker, so its parameters stay JSON values.
@@ -36,6 +40,7 @@ from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
+from tasks.place_attempt import cluster_topology, place_attempt
 from tasks.probe_topology import probe_topology
 from tasks.recover import recover
 from tasks.validate_data import validate_data
@@ -141,13 +146,17 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     worker_resume = plan.step_dir or "never"  # with the pinned lineage, later attempts prefer its newest step
 
     doctor(cfg)
-    if cfg.cluster.mode == "local":
+    multinode = cfg.cluster.mode != "local"
+    topology = None
+    if not multinode:
         probe_topology(cfg)
-    else:  # the probe measures processes on this machine; it says nothing about the links between the nodes
-        logger.info("topology probe skipped for a %s cluster: it measures this machine only", cfg.cluster.mode)
+    else:  # the node agents measure every pair of candidate nodes; placement reads the matrix
+        topology = cluster_topology(cfg, run_dir, logger)
     run_id = tracking.open_run(
         cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
     )
+    if topology is not None:
+        tracking.log_json_artifact(cfg, run_id, topology.to_dict(), "topology", "topology.json")
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     t0 = time.time()
     attempts = 0
@@ -173,8 +182,32 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
                     cfg.parallel.gradient_accumulation_steps,
                     job.parallel.gradient_accumulation_steps,
                 )
-            env = {**issue_tokens(job, str(run_dir), attempt), "KC_CKPT_LINEAGE": plan.lineage}
-            return launch(job, str(job_file), str(run_dir), attempt, worker_resume, run_id, env, lost_nodes)
+            placed: dict[str, Any] = {}
+            if multinode:
+                placed = place_attempt(
+                    job, list(lost_nodes), topology.to_dict() if topology else None, str(run_dir), attempt
+                )
+                tracking.log_json_artifact(cfg, run_id, placed, "placement", f"attempt_{attempt}.json")
+                logger.info(
+                    "attempt %d placed (%s): %s",
+                    attempt,
+                    placed["placement"]["mode"],
+                    "; ".join(f"{row['node']}: ranks {row['ranks']}" for row in placed["links"]),
+                )
+            tokens = issue_tokens(job, str(run_dir), attempt, placed.get("placement"))
+            env = {**tokens, "KC_CKPT_LINEAGE": plan.lineage}
+            return launch(
+                job,
+                str(job_file),
+                str(run_dir),
+                attempt,
+                worker_resume,
+                run_id,
+                env,
+                lost_nodes,
+                assignments=placed.get("assignments"),
+                placement=placed.get("placement"),
+            )
 
         def before_restart(next_attempt: int, exc: BaseException) -> None:
             failed = next_attempt - 1

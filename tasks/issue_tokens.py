@@ -13,6 +13,6 @@ from kuangchao_core.perm.issuance import issue_tokens_for_run
 
 
 @task(name="issue_tokens", retries=0)
-def issue_tokens(cfg: Any, run_dir: str, attempt: int) -> dict[str, str]:
+def issue_tokens(cfg: Any, run_dir: str, attempt: int, placement: dict[str, Any] | None = None) -> dict[str, str]:
     """Prefect wrapper of :func:`issue_tokens_for_run`; returns the worker environment."""
-    return issue_tokens_for_run(cfg, run_dir, attempt)
+    return issue_tokens_for_run(cfg, run_dir, attempt, placement)

@@ -15,6 +15,7 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
+from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
@@ -22,8 +23,10 @@ from kuangchao_core.perm.global_config import GlobalConfig
 from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.sched.launcher import run_workers
-from kuangchao_core.sched.multinode import choose_cluster_nodes, launch_cluster_attempt
+from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster_attempt
 from kuangchao_core.sched.nodes import route_address
+from kuangchao_core.sched.placement import NodeAssignment
+from kuangchao_core.sched.rank_placement import RankPlacement
 
 
 @dataclass
@@ -77,11 +80,15 @@ def launch_workers(
     env: dict[str, str] | None = None,
     view: LiveView | None = None,
     exclude_nodes: list[str] | None = None,
+    assignments: list[dict[str, Any]] | None = None,
+    placement: dict[str, Any] | None = None,
 ) -> LaunchSummary:
     """Run one attempt of the job's workers; raises WorkerFailed naming the rank (or the lost node) on failure.
 
     ``cluster.mode`` local starts every rank here; static and dynamic clusters run on node agents
-    (:func:`kuangchao_core.sched.multinode.launch_cluster_attempt`), leaving out ``exclude_nodes``.
+    (:func:`kuangchao_core.sched.multinode.launch_cluster_attempt`): on ``assignments`` (``NodeAssignment``
+    fields) with ``placement`` (``RankPlacement.to_dict()``) when the flow placed the attempt, else on nodes
+    chosen here, leaving out ``exclude_nodes``.
     """
     run_dir = Path(run_dir)
     view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
@@ -102,7 +109,12 @@ def launch_workers(
         args += ["--resume", resume]
     recovery = cfg.cluster
     multinode = cfg.cluster.mode != "local"
-    assignments = choose_cluster_nodes(cfg, exclude_nodes or []) if multinode else []
+    if multinode and assignments is None:
+        nodes, placed = place_cluster_attempt(cfg, exclude_nodes or [], traffic=group_traffic(cfg))
+        placement = placed.to_dict()
+    else:
+        nodes = [NodeAssignment(**a) for a in assignments or []]
+    placed = RankPlacement.from_dict(placement) if placement else None
     with ExitStack() as stack:
         if "KC_TOKEN_FILE" in worker_env:
             # the authority stays in this process; workers renew their tokens through this endpoint, which
@@ -113,18 +125,20 @@ def launch_workers(
                 attempt,
                 audit_log=worker_env.get("KC_AUDIT_LOG"),
                 ttl_s=float(cfg.permission.token_ttl_seconds),
-                host=route_address(assignments[0].address) if assignments else "127.0.0.1",
+                host=route_address(nodes[0].address) if nodes else "127.0.0.1",
             )
             worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
         stack.callback(view.close)
         if multinode:
 
             def env_for(node) -> dict[str, str]:  # each node gets only its own ranks' tokens
+                base = {**worker_env, **(placed.env() if placed else {})}
                 if "KC_TOKEN_FILE" not in worker_env:
-                    return dict(worker_env)
-                return node_token_env(worker_env, node.name, node.ranks)
+                    return base
+                ranks = placed.ranks_of_node(node.node_rank) if placed else node.ranks
+                return node_token_env(base, node.name, ranks)
 
-            launch_cluster_attempt(cfg, assignments, run_dir, attempt, args, env_for, view)
+            launch_cluster_attempt(cfg, nodes, run_dir, attempt, args, env_for, view)
         else:
             run_workers(
                 "kuangchao_core.engine.worker",
@@ -162,8 +176,19 @@ def launch(
     mlflow_run_id: str | None = None,
     env: dict[str, str] | None = None,
     exclude_nodes: list[str] | None = None,
+    assignments: list[dict[str, Any]] | None = None,
+    placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Prefect task: one attempt of the workers (see :func:`launch_workers`)."""
     return launch_workers(
-        cfg, config_path, run_dir, attempt, resume, mlflow_run_id, env, exclude_nodes=exclude_nodes
+        cfg,
+        config_path,
+        run_dir,
+        attempt,
+        resume,
+        mlflow_run_id,
+        env,
+        exclude_nodes=exclude_nodes,
+        assignments=assignments,
+        placement=placement,
     ).to_dict()

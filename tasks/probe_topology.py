@@ -66,3 +66,30 @@ def probe_topology(
 
 
 probe_topology_task = probe_topology
+
+
+def cluster_probe_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """``topology-nodes-<pool fingerprint>``: the same nodes (names, addresses, devices) and ranks per node."""
+    from kuangchao_core.sched.node_probe import pool_fingerprint
+    from kuangchao_core.sched.nodes import NodeFacts, NodeStatus
+
+    nodes = [NodeStatus(NodeFacts.from_dict(f), True, None, None) for f in parameters["node_facts"]]
+    return f"topology-nodes-{pool_fingerprint(nodes, int(parameters['nproc']))}"
+
+
+@task(
+    name="probe_cluster_topology",
+    cache_key_fn=cluster_probe_cache_key,
+    cache_expiration=CACHE_EXPIRATION,
+    persist_result=True,
+    retries=0,
+)
+def probe_cluster(node_facts: list[dict], nproc: int, run_dir: str, deployment: str) -> dict:
+    """Measure the links between the given nodes through their agents (cached by the nodes' fingerprint)."""
+    from kuangchao_core.sched.node_probe import probe_nodes
+    from kuangchao_core.sched.nodes import NodeFacts, NodeStatus
+
+    nodes = [NodeStatus(NodeFacts.from_dict(f), True, None, None) for f in node_facts]
+    report = probe_nodes(nodes, run_dir=run_dir, deployment=deployment, nproc=nproc)
+    _publish(report, report.fingerprint)
+    return report.to_dict()

@@ -194,13 +194,13 @@ class _Done:
 
 def _unreduced_dp_bucket(trainer):
     """DP: the all-reduce of the first gradient bucket is skipped (each replica keeps its own gradient / dp)."""
-    from kuangchao_core.parallel import data
+    from kuangchao_core.parallel import bucket_reduce
 
-    real = data.comm
-    data.comm = _NoCommFirstBucket(real, lambda: trainer.sync.dp._buckets[0].buffer)
+    real = bucket_reduce.comm
+    bucket_reduce.comm = _NoCommFirstBucket(real, lambda: trainer.sync.dp._buckets[0].buffer)
 
     def undo():
-        data.comm = real
+        bucket_reduce.comm = real
 
     return undo
 
@@ -227,12 +227,18 @@ def _unreduced_zero_bucket(trainer):
     return undo
 
 
+def _drop_comm_state(trainer):
+    """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
+    trainer.checkpoints._load_comm_state = lambda step_dir: None
+
+
 #: Negative controls by name (a job's ``sabotage`` field).
 SABOTAGE = {
     "missing_row_parallel_all_reduce": _missing_row_parallel_all_reduce,
     "skipped_micro_batch": _skipped_micro_batch,
     "unreduced_dp_bucket": _unreduced_dp_bucket,
     "unreduced_zero_bucket": _unreduced_zero_bucket,
+    "drop_comm_state": _drop_comm_state,
 }
 
 

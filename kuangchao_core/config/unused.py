@@ -49,8 +49,24 @@ def unused_settings(cfg: Any) -> Warnings:
                 "never reaches optimizer.lr",
             )
         )
-    if cfg.task.priority != "normal":
-        out.append(("task.priority", f"{cfg.task.priority} has no effect yet: nodes are not placed by job priority"))
+    if cfg.task.priority != "normal" and cluster.mode != "dynamic":
+        out.append(("task.priority", "only weighs the choice of nodes in a dynamic cluster (cluster.mode dynamic)"))
+    if cluster.mode == "local" and _given(cluster, "placement"):
+        out.append(("cluster.placement", "only used with cluster.mode static or dynamic; this job runs on this machine"))
+    if par.grad_compression != "none" and par.zero_stage:
+        out.append(
+            (
+                "parallel.grad_compression",
+                f"applies to the DP gradient buckets of zero_stage 0; ZeRO-{par.zero_stage} reduce-scatters "
+                "uncompressed",
+            )
+        )
+    if par.grad_compression != "topk":
+        for key in ("topk_ratio", "topk_warmup_steps"):
+            if _given(par, key):
+                out.append((f"parallel.{key}", "only used with grad_compression topk"))
+    if par.zero_stage and par.hierarchical_allreduce == "on" and _given(par, "hierarchical_allreduce"):
+        out.append(("parallel.hierarchical_allreduce", "applies to the DP gradient buckets of zero_stage 0"))
     if cluster.mode == "local" and cluster.registry:
         out.append(("cluster.registry", "only used with cluster.mode static or dynamic; this job runs on this machine"))
     if par.pipeline_parallel_size == 1 and _given(par, "pipeline_schedule"):

@@ -19,8 +19,8 @@ import torch
 
 from kuangchao_core import __version__
 from kuangchao_core.ckpt.index import load_for_layout, load_optimizer_for_layout, param_keys
-from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
 from kuangchao_core.ckpt.integrity import read_manifest
+from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
 from kuangchao_core.ckpt.reader import load_shard, read_rng, read_state
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
@@ -203,7 +203,9 @@ class TrainerCheckpoints:
             return
         saved = read_manifest(step_dir).get("comm_layout")
         if saved != self._comm_layout():
-            log.warning("%s: gradient-compression residuals were saved by another layout; they start from zero", step_dir)
+            log.warning(
+                "%s: gradient-compression residuals were saved by another layout; they start from zero", step_dir
+            )
             return
         prefix = self._comm_prefix()
         shard = load_shard(step_dir, self.rank)

@@ -61,8 +61,14 @@ def authority_for(cfg: Any, run_dir: str | os.PathLike) -> Authority:
     return Authority(Path(run_dir) / "authority", max_ttl_s=max(24 * 3600.0, ttl))
 
 
-def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> dict[str, str]:
-    """Issue every module's token for ``attempt`` and return the worker environment (see module docstring)."""
+def issue_tokens_for_run(
+    cfg: Any, run_dir: str | os.PathLike, attempt: int, placement: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """Issue every module's token for ``attempt`` and return the worker environment (see module docstring).
+
+    ``placement`` (a :class:`~kuangchao_core.sched.rank_placement.RankPlacement` as ``to_dict``): which node and
+    device slot each rank runs on — it decides the device each token names and the node-local / cross-node DP
+    subgroups of a hierarchical all-reduce. Without it every rank is on one node, rank ``r`` on device ``r``."""
     run_dir = Path(run_dir)
     perm = setting(cfg, "permission")
     policy = Policy.from_config(perm)  # unknown interface or role names fail here, before any token exists
@@ -73,8 +79,16 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
     par = cfg.parallel
     dp, tp, pp = int(par.data_parallel_size), int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
     world = dp * tp * pp
-    layout = group_layout(dp, tp, pp)
     nproc = setting(cfg, "cluster.nproc_per_node") or world
+    node_of_rank = list(placement["node_of_rank"]) if placement else [0] * world
+    if placement:
+        slot_of_rank = [0] * world
+        for slot, r in enumerate(placement["rank_of_slot"]):
+            slot_of_rank[r] = slot
+        local_of_rank = [slot % int(placement["nproc"]) for slot in slot_of_rank]
+    else:
+        local_of_rank = [r % nproc for r in range(world)]
+    layout = group_layout(dp, tp, pp, node_of_rank, str(setting(par, "hierarchical_allreduce", "off")))
     use_cuda = setting(cfg, "train.device", "auto") != "cpu"
     task_name = cfg.task.name
     datasets = [f"dataset:{d}" for d in {dataset_resource_name(cfg.data), "synthetic"} if d]
@@ -96,7 +110,7 @@ def issue_tokens_for_run(cfg: Any, run_dir: str | os.PathLike, attempt: int) -> 
         return path
 
     for rank in range(world):
-        devices = ["cpu"] + ([f"cuda:{rank % nproc}"] if use_cuda else [])
+        devices = ["cpu"] + ([f"cuda:{local_of_rank[rank]}"] if use_cuda else [])
         write(
             f"worker-{rank}",
             authority.issue(

@@ -299,7 +299,11 @@ def run_workers(
     for t in readers:
         t.start()
 
+    # a placement may give this node's slots other mesh ranks (KC_RANK_MAP, applied by the workers themselves)
+    rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
     local_ranks = [node_rank * nproc + i for i in range(nproc)]
+    if rank_map is not None:
+        local_ranks = [rank_map[s] for s in local_ranks]
     monitor = (
         HeartbeatMonitor(hb_dir, local_ranks, heartbeat_timeout_s, attempt=attempt, startup_grace_s=startup_grace_s)
         if heartbeat_timeout_s
@@ -352,6 +356,8 @@ def run_workers(
         cause = f"torchrun exited with code {code} without a worker failure report; last output: {last[:300]}"
         raise WorkerFailed(None, cause, code)
     rank, wcode = info["rank"], info.get("exit_code", code)
+    if rank_map is not None and rank is not None and 0 <= rank < len(rank_map):
+        rank = rank_map[rank]  # torchrun reports its own rank; the job knows the mesh rank
     message = _error_file_message(info.get("error_file"))
     if wcode is not None and wcode < 0:
         cause = f"killed by {_signal_name(wcode)}"

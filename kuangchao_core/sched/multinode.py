@@ -221,12 +221,62 @@ def _watch(watches, run_dir: Path, attempt: int, stop: Path, lost_after, start_t
         raise WorkerFailed(res.get("rank"), f"on node {name}: {res.get('cause')}", res.get("exit_code"))
 
 
-def choose_cluster_nodes(cfg: Any, exclude: list[str] | tuple[str, ...] = ()) -> list[NodeAssignment]:
-    """The nodes of the next attempt of ``cfg``'s cluster, read from its pool (see :mod:`.placement`)."""
-    from kuangchao_core.sched.nodes import list_nodes
+def choose_cluster_nodes(
+    cfg: Any, exclude: list[str] | tuple[str, ...] = (), topology: Any = None
+) -> list[NodeAssignment]:
+    """The nodes of the next attempt of ``cfg``'s cluster, read from its pool (see :mod:`.placement`), with the
+    node probe's ``topology`` and the pool's current load."""
+    from kuangchao_core.sched.nodes import list_nodes, running_shares
     from kuangchao_core.sched.placement import choose_nodes, cluster_pool
 
-    return choose_nodes(cfg, list_nodes(cluster_pool(cfg)), set(exclude))
+    pool = cluster_pool(cfg)
+    return choose_nodes(cfg, list_nodes(pool), set(exclude), topology, running_shares(pool))
+
+
+def probe_candidates(cfg: Any) -> list[Any]:
+    """The live nodes a job could run on (a static cluster's nodes; a dynamic pool's live nodes), for the probe."""
+    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.placement import cluster_pool
+
+    live = [n for n in list_nodes(cluster_pool(cfg)) if n.live]
+    if cfg.cluster.mode == "static":
+        wanted = {spec.host for spec in cfg.cluster.worker_nodes}
+        live = [n for n in live if n.name in wanted or n.facts.address in wanted]
+    return live
+
+
+def place_cluster_attempt(
+    cfg: Any,
+    exclude: list[str] | tuple[str, ...] = (),
+    topology: Any = None,
+    traffic: dict[str, float] | None = None,
+):
+    """(node assignments, :class:`~kuangchao_core.sched.rank_placement.RankPlacement`) of the next attempt: the
+    nodes (cluster level) and which mesh rank each slot plays (node level), from the probe's matrix when given and
+    the bytes per step of each group kind (``traffic``, ``engine.traffic.group_traffic``)."""
+    from kuangchao_core.sched.device_topology import device_chain
+    from kuangchao_core.sched.rank_placement import place_ranks
+
+    assignments = choose_cluster_nodes(cfg, exclude, topology)
+    names = [a.name for a in assignments]
+    nproc = assignments[0].nproc
+    bw = lat = chain = None
+    if topology is not None and all(n in topology.nodes for n in names):
+        bw, lat = topology.submatrix(names, "bandwidth"), topology.submatrix(names, "latency")
+        links = (topology.device_links.get(names[0]) or {}).get("links")
+        chain = device_chain(links, nproc) if links else None
+    par = cfg.parallel
+    placement = place_ranks(
+        (par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size),
+        names,
+        nproc,
+        traffic=traffic,
+        mode=cfg.cluster.placement,
+        node_bandwidth=bw,
+        node_latency=lat,
+        device_chain=chain,
+    )
+    return assignments, placement
 
 
 def launch_cluster_attempt(

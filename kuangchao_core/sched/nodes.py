@@ -254,3 +254,32 @@ def list_nodes(pool: str) -> list[NodeStatus]:
             NodeStatus(facts, live, w.last_heartbeat_time.isoformat() if w and w.last_heartbeat_time else None, status)
         )
     return sorted(out, key=lambda n: n.name)
+
+
+def running_shares(pool: str) -> dict[str, int]:
+    """Node shares (node-agent flow runs) running or about to run on each node of ``pool``: the node's load."""
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    flow_name, _, dep_name = deployment_name(pool).partition("/")
+    busy = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
+    )
+    try:
+        with _client() as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=busy, deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[dep_name]))
+            )
+    except Exception:  # noqa: BLE001 - no deployment yet: nothing runs
+        return {}
+    out: dict[str, int] = {}
+    for run in runs:
+        if run.work_queue_name:
+            out[run.work_queue_name] = out.get(run.work_queue_name, 0) + 1
+    return out

@@ -2,8 +2,14 @@
 
 - ``cluster.mode: static``: exactly the configured worker nodes, each matched to a registered agent by name or
   address; a node without a live agent fails the launch before any rank starts, naming it.
-- ``cluster.mode: dynamic`` (``registry: prefect://POOL``): live nodes of the pool, by name, until the world size
-  is covered (``cluster.nproc_per_node`` ranks each, else the node's own device count or CPU cores).
+- ``cluster.mode: dynamic`` (``registry: prefect://POOL``): live nodes of the pool until the world size is covered
+  (``cluster.nproc_per_node`` ranks each, else the node's own device count or CPU cores). With the node probe's
+  matrix (``topology``) the group of nodes with the best bottleneck link is chosen (highest bandwidth, then lowest
+  latency; figures within 25 % of the best count as equal — the probe's own noise), then the least loaded
+  (``loads``: node shares already running there), then by name. ``task.priority`` weighs the two: ``high`` takes
+  the best-connected nodes whatever their load, ``normal`` the least loaded among the best-connected, ``low`` the
+  least loaded nodes first and the links only among those. Without a matrix (``cluster.placement: blind``, or no
+  probe) nodes are taken by load, then by name.
 
 Nodes are then ordered by their address as a string — the order in which torch's c10d rendezvous ranks the nodes
 that announce those addresses — so node ``i`` hosts global ranks ``[i * nproc, (i + 1) * nproc)`` and the first
@@ -60,10 +66,78 @@ def _describe(n: NodeStatus) -> str:
     return f"{n.name} ({n.facts.address}, last heartbeat {n.last_heartbeat or 'never'})"
 
 
+#: measured link figures within this factor of the best count as equally good
+LINK_TOLERANCE = 1.25
+#: above this many candidate groups the choice is greedy (grow from the best pair) instead of exhaustive
+MAX_GROUPS = 5000
+
+
+def _group_links(names: tuple[str, ...], topology: Any) -> tuple[float, float]:
+    """(bottleneck bandwidth GB/s, worst latency us) among ``names``; a single node: its own figures."""
+    idx = [topology.node_index(n) for n in names]
+    pairs = [(i, j) for i in idx for j in idx if i != j] or [(idx[0], idx[0])]
+    bws = [topology.node_bandwidth_gbps[i][j] or 0.0 for i, j in pairs]
+    lats = [topology.node_latency_us[i][j] or 0.0 for i, j in pairs]
+    return min(bws), max(lats)
+
+
+def _groups(names: list[str], k: int, topology: Any) -> list[tuple[str, ...]]:
+    from itertools import combinations
+    from math import comb
+
+    if comb(len(names), k) <= MAX_GROUPS:
+        return list(combinations(names, k))
+    best_pair = max(combinations(names, 2), key=lambda g: _group_links(g, topology)[0])
+    group = list(best_pair)
+    while len(group) < k:
+        rest = [n for n in names if n not in group]
+        group.append(max(rest, key=lambda n: _group_links((*group, n), topology)[0]))
+    return [tuple(group)]
+
+
+def pick_dynamic(
+    live: list[NodeStatus], k: int, topology: Any = None, loads: dict[str, int] | None = None, priority: str = "normal"
+) -> list[NodeStatus]:
+    """``k`` nodes of ``live`` for a job of ``priority`` (see the module docstring)."""
+    loads = loads or {}
+    by_name = {n.name: n for n in live}
+    seen = set(getattr(topology, "nodes", []) or [])
+    measured = [n.name for n in live if n.name in seen]
+    if topology is None or len(measured) < k:
+        chosen = sorted(live, key=lambda n: (loads.get(n.name, 0), n.name))[:k]
+        return chosen
+    groups = _groups(sorted(measured), k, topology)
+
+    def load(g) -> int:
+        return sum(loads.get(n, 0) for n in g)
+
+    if priority == "low":
+        least = min(load(g) for g in groups)
+        groups = [g for g in groups if load(g) == least]
+    links = {g: _group_links(g, topology) for g in groups}
+    best_bw = max(bw for bw, _ in links.values())
+    good = [g for g in groups if links[g][0] * LINK_TOLERANCE >= best_bw]
+    best_lat = min(links[g][1] for g in good)
+    good = [g for g in good if links[g][1] <= best_lat * LINK_TOLERANCE or links[g][1] == best_lat]
+    if priority == "high":
+        good.sort(key=lambda g: (-links[g][0], links[g][1], g))
+        pick = good[0]
+    else:
+        pick = min(good, key=lambda g: (load(g), g))
+    return [by_name[n] for n in pick]
+
+
 def choose_nodes(
-    cfg: Any, registered: list[NodeStatus], exclude: set[str] | frozenset = frozenset()
+    cfg: Any,
+    registered: list[NodeStatus],
+    exclude: set[str] | frozenset = frozenset(),
+    topology: Any = None,
+    loads: dict[str, int] | None = None,
 ) -> list[NodeAssignment]:
-    """The nodes of one attempt, ordered as the rendezvous will rank them; raises NodeUnavailable naming nodes."""
+    """The nodes of one attempt, ordered as the rendezvous will rank them; raises NodeUnavailable naming nodes.
+
+    ``topology``: the node probe's :class:`~kuangchao_core.sched.topology.TopologyReport` (dynamic clusters pick
+    the best-connected nodes); ``loads``: node shares already running per node."""
     cluster, world = cfg.cluster, cfg.parallel.world_size
     if cluster.mode == "static":
         picked: list[tuple[NodeStatus, int]] = []
@@ -86,12 +160,18 @@ def choose_nodes(
     elif cluster.mode == "dynamic":
         live = [n for n in registered if n.live and n.name not in exclude]
         picked, covered = [], 0
-        for node in live:
-            if covered >= world:
-                break
-            nproc = int(cluster.nproc_per_node or node.facts.slots)
-            picked.append((node, nproc))
-            covered += nproc
+        if cluster.nproc_per_node and len(live) * cluster.nproc_per_node >= world:
+            k = -(-world // cluster.nproc_per_node)
+            use_topology = topology if cluster.placement == "topology" else None
+            chosen = pick_dynamic(live, k, use_topology, loads, cfg.task.priority)
+            picked, covered = [(n, int(cluster.nproc_per_node)) for n in chosen], k * cluster.nproc_per_node
+        else:
+            for node in sorted(live, key=lambda n: ((loads or {}).get(n.name, 0), n.name)):
+                if covered >= world:
+                    break
+                nproc = int(cluster.nproc_per_node or node.facts.slots)
+                picked.append((node, nproc))
+                covered += nproc
         if covered < world:
             have = ", ".join(f"{n.name}×{p}" for n, p in picked) or "none"
             raise NodeUnavailable(

@@ -7,9 +7,9 @@ before anything reads ``RANK`` (:func:`apply_rank_map`).
 
 Topology-aware placement (``cluster.placement: topology``):
 
-1. estimate the bytes each kind of group moves per optimizer step (:func:`group_traffic`, from the model and the
-   layout: TP all-reduces activations four times per layer and micro-batch, PP sends activations and their
-   gradients across every stage boundary, DP all-reduces the gradients once per step);
+1. take the bytes each kind of group moves per optimizer step (``kuangchao_core.engine.traffic.group_traffic``,
+   from the model and the layout: TP all-reduces activations four times per layer and micro-batch, PP sends
+   activations and their gradients across every stage boundary, DP all-reduces the gradients once per step);
 2. order the mesh positions with the heaviest kind innermost, so the groups that move the most bytes land on
    consecutive slots;
 3. order the nodes as a chain that keeps consecutive nodes on the best measured links (highest bandwidth, then
@@ -29,44 +29,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kuangchao_core.config.access import setting
-
 ENV_RANK_MAP = "KC_RANK_MAP"
 ENV_NODE_OF_RANK = "KC_NODE_OF_RANK"
 ENV_TORCH_RANK = "KC_TORCH_RANK"
 PLACEMENTS = ("topology", "blind")
 
 
-def group_traffic(cfg: Any) -> dict[str, float]:
-    """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}``.
-
-    With b micro-batch, s sequence length, h hidden size, L layers, m micro-batches per step, e bytes per
-    element (4 in fp32), Ψ parameters per rank:
-
-    - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
-      sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
-    - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
-    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``.
-    """
-    from kuangchao_core.models.llama import config_from_model_section
-    from kuangchao_core.models.layout import slices_for_rank
-
-    mcfg = config_from_model_section(cfg.model)
-    par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
-    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
-    seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
-    e = 4.0
-    act = b * seq * mcfg.hidden_size * e
-    psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
-    return {
-        "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
-        "pp": 2 * v * m * act if pp > 1 else 0.0,
-        "dp": 2 * (dp - 1) / dp * psi * 4 if dp > 1 else 0.0,
-    }
-
-
 def _mesh_rank(dp_i: int, pp_i: int, tp_i: int, tp: int, pp: int) -> int:
+    """The mesh's rank formula (``parallel.mesh.rank_of``; the scheduling layer sits below ``parallel``)."""
     return dp_i * (pp * tp) + pp_i * tp + tp_i
 
 
@@ -94,8 +64,9 @@ def _link_key(bandwidth: float | None, latency: float | None) -> tuple[float, fl
     return (-(bandwidth or 0.0), latency if latency is not None else float("inf"))
 
 
-def chain_order(n: int, bandwidth: list[list[float | None]] | None, latency: list[list[float | None]] | None,
-                start: int = 0) -> list[int]:
+def chain_order(
+    n: int, bandwidth: list[list[float | None]] | None, latency: list[list[float | None]] | None, start: int = 0
+) -> list[int]:
     """A path over ``n`` points that always steps to the best-linked point not yet visited (greedy)."""
     if n <= 1 or not bandwidth:
         return list(range(n))
@@ -154,6 +125,17 @@ class RankPlacement:
             out[ENV_RANK_MAP] = json.dumps(self.rank_of_slot)
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankPlacement:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            list(d["nodes"]),
+            int(d["nproc"]),
+            [int(r) for r in d["rank_of_slot"]],
+            d.get("mode", "topology"),
+            dict(d.get("traffic_bytes_per_step") or {}),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (recorded with the run)."""
         return {
@@ -167,22 +149,22 @@ class RankPlacement:
 
 
 def place_ranks(
-    cfg: Any,
+    sizes: tuple[int, int, int],
     nodes: list[str],
     nproc: int,
     *,
+    traffic: dict[str, float] | None = None,
     mode: str = "topology",
     node_bandwidth: list[list[float | None]] | None = None,
     node_latency: list[list[float | None]] | None = None,
     device_chain: list[int] | None = None,
 ) -> RankPlacement:
-    """The placement of ``cfg``'s mesh on ``nodes`` (rendezvous order) × ``nproc`` slots.
+    """The placement of a dp×tp×pp mesh (``sizes``) on ``nodes`` (rendezvous order) × ``nproc`` slots.
 
-    ``node_bandwidth``/``node_latency``: the probe's node matrices, indexed like ``nodes``; ``device_chain``: the
+    ``traffic``: bytes per step each group kind sends (``engine.traffic.group_traffic``); ``node_bandwidth``/``node_latency``: the probe's node matrices, indexed like ``nodes``; ``device_chain``: the
     local slot order that keeps consecutive devices on the fastest links (default: slot order).
     """
-    par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    dp, tp, pp = sizes
     world = dp * tp * pp
     if world != len(nodes) * nproc:
         raise ValueError(f"{len(nodes)} nodes × {nproc} slots = {len(nodes) * nproc}, but the mesh has {world} ranks")
@@ -194,7 +176,7 @@ def place_ranks(
         for rank in range(world):
             rank_of_slot[(rank % n) * nproc + rank // n] = rank
         return RankPlacement(list(nodes), nproc, rank_of_slot, mode, {})
-    traffic = group_traffic(cfg)
+    traffic = dict(traffic or {})
     order = mesh_order(dp, tp, pp, traffic)
     node_seq = chain_order(len(nodes), node_bandwidth, node_latency)
     local_seq = list(device_chain) if device_chain else list(range(nproc))
@@ -205,45 +187,6 @@ def place_ranks(
             rank_of_slot[node * nproc + local] = order[k]
             k += 1
     return RankPlacement(list(nodes), nproc, rank_of_slot, mode, traffic)
-
-
-def link_report(placement: RankPlacement, cfg: Any) -> list[dict[str, Any]]:
-    """Per node: its ranks, the groups they belong to, and the bytes per step each group sends inside the node
-    and over the node's links to other nodes (from :func:`group_traffic`)."""
-    from kuangchao_core.parallel.mesh import MeshLayout, group_name
-
-    par = cfg.parallel
-    layout = MeshLayout(par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size)
-    traffic = placement.traffic or group_traffic(cfg)
-    node_of = placement.node_of_rank()
-    out = []
-    for i, name in enumerate(placement.nodes):
-        mine = placement.ranks_of_node(i)
-        groups: dict[str, dict[str, Any]] = {}
-        inside = across = 0.0
-        for kind, lists in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
-            for ranks in lists:
-                members = [r for r in ranks if r in mine]
-                if len(ranks) < 2 or not members:
-                    continue
-                spans = sorted({placement.nodes[node_of[r]] for r in ranks})
-                per_member = traffic.get(kind, 0.0)
-                crosses = len(spans) > 1
-                groups[group_name(kind, ranks)] = {"members_here": members, "nodes": spans, "crosses_nodes": crosses}
-                if crosses:
-                    across += per_member * len(members)
-                else:
-                    inside += per_member * len(members)
-        out.append(
-            {
-                "node": name,
-                "ranks": mine,
-                "groups": groups,
-                "bytes_per_step_inside": inside,
-                "bytes_per_step_across": across,
-            }
-        )
-    return out
 
 
 def apply_rank_map(environ: dict[str, str] | None = None) -> int:

@@ -55,6 +55,9 @@ class TopologyReport:
     elapsed_s: float = 0.0
     probe_id: str = ""
     measured_at: str = ""
+    flops_per_s: list[float] = field(default_factory=list)
+    device_links: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -64,10 +67,20 @@ class TopologyReport:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TopologyReport:
-        """Inverse of ``to_dict``."""
-        d = dict(d)
+        """Inverse of ``to_dict`` (keys a newer version added are ignored)."""
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         d["sizes"] = tuple(d["sizes"])
         return cls(**d)
+
+    def node_index(self, name: str) -> int:
+        """Row of node ``name`` in the node matrices (ValueError when the probe did not see it)."""
+        return self.nodes.index(name)
+
+    def submatrix(self, names: list[str], which: str = "bandwidth") -> list[list[float | None]]:
+        """The node bandwidth (GB/s) or latency (us) matrix restricted to ``names``, in that order."""
+        m = self.node_bandwidth_gbps if which == "bandwidth" else self.node_latency_us
+        idx = [self.node_index(n) for n in names]
+        return [[m[i][j] for j in idx] for i in idx]
 
     def to_markdown(self) -> str:
         """Markdown tables: collective figures, then the node and rank matrices."""
@@ -93,6 +106,13 @@ class TopologyReport:
         lines += matrix("node bandwidth (GB/s)", self.nodes, self.node_bandwidth_gbps, 3)
         lines += matrix("rank latency (us, one way)", ranks, self.p2p_latency_us, 1)
         lines += matrix("rank bandwidth (GB/s)", ranks, self.p2p_bandwidth_gbps, 3)
+        if self.flops_per_s:
+            rates = ", ".join(f"r{r}: {f / 1e9:.2f}" for r, f in enumerate(self.flops_per_s))
+            lines += ["### compute (GFLOP/s per rank, all ranks at once)", "", rates, ""]
+        for node, links in sorted(self.device_links.items()):
+            pairs = links.get("nvlink_pairs") or []
+            what = ", ".join(f"GPU{i}-GPU{j} NV{k}" for i, j, k in pairs) if pairs else "no NVLink"
+            lines += [f"device links of {node} ({links.get('kind', '?')}): {what}", ""]
         return "\n".join(lines)
 
 

@@ -1,0 +1,80 @@
+"""What each parallel group moves per optimizer step, and where that traffic lands under a placement (SPEC L4.1).
+
+:func:`group_traffic` estimates the bytes one member of each group kind sends per step from the model and the
+layout (the node-level placement puts the heaviest kind innermost); :func:`link_report` says, for a
+:class:`~kuangchao_core.sched.rank_placement.RankPlacement`, which groups of each node stay inside it and how many
+bytes per step cross to other nodes (``kc plan`` and the run's placement record print it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuangchao_core.config.access import setting
+from kuangchao_core.models.layout import slices_for_rank
+from kuangchao_core.models.llama import config_from_model_section
+from kuangchao_core.parallel.mesh import MeshLayout, group_name
+
+
+def group_traffic(cfg: Any) -> dict[str, float]:
+    """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}``.
+
+    With b micro-batch, s sequence length, h hidden size, L layers, m micro-batches per step, e bytes per
+    element (4 in fp32), Ψ parameters per rank:
+
+    - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
+      sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
+    - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
+    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``.
+    """
+
+    mcfg = config_from_model_section(cfg.model)
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
+    seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
+    e = 4.0
+    act = b * seq * mcfg.hidden_size * e
+    psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
+    return {
+        "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
+        "pp": 2 * v * m * act if pp > 1 else 0.0,
+        "dp": 2 * (dp - 1) / dp * psi * 4 if dp > 1 else 0.0,
+    }
+
+
+def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
+    """Per node: its ranks, the groups they belong to, and the bytes per step each group sends inside the node
+    and over the node's links to other nodes (from :func:`group_traffic`)."""
+    par = cfg.parallel
+    layout = MeshLayout(par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size)
+    traffic = placement.traffic or group_traffic(cfg)
+    node_of = placement.node_of_rank()
+    out = []
+    for i, name in enumerate(placement.nodes):
+        mine = placement.ranks_of_node(i)
+        groups: dict[str, dict[str, Any]] = {}
+        inside = across = 0.0
+        for kind, lists in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
+            for ranks in lists:
+                members = [r for r in ranks if r in mine]
+                if len(ranks) < 2 or not members:
+                    continue
+                spans = sorted({placement.nodes[node_of[r]] for r in ranks})
+                per_member = traffic.get(kind, 0.0)
+                crosses = len(spans) > 1
+                groups[group_name(kind, ranks)] = {"members_here": members, "nodes": spans, "crosses_nodes": crosses}
+                if crosses:
+                    across += per_member * len(members)
+                else:
+                    inside += per_member * len(members)
+        out.append(
+            {
+                "node": name,
+                "ranks": mine,
+                "groups": groups,
+                "bytes_per_step_inside": inside,
+                "bytes_per_step_across": across,
+            }
+        )
+    return out
