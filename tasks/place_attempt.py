@@ -1,8 +1,10 @@
 """Prefect tasks of a multi-node job's placement: probe the candidate nodes, then place each attempt.
 
 - :func:`cluster_topology` measures the links between the nodes the job may use (a static cluster's nodes, a
-  dynamic pool's live nodes) through their agents, cached by the nodes' fingerprint (``probe_cluster``); a probe
-  that fails leaves the job placeable (by load and name, ranks by the traffic model) with a warning.
+  dynamic pool's live nodes) through their agents, cached by the nodes' fingerprint (``probe_cluster``); a kept
+  report that already covers every candidate (same names, addresses, devices, ranks per node, younger than the
+  cache expiration) is reused without measuring; a probe that fails leaves the job placeable (by load and name,
+  ranks by the traffic model) with a warning.
 - :func:`place_attempt` picks the attempt's nodes (cluster level) and which mesh rank each slot plays (node level)
   and records both: ``<run>/placement.attempt_<n>.json``, a Prefect artifact, and (by the flow) an MLflow artifact.
 """
@@ -19,10 +21,11 @@ from prefect import task
 
 from kuangchao_core.engine.traffic import group_traffic, link_report
 from kuangchao_core.sched.multinode import place_cluster_attempt, probe_candidates
+from kuangchao_core.sched.node_probe import covering_report
 from kuangchao_core.sched.nodes import deployment_name
 from kuangchao_core.sched.placement import cluster_pool
 from kuangchao_core.sched.topology import TopologyReport
-from tasks.probe_topology import probe_cluster
+from tasks.probe_topology import CACHE_EXPIRATION, probe_cluster
 
 log = logging.getLogger("kuangchao.flow")
 
@@ -33,6 +36,15 @@ def cluster_topology(cfg: Any, run_dir: str | Path, logger: Any = log) -> Topolo
     if not candidates:
         return None
     nproc = int(cfg.cluster.nproc_per_node or min(n.facts.slots for n in candidates))
+    kept = covering_report(candidates, nproc, CACHE_EXPIRATION.total_seconds())
+    if kept is not None:
+        logger.info(
+            "node topology: reusing the probe of %s measured at %s (it covers %s)",
+            ", ".join(kept.nodes),
+            kept.measured_at,
+            ", ".join(n.name for n in candidates),
+        )
+        return kept
     try:
         found = probe_cluster(
             node_facts=[asdict(n.facts) for n in candidates],

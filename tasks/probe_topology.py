@@ -61,7 +61,9 @@ def probe_topology(
 ) -> dict:
     """Measure the topology (``world_size`` defaults to ``cfg.parallel.world_size``, at least 2); returns its dict."""
     report = _topology.probe_topology(_world(cfg, world_size), sizes=sizes, iters=iters, log_path=log_path)
-    _publish(report, cluster_fingerprint(cfg))
+    report.fingerprint = cluster_fingerprint(cfg)
+    _publish(report, report.fingerprint)
+    _topology.remember_report(report, report.fingerprint)
     return report.to_dict()
 
 
@@ -92,4 +94,5 @@ def probe_cluster(node_facts: list[dict], nproc: int, run_dir: str, deployment: 
     nodes = [NodeStatus(NodeFacts.from_dict(f), True, None, None) for f in node_facts]
     report = probe_nodes(nodes, run_dir=run_dir, deployment=deployment, nproc=nproc)
     _publish(report, report.fingerprint)
+    _topology.remember_report(report, report.fingerprint)
     return report.to_dict()

@@ -72,6 +72,7 @@ class Cluster:
             "PREFECT_WORKER_HEARTBEAT_SECONDS": "2",
             "PREFECT_LOGGING_LEVEL": "WARNING",
             "KC_RUNS_DIR": str(self.tmp / "runs"),
+            "KC_CACHE_DIR": str(self.tmp / "cache"),  # this bench's measured topology only
             "OMP_NUM_THREADS": "1",
         }
         self.env.pop("PREFECT_PROFILES_PATH", None)
@@ -327,6 +328,29 @@ def test_static_dp2_tp2_on_two_hosts_trains_like_one_process_and_shrinks_when_on
     assert (replanned.parallel.data_parallel_size, replanned.parallel.gradient_accumulation_steps) == (1, 2)
     assert replanned.parallel.tensor_parallel_size == 2
     _assert_losses(store, summary, one_process_losses)
+    _assert_probed_and_placed(store, summary, ["h0", "h2"])
+
+
+def _assert_probed_and_placed(store: Path, summary: dict, nodes: list[str]) -> None:
+    """The node agents measured the real links (loopback inside a host, the shaped link between hosts) and the
+    attempt was placed from them: each TP group inside one host; both recorded with the run. (This run reuses the
+    probe of the dynamic test before it, which measured h0, h1 and h2: it covers h0 and h2.)"""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    run_id = summary["mlflow_run_id"]
+    topo = json.loads(Path(client.download_artifacts(run_id, "topology/topology.json")).read_text())
+    assert set(nodes) <= set(topo["nodes"]) and topo["fingerprint"]
+    i, j = (topo["nodes"].index(n) for n in nodes)
+    bw = topo["node_bandwidth_gbps"]
+    assert bw[i][j] < bw[i][i] / 2 and bw[i][j] < bw[j][j] / 2, bw  # the shaped link is the slow one
+    assert bw[i][j] < 0.1, bw  # 400 Mbit/s = 0.05 GB/s: the tbf shaping, not loopback
+    assert len(topo["flops_per_s"]) == 2 * len(topo["nodes"]) and min(topo["flops_per_s"]) > 0
+    placed = json.loads(Path(client.download_artifacts(run_id, "placement/attempt_0.json")).read_text())
+    assert placed["measured"] and placed["placement"]["mode"] == "topology"
+    groups = {g: v for row in placed["links"] for g, v in row["groups"].items()}
+    assert groups["tp[0,1]"]["crosses_nodes"] is False and groups["tp[2,3]"]["crosses_nodes"] is False
+    assert groups["dp[0,2]"]["crosses_nodes"] is True  # DP, the lightest kind here, takes the slow link
 
 
 _RENEW = (

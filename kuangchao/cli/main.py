@@ -27,12 +27,14 @@ _COMMAND_MODULES = [
     "train",
     "config_cmd",
     "plan",
+    "recommend",
     "doctor",
     "checkpoint_cmd",
     "audit",
     "debug",
     "runs",
     "node",
+    "topology",
 ]
 
 

@@ -2,6 +2,11 @@
 
 Exit 0 with the plan (groups, stages, micro-batches, bubble, memory per rank); exit 2 listing every config or plan
 problem as ``FILE: dotted.path: message``.
+
+``--scale N`` (repeatable) adds the predicted step time of the layout and its weak-scaling efficiency at N GPUs
+(8 per node, NVLink inside, 200 and 400 Gb/s between) for flat, hierarchical and compressed DP all-reduce
+(``engine.perf_report``). With ``--scale``, a ``model.checkpoint`` that cannot be read here is replaced by the
+shape for ``model.params`` (the output says so).
 """
 
 from __future__ import annotations
@@ -14,19 +19,65 @@ from kuangchao_core.config import load_config
 from kuangchao_core.errors import ConfigError
 
 _SET_HELP = "Override one setting, e.g. --set parallel.tensor_parallel_size=2 (repeatable; the value is read as YAML)."
+_SCALE_HELP = (
+    "Also predict the step time and the weak-scaling efficiency at this many GPUs (repeatable, e.g. --scale 64 "
+    "--scale 512): 8 GPUs per node, NVLink inside, 200 and 400 Gb/s between nodes."
+)
+
+
+def _substitute_shape(cfg, errors):
+    """With --scale: replace an unreadable checkpoint by the shape for model.params; (cfg, errors, note)."""
+    from kuangchao_core.engine.model_shape import shape_for_section, with_model_shape
+    from kuangchao_core.engine.plan import check_plan
+
+    if not errors or any(path != "model.checkpoint" for path, _ in errors) or cfg.model.params is None:
+        return cfg, errors, None
+    model_cfg, note = shape_for_section(cfg.model)
+    cfg = with_model_shape(cfg, model_cfg)
+    return cfg, check_plan(cfg), f"model shape: {note}"
+
+
+def _scale(cfg, sizes: list[int], topk_ratio: float, overlap_dp: bool, config: str) -> dict:
+    from kuangchao_core.engine.perf_report import scale_report
+    from kuangchao_core.models.llama import config_from_model_section
+    from kuangchao_core.sched.perf_model import Layout
+
+    bad = [n for n in sizes if n < 1]
+    if bad:
+        typer.echo(f"{config}: --scale: must be >= 1, got {bad[0]}", err=True)
+        raise typer.Exit(2)
+    try:
+        return scale_report(
+            config_from_model_section(cfg.model),
+            Layout.from_config(cfg),
+            sizes,
+            topk_ratio=topk_ratio,
+            overlap_dp=overlap_dp,
+        )
+    except ValueError as exc:
+        typer.echo(f"{config}: --scale: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def plan(
     config: str = typer.Option(..., "--config", "-c", help="Job config YAML file."),
     set_: list[str] = typer.Option([], "--set", help=_SET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+    scale: list[int] = typer.Option([], "--scale", help=_SCALE_HELP),
+    topk_ratio: float = typer.Option(0.01, "--topk-ratio", help="With --scale: the top-k compression ratio."),
+    overlap_dp: bool = typer.Option(
+        False, "--overlap-dp", help="With --scale: hide DP communication behind the backward pass where it fits."
+    ),
 ) -> None:
     """Explain the layout: TP/PP/DP groups, layers per (virtual) stage, micro-batches, bubble, memory per rank."""
     from kuangchao_core.engine.plan import check_plan, explain_plan, format_plan
 
+    note = None
     try:
         cfg = load_config(config, set_)
         errors = check_plan(cfg)
+        if scale:
+            cfg, errors, note = _substitute_shape(cfg, errors)
     except ConfigError as exc:
         errors = exc.errors
     if errors:
@@ -34,8 +85,22 @@ def plan(
             typer.echo(f"{config}: {path}: {message}", err=True)
         typer.echo(f"{config}: {len(errors)} plan problem(s); nothing was started", err=True)
         raise typer.Exit(2)
+    if not 0.0 < topk_ratio <= 1.0:
+        typer.echo(f"{config}: --topk-ratio: must be in (0, 1], got {topk_ratio}", err=True)
+        raise typer.Exit(2)
     result = explain_plan(cfg)
-    typer.echo(json.dumps(result) if as_json else format_plan(result))
+    report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
+    if as_json:
+        if report is not None:
+            result = {**result, "scale": {**report, "model_note": note}}
+        typer.echo(json.dumps(result))
+        return
+    from kuangchao_core.engine.perf_report import format_scale_report
+
+    text = format_plan(result)
+    if report is not None:
+        text = "\n".join(x for x in (note, text, format_scale_report(report)) if x)
+    typer.echo(text)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,10 @@ after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimi
 Activations are a rough estimate: per layer and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 16 bits
 (Korthikanti et al.), doubled for fp32, times the layers of the stage and the micro-batches in flight
 (1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and min(m, p)·(1 + (p−1)/(p·v)) for
-interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage.
+interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage. :func:`state_bytes`,
+:func:`activation_bytes_per_layer` and :func:`micro_batches_in_flight` hold these formulas (``kc recommend`` reuses
+them); :func:`state_bytes` also knows bf16 mixed precision (2Ψ parameters, 2Ψ gradients, 12Ψ fp32 master copy and
+moments, ZeRO §3: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N).
 """
 
 from __future__ import annotations
@@ -104,6 +107,41 @@ def _bytes(n: float) -> float:
     return float(round(n))
 
 
+def state_bytes(psi: float, dp: int, zero_stage: int, precision: str = "fp32") -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state of a rank holding ``psi`` parameters (module docstring).
+
+    ``precision``: ``fp32`` (fp32 AdamW: 4Ψ + 4Ψ + 8Ψ) or ``bf16`` (mixed precision: 2Ψ + 2Ψ + 12Ψ);
+    ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 the gradients too.
+    """
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    low = precision == "bf16"
+    params = (2 if low else 4) * psi
+    grads = (2 if low else 4) * psi
+    optim = (12 if low else 8) * psi
+    return {
+        "params": params,
+        "grads": grads / dp if zero_stage >= 2 else grads,
+        "optimizer": optim / dp if zero_stage >= 1 else optim,
+    }
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int, fp32: bool) -> float:
+    """Rough activation bytes of one layer and micro-batch: s·b·h·(10 + 24/t + 5·a·s/(h·t)), doubled in fp32."""
+    return seq * micro_batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) * (2 if fp32 else 1)
+
+
+def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once (module docstring)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "afab":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        return min(m, pp) * (1 + (pp - 1) / (pp * v))
+    return float(min(m, pp))
+
+
 def explain_plan(cfg: Any) -> dict[str, Any]:
     """JSON-able description of the layout (call :func:`check_plan` first; this raises PlanError on a bad plan)."""
     from kuangchao_core.models.layout import slices_for_rank
@@ -137,16 +175,8 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
     fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
     zero = par.zero_stage
-    h, a = mcfg.hidden_size, mcfg.num_heads
-    act_layer = seq * b * h * (10 + 24 / tp + 5 * a * seq / (h * tp)) * (2 if fp32 else 1)
-    if pp == 1:
-        in_flight = 1.0
-    elif par.pipeline_schedule == "afab":
-        in_flight = float(m)
-    elif par.pipeline_schedule == "interleaved_1f1b":
-        in_flight = min(m, pp) * (1 + (pp - 1) / (pp * v))
-    else:
-        in_flight = float(min(m, pp))
+    act_layer = activation_bytes_per_layer(seq, b, mcfg.hidden_size, mcfg.num_heads, tp, fp32)
+    in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
     ranks = []
     for rank in range(layout.world_size):
         dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
@@ -154,9 +184,8 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
         psi = sum(r.numel for r in slices.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])
         last = any(c.has_head for c in chunks[pp_rank])
-        params = 4 * psi
-        grads = 4 * psi / dp if zero >= 2 else 4 * psi
-        optim = 8 * psi / dp if zero >= 1 else 8 * psi
+        state = state_bytes(psi, dp, zero)
+        params, grads, optim = state["params"], state["grads"], state["optimizer"]
         acts = act_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
         ranks.append(
             {

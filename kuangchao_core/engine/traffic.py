@@ -78,3 +78,49 @@ def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def described_placement(cfg: Any, report: Any = None) -> dict[str, Any] | None:
+    """The placement ``kc plan`` shows for a static cluster's described nodes (``cluster.nodes`` with ``gpus`` or
+    ``nproc_per_node``), from ``report`` (a probe's :class:`~kuangchao_core.sched.topology.TopologyReport` of those
+    nodes) when given, else from the traffic estimate alone; None for other clusters."""
+    from kuangchao_core.sched.rank_placement import place_ranks
+
+    cluster, par = cfg.cluster, cfg.parallel
+    workers = cluster.worker_nodes if cluster.mode == "static" else []
+    if not workers:
+        return None
+    nproc = int(cluster.nproc_per_node or workers[0].gpus or 0)
+    names = [w.host for w in workers]
+    if not nproc or nproc * len(names) != par.world_size:
+        return None
+    bw = lat = None
+    if report is not None and all(n in report.nodes for n in names):
+        bw, lat = report.submatrix(names, "bandwidth"), report.submatrix(names, "latency")
+    traffic = group_traffic(cfg)
+    placement = place_ranks(
+        (par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size),
+        names,
+        nproc,
+        traffic=traffic,
+        mode=cluster.placement,
+        node_bandwidth=bw,
+        node_latency=lat,
+    )
+    return {"placement": placement.to_dict(), "links": link_report(placement, cfg), "measured": bw is not None}
+
+
+def format_placement(described: dict[str, Any]) -> str:
+    """Text lines for ``kc plan``: per node its ranks, the groups inside and across, bytes per step each way."""
+    p = described["placement"]
+    head = f"placement ({p['mode']}, {'measured links' if described['measured'] else 'traffic estimate only'}):"
+    lines = [head]
+    for row in described["links"]:
+        inside = sorted(g for g, v in row["groups"].items() if not v["crosses_nodes"])
+        across = sorted(g for g, v in row["groups"].items() if v["crosses_nodes"])
+        lines.append(
+            f"  {row['node']}: ranks {row['ranks']}; inside {', '.join(inside) or '-'} "
+            f"({row['bytes_per_step_inside'] / 2**20:.4g} MiB/step); across {', '.join(across) or '-'} "
+            f"({row['bytes_per_step_across'] / 2**20:.4g} MiB/step over the node's links)"
+        )
+    return "\n".join(lines)

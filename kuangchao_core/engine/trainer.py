@@ -283,6 +283,7 @@ class Trainer:
                         "step": result.step,
                         "total_steps": total,
                         "eta_s": eta,
+                        "step_time_s": result.step_time_s,
                         "mem_kind": memory_kind(self.device),
                     }
                     log_event(log, "step", **fields)

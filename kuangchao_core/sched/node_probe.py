@@ -72,7 +72,34 @@ def probe_nodes(
     report.flops_per_s = [float(d.get("flops_per_s", 0.0)) for d in per_rank]
     report.device_links = {d["node"]: d["device_links"] for d in per_rank if "device_links" in d}
     report.fingerprint = pool_fingerprint(nodes, nproc, sizes)
+    report.node_facts = {n.name: _facts_key(n) for n in nodes}
+    report.nproc = nproc
     return report
+
+
+def _facts_key(n: NodeStatus) -> list[Any]:
+    return [n.facts.address, n.facts.device_kind, n.facts.device_count, n.facts.torch or ""]
+
+
+def covering_report(nodes: list[NodeStatus], nproc: int, max_age_s: float) -> TopologyReport | None:
+    """A kept node-probe report (``kc topology show``'s cache) that measured every node of ``nodes`` as they are
+    now (address, devices, torch) with ``nproc`` ranks each, less than ``max_age_s`` ago; the newest such."""
+    from datetime import datetime, timezone
+
+    from kuangchao_core.sched.topology import remembered_reports
+
+    now = datetime.now(timezone.utc)
+    for report in remembered_reports():
+        facts = getattr(report, "node_facts", None) or {}
+        if getattr(report, "nproc", None) != nproc or not facts:
+            continue
+        try:
+            age = (now - datetime.fromisoformat(report.measured_at)).total_seconds()
+        except ValueError:
+            continue
+        if age < max_age_s and all(facts.get(n.name) == _facts_key(n) for n in nodes):
+            return report
+    return None
 
 
 def report_summary(report: TopologyReport) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class ClusterModel:
     def from_topology(
         cls,
         report: Any,
-        flops_per_s: float,
+        flops_per_s: float | None = None,
         ranks_per_node: int | None = None,
         inter_links_per_node: int = 1,
         peak_flops_per_s: float | None = None,
@@ -119,9 +119,15 @@ class ClusterModel:
         taken at their worst). With one node the inter link equals the intra one; with one rank per node (no
         diagonal) the intra link equals the inter one. ``ranks_per_node`` defaults to the most ranks the report
         places on one node (``node_of_rank``). The probe times one pair at a time, so a host's shared link is
-        modelled by ``inter_links_per_node`` (default 1).
+        modelled by ``inter_links_per_node`` (default 1). ``flops_per_s`` defaults to the slowest rank's rate in
+        the report's ``flops_per_s`` list (measured with all ranks computing at once), when it has one.
         """
         d = report.to_dict() if hasattr(report, "to_dict") else dict(report)
+        if flops_per_s is None:
+            rates = [f for f in d.get("flops_per_s") or [] if f]
+            if not rates:
+                raise ValueError("give flops_per_s: the topology report holds no measured FLOP rate")
+            flops_per_s = min(rates)
         lat = d.get("node_latency_us") or []
         bw = d.get("node_bandwidth_gbps") or []
         m = len(lat)
@@ -193,7 +199,7 @@ class ClusterModel:
 
 def _renamed(name: str, old_nodes: int, new_nodes: int) -> str:
     prefix = f"{old_nodes} node(s)"
-    return f"{new_nodes} node(s){name[len(prefix):]}" if name.startswith(prefix) else name
+    return f"{new_nodes} node(s){name[len(prefix) :]}" if name.startswith(prefix) else name
 
 
 # ---- ring collectives (nccl-tests doc/PERFORMANCE.md; performance.md §2.3) ----

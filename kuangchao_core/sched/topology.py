@@ -58,6 +58,8 @@ class TopologyReport:
     flops_per_s: list[float] = field(default_factory=list)
     device_links: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
+    node_facts: dict[str, Any] = field(default_factory=dict)  # node probe: what each node was when measured
+    nproc: int | None = None  # node probe: ranks per node
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -378,3 +380,35 @@ def save_report(report: TopologyReport, path: str | os.PathLike) -> Path:
     p = Path(path)
     p.write_text(json.dumps(report.to_dict(), indent=2))
     return p
+
+
+def cache_dir() -> Path:
+    """Where measured reports are kept for ``kc topology show``: ``$KC_CACHE_DIR/topology`` (default
+    ``~/.cache/kuangchao/topology``)."""
+    base = Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")
+    return base / "topology"
+
+
+def remember_report(report: TopologyReport, fingerprint: str) -> Path:
+    """Keep ``report`` under its cluster fingerprint (atomic write); returns the file."""
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    data = report.to_dict()
+    data["fingerprint"] = fingerprint
+    path = d / f"{fingerprint}.json"
+    tmp = d / f".{fingerprint}.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def remembered_reports() -> list[TopologyReport]:
+    """Every kept report, newest measurement first (unreadable files are skipped)."""
+    out = []
+    d = cache_dir()
+    for path in d.glob("*.json") if d.is_dir() else []:
+        try:
+            out.append(TopologyReport.from_dict(json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    return sorted(out, key=lambda r: r.measured_at, reverse=True)

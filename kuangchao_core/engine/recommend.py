@@ -1,0 +1,288 @@
+"""``kc recommend`` (SPEC L3.7): the best dp×tp×pp×ZeRO×micro-batch layouts of a model on a cluster.
+
+Every layout that uses all the cluster's GPUs is tried: tp and pp over the divisors of the GPU count, ZeRO stage
+0/1/2 (0 only without data parallelism, where ZeRO has nothing to shard), micro-batch 1, 2, 4, … up to 32, and the accumulation that keeps the global batch (sequences per step)
+fixed. A layout is rejected when
+
+- the global batch is not a multiple of dp × micro-batch;
+- the config schema or :func:`~kuangchao_core.engine.plan.check_plan` refuses it (TP must divide heads, key/value
+  heads, vocabulary and MLP width; layers must divide into pp stages; 1F1B needs enough micro-batches; …);
+- its estimated memory on the fullest rank exceeds the usable GPU memory (``usable_fraction`` of it, for the
+  CUDA context and allocator slack): parameters, gradients and optimizer state by
+  :func:`~kuangchao_core.engine.plan.state_bytes` (fp32 or bf16 mixed precision), activations by ``kc plan``'s
+  estimate (:func:`~kuangchao_core.engine.plan.activation_bytes_per_layer`), on the first and the last pipeline
+  stage.
+
+The others are ranked by the step time :func:`~kuangchao_core.sched.perf_model.predict_step` predicts (the
+global batch is the same for all, so this is also tokens/s). Only the 1F1B schedule is considered. The model
+assumes the same FLOP rate for every micro-batch size; a GPU runs very small micro-batches below it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kuangchao_core.config import config_from_dict
+from kuangchao_core.engine.model_shape import model_section_of
+from kuangchao_core.engine.plan import (
+    activation_bytes_per_layer,
+    check_plan,
+    micro_batches_in_flight,
+    state_bytes,
+)
+from kuangchao_core.errors import ConfigError
+from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step, stage_end_params
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """The cluster to plan for: the step-time model plus the memory of one GPU (bytes)."""
+
+    cluster: ClusterModel
+    gpu_memory_bytes: float
+    usable_fraction: float = 0.9
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory a rank may plan to use: ``gpu_memory_bytes × usable_fraction``."""
+        return self.gpu_memory_bytes * self.usable_fraction
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_per_rank(model_cfg: Any, layout: Layout, precision: str = "fp32") -> dict[str, float]:
+    """Estimated bytes on the fullest rank (first or last pipeline stage) with the 1F1B schedule."""
+    tp, pp, b, m, seq = (
+        layout.tp,
+        layout.pp,
+        layout.micro_batch_size,
+        layout.gradient_accumulation_steps,
+        layout.seq_len,
+    )
+    act_layer = activation_bytes_per_layer(seq, b, model_cfg.hidden_size, model_cfg.num_heads, tp, precision == "fp32")
+    in_flight = micro_batches_in_flight(pp, m, 1, "1f1b")
+    layers = model_cfg.num_layers // pp
+    logits = seq * b * model_cfg.vocab_size / tp * 4
+    first, last = stage_end_params(model_cfg, tp, pp)
+    best: dict[str, float] = {}
+    for psi, has_head in ((first, pp == 1), (last, True)):
+        mem = state_bytes(psi, layout.dp, layout.zero_stage, precision)
+        mem["activations_estimate"] = act_layer * layers * in_flight + (logits if has_head else 0.0)
+        mem["total"] = sum(mem.values())
+        mem["parameters"] = float(psi)
+        if mem["total"] > best.get("total", -1.0):
+            best = mem
+    return best
+
+
+def _check_layout(model_cfg: Any, layout: Layout, precision: str) -> list[tuple[str, str]]:
+    data = {
+        "task": {"name": "kc-recommend"},
+        "model": model_section_of(model_cfg),
+        "data": {"seq_len": layout.seq_len},
+        "train": {"dtype": precision},
+        "parallel": {
+            "data_parallel_size": layout.dp,
+            "tensor_parallel_size": layout.tp,
+            "pipeline_parallel_size": layout.pp,
+            "zero_stage": layout.zero_stage,
+            "micro_batch_size": layout.micro_batch_size,
+            "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+        },
+    }
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError as exc:
+        return list(exc.errors)
+    return check_plan(cfg, world_size=layout.world_size)
+
+
+def _layout_dict(layout: Layout) -> dict[str, int]:
+    return {
+        "dp": layout.dp,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "zero_stage": layout.zero_stage,
+        "micro_batch_size": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+    }
+
+
+def _reason_key(path: str, message: str) -> str:
+    return f"{path}: " + re.sub(r"(?<![\w'.])\d+(\.\d+)?(?![\w'])", "N", message)
+
+
+def evaluate_layout(
+    model_cfg: Any, layout: Layout, pool: GpuPool, precision: str = "bf16", method: str = "hierarchical"
+) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    """One layout: ``(row, [])`` with its memory per rank and predicted step when it fits, else ``(None, reasons)``
+    as ``(reason key, message)`` pairs (module docstring)."""
+    errors = _check_layout(model_cfg, layout, precision)
+    if errors:
+        return None, [(_reason_key(path, message), f"{path}: {message}") for path, message in errors]
+    mem = memory_per_rank(model_cfg, layout, precision)
+    if mem["total"] > pool.usable_bytes:
+        return None, [
+            (
+                "out of memory: estimated memory per rank exceeds the usable GPU memory",
+                f"needs {mem['total'] / GIB:.1f} GiB per rank (states "
+                f"{(mem['params'] + mem['grads'] + mem['optimizer']) / GIB:.1f}, activations "
+                f"{mem['activations_estimate'] / GIB:.1f}) > {pool.usable_bytes / GIB:.1f} GiB usable",
+            )
+        ]
+    pred = predict_step(model_cfg, layout, pool.cluster, method=method)
+    row = {
+        "layout": _layout_dict(layout),
+        "memory_per_rank_bytes": mem,
+        "step_s": pred.step_s,
+        "tokens_per_s": pred.tokens_per_s,
+        "mfu": pred.mfu,
+        "breakdown": pred.breakdown,
+    }
+    return row, []
+
+
+def recommend(
+    model_cfg: Any,
+    pool: GpuPool,
+    global_batch_size: int,
+    seq_len: int,
+    precision: str = "bf16",
+    method: str = "hierarchical",
+    top_k: int = 5,
+    current: Layout | None = None,
+) -> dict[str, Any]:
+    """Enumerate, check, estimate and rank the layouts (module docstring); a JSON-ready result.
+
+    ``top``: the best ``top_k`` layouts with memory per rank, step time, tokens/s and MFU; ``rejections``: one
+    entry per reason (numbers replaced by N) with its count and one example; a layout may fail several checks.
+    ``current`` (e.g. the config's layout): reported as ``current`` with its place in the ranking or its reasons.
+    """
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError([("precision", f"must be fp32 or bf16, got {precision!r}")])
+    world = pool.cluster.world_size
+    eb = 4 if precision == "fp32" else 2
+    rejections: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    valid: list[dict[str, Any]] = []
+    considered = 0
+
+    def reject(key: str, layout: Layout, message: str) -> None:
+        entry = rejections.setdefault(key, {"reason": key, "count": 0, "example": None})
+        entry["count"] += 1
+        if entry["example"] is None:
+            entry["example"] = {"layout": _layout_dict(layout), "message": message}
+
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            for zero in (0, 1, 2) if dp > 1 else (0,):
+                for b in MICRO_BATCHES:
+                    considered += 1
+                    m, rest = divmod(global_batch_size, dp * b)
+                    layout = Layout(dp, tp, pp, zero, b, max(m, 1), seq_len, eb)
+                    if rest or m < 1:
+                        reject(
+                            "global batch: the global batch is not a multiple of dp x micro_batch_size",
+                            layout,
+                            f"global batch {global_batch_size} sequences is not a multiple of dp {dp} x "
+                            f"micro_batch_size {b} = {dp * b}",
+                        )
+                        continue
+                    row, reasons = evaluate_layout(model_cfg, layout, pool, precision, method)
+                    for key, message in reasons:
+                        reject(key, layout, message)
+                    if row is not None:
+                        valid.append(row)
+    valid.sort(key=lambda r: (r["step_s"], r["layout"]["zero_stage"], r["memory_per_rank_bytes"]["total"]))
+    result: dict[str, Any] = {
+        "cluster": pool.cluster.name,
+        "world_size": world,
+        "gpu_memory_bytes": pool.gpu_memory_bytes,
+        "usable_memory_bytes": pool.usable_bytes,
+        "flops_per_s_per_gpu": pool.cluster.flops_per_s,
+        "global_batch_size": global_batch_size,
+        "seq_len": seq_len,
+        "precision": precision,
+        "method": method,
+        "considered": considered,
+        "valid": len(valid),
+        "top": valid[:top_k],
+        "rejected": considered - len(valid),
+        "rejections": sorted(rejections.values(), key=lambda e: -e["count"]),
+        "current": None,
+    }
+    if current is not None:
+        current = dataclasses.replace(current, seq_len=seq_len, bytes_per_element=eb, virtual_pipeline_size=1)
+        key = _layout_dict(current)
+        place = next((i for i, r in enumerate(valid, 1) if r["layout"] == key), None)
+        if current.world_size != world:
+            row, reasons = None, [("world size", f"needs {current.world_size} GPUs, the cluster has {world}")]
+        else:
+            row, reasons = evaluate_layout(model_cfg, current, pool, precision, method)
+        result["current"] = {"layout": key, "rank": place, "row": row, "reasons": [m for _, m in reasons]}
+    return result
+
+
+def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
+    """Human-readable text of :func:`recommend`'s result."""
+    lines = []
+    if model_note:
+        lines.append(f"model: {model_note}")
+    lines += [
+        f"cluster: {result['cluster']}; {result['gpu_memory_bytes'] / 1e9:g} GB per GPU "
+        f"({result['usable_memory_bytes'] / GIB:.1f} GiB usable); {result['flops_per_s_per_gpu'] / 1e12:.1f} TFLOP/s "
+        "per GPU sustained",
+        f"batch: {result['global_batch_size']} sequences x {result['seq_len']} tokens per step; {result['precision']}; "
+        f"DP gradients: {result['method']} all-reduce",
+        f"{result['valid']} of {result['considered']} layouts fit; the best {len(result['top'])}:",
+    ]
+    if result["top"]:
+        lines.append("   #   dp  tp  pp  zero  micro  accum   mem/rank GiB   step s   tokens/s   MFU")
+        for i, r in enumerate(result["top"], 1):
+            lay = r["layout"]
+            mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+            lines.append(
+                f"  {i:>2}  {lay['dp']:>3} {lay['tp']:>3} {lay['pp']:>3}  {lay['zero_stage']:>4}  "
+                f"{lay['micro_batch_size']:>5}  {lay['gradient_accumulation_steps']:>5}   "
+                f"{r['memory_per_rank_bytes']['total'] / GIB:>12.1f}   {r['step_s']:>6.3f}   "
+                f"{r['tokens_per_s']:>8,.0f}   {mfu:>5}"
+            )
+    else:
+        lines.append("  no layout fits")
+    cur = result.get("current")
+    if cur is not None:
+        lay = cur["layout"]
+        name = (
+            f"dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} micro {lay['micro_batch_size']} "
+            f"accum {lay['gradient_accumulation_steps']}"
+        )
+        if cur["row"] is not None:
+            lines.append(
+                f"the config's layout ({name}): #{cur['rank']} of {result['valid']}, "
+                f"{cur['row']['memory_per_rank_bytes']['total'] / GIB:.1f} GiB per rank, step {cur['row']['step_s']:.3f} s, "
+                f"{cur['row']['tokens_per_s']:,.0f} tokens/s"
+            )
+        else:
+            lines.append(f"the config's layout ({name}) does not fit: " + "; ".join(cur["reasons"]))
+    lines.append(
+        "(the model assumes the same FLOP rate at every micro-batch size; a GPU runs very small ones below it)"
+    )
+    lines.append(f"rejected {result['rejected']} layout(s), by reason (a layout may fail several checks):")
+    for e in result["rejections"]:
+        ex = e["example"]
+        lay = ex["layout"]
+        lines.append(
+            f"  {e['count']:>4} x {e['reason']}\n"
+            f"         e.g. dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} "
+            f"micro {lay['micro_batch_size']}: {ex['message']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,386 @@
+"""A latency–bandwidth plus FLOP model of one training step (issue 11 item 5), pure Python.
+
+:func:`predict_step` adds up, for the busiest rank of a dp×tp×pp layout on a :class:`ClusterModel`:
+
+- **compute**: model FLOPs per token ``F_tok = 6·N + 12·L·h·T`` (PaLM App. B, nanoGPT ``estimate_mfu``,
+  torchtitan; ``/work/shared/reference/performance.md`` §2.1; N = matmul parameters: every layer's projections
+  and the LM head, not the input embedding nor the norms), times the tokens a DP rank takes per step
+  (``b·m·T``), divided by ``tp·pp`` and by the rank's ``flops_per_s``;
+- **TP**: Megatron tensor parallel does 2 all-reduces forward and 2 backward per layer and micro-batch, each of
+  ``b·T·h`` elements (Megatron §3.2, performance.md §2.4), over the TP group's ring;
+- **PP**: per micro-batch each stage sends its activations forward and its input gradient back, ``b·T·h``
+  elements each (performance.md §2.4), ×v with an interleaved schedule;
+- **bubble**: the pipeline runs ``v·m + p − 1`` slots for ``v·m`` slots of work, so the work per rank
+  (compute + TP + PP) stretches by ``1/(1 − bubble)`` with ``bubble = (p−1)/(v·m+p−1)`` (Megatron §2.2; the
+  formula ``engine.plan.explain_plan`` reports);
+- **DP**: the gradients of the rank's parameters (Ψ, :func:`params_per_rank`) all-reduced over the DP group
+  (ZeRO-1/2: reduce-scatter of gradients + all-gather of parameters, the same volume, performance.md §2.4), by
+  ``method``:
+
+  - ``flat``: one ring over the DP group;
+  - ``hierarchical``: reduce-scatter inside the node, all-reduce of the ``S/k`` shard across nodes, all-gather
+    inside the node (:func:`~kuangchao_core.sched.perf_cluster.hierarchical_all_reduce_s`);
+  - ``fp16`` / ``bf16``: the hierarchical scheme on gradients cast to 2 bytes (halves the bytes of an fp32 job;
+    nothing changes for a job whose gradients are already 2 bytes);
+  - ``topk``: dense reduce-scatter inside the node, then each rank's top ``ratio`` of its shard as (value, index)
+    pairs all-gathered across nodes (the sparse exchange of DGC, Lin et al. ICLR'18), dense all-gather inside
+    the node; inside one node it is the flat dense all-reduce. Selection time is not counted.
+
+  By default the DP communication is not overlapped with the backward pass (``overlap_dp=False``, what a
+  2-core CPU measures, performance.md §3.3); with ``overlap_dp=True`` only the part longer than the backward
+  (2/3 of the compute) shows (§2.6). The optimizer step is not counted.
+
+Layouts are placed by :mod:`kuangchao_core.sched.perf_groups` (``aware`` or ``blind``); links and collectives
+come from :mod:`kuangchao_core.sched.perf_cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kuangchao_core.sched.perf_cluster import (
+    ClusterModel,
+    LinkModel,
+    all_gather_s,
+    all_reduce_bytes,
+    all_reduce_s,
+    gather_bytes,
+    p2p_s,
+    reduce_scatter_s,
+)
+from kuangchao_core.sched.perf_groups import GroupSpan, group_span
+
+__all__ = [
+    "METHODS",
+    "ClusterModel",
+    "Layout",
+    "LinkModel",
+    "StepPrediction",
+    "flops_per_token",
+    "matmul_params",
+    "params_per_rank",
+    "predict_step",
+    "scaling_efficiency",
+    "scaling_table",
+    "stage_end_params",
+]
+
+METHODS = ("flat", "hierarchical", "fp16", "bf16", "topk")
+
+_DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: sizes, ZeRO stage, batch (``micro_batch_size`` × ``gradient_accumulation_steps``
+    micro-batches of ``seq_len`` tokens per DP rank and step) and bytes per gradient/activation element."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    seq_len: int = 2048
+    bytes_per_element: int = 4
+    virtual_pipeline_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: dp × tp × pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over the whole job: dp × b × m × T."""
+        return self.dp * self.micro_batch_size * self.gradient_accumulation_steps * self.seq_len
+
+    def with_dp(self, dp: int) -> Layout:
+        """The same layout with another data-parallel size (weak scaling keeps everything else)."""
+        return dataclasses.replace(self, dp=dp)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Layout:
+        """The layout of a job config (``parallel``, ``data.seq_len``, ``train.dtype``)."""
+        par = cfg.parallel
+        interleaved = par.pipeline_schedule == "interleaved_1f1b"
+        return cls(
+            dp=par.data_parallel_size,
+            tp=par.tensor_parallel_size,
+            pp=par.pipeline_parallel_size,
+            zero_stage=par.zero_stage,
+            micro_batch_size=par.micro_batch_size,
+            gradient_accumulation_steps=par.gradient_accumulation_steps,
+            seq_len=cfg.data.seq_len,
+            bytes_per_element=_DTYPE_BYTES[cfg.train.dtype],
+            virtual_pipeline_size=par.virtual_pipeline_size if interleaved else 1,
+        )
+
+
+def matmul_params(model_cfg: Any) -> int:
+    """N of ``F_tok``: the layers' projection weights plus the LM head (``vocab × hidden``), no embedding/norms."""
+    h, d = model_cfg.hidden_size, model_cfg.hidden_size // model_cfg.num_heads
+    layer = 2 * h * model_cfg.num_heads * d + 2 * h * model_cfg.num_kv_heads * d + 3 * h * model_cfg.intermediate_size
+    return model_cfg.num_layers * layer + model_cfg.vocab_size * h
+
+
+def flops_per_token(model_cfg: Any, seq_len: int) -> float:
+    """Model FLOPs of one trained token: ``6·N + 12·L·h·T`` (performance.md §2.1; H·Q = h; no recompute)."""
+    return 6.0 * matmul_params(model_cfg) + 12.0 * model_cfg.num_layers * model_cfg.hidden_size * seq_len
+
+
+def stage_end_params(model_cfg: Any, tp: int, pp: int) -> tuple[int, int]:
+    """Parameters of a TP rank of the first and of the last pipeline stage (the same rank when ``pp == 1``).
+
+    Per layer and TP rank: q and o ``h·(H/t)·d`` each, k and v ``h·max(KV/t, 1)·d`` each (key/value heads are
+    replicated when there are fewer than t), the MLP ``3·h·I/t``, two norms ``2h``; ``L/p`` layers per pipeline
+    rank; the vocabulary-parallel embedding ``V/t·h`` on the first stage; the LM head ``V/t·h`` (none when tied)
+    and the final norm ``h`` on the last.
+    """
+    h, v, heads, kv = model_cfg.hidden_size, model_cfg.vocab_size, model_cfg.num_heads, model_cfg.num_kv_heads
+    d = h // heads
+    kv_local = kv // tp if kv >= tp else 1
+    layer = 2 * h * (heads // tp) * d + 2 * h * kv_local * d + 3 * h * (model_cfg.intermediate_size // tp) + 2 * h
+    layers = -(-model_cfg.num_layers // pp) * layer
+    emb = (v // tp) * h
+    head = 0 if model_cfg.tie_embeddings else (v // tp) * h
+    if pp == 1:
+        return (layers + emb + head + h,) * 2
+    return layers + emb, layers + head + h
+
+
+def params_per_rank(model_cfg: Any, tp: int, pp: int) -> int:
+    """Parameters of the fullest rank after TP and PP (what its DP gradient all-reduce carries), the larger of
+    :func:`stage_end_params`."""
+    return max(stage_end_params(model_cfg, tp, pp))
+
+
+@dataclass
+class StepPrediction:
+    """The predicted time of one optimizer step of the busiest rank, in seconds, and its parts."""
+
+    method: str
+    placement: str
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    dp_exposed_s: float
+    step_s: float
+    tokens_per_step: int
+    tokens_per_s: float
+    flops_per_token: float
+    mfu: float | None
+    params_per_rank: int
+    dp_bytes_per_rank: float
+    dp_node_out_bytes: float
+    groups: dict[str, GroupSpan]
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per part: compute, bubble, tp, pp, dp (exposed) — they add up to ``step_s``."""
+        return {
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "tp_comm_s": self.tp_comm_s,
+            "pp_comm_s": self.pp_comm_s,
+            "dp_comm_s": self.dp_exposed_s,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        d = dataclasses.asdict(self)
+        d["breakdown"] = self.breakdown
+        return d
+
+
+def _dp_comm(
+    psi: int, layout: Layout, cluster: ClusterModel, span: GroupSpan, method: str, ratio: float, index_bytes: int
+) -> tuple[float, float, float]:
+    """(seconds, bytes one rank sends, bytes leaving one node) of one step's DP gradient synchronisation."""
+    n, k, m_nodes = layout.dp, span.per_node, span.nodes
+    if n <= 1:
+        return 0.0, 0.0, 0.0
+    eb = layout.bytes_per_element
+    param_bytes = psi * eb
+    grad_eb = min(eb, 2) if method in ("fp16", "bf16") else eb
+    grad_bytes = psi * grad_eb
+    zero = layout.zero_stage >= 1
+    flat = method == "flat" or not span.spans_nodes or (k == 1 and method != "topk")
+    if flat:
+        link = cluster.ring_link(span.spans_nodes, span.ring_flows_per_node)
+        if zero:
+            t = reduce_scatter_s(grad_bytes, n, link) + all_gather_s(param_bytes, n, link)
+            sent = gather_bytes(grad_bytes, n) + gather_bytes(param_bytes, n)
+        else:
+            t, sent = all_reduce_s(grad_bytes, n, link), all_reduce_bytes(grad_bytes, n)
+        return t, sent, sent * span.ring_flows_per_node if span.spans_nodes else 0.0
+    inter = cluster.inter_link(span.crossing_ranks_per_node)
+    t = reduce_scatter_s(grad_bytes, k, cluster.intra)
+    sent = gather_bytes(grad_bytes, k)
+    if method == "topk":
+        chunk = ratio * (psi / k) * (eb + index_bytes)
+        t += all_gather_s(m_nodes * chunk, m_nodes, inter)
+        out = (m_nodes - 1) * chunk
+    elif zero:
+        t += reduce_scatter_s(grad_bytes / k, m_nodes, inter)
+        out = gather_bytes(grad_bytes / k, m_nodes)
+    else:
+        t += all_reduce_s(grad_bytes / k, m_nodes, inter)
+        out = all_reduce_bytes(grad_bytes / k, m_nodes)
+    if zero:  # updated parameters: all-gather across nodes, then inside the node
+        t += all_gather_s(param_bytes / k, m_nodes, inter) + all_gather_s(param_bytes, k, cluster.intra)
+        out += gather_bytes(param_bytes / k, m_nodes)
+        sent += gather_bytes(param_bytes, k)
+    else:  # the reduced (dense) shards back to every rank of the node
+        t += all_gather_s(grad_bytes, k, cluster.intra)
+        sent += gather_bytes(grad_bytes, k)
+    return t, sent + out, out * span.crossing_ranks_per_node
+
+
+def predict_step(
+    model_cfg: Any,
+    layout: Layout,
+    cluster: ClusterModel,
+    method: str = "flat",
+    topk_ratio: float = 0.01,
+    placement: str = "aware",
+    overlap_dp: bool = False,
+    topk_index_bytes: int = 4,
+) -> StepPrediction:
+    """Predict one optimizer step of ``layout`` for the model ``model_cfg`` (a ``LlamaConfig`` or anything with
+    its size fields) on ``cluster``; see the module docstring for every term and its source."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if layout.world_size > cluster.world_size:
+        raise ValueError(
+            f"layout needs {layout.world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp {layout.pp}); the "
+            f"cluster has {cluster.world_size} ({cluster.nodes} x {cluster.ranks_per_node})"
+        )
+    if not 0.0 < topk_ratio <= 1.0:
+        raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_pipeline_size
+    b, m, seq, eb = (
+        layout.micro_batch_size,
+        layout.gradient_accumulation_steps,
+        layout.seq_len,
+        layout.bytes_per_element,
+    )
+    spans = {kind: group_span(kind, dp, tp, pp, cluster.ranks_per_node, placement) for kind in ("tp", "pp", "dp")}
+    f_tok = flops_per_token(model_cfg, seq)
+    compute_s = f_tok * b * m * seq / (tp * pp) / cluster.flops_per_s
+    act_bytes = b * seq * model_cfg.hidden_size * eb
+    layers = -(-model_cfg.num_layers // pp)
+    tp_comm_s = 0.0
+    if tp > 1:
+        s = spans["tp"]
+        tp_comm_s = (
+            layers * m * 4 * all_reduce_s(act_bytes, tp, cluster.ring_link(s.spans_nodes, s.ring_flows_per_node))
+        )
+    pp_comm_s = 0.0
+    if pp > 1:
+        s = spans["pp"]
+        link = cluster.inter_link(s.p2p_flows_per_node) if s.spans_nodes else cluster.intra
+        pp_comm_s = 2 * v * m * p2p_s(act_bytes, link)
+    bubble = (pp - 1) / (v * m + pp - 1) if pp > 1 else 0.0
+    work_s = compute_s + tp_comm_s + pp_comm_s
+    pipeline_s = work_s / (1.0 - bubble)
+    psi = params_per_rank(model_cfg, tp, pp)
+    dp_s, dp_sent, dp_out = _dp_comm(psi, layout, cluster, spans["dp"], method, topk_ratio, topk_index_bytes)
+    exposed = max(0.0, dp_s - 2.0 / 3.0 * compute_s) if overlap_dp else dp_s
+    step_s = pipeline_s + exposed
+    tokens = layout.tokens_per_step
+    tps = tokens / step_s
+    peak = cluster.peak_flops_per_s
+    return StepPrediction(
+        method=method,
+        placement=placement,
+        compute_s=compute_s,
+        bubble_s=pipeline_s - work_s,
+        tp_comm_s=tp_comm_s,
+        pp_comm_s=pp_comm_s,
+        dp_comm_s=dp_s,
+        dp_exposed_s=exposed,
+        step_s=step_s,
+        tokens_per_step=tokens,
+        tokens_per_s=tps,
+        flops_per_token=f_tok,
+        mfu=tps * f_tok / (layout.world_size * peak) if peak else None,
+        params_per_rank=psi,
+        dp_bytes_per_rank=dp_sent,
+        dp_node_out_bytes=dp_out,
+        groups=spans,
+    )
+
+
+ClusterAt = Callable[[int], ClusterModel] | ClusterModel
+
+
+def _cluster_for(cluster_at: ClusterAt, n_gpus: int) -> ClusterModel:
+    return cluster_at.with_world_size(n_gpus) if isinstance(cluster_at, ClusterModel) else cluster_at(n_gpus)
+
+
+def _scaled(layout_per_gpu: Layout, n_gpus: int) -> Layout:
+    model_ranks = layout_per_gpu.tp * layout_per_gpu.pp
+    if n_gpus % model_ranks:
+        raise ValueError(f"{n_gpus} GPUs are not a multiple of tp x pp = {model_ranks}")
+    return layout_per_gpu.with_dp(n_gpus // model_ranks)
+
+
+def scaling_point(
+    model_cfg: Any, layout_per_gpu: Layout, cluster_at: ClusterAt, n_gpus: int, method: str = "hierarchical", **kw: Any
+) -> dict[str, Any]:
+    """One weak-scaling point: the layout with ``dp = n_gpus/(tp·pp)`` (per-GPU batch fixed) on
+    ``cluster_at(n_gpus)`` (or a ClusterModel grown to ``n_gpus``), with its prediction and efficiency.
+
+    Efficiency = tokens/s at N ÷ (N × tokens/s of one GPU's compute-only step), one GPU's compute-only rate being
+    ``flops_per_s / F_tok`` (no bubble, no communication).
+    """
+    layout = _scaled(layout_per_gpu, n_gpus)
+    cluster = _cluster_for(cluster_at, n_gpus)
+    pred = predict_step(model_cfg, layout, cluster, method=method, **kw)
+    one_gpu = cluster.flops_per_s / pred.flops_per_token
+    return {
+        "n_gpus": n_gpus,
+        "method": method,
+        "cluster": cluster.name,
+        "dp": layout.dp,
+        "efficiency": pred.tokens_per_s / (n_gpus * one_gpu),
+        "prediction": pred,
+    }
+
+
+def scaling_efficiency(
+    model_cfg: Any, layout_per_gpu: Layout, cluster_at: ClusterAt, n_gpus: int, method: str = "hierarchical", **kw: Any
+) -> float:
+    """Weak-scaling efficiency at ``n_gpus`` (see :func:`scaling_point`)."""
+    return scaling_point(model_cfg, layout_per_gpu, cluster_at, n_gpus, method, **kw)["efficiency"]
+
+
+def scaling_table(
+    model_cfg: Any,
+    layout_per_gpu: Layout,
+    cluster_at: ClusterAt,
+    sizes: Iterable[int] = (64, 128, 512),
+    methods: Iterable[str] = ("flat", "hierarchical", "fp16", "topk"),
+    **kw: Any,
+) -> list[dict[str, Any]]:
+    """:func:`scaling_point` for every size × method, as JSON-ready rows (the prediction as a dict)."""
+    rows = []
+    for n in sizes:
+        for method in methods:
+            point = scaling_point(model_cfg, layout_per_gpu, cluster_at, n, method, **kw)
+            pred = point.pop("prediction")
+            point.update(
+                step_s=pred.step_s,
+                tokens_per_s=pred.tokens_per_s,
+                dp_comm_s=pred.dp_comm_s,
+                mfu=pred.mfu,
+                breakdown=pred.breakdown,
+            )
+            rows.append(point)
+    return rows
