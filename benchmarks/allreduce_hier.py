@@ -35,7 +35,12 @@ def _bucket_sizes(bucket_mb: float) -> list[int]:
     from kuangchao_core.parallel.data import DataParallel
 
     cfg = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
         max_seq_len=64,
     )
     model = LlamaForCausalLM(cfg)
@@ -129,7 +134,9 @@ def main() -> int:
         return 2
     with Bench(2, args.rate) as bench:
         outs = run_ranks(
-            bench, 2, [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb)]
+            bench,
+            2,
+            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb)],
         )
     per_rank = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     r0 = per_rank[0]

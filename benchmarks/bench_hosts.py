@@ -113,7 +113,9 @@ def engine_step_times(
         env = {"KC_RUN_DIR": tmp}
         if placement is not None:
             env.update(placement.env())
-        outs = run_ranks(bench, nproc, [sys.executable, "-m", "kuangchao_core.engine.worker", "--config", str(path)], env)
+        outs = run_ranks(
+            bench, nproc, [sys.executable, "-m", "kuangchao_core.engine.worker", "--config", str(path)], env
+        )
     times = []
     for out in outs:
         events = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines() if ln.startswith("KC_EVENT ")]

@@ -52,7 +52,12 @@ def main() -> int:
         print(f"placement: the multi-host bench cannot run here: {why}", file=sys.stderr)
         return 2
     cfg = config_from_dict(
-        {"task": {"name": "bench"}, "model": MODEL, "data": {"format": "synthetic", "seq_len": 128}, "parallel": PARALLEL}
+        {
+            "task": {"name": "bench"},
+            "model": MODEL,
+            "data": {"format": "synthetic", "seq_len": 128},
+            "parallel": PARALLEL,
+        }
     )
     traffic = group_traffic(cfg)
     sizes = (2, 2, 1)
@@ -71,10 +76,14 @@ def main() -> int:
                 times[mode] += got
                 medians[mode] = spread(got)["median"]
             per_round.append(medians["aware"] / medians["blind"])
-            print(f"round {r}: aware {medians['aware'] * 1e3:.1f} ms, blind {medians['blind'] * 1e3:.1f} ms", flush=True)
+            print(
+                f"round {r}: aware {medians['aware'] * 1e3:.1f} ms, blind {medians['blind'] * 1e3:.1f} ms", flush=True
+            )
     for mode in ("aware", "blind"):
         s = spread(times[mode])
-        print(f"{mode:>6}: median {s['median'] * 1e3:.1f} ms/step (IQR {s['q1'] * 1e3:.1f}–{s['q3'] * 1e3:.1f}, n={s['n']})")
+        print(
+            f"{mode:>6}: median {s['median'] * 1e3:.1f} ms/step (IQR {s['q1'] * 1e3:.1f}–{s['q3'] * 1e3:.1f}, n={s['n']})"
+        )
     ratio = spread(per_round)
     result = {
         "link": args.rate,
