@@ -31,7 +31,7 @@ test-fast: setup
 	$(PY) -m pytest tests -q -m "not slow"
 
 bench: setup  ## side-by-side benchmarks against the torch-native peers
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -126,7 +126,7 @@ def main() -> int:
     if args.worker:
         worker(args.rounds, args.bucket_mb)
         return 0
-    from bench_hosts import Bench, bench_unavailable, run_ranks, spread
+    from _multihost import Bench, bench_unavailable, run_ranks, spread
 
     why = bench_unavailable()
     if why:

@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rate", default="400mbit")
     args = ap.parse_args()
-    from bench_hosts import Bench, bench_unavailable, engine_step_times, probe_bench, spread
+    from _multihost import Bench, bench_unavailable, engine_step_times, probe_bench, spread
 
     from kuangchao_core.config import load_config
     from kuangchao_core.engine.traffic import group_traffic

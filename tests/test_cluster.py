@@ -264,6 +264,15 @@ def test_node_list_shows_every_host_with_its_facts(cluster):
         assert n["device_kind"] == "cpu" and n["cpu_count"] >= 1 and n["torch"]
     table = subprocess.run([KC, "node", "list", "--pool", POOL], env=cluster.env, capture_output=True, text=True)
     assert "h0" in table.stdout and cluster.bench.hosts[2].address in table.stdout
+    # kc recommend sizes its cluster from the live pool (three agents, their slots)
+    slots = min(n["cpu_count"] for n in nodes.values())
+    rec = subprocess.run(
+        [KC, "recommend", "--pool", POOL, "--params", "1e8", "--gpu-memory-gb", "24"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+    )
+    assert f"cluster: 3 node(s) x {slots} GPUs" in rec.stdout, rec.stdout + rec.stderr
 
 
 def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path, store):

@@ -153,3 +153,31 @@ def test_nvlink_pairs_from_nvidia_smi_become_consecutive_slots():
     local = placed.local_of_rank()
     assert {local[0], local[1]} == {0, 2}  # TP group [0, 1] on the NVLink pair GPU0-GPU2
     assert device_chain([], 4) == [0, 1, 2, 3]  # a CPU node: slot order
+
+
+def test_kc_plan_prints_the_placement_of_a_described_cluster_and_topology_show_the_kept_probe(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+    from kuangchao_core.sched.topology import remember_report
+
+    monkeypatch.setenv("KC_CACHE_DIR", str(tmp_path))
+    runner = CliRunner()
+    tiny = "configs/tiny.yaml"
+    sets = ["--set", "parallel.data_parallel_size=2", "--set", "parallel.tensor_parallel_size=2"]
+    out = runner.invoke(app, ["plan", "--config", tiny, *sets, "--nodes", "2", "--gpus-per-node", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    placed = json.loads(out.output)["placement"]
+    groups = {g: v for row in placed["links"] for g, v in row["groups"].items()}
+    assert groups["tp[0,1]"]["crosses_nodes"] is False and placed["measured"] is False
+    assert runner.invoke(app, ["plan", "--config", tiny, "--nodes", "0"]).exit_code == 2
+
+    assert runner.invoke(app, ["topology", "show"]).exit_code == 1  # nothing measured yet
+    report = _report(["node0", "node1"], [[5.0, 0.05], [0.05, 5.0]])
+    remember_report(report, "f" * 64)
+    shown = runner.invoke(app, ["topology", "show"])
+    assert shown.exit_code == 0 and "node bandwidth" in shown.output and "ffffffff" in shown.output
+    assert json.loads(runner.invoke(app, ["topology", "show", "--json"]).output)["nodes"] == ["node0", "node1"]
+    # with a kept probe of the described nodes, kc plan places from the measured links
+    out = runner.invoke(app, ["plan", "--config", tiny, *sets, "--nodes", "2", "--gpus-per-node", "2", "--json"])
+    assert json.loads(out.output)["placement"]["measured"] is True

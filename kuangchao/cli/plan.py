@@ -5,8 +5,9 @@ problem as ``FILE: dotted.path: message``.
 
 ``--scale N`` (repeatable) adds the predicted step time of the layout and its weak-scaling efficiency at N GPUs
 (8 per node, NVLink inside, 200 and 400 Gb/s between) for flat, hierarchical and compressed DP all-reduce
-(``engine.perf_report``). With ``--scale``, a ``model.checkpoint`` that cannot be read here is replaced by the
-shape for ``model.params`` (the output says so).
+(``engine.perf_report``). ``--nodes N --gpus-per-node G`` describes a static cluster and prints which ranks and
+groups each node gets (``engine.traffic``). With ``--scale`` or ``--nodes``, a ``model.checkpoint`` that cannot
+be read here is replaced by the shape for ``model.params`` (the output says so).
 """
 
 from __future__ import annotations
@@ -68,15 +69,24 @@ def plan(
     overlap_dp: bool = typer.Option(
         False, "--overlap-dp", help="With --scale: hide DP communication behind the backward pass where it fits."
     ),
+    nodes: int = typer.Option(None, "--nodes", help="Describe a static cluster of this many nodes (node0, node1…)."),
+    gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="With --nodes: ranks (GPUs) per node."),
 ) -> None:
-    """Explain the layout: TP/PP/DP groups, layers per (virtual) stage, micro-batches, bubble, memory per rank."""
+    """Explain the layout: TP/PP/DP groups, layers per (virtual) stage, micro-batches, bubble, memory per rank,
+    and for a static cluster (the config's, or ``--nodes``) which ranks and groups each node gets."""
     from kuangchao_core.engine.plan import check_plan, explain_plan, format_plan
 
     note = None
+    if nodes is not None:
+        if nodes < 1 or not gpus_per_node or gpus_per_node < 1:
+            typer.echo(f"{config}: --nodes needs a count >= 1 and --gpus-per-node >= 1", err=True)
+            raise typer.Exit(2)
+        described = json.dumps([{"host": f"node{i}", "gpus": gpus_per_node, "role": "worker"} for i in range(nodes)])
+        set_ = [*set_, "cluster.mode=static", f"cluster.nodes={described}", f"cluster.nproc_per_node={gpus_per_node}"]
     try:
         cfg = load_config(config, set_)
         errors = check_plan(cfg)
-        if scale:
+        if scale or nodes is not None:  # estimates: a checkpoint that is not here yet is sized by model.params
             cfg, errors, note = _substitute_shape(cfg, errors)
     except ConfigError as exc:
         errors = exc.errors
@@ -90,17 +100,34 @@ def plan(
         raise typer.Exit(2)
     result = explain_plan(cfg)
     report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
+    placement = _placement(cfg)
     if as_json:
         if report is not None:
             result = {**result, "scale": {**report, "model_note": note}}
+        if placement is not None:
+            result = {**result, "placement": placement}
+        if note and report is None:
+            result = {**result, "model_note": note}
         typer.echo(json.dumps(result))
         return
     from kuangchao_core.engine.perf_report import format_scale_report
+    from kuangchao_core.engine.traffic import format_placement
 
     text = format_plan(result)
-    if report is not None:
-        text = "\n".join(x for x in (note, text, format_scale_report(report)) if x)
-    typer.echo(text)
+    if placement is not None:
+        text += "\n" + format_placement(placement)
+    scaled = format_scale_report(report) if report is not None else None
+    typer.echo("\n".join(x for x in (note, text, scaled) if x))
+
+
+def _placement(cfg):
+    """The static cluster's placement, from a kept probe of its nodes when there is one (``kc topology show``)."""
+    from kuangchao_core.engine.traffic import described_placement
+    from kuangchao_core.sched.topology import remembered_reports
+
+    hosts = {n.host for n in cfg.cluster.worker_nodes} if cfg.cluster.mode == "static" else set()
+    report = next((r for r in remembered_reports() if hosts and hosts <= set(r.nodes)), None)
+    return described_placement(cfg, report)
 
 
 def register(app: typer.Typer) -> None:

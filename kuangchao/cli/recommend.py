@@ -78,6 +78,9 @@ def recommend(
     top: int = typer.Option(5, "--top", min=1, help="How many layouts to print."),
     usable: float = typer.Option(0.9, "--usable-fraction", help="Share of GPU memory a rank may plan for (0-1]."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    pool_name: str | None = typer.Option(
+        None, "--pool", help="Take nodes, GPUs per node and the measured link between nodes from this live pool."
+    ),
 ) -> None:
     """Enumerate dp x tp x pp x ZeRO x micro-batch layouts; print the fastest that fit and why the others do not."""
     from kuangchao_core.config import load_config
@@ -113,6 +116,14 @@ def recommend(
     if precision not in ("fp32", "bf16"):
         _fail("--dtype" if dtype else "--config", f"precision must be fp32 or bf16, got {precision!r}")
     model_cfg, note = _model(cfg, model, params)
+    if pool_name is not None:
+        live_nodes, live_gpus, measured_gbps = _live_pool(pool_name)
+        nodes, gpus_per_node = nodes or live_nodes, gpus_per_node or live_gpus
+        if measured_gbps is not None:
+            inter_gbps = measured_gbps
+            note = "; ".join(
+                x for x in (note, f"between nodes: {measured_gbps:.3g} Gb/s measured by the node probe") if x
+            )
     cfg_nodes, cfg_gpus = _cluster_counts(cfg)
     nodes, gpus_per_node = nodes or cfg_nodes, gpus_per_node or cfg_gpus
     if nodes is None or gpus_per_node is None:
@@ -136,6 +147,32 @@ def recommend(
         typer.echo(format_recommendation(result, note))
     if not result["top"]:
         raise typer.Exit(1)
+
+
+def _live_pool(pool: str) -> tuple[int, int, float | None]:
+    """(live nodes, ranks per node, measured bandwidth between nodes in Gb/s or None) of a node-agent pool."""
+    import os
+
+    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.topology import remembered_reports
+
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail("--pool", "PREFECT_API_URL is not set: the pool's node agents are registered on a Prefect server")
+    try:
+        live = [n for n in list_nodes(pool) if n.live]
+    except Exception as exc:  # noqa: BLE001 - the server's own error, said plainly
+        _fail("--pool", f"cannot read the pool from the Prefect API: {exc}")
+    if not live:
+        _fail("--pool", f"no live node agents in pool {pool!r} (start them with `kc node start --pool {pool}`)")
+    names = {n.name for n in live}
+    report = next((r for r in remembered_reports() if names <= set(r.nodes) and len(r.nodes) > 1), None)
+    gbps = None
+    if report is not None:
+        idx = [report.nodes.index(n) for n in sorted(names)]
+        between = [report.node_bandwidth_gbps[i][j] for i in idx for j in idx if i != j]
+        between = [b for b in between if b]
+        gbps = min(between) * 8 if between else None
+    return len(live), min(n.facts.slots for n in live), gbps
 
 
 def register(app: typer.Typer) -> None:

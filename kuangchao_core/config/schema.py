@@ -156,7 +156,13 @@ class DataSection(Section):
 
 
 class ParallelSection(Section):
-    """The layout: data × tensor × pipeline parallel sizes, batches, schedule, ZeRO, buckets."""
+    """The layout: data × tensor × pipeline parallel sizes, batches, schedule, ZeRO, buckets.
+
+    DP gradient buckets (``zero_stage: 0``): ``hierarchical_allreduce`` (``auto``: when a DP group spans nodes
+    with several members on each) sums them node-locally first; ``grad_compression`` sends them across nodes as
+    fp16/bf16 or as the top ``topk_ratio`` of their entries with error feedback (the ratio warms up from dense
+    over ``topk_warmup_steps``).
+    """
 
     data_parallel_size: Int = Field(default=1, ge=1)
     tensor_parallel_size: Int = Field(default=1, ge=1)
