@@ -124,11 +124,19 @@ def test_dynamic_choice_takes_the_best_connected_pair_then_load_then_priority():
     assert [n.name for n in pick_dynamic(live, 2, fast)] == ["n2", "n3"]
     assert [n.name for n in pick_dynamic(live, 2, None)] == ["n1", "n2"]  # control: no matrix, by name
     # all links equal within the probe's noise: the least loaded pair wins
-    even = _report(["n1", "n2", "n3"], [[20, 10, 11], [10, 20, 10.5], [11, 10.5, 20]])
+    # (latencies of 250 vs 150 us are the probe's scheduling noise on a busy machine, not another link class)
+    lat = [[100, 250, 150], [250, 100, 180], [150, 180, 100]]
+    even = _report(["n1", "n2", "n3"], [[20, 10, 11], [10, 20, 10.5], [11, 10.5, 20]], lat)
+    assert [n.name for n in pick_dynamic(live, 2, even)] == ["n1", "n2"]
     assert [n.name for n in pick_dynamic(live, 2, even, loads={"n1": 2})] == ["n2", "n3"]
     # priority: high takes the fast pair even when it is busy; low avoids the busy nodes
     assert [n.name for n in pick_dynamic(live, 2, fast, loads={"n2": 1}, priority="high")] == ["n2", "n3"]
     assert [n.name for n in pick_dynamic(live, 2, fast, loads={"n2": 1}, priority="low")] == ["n1", "n3"]
+    # a latency of another class (20x) does decide between equal bandwidths
+    far = _report(
+        ["n1", "n2", "n3"], [[20, 10, 10], [10, 20, 10], [10, 10, 20]], [[1, 200, 10], [200, 1, 200], [10, 200, 1]]
+    )
+    assert [n.name for n in pick_dynamic(live, 2, far)] == ["n1", "n3"]
 
 
 NVSMI = """\

@@ -5,7 +5,8 @@
 - ``cluster.mode: dynamic`` (``registry: prefect://POOL``): live nodes of the pool until the world size is covered
   (``cluster.nproc_per_node`` ranks each, else the node's own device count or CPU cores). With the node probe's
   matrix (``topology``) the group of nodes with the best bottleneck link is chosen (highest bandwidth, then lowest
-  latency; figures within 25 % of the best count as equal — the probe's own noise), then the least loaded
+  latency; bandwidths within 25 % and latencies within 2× of the best count as equal — the probe's own noise:
+  large messages time the bandwidth well, small ones are at the mercy of scheduling), then the least loaded
   (``loads``: node shares already running there), then by name. ``task.priority`` weighs the two: ``high`` takes
   the best-connected nodes whatever their load, ``normal`` the least loaded among the best-connected, ``low`` the
   least loaded nodes first and the links only among those. Without a matrix (``cluster.placement: blind``, or no
@@ -66,8 +67,10 @@ def _describe(n: NodeStatus) -> str:
     return f"{n.name} ({n.facts.address}, last heartbeat {n.last_heartbeat or 'never'})"
 
 
-#: measured link figures within this factor of the best count as equally good
+#: measured bandwidths within this factor of the best count as equally good
 LINK_TOLERANCE = 1.25
+#: measured latencies within this factor of the best count as equally good (small-message timings are noisy)
+LATENCY_TOLERANCE = 2.0
 #: above this many candidate groups the choice is greedy (grow from the best pair) instead of exhaustive
 MAX_GROUPS = 5000
 
@@ -118,7 +121,7 @@ def pick_dynamic(
     best_bw = max(bw for bw, _ in links.values())
     good = [g for g in groups if links[g][0] * LINK_TOLERANCE >= best_bw]
     best_lat = min(links[g][1] for g in good)
-    good = [g for g in good if links[g][1] <= best_lat * LINK_TOLERANCE or links[g][1] == best_lat]
+    good = [g for g in good if links[g][1] <= best_lat * LATENCY_TOLERANCE or links[g][1] == best_lat]
     if priority == "high":
         good.sort(key=lambda g: (-links[g][0], links[g][1], g))
         pick = good[0]
