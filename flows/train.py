@@ -40,7 +40,7 @@ from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.doctor import doctor
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
-from tasks.place_attempt import cluster_topology, place_attempt
+from tasks.place_attempt import finish_cluster_probe, place_attempt, start_cluster_probe
 from tasks.probe_topology import probe_topology
 from tasks.recover import recover
 from tasks.validate_data import validate_data
@@ -147,23 +147,26 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
 
     doctor(cfg)
     multinode = cfg.cluster.mode != "local"
-    topology = None
+    topology = probing = None
     if not multinode:
         probe_topology(cfg)
-    else:  # the node agents measure every pair of candidate nodes; placement reads the matrix
-        topology = cluster_topology(cfg, run_dir, logger)
+    else:  # the node agents measure every pair of candidate nodes while the data is validated
+        probing = start_cluster_probe(cfg, run_dir, logger)
     run_id = tracking.open_run(
         cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
     )
-    if topology is not None:
-        tracking.log_json_artifact(cfg, run_id, topology.to_dict(), "topology", "topology.json")
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
     lost_nodes: list[str] = []  # machines lost in earlier attempts; the next attempts run without them
     try:
-        validate_data(cfg, mlflow_run_id=run_id)
+        try:
+            validate_data(cfg, mlflow_run_id=run_id)
+        finally:
+            topology = finish_cluster_probe(probing, logger) if probing is not None else None
+        if topology is not None:  # placement reads the matrix
+            tracking.log_json_artifact(cfg, run_id, topology.to_dict(), "topology", "topology.json")
         if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
             create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
 

@@ -1,10 +1,11 @@
 """Prefect tasks of a multi-node job's placement: probe the candidate nodes, then place each attempt.
 
-- :func:`cluster_topology` measures the links between the nodes the job may use (a static cluster's nodes, a
-  dynamic pool's live nodes) through their agents, cached by the nodes' fingerprint (``probe_cluster``); a kept
-  report that already covers every candidate (same names, addresses, devices, ranks per node, younger than the
-  cache expiration) is reused without measuring; a probe that fails leaves the job placeable (by load and name,
-  ranks by the traffic model) with a warning.
+- :func:`start_cluster_probe` / :func:`finish_cluster_probe` (the flow validates the data meanwhile) measure the
+  links between the nodes the job may use (a static cluster's nodes, a dynamic pool's live nodes) through their
+  agents, cached by the nodes' fingerprint (``probe_cluster``); a kept report that already covers every candidate
+  (same names, addresses, devices, ranks per node, younger than the cache expiration) is reused without
+  measuring; a probe that fails leaves the job placeable (by load and name, ranks by the traffic model) with a
+  warning.
 - :func:`place_attempt` picks the attempt's nodes (cluster level) and which mesh rank each slot plays (node level)
   and records both: ``<run>/placement.attempt_<n>.json``, a Prefect artifact, and (by the flow) an MLflow artifact.
 """
@@ -30,8 +31,9 @@ from tasks.probe_topology import CACHE_EXPIRATION, probe_cluster
 log = logging.getLogger("kuangchao.flow")
 
 
-def cluster_topology(cfg: Any, run_dir: str | Path, logger: Any = log) -> TopologyReport | None:
-    """The node probe's report for ``cfg``'s candidate nodes (cached), or None when it could not run."""
+def start_cluster_probe(cfg: Any, run_dir: str | Path, logger: Any = log) -> Any:
+    """Start measuring ``cfg``'s candidate nodes: a kept report that covers them (returned as is), a running probe
+    (a Prefect future, for :func:`finish_cluster_probe`), or None when no candidate is live."""
     candidates = probe_candidates(cfg)
     if not candidates:
         return None
@@ -45,17 +47,23 @@ def cluster_topology(cfg: Any, run_dir: str | Path, logger: Any = log) -> Topolo
             ", ".join(n.name for n in candidates),
         )
         return kept
+    return probe_cluster.submit(
+        node_facts=[asdict(n.facts) for n in candidates],
+        nproc=nproc,
+        run_dir=str(run_dir),
+        deployment=deployment_name(cluster_pool(cfg)),
+    )
+
+
+def finish_cluster_probe(started: Any, logger: Any = log) -> TopologyReport | None:
+    """The report of :func:`start_cluster_probe` (waits for a running probe); None when it failed (warned)."""
+    if started is None or isinstance(started, TopologyReport):
+        return started
     try:
-        found = probe_cluster(
-            node_facts=[asdict(n.facts) for n in candidates],
-            nproc=nproc,
-            run_dir=str(run_dir),
-            deployment=deployment_name(cluster_pool(cfg)),
-        )
+        return TopologyReport.from_dict(started.result())
     except Exception as exc:  # noqa: BLE001 - the job can still be placed without measured links
         logger.warning("node probe failed (%s); placing without measured links", exc)
         return None
-    return TopologyReport.from_dict(found)
 
 
 def _markdown(record: dict[str, Any]) -> str:

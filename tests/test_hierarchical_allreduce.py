@@ -87,9 +87,24 @@ def _collectives(rank: int, world: int) -> dict:
     return out
 
 
+def _both(rank: int, world: int, jobs: list) -> dict:
+    """One set of processes for both halves: the collectives, then the engine jobs."""
+    return {"collectives": _collectives(rank, world), "jobs": run_trainers(rank, world, jobs)}
+
+
 @pytest.fixture(scope="module")
-def collectives():
-    return run_distributed(_collectives, 4, timeout=180)
+def runs(tmp_path_factory):
+    return run_distributed(_both, 4, args=(_engine_jobs(tmp_path_factory.mktemp("hier")),), timeout=500)
+
+
+@pytest.fixture(scope="module")
+def collectives(runs):
+    return [r["collectives"] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(runs):
+    return [r["jobs"] for r in runs]
 
 
 def test_hierarchical_equals_flat_exactly_on_exact_sums_for_any_node_split(collectives):
@@ -133,12 +148,10 @@ def _job(tmp, name: str, dtype: str = "fp64", **parallel):
     )
 
 
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hier")
+def _engine_jobs(tmp):
     topk = {"grad_compression": "topk", "topk_ratio": 0.25, "topk_warmup_steps": 2}
     two = {"node_of_rank": TWO_NODES}
-    jobs = [
+    return [
         {"cfg": _job(tmp, "flat", hierarchical_allreduce="off"), **two},
         {"cfg": _job(tmp, "hier", hierarchical_allreduce="on"), **two},
         {"cfg": _job(tmp, "topk", **topk), **two},
@@ -147,7 +160,6 @@ def engine_runs(tmp_path_factory):
         {"cfg": _job(tmp, "drop", **topk), **two, "max_steps": 4},
         {"cfg": _job(tmp, "drop", **topk), **two, "resume": "auto", "sabotage": "drop_comm_state"},
     ]
-    return run_distributed(run_trainers, 4, args=(jobs,), timeout=400)
 
 
 def test_hierarchical_training_equals_flat_training(engine_runs):
