@@ -76,14 +76,7 @@ def scale_report(
             "seq_len": layout.seq_len,
             "bytes_per_element": layout.bytes_per_element,
         },
-        "layout": {
-            "dp": layout.dp,
-            "tp": layout.tp,
-            "pp": layout.pp,
-            "zero_stage": layout.zero_stage,
-            "micro_batch_size": layout.micro_batch_size,
-            "gradient_accumulation_steps": layout.gradient_accumulation_steps,
-        },
+        "layout": layout.layout_dict(),
         "step": step,
         "scaling": scaling,
     }

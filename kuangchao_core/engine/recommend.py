@@ -107,14 +107,7 @@ def _check_layout(model_cfg: Any, layout: Layout, precision: str) -> list[tuple[
 
 
 def _layout_dict(layout: Layout) -> dict[str, int]:
-    return {
-        "dp": layout.dp,
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "zero_stage": layout.zero_stage,
-        "micro_batch_size": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.gradient_accumulation_steps,
-    }
+    return layout.layout_dict()
 
 
 def _reason_key(path: str, message: str) -> str:

@@ -98,6 +98,17 @@ class Layout:
         """Tokens of one optimizer step over the whole job: dp × b × m × T."""
         return self.dp * self.micro_batch_size * self.gradient_accumulation_steps * self.seq_len
 
+    def layout_dict(self) -> dict[str, int]:
+        """Sizes, ZeRO stage and batch split, JSON-ready (what reports print)."""
+        return {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "zero_stage": self.zero_stage,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
     def with_dp(self, dp: int) -> Layout:
         """The same layout with another data-parallel size (weak scaling keeps everything else)."""
         return dataclasses.replace(self, dp=dp)
