@@ -47,12 +47,24 @@ def _in_file(errors: Errors, path: Path, top: Path) -> Errors:
     return [(where, f"{msg} (in {path})") for where, msg in errors]
 
 
+def _names_no_content(where: str) -> bool:
+    """Whether an error path of a base file can be shown: a syntax error (PyYAML's fixed phrases) or a path inside a
+    config section — never a key of a file that is not a config."""
+    return where == "(file)" or where.split(".", 1)[0] in SECTIONS
+
+
 def _load_tree(path: Path, chain: list[Path], top: Path) -> tuple[dict[str, Any], Errors]:
     text, errors = read_text(path)
     if text is None:
-        return {}, _in_file(errors, path, top)
+        if path != top:
+            return {}, [("extends", msg) for _, msg in errors]
+        return {}, errors
     data, errors = parse_yaml(text, str(path))
     if errors:
+        if path != top and not all(_names_no_content(where) for where, _ in errors):
+            # another file's keys are never echoed: it may not be a config at all
+            msg = f"base config {path} is not a valid YAML config; check it on its own with `kc config validate`"
+            return {}, [("extends", msg)]
         return {}, _in_file(errors, path, top)
     if data is None:
         data = {}
@@ -60,6 +72,14 @@ def _load_tree(path: Path, chain: list[Path], top: Path) -> tuple[dict[str, Any]
         return {}, _in_file(
             [("(root)", f"a config must be a mapping of sections, got {type(data).__name__}")], path, top
         )
+    if path != top and not set(data) <= {*SECTIONS, "extends"}:
+        return {}, [
+            (
+                "extends",
+                f"base config {path} is not a Kuangchao config: its top-level keys are not all sections "
+                f"({', '.join(SECTIONS)}); its content is not shown",
+            )
+        ]
 
     extends = data.pop("extends", None)
     if extends is None:

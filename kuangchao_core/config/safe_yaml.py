@@ -8,6 +8,7 @@ strings, ``2e-5`` is a float). Errors come back as ``(dotted path, message)`` pa
 from __future__ import annotations
 
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,10 @@ def _describe_key(node: Node) -> str:
 
 def parse_yaml(text: str, name: str = "<string>") -> tuple[Any, Errors]:
     """Parse one YAML document safely; return ``(data, errors)`` (data is None when there are errors)."""
-    loader = ConfigYamlLoader(text)
+    try:
+        loader = ConfigYamlLoader(text)  # the reader refuses NUL and control characters right here
+    except yaml.YAMLError as exc:
+        return None, [("(file)", f"not a YAML text: {getattr(exc, 'reason', None) or exc}")]
     loader.name = name
     try:
         node = loader.get_single_node()
@@ -196,7 +200,19 @@ def parse_yaml(text: str, name: str = "<string>") -> tuple[Any, Errors]:
 
 
 def read_text(path: Path) -> tuple[str | None, Errors]:
-    """The UTF-8 text of a config file of at most ``MAX_FILE_BYTES``, or the error that stops it."""
+    """The UTF-8 text of a config file of at most ``MAX_FILE_BYTES``, or the error that stops it.
+
+    Only regular files are read: a FIFO, a device or a socket named as a config would block or never end."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None, [("(file)", f"file not found: {path}")]
+    except OSError as exc:
+        return None, [("(file)", f"cannot read {path}: {exc.strerror or exc}")]
+    if stat.S_ISDIR(mode):
+        return None, [("(file)", f"{path} is a directory, not a YAML file")]
+    if not stat.S_ISREG(mode):
+        return None, [("(file)", f"{path} is not a regular file (a pipe, device or socket); give a YAML file")]
     try:
         with path.open("rb") as fh:
             raw = fh.read(MAX_FILE_BYTES + 1)

@@ -213,7 +213,7 @@ class OptimizerSection(Section):
 class TrainSection(Section):
     """The training loop: ``steps`` counts optimizer steps."""
 
-    steps: Int = Field(default=100, ge=1)
+    steps: Int = Field(default=100, ge=1, le=10**12)
     warmup_steps: Int = Field(default=0, ge=0)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: Float = Field(default=0.1, ge=0, le=1)
@@ -258,7 +258,7 @@ class PermissionSection(Section):
     """Capability tokens and audit (L5). ``roles`` empty means the permission layer's built-in roles."""
 
     mode: Literal["enforcing", "trusted"] = "enforcing"
-    token_ttl_seconds: Int = Field(default=3600, ge=1)
+    token_ttl_seconds: Int = Field(default=3600, ge=1, le=24 * 3600)  # the verifier's maximum, never raised
     audit_log: str | None = None
     allowed_interfaces: list[str] | None = None
     roles: dict[str, RoleSpec] = Field(default_factory=dict)
@@ -291,7 +291,7 @@ class ClusterSection(Section):
     registry: str | None = None
     elastic: bool = False
     placement: Literal["topology", "blind"] = "topology"
-    max_restarts: Int = Field(default=2, ge=0)
+    max_restarts: Int = Field(default=2, ge=0, le=1000)
     heartbeat_interval_s: Float = Field(default=1.0, gt=0)
     heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)
 

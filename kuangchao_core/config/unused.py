@@ -52,7 +52,9 @@ def unused_settings(cfg: Any) -> Warnings:
     if cfg.task.priority != "normal" and cluster.mode != "dynamic":
         out.append(("task.priority", "only weighs the choice of nodes in a dynamic cluster (cluster.mode dynamic)"))
     if cluster.mode == "local" and _given(cluster, "placement"):
-        out.append(("cluster.placement", "only used with cluster.mode static or dynamic; this job runs on this machine"))
+        out.append(
+            ("cluster.placement", "only used with cluster.mode static or dynamic; this job runs on this machine")
+        )
     if par.grad_compression != "none" and par.zero_stage:
         out.append(
             (

@@ -56,11 +56,14 @@ class LlamaConfig:
         return self.hidden_size // self.num_heads
 
     def validate(self) -> LlamaConfig:
-        """Raise ConfigError listing every inconsistent size; return self."""
+        """Raise ConfigError listing every inconsistent or out-of-bounds size (:data:`SIZE_LIMITS`); return self."""
         errs: list[tuple[str, str]] = []
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if int(getattr(self, name)) < 1:
                 errs.append((f"model.{name}", f"must be >= 1, got {getattr(self, name)}"))
+        for name, limit in SIZE_LIMITS.items():
+            if int(getattr(self, name)) > limit:
+                errs.append((f"model.{name}", f"{getattr(self, name)} is above the limit {limit}"))
         if self.max_seq_len < 1:
             errs.append(("model.max_seq_len", f"must be >= 1, got {self.max_seq_len}"))
         if not errs:
@@ -140,6 +143,44 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     return LlamaConfig(**base).validate()
 
 
+#: upper bounds of a model's sizes (a config, or a checkpoint's config.json, beyond them is refused before anything
+#: is planned or allocated; the largest public Llama-style models are well inside them)
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "num_layers": 1024,
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "max_seq_len": 1 << 22,
+}
+#: config.json key of each LlamaConfig size
+HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "max_seq_len": "max_position_embeddings",
+}
+
+
+def _hf_sizes(raw: dict, path: Path) -> None:
+    """Refuse config.json sizes that are not whole numbers within :data:`SIZE_LIMITS`, naming the key."""
+    errs = []
+    for field_name, key in HF_KEYS.items():
+        if key not in raw or raw[key] is None:
+            continue
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            errs.append(("model.checkpoint", f"{path}: {key} must be a whole number, got {value!r}"))
+        elif not 1 <= value <= SIZE_LIMITS[field_name]:
+            errs.append(("model.checkpoint", f"{path}: {key} {int(value)} is outside [1, {SIZE_LIMITS[field_name]}]"))
+    if errs:
+        raise ConfigError(errs)
+
+
 def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
     """Read a local Hugging Face Llama ``config.json`` (never the hub) into a LlamaConfig."""
     path = Path(directory)
@@ -153,11 +194,16 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError([("model.checkpoint", f"cannot read {path}: {exc}")]) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError([("model.checkpoint", f"{path} is not a JSON object (got {type(raw).__name__})")])
+    _hf_sizes(raw, path)
     if raw.get("model_type", "llama") != "llama":
         raise ConfigError(
             [("model.checkpoint", f"{path} has model_type {raw.get('model_type')!r}; only 'llama' loads")]
         )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError([("model.checkpoint", f"{path}: rope_scaling must be an object, got {rope!r:.40}")])
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise ConfigError(
@@ -179,6 +225,8 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
         )
     except KeyError as exc:
         raise ConfigError([("model.checkpoint", f"{path} lacks the key {exc.args[0]!r}")]) from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError([("model.checkpoint", f"{path}: a size or setting is not a number ({exc})")]) from None
     head_dim = raw.get("head_dim")
     if head_dim is not None and int(head_dim) != cfg.head_dim:
         raise ConfigError(

@@ -25,6 +25,7 @@ from kuangchao_core.config.access import setting
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.layout import DEFAULT_REGIONS, dataset_resource_name, group_layout, groups_of_rank
 from kuangchao_core.perm.roles import Policy
+from kuangchao_core.perm.tokens import DEFAULT_MAX_TTL_S
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 #: first tokens live at least this long, so a short ``token_ttl_seconds`` cannot expire during worker start-up;
@@ -56,9 +57,7 @@ def audit_log_path(cfg: Any, job_id: str) -> Path:
 
 def authority_for(cfg: Any, run_dir: str | os.PathLike) -> Authority:
     """Open (or create) the run's authority; only the orchestrating process (issue, launch) calls this."""
-    perm = setting(cfg, "permission")
-    ttl = float(setting(perm, "token_ttl_seconds", 3600))
-    return Authority(Path(run_dir) / "authority", max_ttl_s=max(24 * 3600.0, ttl))
+    return Authority(Path(run_dir) / "authority", max_ttl_s=DEFAULT_MAX_TTL_S)  # a config never raises it
 
 
 def issue_tokens_for_run(

@@ -1,0 +1,119 @@
+"""Hostile config input (issue 16 item 6): each attack exits 2 with the dotted path and no traceback, and nothing
+of another file's content is echoed. Each test first shows the attack's effect is real input, then the refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from kuangchao.cli.main import app
+from kuangchao_core.config import load_config
+from kuangchao_core.errors import ConfigError
+from kuangchao_core.perm.issuance import authority_for
+from kuangchao_core.perm.tokens import DEFAULT_MAX_TTL_S
+
+RUN = CliRunner()
+SECRET = "root:$6$S3CRETHASH:19000:0:99999:7:::"
+
+
+def _validate(path) -> tuple[int, str]:
+    out = RUN.invoke(app, ["config", "validate", str(path)])
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception  # no traceback
+    return out.exit_code, out.output
+
+
+def test_extends_of_a_non_config_file_is_refused_without_echoing_it(tmp_path):
+    shadow = tmp_path / "shadow"
+    shadow.write_text(f"{SECRET}\ndaemon:*:19000:0:99999:7:::\n")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"extends: {shadow}\ntask: {{name: a}}\n")
+    code, text = _validate(cfg)
+    assert code == 2 and "extends" in text and "not a Kuangchao config" in text
+    assert "S3CRETHASH" not in text and "daemon" not in text
+    # a base file with broken YAML: named with the line, its content not quoted
+    shadow.write_text("task: {name: [S3CRETHASH\n")
+    code, text = _validate(cfg)
+    assert code == 2 and "YAML syntax error at line" in text and str(shadow) in text and "S3CRETHASH" not in text
+    # duplicate keys outside any section would name them: refused as a whole instead
+    shadow.write_text("S3CRETHASH: 1\nS3CRETHASH: 2\n")
+    code, text = _validate(cfg)
+    assert code == 2 and "not a valid YAML config" in text and "S3CRETHASH" not in text
+    # the control: a real base config still works
+    shadow.write_text("train: {steps: 7}\n")
+    assert load_config(cfg).train.steps == 7
+
+
+def test_a_fifo_as_config_or_base_fails_at_once_instead_of_hanging(tmp_path):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    code, text = _validate(fifo)  # opening a FIFO for reading would block until a writer comes
+    assert code == 2 and "not a regular file" in text
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"extends: {fifo.name}\ntask: {{name: a}}\n")
+    code, text = _validate(cfg)
+    assert code == 2 and "extends: " in text and "not a regular file" in text
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x1b", "\x07"])
+def test_nul_and_control_characters_exit_2(tmp_path, char):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f'task: {{name: "a{char}b"}}\n')
+    code, text = _validate(cfg)
+    assert code == 2 and "(file)" in text and "Traceback" not in text
+
+
+def test_token_ttl_and_other_counts_are_bounded_and_never_raise_the_verifiers_maximum(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("task: {name: a}\npermission: {token_ttl_seconds: 1e18}\ncluster: {max_restarts: 1e9}\n")
+    code, text = _validate(cfg)
+    assert code == 2 and "permission.token_ttl_seconds" in text and "cluster.max_restarts" in text
+    cfg.write_text("task: {name: a}\ntrain: {steps: 1e15}\n")
+    assert "train.steps" in _validate(cfg)[1]
+    # the largest TTL the config accepts leaves the authority's maximum where it is
+    ok = load_config(cfg, ["train.steps=10", f"permission.token_ttl_seconds={DEFAULT_MAX_TTL_S}"])
+    assert authority_for(ok, tmp_path / "run").max_ttl_s == DEFAULT_MAX_TTL_S
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ({"num_hidden_layers": 1_000_000}, "num_hidden_layers 1000000 is outside"),
+        ({"vocab_size": 1e12}, "vocab_size 1000000000000 is outside"),
+        ({"hidden_size": "64; rm -rf"}, "hidden_size must be a whole number"),
+        ([1, 2], "is not a JSON object"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be an object"),
+    ],
+)
+def test_hf_config_json_sizes_are_validated_naming_the_key(tmp_path, content, needle):
+    base = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(content if isinstance(content, list) else {**base, **content}))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"task: {{name: a}}\nmodel: {{checkpoint: {hf}}}\n")
+    out = RUN.invoke(app, ["plan", "--config", str(cfg)])
+    assert out.exit_code == 2 and "model.checkpoint" in out.output and needle in out.output, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)
+    (hf / "config.json").write_text(json.dumps(base))  # the control: the same directory, sane sizes, plans
+    assert RUN.invoke(app, ["plan", "--config", str(cfg)]).exit_code == 0
+
+
+def test_model_sizes_in_the_config_itself_are_bounded(tmp_path):
+    from kuangchao_core.models.llama import config_from_model_section
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("task: {name: a}\nmodel: {preset: tiny, num_layers: 1000000}\n")
+    with pytest.raises(ConfigError) as err:
+        config_from_model_section(load_config(cfg).model)
+    assert ("model.num_layers", "1000000 is above the limit 1024") in err.value.errors
+    out = RUN.invoke(app, ["plan", "--config", str(cfg)])  # and kc plan says so instead of running away
+    assert out.exit_code == 2 and "model.num_layers: 1000000 is above the limit 1024" in out.output
