@@ -57,12 +57,17 @@ def make_run_dir(cfg: Any, flow_run_id: str | None) -> Path:
 def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, Any] | None = None):
     """``load_config`` plus Prefect block references (``checkpoint.storage_block`` …, see ``blocks.resolve``).
 
-    Block references are resolved on the merged mapping before validation; secrets (S3 credentials) go into
-    ``secrets``, never into the config that is written to disk and handed to the workers.
+    Block references are resolved on the merged mapping before validation; secrets (S3 credentials, also those
+    written into ``checkpoint.endpoint_url`` as ``user:password@``) go into ``secrets``, never into the config that
+    is written to disk, logged to MLflow and handed to the workers.
     """
     from blocks.resolve import resolve_blocks
+    from kuangchao_core.config.secrets import take_checkpoint_credentials
 
-    return load_config(config_path, overrides, resolve=lambda data: resolve_blocks(data, secrets))
+    def resolve(data: dict[str, Any]) -> dict[str, Any]:
+        return take_checkpoint_credentials(resolve_blocks(data, secrets), secrets)
+
+    return load_config(config_path, overrides, resolve=resolve)
 
 
 def _summary_markdown(cfg: Any, summary: dict[str, Any]) -> str:

@@ -49,6 +49,9 @@ def s3_settings_for(cfg: Any, secrets: dict[str, Any] | None = None):
     settings = (secrets or {}).get("s3_settings") or S3Settings()
     if cfg.checkpoint.endpoint_url and not settings.endpoint_url:
         settings = replace(settings, endpoint_url=cfg.checkpoint.endpoint_url)
+    user, password = (secrets or {}).get("s3_url_credentials") or (None, None)
+    if user is not None and not settings.access_key_id:  # credentials that came inside the endpoint URL
+        settings = replace(settings, access_key_id=user, secret_access_key=password)
     if not settings.region and not os.environ.get("AWS_DEFAULT_REGION") and not os.environ.get("AWS_REGION"):
         settings = replace(settings, region="us-east-1")
     return settings

@@ -117,3 +117,22 @@ def test_model_sizes_in_the_config_itself_are_bounded(tmp_path):
     assert ("model.num_layers", "1000000 is above the limit 1024") in err.value.errors
     out = RUN.invoke(app, ["plan", "--config", str(cfg)])  # and kc plan says so instead of running away
     assert out.exit_code == 2 and "model.num_layers: 1000000 is above the limit 1024" in out.output
+
+
+def test_credentials_inside_the_endpoint_url_never_reach_the_written_config_params_or_reprs(tmp_path):
+    from flows.train import load_job_config
+    from tasks.checkpoint import s3_settings_for
+
+    url = "http://AKIAEXAMPLE:s3cr3t%2Fkey@127.0.0.1:9000/base"
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text(f"task: {{name: a}}\ncheckpoint: {{uri: 's3://b/p', endpoint_url: '{url}'}}\n")
+    assert "s3cr3t" in load_config(cfg_file).checkpoint.endpoint_url  # the attack input as written
+    secrets: dict = {}
+    cfg = load_job_config(str(cfg_file), [], secrets)
+    assert cfg.checkpoint.endpoint_url == "http://127.0.0.1:9000/base"
+    assert "s3cr3t" not in cfg.to_yaml() and "s3cr3t" not in json.dumps(cfg.flat(), default=str)  # the MLflow params
+    settings = s3_settings_for(cfg, secrets)  # the orchestrator still reaches the bucket with them
+    assert (settings.access_key_id, settings.secret_access_key) == ("AKIAEXAMPLE", "s3cr3t/key")
+    assert "s3cr3t" not in repr(settings) and "AKIAEXAMPLE" not in repr(settings)
+    shown = RUN.invoke(app, ["config", "show", str(cfg_file)])
+    assert shown.exit_code == 0 and "s3cr3t" not in shown.output and "***@127.0.0.1:9000" in shown.output

@@ -33,9 +33,13 @@ def show(
     file: str = typer.Argument(..., help="Job config YAML file."),
     set_: list[str] = typer.Option([], "--set", help=_SET_HELP),
 ) -> None:
-    """Print the resolved config (extends merged, overrides applied, defaults filled) as YAML."""
+    """Print the resolved config (extends merged, overrides applied, defaults filled) as YAML; credentials inside
+    URLs are shown as ``***``."""
+    from kuangchao_core.config.secrets import redact_url
+
     cfg = _load_or_exit(file, set_)
-    typer.echo(cfg.to_yaml(), nl=False)
+    ckpt = cfg.checkpoint.model_copy(update={"endpoint_url": redact_url(cfg.checkpoint.endpoint_url)})
+    typer.echo(cfg.model_copy(update={"checkpoint": ckpt}).to_yaml(), nl=False)
 
 
 @config_app.command("validate")

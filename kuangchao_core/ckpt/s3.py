@@ -47,6 +47,14 @@ class S3Settings:
     max_concurrency: int = 4
     max_attempts: int = 5
 
+    def __repr__(self) -> str:
+        from kuangchao_core.config.secrets import redact_url
+
+        key = f"{self.access_key_id[:4]}…" if self.access_key_id else None
+        hidden = {"secret_access_key": self.secret_access_key, "session_token": self.session_token}
+        shown = ", ".join(f"{k}={'***' if v else None}" for k, v in hidden.items())
+        return f"S3Settings(endpoint_url={redact_url(self.endpoint_url)!r}, region={self.region!r}, access_key_id={key!r}, {shown})"
+
 
 def make_client(settings: S3Settings | None = None):
     """A boto3 S3 client for ``settings`` (bounded retries with backoff, path-style addressing for custom endpoints)."""
