@@ -29,7 +29,7 @@ from prefect.states import Completed
 from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
 from kuangchao_core.config import load_config
 from kuangchao_core.config.unused import unused_settings
-from kuangchao_core.engine.plan import raise_for_plan
+from kuangchao_core.engine.plan import interface_problems, raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
@@ -128,6 +128,8 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     cfg = load_job_config(config_path, overrides, secrets)
     for path, why in unused_settings(cfg):  # from the user's config: the resolved one names every field
         logger.warning("%s: %s", path, why)
+    for path, why in interface_problems(cfg):
+        logger.warning("%s: %s; the workers will be denied it and the run fails at once", path, why)
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()

@@ -136,3 +136,32 @@ def test_credentials_inside_the_endpoint_url_never_reach_the_written_config_para
     assert "s3cr3t" not in repr(settings) and "AKIAEXAMPLE" not in repr(settings)
     shown = RUN.invoke(app, ["config", "show", str(cfg_file)])
     assert shown.exit_code == 0 and "s3cr3t" not in shown.output and "***@127.0.0.1:9000" in shown.output
+
+
+def test_a_layout_needing_primitives_outside_allowed_interfaces_is_named_and_a_denial_is_not_retried(tmp_path):
+    from kuangchao_core.engine.plan import interface_problems, required_primitives
+    from kuangchao_core.errors import WorkerFailed
+    from kuangchao_core.sched.recovery import RestartPolicy
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        "task: {name: a}\nmodel: {preset: tiny}\nparallel: {pipeline_parallel_size: 2, data_parallel_size: 2, "
+        "zero_stage: 1}\npermission: {allowed_interfaces: [all_reduce, all_gather, broadcast]}\n"
+    )
+    job = load_config(cfg)
+    assert {"send", "recv", "reduce_scatter"} <= set(required_primitives(job))
+    problems = " ".join(m for _, m in interface_problems(job))
+    assert "send, recv" in problems and "reduce_scatter" in problems
+    code, text = _validate(cfg)
+    assert code == 0 and "warning: permission.allowed_interfaces" in text and "send, recv" in text
+    ok = load_config(
+        cfg, ["permission.allowed_interfaces=[all_reduce, all_gather, broadcast, send, recv, reduce_scatter]"]
+    )
+    assert interface_problems(ok) == []  # the control
+    assert (
+        required_primitives(load_config(cfg, ["parallel.pipeline_parallel_size=1", "parallel.data_parallel_size=1"]))
+        == {}
+    )
+    policy = RestartPolicy(max_restarts=3)
+    assert not policy.retryable(WorkerFailed(0, "PermissionDenied: worker-0 denied send on group:pp[0,1]"))
+    assert policy.retryable(WorkerFailed(0, "killed by SIGKILL"))

@@ -122,7 +122,7 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
 
 
 def test_config_set_rejects_bad_values_and_denies_without_config_write(tmp_path):
-    cfg, run_dir = _job(tmp_path, 10, **{"permission.allowed_interfaces": json.dumps(["metrics_read"])})
+    cfg, run_dir = _job(tmp_path, 10, **{"permission.roles": json.dumps({"admin": ["metrics_read"]})})
     previous = guard_api.current_guard()
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=-1"])
     assert res.exit_code == 2 and "lr_scale" in res.output

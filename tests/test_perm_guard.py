@@ -130,6 +130,16 @@ def test_allowed_interfaces_narrow_every_token(auth):
     assert code(g, "send", "group:world") == R.ROLE_DENIED
 
 
+def test_allowed_interfaces_restrict_communication_only_as_the_original_means_it(auth):
+    """The original's list [all_reduce, all_gather, broadcast] used to deny device_init and checkpoint writes to
+    every worker; it names communication primitives, the rest stays with the roles."""
+    tok = claims(auth, interfaces=["all_reduce", "send", "checkpoint_write", "device_init"], devices=["cpu"])
+    g = TokenGuard(tok, Policy(None, allowed_interfaces=["all_reduce", "all_gather", "broadcast"]))
+    g.check("device_init", "device:cpu")
+    g.check("checkpoint_write", "checkpoint:t")
+    assert code(g, "send", "group:world") == R.ROLE_DENIED  # a primitive outside the list is still denied
+
+
 def test_role_globs_and_config_roles(auth):
     cfg = config_from_dict(
         {

@@ -52,8 +52,11 @@ def validate(
     Settings the job would not use are listed as `FILE: warning: dotted.path: reason` (exit stays 0).
     """
     from kuangchao_core.config.unused import unused_settings
+    from kuangchao_core.engine.plan import interface_problems
 
     cfg = _load_or_exit(file, set_)
+    for path, message in interface_problems(cfg):
+        typer.echo(f"{file}: warning: {path}: {message}; the job would be denied it", err=True)
     for path, why in unused_settings(cfg):
         typer.echo(f"{file}: warning: {path}: {why}", err=True)
     typer.echo(f"ok: {file} (world size {cfg.world_size})")

@@ -98,6 +98,10 @@ def plan(
     if not 0.0 < topk_ratio <= 1.0:
         typer.echo(f"{config}: --topk-ratio: must be in (0, 1], got {topk_ratio}", err=True)
         raise typer.Exit(2)
+    from kuangchao_core.engine.plan import interface_problems
+
+    for path, message in interface_problems(cfg):
+        typer.echo(f"{config}: warning: {path}: {message}; the job would be denied it", err=True)
     result = explain_plan(cfg)
     report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
     placement = _placement(cfg)

@@ -96,6 +96,50 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
     return unique
 
 
+def required_primitives(cfg: Any) -> dict[str, str]:
+    """The communication primitives the job's layout uses, each with what needs it (empty for one process)."""
+    par = cfg.parallel
+    if par.data_parallel_size * par.tensor_parallel_size * par.pipeline_parallel_size == 1:
+        return {}
+    need = {
+        "broadcast": "every multi-process job (the checkpoint plan, replicas' first parameters)",
+        "all_reduce": "every multi-process job (the loss, the gradient norm, DP gradients, TP partial sums)",
+    }
+    if par.pipeline_parallel_size > 1:
+        need["send"] = need["recv"] = f"pipeline_parallel_size {par.pipeline_parallel_size} (stage boundaries)"
+    if par.zero_stage:
+        need["reduce_scatter"] = need["all_gather"] = f"zero_stage {par.zero_stage} (sharded gradients, parameters)"
+    elif par.data_parallel_size > 1 and par.hierarchical_allreduce == "on":
+        need["reduce_scatter"] = need["all_gather"] = "hierarchical_allreduce on"
+    if par.data_parallel_size > 1 and par.grad_compression == "topk" and not par.zero_stage:
+        need.setdefault("all_gather", "grad_compression topk (sparse exchange)")
+    return need
+
+
+def interface_problems(cfg: Any) -> Errors:
+    """Primitives the layout needs that ``permission.allowed_interfaces`` leaves out (enforcing mode), named.
+
+    Reported as warnings for now (``kc config validate``, ``kc plan``, the flow's start): the original design's own
+    example lists no send/recv for its pipeline, and refusing it is a decision still open (issue 16); a worker
+    denied one of them fails the run at once, without retries."""
+    perm = getattr(cfg, "permission", None)
+    allowed = getattr(perm, "allowed_interfaces", None)
+    if allowed is None or getattr(perm, "mode", "enforcing") != "enforcing":
+        return []
+    missing: dict[str, list[str]] = {}
+    for prim, why in required_primitives(cfg).items():
+        if prim not in allowed:
+            missing.setdefault(why, []).append(prim)
+    return [
+        (
+            "permission.allowed_interfaces",
+            f"{why} needs {', '.join(prims)}, which the list {sorted(allowed)} leaves out; add "
+            f"{'them' if len(prims) > 1 else 'it'} or change the layout",
+        )
+        for why, prims in missing.items()
+    ]
+
+
 def raise_for_plan(cfg: Any, world_size: int | None = None) -> None:
     """Raise PlanError listing every problem :func:`check_plan` finds."""
     errors = check_plan(cfg, world_size)

@@ -145,6 +145,10 @@ def _parse_role(name: str, spec, where: str) -> tuple[Role | None, list[tuple[st
 _GLOB = re.compile(r"[A-Za-z0-9_.:,/\[\]*?-]+\Z")
 
 
+#: the primitives ``permission.allowed_interfaces`` restricts (SPEC L2.1)
+COMM_INTERFACES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv"})
+
+
 class Policy:
     """The set of roles of a job, built from the config's ``permission.roles`` (None: the built-in roles)."""
 
@@ -184,8 +188,12 @@ class Policy:
         return self.roles.get(name)
 
     def interface_allowed(self, interface: str) -> bool:
-        """Whether the job-wide ``allowed_interfaces`` list (if any) admits ``interface``."""
-        return self.allowed_interfaces is None or interface in self.allowed_interfaces
+        """Whether the job-wide ``allowed_interfaces`` list (if any) admits ``interface``: the list restricts the
+        communication primitives (:data:`COMM_INTERFACES`) a job may use, as the original design means it; device,
+        memory, checkpoint, dataset, metrics and config interfaces stay governed by the roles alone."""
+        if self.allowed_interfaces is None or interface not in COMM_INTERFACES:
+            return True
+        return interface in self.allowed_interfaces
 
     def to_json(self) -> dict:
         return dict(self._spec)

@@ -37,6 +37,8 @@ class RestartPolicy:
 
     def retryable(self, exc: BaseException) -> bool:
         """Whether ``exc`` may be answered with a restart."""
+        if isinstance(exc, WorkerFailed) and "PermissionDenied:" in str(getattr(exc, "cause", "")):
+            return False  # a worker denied by its capability token is denied again on every attempt
         return not isinstance(exc, NEVER_RETRY) and isinstance(exc, self.retry_on)
 
 
