@@ -22,7 +22,7 @@ from kuangchao_core.ckpt.layout import (
     shard_name,
 )
 from kuangchao_core.ckpt.storage import LocalStorage, Storage
-from kuangchao_core.errors import CheckpointCorrupt
+from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -75,27 +75,64 @@ def read_manifest(step_dir: str | os.PathLike[str], storage: Storage | None = No
     return _load_manifest(st, key, where)
 
 
+#: the largest world size a manifest may state (a larger one is a forged or corrupt manifest, not a job)
+MAX_WORLD_SIZE = 1 << 16
+
+
+def _bad_file_name(rel: Any) -> str | None:
+    """Why a manifest's file name cannot be a file of this step (absolute, ``..``, empty parts), or None."""
+    if not isinstance(rel, str) or not rel:
+        return "not a file name"
+    if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
+        return "a path outside the step directory"
+    return None
+
+
+def _symlinks(st: Storage, key: str) -> list[str]:
+    """Symbolic links inside a local step directory (the step itself included): never followed, never trusted."""
+    root = st.local_path(key) if hasattr(st, "local_path") else None
+    if root is None:
+        return []
+    found = ["the step directory itself"] if root.is_symlink() else []
+    if root.is_dir() and not root.is_symlink():
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            for name in dirnames + filenames:
+                full = Path(dirpath) / name
+                if full.is_symlink():
+                    found.append(full.relative_to(root).as_posix())
+    return found
+
+
 def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None = None) -> list[str]:
-    """Every problem found in ``step_dir`` (empty list = intact). Hashes every file listed in the manifest."""
+    """Every problem found in ``step_dir`` (empty list = intact). Hashes every file listed in the manifest.
+
+    Never raises on a malformed step: file names outside the step directory, an absurd world size and symbolic
+    links (refused, never followed — a link could point at any file of the machine) are problems like any other."""
     st, key, where = locate(step_dir, storage)
     try:
         manifest = _load_manifest(st, key, where)
     except CheckpointCorrupt as exc:
         return [exc.reason]  # type: ignore[attr-defined]
-    problems: list[str] = []
+    except (CheckpointError, OSError, ValueError) as exc:
+        return [f"unreadable step directory ({exc})"]
+    problems: list[str] = [f"{link}: is a symbolic link (refused)" for link in _symlinks(st, key)]
     dir_step = parse_step_dir(key.rsplit("/", 1)[-1])
     if dir_step is not None and manifest.get("step") != dir_step:
         problems.append(f"manifest step {manifest.get('step')!r} does not match directory step {dir_step}")
     files: dict[str, Any] = manifest["files"]
     world_size = manifest.get("world_size")
-    if isinstance(world_size, int) and world_size >= 1:
+    if isinstance(world_size, int) and not isinstance(world_size, bool) and 1 <= world_size <= MAX_WORLD_SIZE:
         for r in range(world_size):
             for rel in (shard_name(r), rng_name(r)):
                 if rel not in files:
                     problems.append(f"{rel}: not listed in the manifest (world_size {world_size})")
     else:
-        problems.append(f"manifest world_size is {world_size!r}, expected a positive integer")
-    for rel, entry in sorted(files.items()):
+        problems.append(f"manifest world_size is {world_size!r}, expected an integer in [1, {MAX_WORLD_SIZE}]")
+    for rel, entry in sorted(files.items(), key=lambda kv: str(kv[0])):
+        why = _bad_file_name(rel)
+        if why is not None:
+            problems.append(f"{str(rel)[:80]!r}: {why} (refused)")
+            continue
         fkey = f"{key}/{rel}"
         if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
             problems.append(f"{rel}: manifest entry lacks sha256/size")
@@ -104,6 +141,9 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
             size = st.size(fkey)
         except (FileNotFoundError, NotADirectoryError):
             problems.append(f"{rel}: missing")
+            continue
+        except (CheckpointError, OSError) as exc:
+            problems.append(f"{rel}: unreadable ({exc})")
             continue
         if size != entry["size"]:
             problems.append(f"{rel}: size {size} bytes, manifest says {entry['size']} (truncated or replaced)")
