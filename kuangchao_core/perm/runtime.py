@@ -183,6 +183,15 @@ class TokenRenewer(threading.Thread):
         self.renewals += 1
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client's broken request is logged in one line, never as a traceback on the orchestrator's stderr."""
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        log.warning("renewal endpoint: dropped a request from %s (%s)", client_address[0], sys.exc_info()[1])
+
+
 class RenewalServer:
     """Local HTTP endpoint of the authority, run by the orchestrating process (the ``launch`` task).
 
@@ -203,6 +212,7 @@ class RenewalServer:
         audit_log: str | os.PathLike | None = None,
         anchor_interval_s: float = 5.0,
         ttl_s: float | None = None,
+        read_timeout_s: float = 10.0,
     ):
         self.authority = authority
         self.job_id = job_id
@@ -215,6 +225,8 @@ class RenewalServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = read_timeout_s  # an idle or slow client loses its connection (and its thread) after this
+
             def log_message(self, *args):  # keep tokens and client chatter out of stderr
                 return
 
@@ -222,7 +234,8 @@ class RenewalServer:
                 if self.path != "/renew":
                     self.send_error(404)
                     return
-                n = int(self.headers.get("Content-Length") or 0)
+                raw = (self.headers.get("Content-Length") or "0").strip()
+                n = int(raw) if raw.isdigit() and len(raw) <= 9 else -1
                 if n <= 0 or n > MAX_REQUEST_BYTES:
                     self._reply(400, {"error": "bad request"})
                     return
@@ -242,7 +255,7 @@ class RenewalServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd = _QuietServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
         self._stop_event = threading.Event()

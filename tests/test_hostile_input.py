@@ -1,5 +1,6 @@
-"""Hostile config input (issue 16 item 6): each attack exits 2 with the dotted path and no traceback, and nothing
-of another file's content is echoed. Each test first shows the attack's effect is real input, then the refusal."""
+"""Hostile input (issue 16, items 5-7 in part): configs (each attack exits 2 with the dotted path and no traceback,
+and nothing of another file's content is echoed), credentials inside URLs, the renewal endpoint's requests, and
+``allowed_interfaces`` as the original means it. Each test shows the attack input is real, then the refusal."""
 
 from __future__ import annotations
 
@@ -165,3 +166,33 @@ def test_a_layout_needing_primitives_outside_allowed_interfaces_is_named_and_a_d
     policy = RestartPolicy(max_restarts=3)
     assert not policy.retryable(WorkerFailed(0, "PermissionDenied: worker-0 denied send on group:pp[0,1]"))
     assert policy.retryable(WorkerFailed(0, "killed by SIGKILL"))
+
+
+def test_the_renewal_endpoint_survives_bad_headers_and_idle_connections(tmp_path, capfd):
+    import socket
+    import time
+    import urllib.request
+
+    from kuangchao_core.perm.authority import Authority
+    from kuangchao_core.perm.runtime import RenewalServer
+
+    auth = Authority(tmp_path / "auth")
+    token = auth.issue("worker-0", "trainer", "job-R", 0, interfaces=["all_reduce"], ttl_s=60)
+    with RenewalServer(auth, "job-R", 0, ttl_s=30, read_timeout_s=1.0) as server:
+        host, port = server.address.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port))) for _ in range(20)]  # never send a byte
+        bad = socket.create_connection((host, int(port)))
+        bad.sendall(b"POST /renew HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+        assert b" 400 " in bad.recv(4096).split(b"\r\n")[0] + b" "
+        req = urllib.request.Request(
+            server.address + "/renew",
+            data=json.dumps({"token": token}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        assert "token" in json.loads(urllib.request.urlopen(req, timeout=5).read())  # served despite the idle ones
+        time.sleep(1.5)
+        idle[0].settimeout(2)
+        assert idle[0].recv(1) == b""  # the server closed the idle connection after its read timeout
+        for s in [*idle, bad]:
+            s.close()
+    assert "Traceback" not in capfd.readouterr().err
