@@ -151,6 +151,14 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         logger.warning("0 steps trained: %s is already at step %d of %d", plan.step_dir, plan.step, cfg.train.steps)
         return _nothing_to_train(cfg, plan, run_dir)
     worker_resume = plan.step_dir or "never"  # with the pinned lineage, later attempts prefer its newest step
+    if plan.step_dir:  # another model's checkpoint fails here, naming both shapes, before anything starts
+        from kuangchao_core.ckpt.integrity import read_manifest
+        from kuangchao_core.engine.checkpointing import model_mismatch
+        from kuangchao_core.models.llama import config_from_model_section
+
+        mismatch = model_mismatch(read_manifest(plan.step_dir), config_from_model_section(cfg.model))
+        if mismatch:
+            raise ConfigError([("checkpoint.resume", f"{plan.step_dir}: {mismatch}")])
 
     doctor(cfg)
     multinode = cfg.cluster.mode != "local"

@@ -91,3 +91,69 @@ def test_a_symbolic_link_in_a_step_is_refused_not_followed(tmp_path):
     # a step directory that is itself a link to another step
     os.symlink(good, bad.parent / "step_00000006")
     assert any("symbolic link" in p for p in verify_checkpoint(bad.parent / "step_00000006"))
+
+
+def _tamper_int8(step_dir: Path) -> str:
+    """Re-save rank 0's shard with one parameter as int8 (same shape) and fix the manifest's sha256 and size, as a
+    buggy converter or an attacker with the manifest would: the step still verifies."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shard = next((step_dir / "shards").glob("rank_*.safetensors"))
+    rel = f"shards/{shard.name}"
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    name = next(k for k in sorted(tensors) if k.startswith("param.") and tensors[k].dim() == 2)
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, str(shard), metadata=meta)
+    data = shard.read_bytes()
+    _rewrite_manifest(
+        step_dir,
+        lambda m: m["files"].__setitem__(rel, {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}),
+    )
+    return name
+
+
+def test_an_unloadable_newest_checkpoint_is_marked_bad_and_the_next_attempt_resumes_from_the_previous(tmp_path):
+    from tests.engine_helpers import only_lineage, run_trainers, tiny_job
+    from tests.mp import run_distributed
+
+    def job(name="t", layers=2, **kw):
+        return tiny_job(
+            str(tmp_path),
+            task={"name": name, "seed": 7},
+            model={"preset": "tiny", "num_layers": layers},
+            train={"steps": 4, "warmup_steps": 1, "device": "cpu", "log_interval": 100},
+            checkpoint={"dir": str(tmp_path / "ckpt"), "interval": 2, "keep_last": 5, "resume": "never"},
+            **kw,
+        )
+
+    first = run_distributed(run_trainers, 1, args=([{"cfg": job()}],), timeout=120)[0][0]
+    lineage = only_lineage(tmp_path / "ckpt" / "t")
+    newest, previous = lineage / "step_00000004", lineage / "step_00000002"
+    tampered = _tamper_int8(newest)
+    assert verify_checkpoint(newest) == []  # the attack: it verifies
+    with pytest.raises(Exception, match="marked bad") as failed:
+        run_distributed(
+            run_trainers, 1, args=([{"cfg": job(), "resume": "auto", "lineage": lineage.name}],), timeout=120
+        )
+    assert "floating point" in str(failed.value) and tampered.removeprefix("param.") in str(failed.value)
+    assert any("marked bad" in p for p in verify_checkpoint(newest))
+    # the next attempt (same pinned lineage) resumes from step 2 and trains steps 3-4 exactly as the first run did
+    again = run_distributed(
+        run_trainers, 1, args=([{"cfg": job(), "resume": "auto", "lineage": lineage.name}],), timeout=120
+    )[0][0]
+    assert again["steps_run"] == 2 and again["losses"][-2:] == first["losses"][-2:]
+    # another model's job is refused naming both shapes (the flow before launch, the worker before loading),
+    # without marking the checkpoint: the job is wrong, not the step
+    from kuangchao_core.ckpt.integrity import read_manifest
+    from kuangchao_core.engine.checkpointing import model_mismatch
+    from kuangchao_core.models.llama import config_from_model_section
+
+    manifest = read_manifest(previous)
+    assert "num_layers 2 vs 3" in model_mismatch(manifest, config_from_model_section(job(layers=3).model))
+    assert model_mismatch(manifest, config_from_model_section(job().model)) is None
+    assert not (previous / "BAD.json").exists()

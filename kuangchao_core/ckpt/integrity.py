@@ -75,6 +75,23 @@ def read_manifest(step_dir: str | os.PathLike[str], storage: Storage | None = No
     return _load_manifest(st, key, where)
 
 
+#: written beside a step's files when the step verified but could not be loaded (shapes, dtypes, headers)
+BAD_MARK = "BAD.json"
+
+
+def mark_bad(step_dir: str | os.PathLike[str], reason: str) -> Path:
+    """Record that ``step_dir`` could not be loaded (``BAD.json``, atomic): it no longer verifies, so recovery and
+    ``find_latest_intact`` go to the previous intact step instead of failing on this one again."""
+    import datetime as _dt
+
+    path = Path(step_dir) / BAD_MARK
+    tmp = path.with_name(f".{BAD_MARK}.{os.getpid()}.tmp")
+    at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    tmp.write_text(json.dumps({"reason": reason[:2000], "marked_at": at}), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
 #: the largest world size a manifest may state (a larger one is a forged or corrupt manifest, not a job)
 MAX_WORLD_SIZE = 1 << 16
 
@@ -116,6 +133,12 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
     except (CheckpointError, OSError, ValueError) as exc:
         return [f"unreadable step directory ({exc})"]
     problems: list[str] = [f"{link}: is a symbolic link (refused)" for link in _symlinks(st, key)]
+    if st.exists(f"{key}/{BAD_MARK}"):
+        try:
+            why = json.loads(st.read_bytes(f"{key}/{BAD_MARK}").decode("utf-8")).get("reason", "?")
+        except (OSError, ValueError, AttributeError):
+            why = "unreadable mark"
+        problems.append(f"marked bad after a failed load: {why}")
     dir_step = parse_step_dir(key.rsplit("/", 1)[-1])
     if dir_step is not None and manifest.get("step") != dir_step:
         problems.append(f"manifest step {manifest.get('step')!r} does not match directory step {dir_step}")

@@ -19,18 +19,33 @@ import torch
 
 from kuangchao_core import __version__
 from kuangchao_core.ckpt.index import load_for_layout, load_optimizer_for_layout, param_keys
-from kuangchao_core.ckpt.integrity import read_manifest
+from kuangchao_core.ckpt.integrity import mark_bad, read_manifest
 from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
 from kuangchao_core.ckpt.reader import load_shard, read_rng, read_state
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.comm import primitives as P
-from kuangchao_core.errors import CheckpointError
+from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.obs.jsonlog import log_event
 from kuangchao_core.parallel.grad_sync import GradSync, require_full_state
 
 log = logging.getLogger("kuangchao.engine")
+
+
+def model_mismatch(manifest: dict[str, Any], model_config: Any) -> str | None:
+    """Why a checkpoint (its manifest's ``model_shape``) cannot hold this job's model, naming both shapes; None
+    when it fits or the manifest does not say."""
+    saved = manifest.get("model_shape")
+    if not isinstance(saved, dict):
+        return None
+    mine = asdict(model_config)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    diff = {k: (saved.get(k), mine.get(k)) for k in keys if saved.get(k) != mine.get(k)}
+    if not diff:
+        return None
+    shown = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items())
+    return f"the checkpoint holds another model than this job's (checkpoint vs job: {shown})"
 
 
 class TrainerCheckpoints:
@@ -164,6 +179,8 @@ class TrainerCheckpoints:
                 raise CheckpointError(
                     f"{source}: {name} has shape {tuple(value.shape)}, this rank needs {tuple(p.shape)}"
                 )
+            if not value.is_floating_point():  # an integer tensor would be cast silently into the weights
+                raise CheckpointError(f"{source}: {name} is {value.dtype}, a parameter must be floating point")
             p.copy_(value.to(p.dtype))  # ZeRO keeps parameters as views of its flat buffer: no refresh
 
     def load_pretrained(self, hf_dir: str) -> None:
@@ -176,7 +193,23 @@ class TrainerCheckpoints:
 
     def load(self, step_dir: Path) -> dict[str, Any]:
         """Restore params, optimizer and RNG from ``step_dir`` — written in this or any other layout: each rank
-        reads only the slices its layout holds. Returns the checkpoint's ``state.json`` (step, losses, sampler)."""
+        reads only the slices its layout holds. Returns the checkpoint's ``state.json`` (step, losses, sampler).
+
+        A step that verified but does not load (a tensor of the wrong shape or type, an unreadable header) is
+        marked bad (:func:`~kuangchao_core.ckpt.integrity.mark_bad`) before the error is raised, so the next
+        attempt resumes from the previous intact step instead of failing on this one again."""
+        mismatch = model_mismatch(read_manifest(step_dir), self.model_config)
+        if mismatch:  # the job is wrong, not the checkpoint: nothing is marked, the run fails without retries
+            raise ConfigError([("checkpoint.resume", f"{step_dir}: {mismatch}")])
+        try:
+            return self._load(step_dir)
+        except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            mark_bad(step_dir, reason)
+            log_event(log, "checkpoint marked bad", checkpoint=str(step_dir), reason=reason)
+            raise CheckpointError(f"{step_dir} could not be loaded and is marked bad ({reason})") from exc
+
+    def _load(self, step_dir: Path) -> dict[str, Any]:
         state = read_state(step_dir)
         params = load_for_layout(step_dir, param_keys(self.parts.regions))
         self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir))

@@ -37,8 +37,9 @@ class RestartPolicy:
 
     def retryable(self, exc: BaseException) -> bool:
         """Whether ``exc`` may be answered with a restart."""
-        if isinstance(exc, WorkerFailed) and "PermissionDenied:" in str(getattr(exc, "cause", "")):
-            return False  # a worker denied by its capability token is denied again on every attempt
+        cause = str(getattr(exc, "cause", "")) if isinstance(exc, WorkerFailed) else ""
+        if "PermissionDenied:" in cause or "ConfigError:" in cause:
+            return False  # a worker denied by its token, or given a job that cannot run, fails again every attempt
         return not isinstance(exc, NEVER_RETRY) and isinstance(exc, self.retry_on)
 
 
