@@ -29,11 +29,12 @@ from prefect.states import Completed
 from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
 from kuangchao_core.config import load_config
 from kuangchao_core.config.unused import unused_settings
-from kuangchao_core.engine.plan import interface_problems, raise_for_plan
+from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
 from kuangchao_core.perm import guard_api
+from kuangchao_core.perm.issuance import close_authority, open_authority
 from kuangchao_core.sched.elastic import config_for_attempt
 from kuangchao_core.sched.recovery import RestartPolicy, supervise
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
@@ -95,13 +96,16 @@ def train_flow(
     # itself, and those calls pass the permission guard, so it runs them trusted. The previous guard is restored
     # on the way out: `kc train` and tests share the process with other code.
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
+    opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     try:
-        return _run(logger, config_path, list(overrides or []), resume, if_finished)
+        return _run(logger, config_path, list(overrides or []), resume, if_finished, opened)
     except KuangchaoError as exc:  # the reason, in the flow run's own log (`prefect flow-run logs <id>`)
         logger.error("kuangchao-train failed: %s", exc)
         raise
     finally:
         guard_api.install_guard(previous_guard)
+        for run_dir in opened:
+            close_authority(run_dir)
 
 
 def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
@@ -123,17 +127,20 @@ def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
     return Completed(name="Skipped", message=message, data=summary)
 
 
-def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str) -> Any:
+def _run(
+    logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str, opened: list[Path]
+) -> Any:
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
     for path, why in unused_settings(cfg):  # from the user's config: the resolved one names every field
         logger.warning("%s: %s", path, why)
-    for path, why in interface_problems(cfg):
-        logger.warning("%s: %s; the workers will be denied it and the run fails at once", path, why)
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()
     run_dir = make_run_dir(cfg, fr_id)
+    if cfg.permission.mode == "enforcing":  # keys in this process's memory only, from the block when configured
+        open_authority(cfg, run_dir, secrets.get("signing_key_pem"))
+        opened.append(run_dir)
     resolved = run_dir / "config.yaml"
     resolved.write_text(cfg.to_yaml(), encoding="utf-8")
     logger.info("resolved config written to %s", resolved)

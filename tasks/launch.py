@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,14 @@ from prefect import task
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.obs.console import LiveView
+from kuangchao_core.obs.tracking import tracking_uri
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.audit_pins import record_audit_pin_or_log
 from kuangchao_core.perm.global_config import GlobalConfig
-from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env
+from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env, token_env
 from kuangchao_core.perm.runtime import RenewalServer
+from kuangchao_core.perm.tokens import public_raw
 from kuangchao_core.sched.launcher import run_workers
 from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster_attempt
 from kuangchao_core.sched.nodes import route_address
@@ -49,8 +53,9 @@ class LaunchSummary:
 
 def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, str]) -> Path:
     """``<run_dir>/global_config.json``, created with the job's initial values if absent (kept across attempts,
-    so an operator's ``kc config set`` survives a restart). The orchestrator writes the initial values as itself
-    (trusted), each recorded in the job's audit log like any later change."""
+    so an operator's ``kc config set`` survives a restart). The job's authority signs the initial values (an
+    enforcing job's workers apply only signed versions), each recorded in the job's audit log like any later
+    change; in trusted mode they are written unsigned."""
     path = Path(run_dir) / "global_config.json"
     if path.exists():
         return path
@@ -59,13 +64,16 @@ def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, st
     initial: dict[str, Any] = {"lr_scale": 1.0, "log_interval": max(1, int(cfg.train.log_interval))}
     if cfg.checkpoint.interval:
         initial["checkpoint_interval"] = int(cfg.checkpoint.interval)
-    gc = GlobalConfig(path, cfg.task.name, audit=audit, actor="orchestrator")
-    previous = guard_api.install_guard(guard_api.AllowAll())
+    enforcing = "KC_TRUST_ROOT" in worker_env
+    signer = authority_for(cfg, run_dir) if enforcing else None
+    gc = GlobalConfig(path, cfg.task.name, audit=audit, job_id=job_id if enforcing else None)
+    previous = guard_api.install_guard(guard_api.AllowAll()) if not enforcing else None
     try:
         for key, value in initial.items():
-            gc.set(key, value)
+            gc.set(key, value, signer=signer)
     finally:
-        guard_api.install_guard(previous)
+        if previous is not None:
+            guard_api.install_guard(previous)
         audit.close()
     return path
 
@@ -116,35 +124,52 @@ def launch_workers(
         nodes = [NodeAssignment(**a) for a in assignments or []]
     placed = RankPlacement.from_dict(placement) if placement else None
     with ExitStack() as stack:
-        if "KC_TOKEN_FILE" in worker_env:
+        if "KC_TRUST_ROOT" in worker_env:
             # the authority stays in this process; workers renew their tokens through this endpoint, which
             # listens on the address the nodes reach this machine at
+            authority = authority_for(cfg, run_dir)
             server = RenewalServer(
-                authority_for(cfg, run_dir),
+                authority,
                 worker_env["KC_JOB_ID"],
                 attempt,
                 audit_log=worker_env.get("KC_AUDIT_LOG"),
                 ttl_s=float(cfg.permission.token_ttl_seconds),
                 host=route_address(nodes[0].address) if nodes else "127.0.0.1",
             )
+            if worker_env.get("KC_AUDIT_LOG"):  # the audit key and the chain's head, kept outside the log's dir
+                audit_kid, audit_key = authority.audit_signing_key()
+                pin = partial(
+                    record_audit_pin_or_log,
+                    run_dir,
+                    worker_env["KC_AUDIT_LOG"],
+                    worker_env["KC_JOB_ID"],
+                    audit_kid,
+                    public_raw(audit_key),
+                    mlflow_run_id=mlflow_run_id,
+                    tracking_uri=tracking_uri(cfg),
+                    mode=str(cfg.permission.mode),
+                )
+                pin()  # before the workers start: this process's audit key
+                stack.callback(pin)  # runs after the server's stop (entered below) and its final checkpoint
             worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
         stack.callback(view.close)
         if multinode:
 
             def env_for(node) -> dict[str, str]:  # each node gets only its own ranks' tokens
                 base = {**worker_env, **(placed.env() if placed else {})}
-                if "KC_TOKEN_FILE" not in worker_env:
+                if "KC_TRUST_ROOT" not in worker_env:
                     return base
                 ranks = placed.ranks_of_node(node.node_rank) if placed else node.ranks
-                return node_token_env(base, node.name, ranks)
+                return node_token_env(base, run_dir, attempt, node.name, ranks)
 
             launch_cluster_attempt(cfg, nodes, run_dir, attempt, args, env_for, view)
         else:
+            tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}
             run_workers(
                 "kuangchao_core.engine.worker",
                 args,
                 nproc=cfg.parallel.world_size,
-                env={**os.environ, **worker_env},
+                env={**os.environ, **worker_env, **tokens},
                 run_dir=run_dir,
                 heartbeat_timeout_s=recovery.heartbeat_timeout_s,
                 heartbeat_interval_s=recovery.heartbeat_interval_s,

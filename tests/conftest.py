@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# the operator key jobs trust and `kc config set` signs with: the session's own, never the user's
+os.environ.setdefault("KC_OPERATOR_KEY", str(Path(tempfile.mkdtemp(prefix="kc-operator-")) / "operator.key"))
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

@@ -94,8 +94,9 @@ def test_a_symbolic_link_in_a_step_is_refused_not_followed(tmp_path):
 
 
 def _tamper_int8(step_dir: Path) -> str:
-    """Re-save rank 0's shard with one parameter as int8 (same shape) and fix the manifest's sha256 and size, as a
-    buggy converter or an attacker with the manifest would: the step still verifies."""
+    """Re-save rank 0's shard with one parameter as int8 (same shape) and fix the manifest's sha256, size and tensor
+    table, as a buggy converter or an attacker with the manifest would: the step still verifies, and only loading
+    it finds the fault (an unfixed tensor table is caught by verification: tests/test_ckpt_tensor_table.py)."""
     import hashlib
 
     from safetensors import safe_open
@@ -110,10 +111,12 @@ def _tamper_int8(step_dir: Path) -> str:
     tensors[name] = tensors[name].to(torch.int8)
     save_file(tensors, str(shard), metadata=meta)
     data = shard.read_bytes()
-    _rewrite_manifest(
-        step_dir,
-        lambda m: m["files"].__setitem__(rel, {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}),
-    )
+
+    def fix(m):
+        m["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        m["tensor_table"][rel][name]["dtype"] = "I8"
+
+    _rewrite_manifest(step_dir, fix)
     return name
 
 

@@ -354,7 +354,8 @@ def _assert_probed_and_placed(store: Path, summary: dict, nodes: list[str]) -> N
 
 _RENEW = (
     "import json, sys, urllib.request\n"
-    "req = urllib.request.Request(sys.argv[1] + '/renew', data=json.dumps({'token': sys.argv[2]}).encode(),\n"
+    "body = json.dumps({'token': sys.argv[2], 'module_id': 'worker-0'}).encode()\n"
+    "req = urllib.request.Request(sys.argv[1] + '/renew', data=body,\n"
     "                             headers={'Content-Type': 'application/json'})\n"
     "print(json.loads(urllib.request.urlopen(req, timeout=5).read())['token'])\n"
 )

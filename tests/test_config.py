@@ -59,7 +59,8 @@ def test_original_llama3_example_loads_as_written():
     assert cfg.world_size == 16
     assert cfg.permission.token_ttl_seconds == 3600
     assert cfg.permission.audit_log == "/var/log/kuangchao/audit.log"
-    assert cfg.permission.allowed_interfaces == ["all_reduce", "all_gather", "broadcast"]
+    # the original's list plus the send/recv its pipeline needs (the file says why)
+    assert cfg.permission.allowed_interfaces == ["all_reduce", "all_gather", "broadcast", "send", "recv"]
     # no preset, a checkpoint: nothing is inferred from params, the shape comes from the checkpoint later
     assert cfg.model.checkpoint == "/data/checkpoints/llama3-8b"
     assert cfg.model.preset is None and cfg.model.hidden_size is None and cfg.model.num_layers is None
@@ -456,7 +457,13 @@ def test_flat_gives_dotted_scalars():
     assert flat["optimizer.lr"] == 2e-5
     assert flat["parallel.tensor_parallel_size"] == 2
     assert flat["cluster.nodes.2.role"] == "parameter_server"
-    assert json.loads(flat["permission.allowed_interfaces"]) == ["all_reduce", "all_gather", "broadcast"]
+    assert json.loads(flat["permission.allowed_interfaces"]) == [
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+        "send",
+        "recv",
+    ]
     assert all(v is None or isinstance(v, str | int | float | bool) for v in flat.values())
 
 

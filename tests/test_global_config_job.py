@@ -84,7 +84,7 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5"])
     assert res.exit_code == 0, res.output
     version = int(res.output.split("version ")[1].split()[0])
-    jti = res.output.split("(token ")[1].split(")")[0]
+    signer = res.output.split(", key ")[1].split(")")[0]
     thread.join(timeout=90)
     assert not thread.is_alive(), "the job did not finish"
     assert "error" not in outcome, outcome.get("error")
@@ -112,28 +112,39 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
     job_id = job_id_for(cfg, run_dir)
     audit = audit_log_path(cfg, job_id)
     changes = [r for r in read_records(audit) if r.get("action") == "config_change" and r.get("key") == "lr_scale"]
-    admin = [r for r in changes if r.get("jti") == jti]
+    admin = [r for r in changes if r.get("signer") == signer]
     assert len(admin) == 1, changes
-    assert admin[0]["actor"] == "admin" and admin[0]["new"] == 0.5 and admin[0]["old"] == 1.0
+    assert admin[0]["actor"].startswith("operator:") and admin[0]["new"] == 0.5 and admin[0]["old"] == 1.0
     assert admin[0]["version"] == version
     report = verify_log(audit, log_id=job_id)
     assert report.ok, report.to_json()
     print(f"\njob {t_end - t0:.1f}s, set at +{t_set - t0:.1f}s, applied after step {at}")
 
 
-def test_config_set_rejects_bad_values_and_denies_without_config_write(tmp_path):
-    cfg, run_dir = _job(tmp_path, 10, **{"permission.roles": json.dumps({"admin": ["metrics_read"]})})
+def test_config_set_rejects_bad_values_and_refuses_an_operator_the_job_does_not_trust(tmp_path):
+    from kuangchao_core.perm.issuance import close_authority
+    from kuangchao_core.perm.operator import create_operator_key
+
+    cfg, run_dir = _job(tmp_path, 10)
+    issue_tokens_for_run(cfg, run_dir, 0)
+    close_authority(run_dir)
     previous = guard_api.current_guard()
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=-1"])
     assert res.exit_code == 2 and "lr_scale" in res.output
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "no_such_key=1"])
     assert res.exit_code == 2 and "no_such_key" in res.output
     assert not (run_dir / "global_config.json").exists(), "nothing may be written for a bad pair"
-    # the job allows no config_write at all: the admin token is refused and the denial audited
-    res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5"])
-    assert res.exit_code == 1 and "denied" in res.output
+    # an operator key the job does not trust: refused, audited, nothing written
+    create_operator_key(tmp_path / "eve.key", "eve")
+    res = RUN.invoke(
+        app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5", "--operator-key", str(tmp_path / "eve.key")]
+    )
+    assert res.exit_code == 1 and "does not trust" in res.output
     assert not (run_dir / "global_config.json").exists()
     audit = audit_log_path(cfg, job_id_for(cfg, run_dir))
-    denials = [r for r in read_records(audit) if r.get("decision") == "deny" and r.get("actor") == "admin"]
+    denials = [r for r in read_records(audit) if r.get("decision") == "deny" and r.get("actor") == "operator:eve"]
     assert denials and denials[0]["resource"] == f"config:{cfg.task.name}"
+    # control: the key of the operator who started the job is trusted
+    res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5"])
+    assert res.exit_code == 0 and "version 1" in res.output, res.output
     assert guard_api.current_guard() is previous, "the command must restore the caller's guard"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -17,6 +18,7 @@ from kuangchao_core.perm.issuance import authority_for
 from kuangchao_core.perm.tokens import DEFAULT_MAX_TTL_S
 
 RUN = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 SECRET = "root:$6$S3CRETHASH:19000:0:99999:7:::"
 
 
@@ -154,11 +156,19 @@ def test_a_layout_needing_primitives_outside_allowed_interfaces_is_named_and_a_d
     problems = " ".join(m for _, m in interface_problems(job))
     assert "send, recv" in problems and "reduce_scatter" in problems
     code, text = _validate(cfg)
-    assert code == 0 and "warning: permission.allowed_interfaces" in text and "send, recv" in text
+    assert code == 2 and "permission.allowed_interfaces" in text and "send, recv" in text
+    from kuangchao_core.engine.plan import check_plan
+
+    assert any(p == "permission.allowed_interfaces" for p, _ in check_plan(job))  # kc plan and the flow refuse
     ok = load_config(
         cfg, ["permission.allowed_interfaces=[all_reduce, all_gather, broadcast, send, recv, reduce_scatter]"]
     )
     assert interface_problems(ok) == []  # the control
+    # the original design's example: as written (pp2 without send/recv) refused; as shipped it validates and plans
+    example = ROOT / "configs" / "llama3-8b-finetune.yaml"
+    assert _validate(example)[0] == 0 and not interface_problems(load_config(example))
+    original = load_config(example, ["permission.allowed_interfaces=[all_reduce, all_gather, broadcast]"])
+    assert "send, recv" in " ".join(m for _, m in interface_problems(original))
     assert (
         required_primitives(load_config(cfg, ["parallel.pipeline_parallel_size=1", "parallel.data_parallel_size=1"]))
         == {}
@@ -186,7 +196,7 @@ def test_the_renewal_endpoint_survives_bad_headers_and_idle_connections(tmp_path
         assert b" 400 " in bad.recv(4096).split(b"\r\n")[0] + b" "
         req = urllib.request.Request(
             server.address + "/renew",
-            data=json.dumps({"token": token}).encode(),
+            data=json.dumps({"token": token, "module_id": "worker-0"}).encode(),
             headers={"Content-Type": "application/json"},
         )
         assert "token" in json.loads(urllib.request.urlopen(req, timeout=5).read())  # served despite the idle ones

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kuangchao_core.errors import ConfigError, PermissionDenied
 from kuangchao_core.perm import guard_api
@@ -20,9 +21,11 @@ from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.audit_verify import read_records, verify_log
 from kuangchao_core.perm.authority import Authority
-from kuangchao_core.perm.global_config import GlobalConfig
+from kuangchao_core.perm.global_config import GLOBAL_CONFIG_TYP, ConfigRefused, GlobalConfig
 from kuangchao_core.perm.guard import TokenGuard
+from kuangchao_core.perm.operator import OperatorKey
 from kuangchao_core.perm.roles import Policy
+from kuangchao_core.perm.signed_doc import read_document
 
 JOB = "task-e@run1"
 TASK = "task-e"
@@ -75,19 +78,27 @@ def records(path, **match):
 # ----------------------------------------------------------------------------------------- global configuration
 
 
-def test_trainer_is_denied_a_global_config_change_and_it_is_audited(auth, tmp_path, audit_path):
+@pytest.fixture(scope="module")
+def alice(auth):
+    """An operator key the job trusts."""
+    key = OperatorKey("alice", Ed25519PrivateKey.generate())
+    auth.trust_operators([key.public])
+    return key
+
+
+def test_a_worker_without_an_operator_signature_is_denied_a_change_and_it_is_audited(auth, tmp_path, audit_path):
     audit = AuditLog(audit_path, JOB)
     guard = install(auth, "trainer", "worker-0", audit)
     cfg = GlobalConfig(tmp_path / "global_config.json", TASK)
     with pytest.raises(PermissionDenied) as ei:
         cfg.set("log_level", "DEBUG")
-    assert ei.value.code == R.ROLE_DENIED and ei.value.module_id == "worker-0"
+    assert "signed by an operator" in str(ei.value)
     assert not cfg.path.exists()  # nothing was written
     [rec] = records(audit_path, decision="deny")
     assert (rec["action"], rec["resource"], rec["reason"], rec["jti"]) == (
         "config_write",
         f"config:{TASK}",
-        R.ROLE_DENIED,
+        "unsigned",
         guard.claims.jti,
     )
     assert not records(audit_path, action="config_change")
@@ -101,12 +112,11 @@ def test_no_token_cannot_read_or_write(tmp_path, audit_path):
     guard_api.install_guard(AuditedDenyAll("worker-9", AuditLog(audit_path, JOB)))
     cfg = GlobalConfig(tmp_path / "g.json", TASK)
     for call in (lambda: cfg.get("lr_scale"), lambda: cfg.set("lr_scale", 0.5)):
-        with pytest.raises(PermissionDenied) as ei:
+        with pytest.raises(PermissionDenied):
             call()
-        assert ei.value.code == R.NO_TOKEN
     assert [(r["action"], r["reason"]) for r in records(audit_path, decision="deny")] == [
         ("config_read", R.NO_TOKEN),
-        ("config_write", R.NO_TOKEN),
+        ("config_write", "unsigned"),
     ]
 
 
@@ -121,15 +131,16 @@ _CHILD = textwrap.dedent(
     from kuangchao_core.perm.tokens import TrustStore, Verifier
 
     path, task, job, module, token_file, trust, audit_path, new_scale = sys.argv[1:9]
-    claims = Verifier(TrustStore.load(trust), job_id=job).verify(open(token_file).read(), subject=module)
+    store = TrustStore.load(trust)
+    claims = Verifier(store, job_id=job).verify(open(token_file).read(), subject=module)
     guard_api.install_guard(TokenGuard(claims, Policy(), audit=AuditLog(audit_path, job)))
-    cfg = GlobalConfig(path, task)
+    cfg = GlobalConfig(path, task, trust=store, job_id=job)  # a worker applies only verified versions
     out = {"log_level": cfg.get("log_level"), "version": cfg.version, "jti": claims.jti}
     if new_scale != "-":
         try:
             out["set_version"] = cfg.set("lr_scale", float(new_scale))
         except Exception as exc:
-            out["set_error"] = [type(exc).__name__, getattr(exc, "code", None)]
+            out["set_error"] = type(exc).__name__
     print(json.dumps(out))
     """
 )
@@ -152,32 +163,31 @@ def _child(tmp_path, auth, role, module, audit_path, new_scale="-"):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_admin_change_is_applied_shared_and_audited_with_its_token_id(auth, tmp_path, audit_path):
+def test_operator_change_is_signed_applied_shared_and_audited_with_its_signer(auth, alice, tmp_path, audit_path):
     audit = AuditLog(audit_path, JOB, signer=auth.audit_signing_key(), checkpoint_every=4)
-    admin = install(auth, "admin", "admin-cli", audit)
-    cfg = GlobalConfig(tmp_path / "global_config.json", TASK)
+    install(auth, "trainer", "worker-0", audit)
+    cfg = GlobalConfig(tmp_path / "global_config.json", TASK, trust=auth.trust, job_id=JOB)
 
-    assert cfg.set("log_level", "debug") == 1
-    assert cfg.set("checkpoint_interval", 50) == 2
-    assert cfg.set("checkpoint_interval", 50) == 2  # same value: no new version, no record
+    assert cfg.set("log_level", "debug", signer=alice) == 1
+    assert cfg.set("checkpoint_interval", 50, signer=alice) == 2
+    assert cfg.set("checkpoint_interval", 50, signer=alice) == 2  # same value: no new version, no record
     assert cfg.get("log_level") == "DEBUG" and cfg.get("checkpoint_interval") == 50
     snap = cfg.snapshot()
-    assert snap.version == 2 and snap.updated["jti"] == admin.claims.jti
+    assert snap.version == 2 and snap.updated["signer"] == alice.kid
+    assert read_document(cfg.path)["kid"] == alice.kid  # the version on disk is a signed document
 
-    # another process, holding only a trainer token, sees the change and still cannot make one
+    # another process, holding only a trainer token, verifies and sees the change and still cannot make one
     seen = _child(tmp_path, auth, "trainer", "worker-1", audit_path, new_scale="0.5")
     assert (seen["log_level"], seen["version"]) == ("DEBUG", 2)
-    assert seen["set_error"] == ["GuardDenied", R.ROLE_DENIED]
-    # a second admin process changes a key; this process sees the new version
-    other = _child(tmp_path, auth, "admin", "admin-2", audit_path, new_scale="0.25")
-    assert other["set_version"] == 3
+    assert seen["set_error"] == "PermissionDenied"
+    assert cfg.set("lr_scale", 0.25, signer=auth) == 3  # the job's own authority may sign too (initial values)
     assert cfg.get("lr_scale") == 0.25 and cfg.version == 3
 
     changes = records(audit_path, action="config_change")
-    assert [(r["key"], r["old"], r["new"], r["version"], r["jti"], r["actor"]) for r in changes] == [
-        ("log_level", None, "DEBUG", 1, admin.claims.jti, "admin-cli"),
-        ("checkpoint_interval", None, 50, 2, admin.claims.jti, "admin-cli"),
-        ("lr_scale", None, 0.25, 3, other["jti"], "admin-2"),
+    assert [(r["key"], r["old"], r["new"], r["version"], r["signer"], r["actor"]) for r in changes] == [
+        ("log_level", None, "DEBUG", 1, alice.kid, "operator:alice"),
+        ("checkpoint_interval", None, 50, 2, alice.kid, "operator:alice"),
+        ("lr_scale", None, 0.25, 3, auth.active_kid, "orchestrator"),
     ]
     denied = records(audit_path, decision="deny", actor="worker-1")
     assert [(r["action"], r["jti"]) for r in denied] == [("config_write", seen["jti"])]
@@ -186,24 +196,66 @@ def test_admin_change_is_applied_shared_and_audited_with_its_token_id(auth, tmp_
     assert report.ok and report.checkpoints >= 1, report.to_json()
 
 
-def test_values_are_validated_against_the_allow_list(auth, tmp_path, audit_path):
-    install(auth, "admin", "admin-cli", AuditLog(audit_path, JOB))
+def test_direct_writes_and_untrusted_or_stale_versions_are_refused_and_audited(auth, alice, tmp_path, audit_path):
+    """The attack of issue 16: ``global_config.json`` written without a token. The trainer's reader keeps its
+    settings and records the refusal once per version of the file."""
+    audit = AuditLog(audit_path, JOB)
+    install(auth, "trainer", "worker-0", audit)
+    path = tmp_path / "global_config.json"
+    writer = GlobalConfig(path, TASK, trust=auth.trust, job_id=JOB)
+    reader = GlobalConfig(path, TASK, trust=auth.trust, job_id=JOB)
+    assert writer.set("lr_scale", 0.5, signer=alice) == 1
+    assert reader.get("lr_scale") == 0.5  # control: a signed version is applied
+    good = path.read_text()
+    body = {"format": 2, "task": TASK, "job_id": JOB, "version": 9, "values": {"lr_scale": 1e12}, "updated": {}}
+    mallory = OperatorKey("mallory", Ed25519PrivateKey.generate())  # a key the job does not trust
+    attacks = {
+        "unsigned": json.dumps(body),
+        "untrusted signer": json.dumps(mallory.sign(GLOBAL_CONFIG_TYP, body)),
+        "signed value out of bounds": json.dumps(alice.sign(GLOBAL_CONFIG_TYP, body)),
+        "another job's version": json.dumps(
+            alice.sign(GLOBAL_CONFIG_TYP, {**body, "job_id": "other@run", "values": {"lr_scale": 2.0}})
+        ),
+        "altered after signing": good.replace("0.5", "50.0"),
+    }
+    for name, text in attacks.items():
+        path.write_text(text)
+        with pytest.raises(ConfigRefused):
+            reader.snapshot()
+            pytest.fail(f"{name}: applied")
+        with pytest.raises(ConfigRefused):  # asked again: refused again, recorded once
+            reader.snapshot()
+    refusals = records(audit_path, action="config_change", decision="deny")
+    assert len(refusals) == len(attacks), [r["reason"] for r in refusals]
+    assert "unsigned" in refusals[0]["reason"] and "not trusted" in refusals[1]["reason"]
+    assert "lr_scale" in refusals[2]["reason"] and "other@run" in refusals[3]["reason"]
+    # a replay of an older signed version after a newer one was applied
+    path.write_text(good)
+    older = good
+    assert writer.set("lr_scale", 0.25, signer=alice) == 2 and reader.get("lr_scale") == 0.25
+    path.write_text(older)
+    with pytest.raises(ConfigRefused, match="older"):
+        reader.snapshot()
+
+
+def test_values_are_validated_against_the_allow_list(auth, alice, tmp_path, audit_path):
+    install(auth, "trainer", "worker-0", AuditLog(audit_path, JOB))
     cfg = GlobalConfig(tmp_path / "g.json", TASK, extra_keys={"note": str.strip})
     for key, value in (("lr_scale", -1.0), ("lr_scale", float("nan")), ("log_level", "LOUD"), ("no_such", 1)):
         with pytest.raises(ConfigError):
-            cfg.set(key, value)
-    assert cfg.set("note", "  warmup done ") == 1 and cfg.get("note") == "warmup done"
+            cfg.set(key, value, signer=alice)
+    assert cfg.set("note", "  warmup done ", signer=alice) == 1 and cfg.get("note") == "warmup done"
     assert [r["key"] for r in records(audit_path, action="config_change")] == ["note"]
 
 
-def test_change_is_rolled_back_when_it_cannot_be_audited(auth, tmp_path, audit_path):
+def test_change_is_rolled_back_when_it_cannot_be_audited(auth, alice, tmp_path, audit_path):
     audit = AuditLog(audit_path, JOB)
-    install(auth, "admin", "admin-cli", audit)
+    install(auth, "trainer", "worker-0", audit)
     cfg = GlobalConfig(tmp_path / "g.json", TASK)
-    assert cfg.set("lr_scale", 2.0) == 1
+    assert cfg.set("lr_scale", 2.0, signer=alice) == 1
     audit.close()  # the audit file descriptor is gone: the next record cannot be written
     with pytest.raises(Exception):  # noqa: B017 (whatever the log raises, the change must not stay)
-        cfg.set("lr_scale", 3.0)
+        cfg.set("lr_scale", 3.0, signer=alice)
     assert cfg.get("lr_scale") == 2.0 and cfg.version == 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import stat
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +19,8 @@ from kuangchao_core.perm.guard import TokenGuard
 from kuangchao_core.perm.names import INTERFACES
 from kuangchao_core.perm.roles import Policy, PolicyHolder
 from kuangchao_core.perm.runtime import install_worker_guard
-from kuangchao_core.perm.tokens import TrustStore, Verifier
+from kuangchao_core.perm.signed_doc import read_document
+from kuangchao_core.perm.tokens import TrustStore, Verifier, b64e
 
 JOB = "job-g"
 
@@ -208,40 +209,96 @@ def _cfg(**perm):
     )
 
 
-def test_issue_tokens_writes_private_tokens_and_env(tmp_path, monkeypatch):
-    from kuangchao_core.perm.issuance import issue_tokens_for_run
+def test_issue_tokens_keeps_tokens_in_memory_and_writes_only_signed_public_files(tmp_path, monkeypatch):
+    from kuangchao_core.perm.issuance import authority_for, issue_tokens_for_run, issued_tokens, token_env
+    from kuangchao_core.perm.tokens import private_raw
     from tasks.issue_tokens import issue_tokens
 
     monkeypatch.chdir(tmp_path)
     cfg = _cfg()
     env = issue_tokens_for_run(cfg, tmp_path / "run", attempt=1)
     assert issue_tokens.name == "issue_tokens" and callable(issue_tokens.fn)
-    tok_dir = tmp_path / "run" / "tokens"
-    files = sorted(p.name for p in tok_dir.glob("*.token"))
-    assert files == sorted(
-        [f"worker-{r}.token" for r in range(4)] + [f"data_loader-{r}.token" for r in range(4)] + ["monitor.token"]
+    tokens = issued_tokens(tmp_path / "run", 1)
+    assert sorted(tokens) == sorted(
+        [f"worker-{r}" for r in range(4)] + [f"data_loader-{r}" for r in range(4)] + ["monitor"]
     )
-    for p in tok_dir.glob("*.token"):
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600
-    assert stat.S_IMODE((tmp_path / "run" / "authority" / "keys.json").stat().st_mode) == 0o600
-    assert "private" not in (tok_dir / "trust_store.json").read_text()
+    # nothing secret on disk or in the environment handed out: no token, no private key
+    auth = authority_for(cfg, tmp_path / "run")
+    secrets_ = [b64e(private_raw(k)) for k in auth._private.values()] + list(tokens.values())
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert sorted(p.name for p in (tmp_path / "run" / "authority").iterdir()) == ["policy.json", "trust_store.json"]
+    for text in [p.read_text(errors="replace") for p in files] + list(env.values()):
+        assert not any(sec in text for sec in secrets_)
     job = env["KC_JOB_ID"]
-    v = Verifier(TrustStore.load(env["KC_TRUST_STORE"]), job_id=job, min_attempt=1)
-    w3 = v.verify((tok_dir / "worker-3.token").read_text(), subject="worker-3")
+    trust = TrustStore.load_verified(env["KC_TRUST_STORE"], env["KC_TRUST_ROOT"])
+    v = Verifier(trust, job_id=job, min_attempt=1)
+    w3 = v.verify(tokens["worker-3"], subject="worker-3")
     # dp=2, tp=2: rank 3 = (dp 1, tp 1) -> tp[2,3], dp[1,3]
     assert set(w3.groups) == {"world", "tp[2,3]", "dp[1,3]", "pp[3]"} and w3.devices == ["cpu"]
-    assert "checkpoint:tok" in w3.objects and "dataset:synthetic" in w3.objects
-    mon = v.verify((tok_dir / "monitor.token").read_text(), subject="monitor")
+    assert "checkpoint:tok" in w3.objects and "dataset:synthetic" not in w3.objects  # datasets: the data loader's
+    assert "dataset:synthetic" in v.verify(tokens["data_loader-3"], subject="data_loader-3").objects
+    mon = v.verify(tokens["monitor"], subject="monitor")
     assert mon.role == "monitor" and mon.interfaces == ["metrics_read"]
-    # the worker side: the {rank} template, the policy file, the job binding
+    # what a node's processes get: only the tokens of their ranks
+    assert sorted(json.loads(token_env(tmp_path / "run", 1, [3])["KC_TOKENS"])) == ["data_loader-3", "worker-3"]
+    # the worker side: its token from the environment, the signed trust store and policy, the job binding
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("KC_POLICY_FILE", env["KC_POLICY_FILE"])
-    g = install_worker_guard(env["KC_TOKEN_FILE"], env["KC_TRUST_STORE"], job, 1, env["KC_AUDIT_LOG"], renew=False)
+    kw = dict(token=tokens["worker-3"], trust_root=env["KC_TRUST_ROOT"], policy_file=env["KC_POLICY_FILE"])
+    g = install_worker_guard(None, env["KC_TRUST_STORE"], job, 1, env["KC_AUDIT_LOG"], renew=False, **kw)
     g.check("all_reduce", "group:dp[1,3]")
     assert code(g, "all_reduce", "group:dp[0,2]") == R.OUT_OF_SCOPE
     assert code(g, "metrics_read", "metrics:tok") == R.OUT_OF_SCOPE
     with pytest.raises(R.TokenRejected) as ei:  # attempt 1's tokens after a restart to attempt 2
-        install_worker_guard(env["KC_TOKEN_FILE"], env["KC_TRUST_STORE"], job, 2, renew=False)
+        install_worker_guard(None, env["KC_TRUST_STORE"], job, 2, renew=False, **kw)
     assert ei.value.code == R.STALE_ATTEMPT
-    assert json.loads((tmp_path / "run" / "tokens" / "policy.json").read_text())["allowed_interfaces"] is None
+    assert read_document(env["KC_POLICY_FILE"])["body"]["allowed_interfaces"] is None
     assert env["KC_AUDIT_LOG"].endswith(f"audit/tok/{job}.jsonl")
+
+
+def test_a_worker_cannot_forge_rights_from_the_files_it_can_read(tmp_path, monkeypatch):
+    """The attack of issue 16: with the run directory readable, mint an admin token or widen the own role.
+    The key is not there; a key of one's own added to the trust store, or rights added to the policy, break the
+    authority's signature, which the worker checks against the trust root in its environment."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from kuangchao_core.perm.issuance import issue_tokens_for_run, issued_tokens
+    from kuangchao_core.perm.signed_doc import write_document
+    from kuangchao_core.perm.tokens import TrustedKey, public_raw, sign_token
+
+    monkeypatch.chdir(tmp_path)
+    env = issue_tokens_for_run(_cfg(), tmp_path / "run", attempt=0)
+    job, mine = env["KC_JOB_ID"], issued_tokens(tmp_path / "run", 0)["worker-0"]
+    monkeypatch.setenv("RANK", "0")
+    kw = dict(trust_root=env["KC_TRUST_ROOT"], policy_file=env["KC_POLICY_FILE"], renew=False)
+    # control: the untouched files verify and the guard installs
+    install_worker_guard(None, env["KC_TRUST_STORE"], job, 0, token=mine, **kw)
+    # 1. my own key in the trust store, an admin token signed with it
+    evil = Ed25519PrivateKey.generate()
+    doc = read_document(env["KC_TRUST_STORE"])
+    body = dict(doc["body"])
+    body["keys"] = [*body["keys"], TrustedKey("cap-evil", "capability", public_raw(evil)).to_json()]
+    original = Path(env["KC_TRUST_STORE"]).read_text()
+    write_document(env["KC_TRUST_STORE"], {**doc, "body": body})
+    claims = Verifier(TrustStore.load(env["KC_TRUST_STORE"]), job_id=job).verify(mine).model_dump()
+    forged = sign_token(
+        {**claims, "sub": "worker-0", "role": "admin", "interfaces": ["config_write"]}, evil, "cap-evil"
+    )
+    with pytest.raises(R.TokenRejected) as ei:
+        install_worker_guard(None, env["KC_TRUST_STORE"], job, 0, token=forged, **kw)
+    assert ei.value.code == R.BAD_SIGNATURE
+    assert code(guard_api.current_guard(), "all_reduce", "group:world") == R.BAD_SIGNATURE  # deny-all installed
+    Path(env["KC_TRUST_STORE"]).write_text(original)
+    # 2. more rights for my role in the policy
+    pdoc = read_document(env["KC_POLICY_FILE"])
+    roles = {"trainer": {"interfaces": ["config_write", "all_reduce"], "resources": ["config:*", "group:*"]}}
+    write_document(env["KC_POLICY_FILE"], {**pdoc, "body": {**pdoc["body"], "roles": roles}})
+    with pytest.raises(R.TokenRejected) as ei:
+        install_worker_guard(None, env["KC_TRUST_STORE"], job, 0, token=mine, **kw)
+    assert ei.value.code == R.BAD_SIGNATURE
+    # 3. the whole store replaced by one I signed myself: the trust root names another key
+    from kuangchao_core.perm.signed_doc import sign_document
+    from kuangchao_core.perm.tokens import TRUST_STORE_TYP
+
+    write_document(env["KC_TRUST_STORE"], sign_document(TRUST_STORE_TYP, body, evil, "cap-evil"))
+    with pytest.raises(R.TokenRejected):
+        install_worker_guard(None, env["KC_TRUST_STORE"], job, 0, token=forged, **kw)

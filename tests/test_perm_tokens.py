@@ -278,12 +278,13 @@ def test_e15_renewal_rules(auth, clock):
     nc = verifier(auth).verify(new)
     assert nc.jti != old.jti and nc.sub == old.sub and nc.aud == old.aud and nc.job_id == old.job_id
     assert nc.renewals == 1 and nc.exp == clock.t + 600 and nc.resources() <= old.resources()
-    narrowed = verifier(auth).verify(auth.renew(new, JOB, narrow={"groups": ["world"]}))
+    narrowed_tok = auth.renew(new, JOB, narrow={"groups": ["world"]})
+    narrowed = verifier(auth).verify(narrowed_tok)
     assert narrowed.groups == ["world"]
-    assert code_of(lambda: auth.renew(new, JOB, narrow={"groups": ["world", "tp-0"]})) == R.SCOPE_WIDENING
-    assert code_of(lambda: auth.renew(new, JOB, narrow={"role": "admin"})) == R.SCOPE_WIDENING
-    clock.t = nc.exp + 1  # late, even though within the clock leeway
-    assert code_of(lambda: auth.renew(new, JOB)) == R.RENEWAL_LATE
+    assert code_of(lambda: auth.renew(narrowed_tok, JOB, narrow={"groups": ["world", "dp-0"]})) == R.SCOPE_WIDENING
+    assert code_of(lambda: auth.renew(narrowed_tok, JOB, narrow={"role": "admin"})) == R.SCOPE_WIDENING
+    clock.t = narrowed.exp + 1  # late, even though within the clock leeway
+    assert code_of(lambda: auth.renew(narrowed_tok, JOB)) == R.RENEWAL_LATE
     # session cap: keep renewing every 500 s; the cap (4 h) stops it
     clock.t = T0 + 10_000
     tok = issue(auth, ttl_s=600)
@@ -298,6 +299,20 @@ def test_e15_renewal_rules(auth, clock):
     assert code_of(lambda: auth.renew(tok, JOB)) == R.RENEWAL_LIMIT
 
 
+def test_renewal_is_bound_to_the_caller_and_to_the_newest_token_of_its_session(auth, clock):
+    tok = issue(auth, ttl_s=600)
+    clock.t += 10
+    # another module presenting worker-0's token (one it read somewhere) is refused
+    assert code_of(lambda: auth.renew(tok, JOB, caller="worker-1")) == R.WRONG_SUBJECT
+    new = auth.renew(tok, JOB, caller="worker-0")  # control: the holder renews
+    # the superseded token is a copy: refused, and the whole session ends (the holder's newest token too)
+    assert code_of(lambda: auth.renew(tok, JOB, caller="worker-0")) == R.REPLAY
+    assert code_of(lambda: auth.renew(new, JOB, caller="worker-0")) == R.REVOKED
+    assert code_of(lambda: verifier(auth).verify(new)) == R.REVOKED
+    other = issue(auth, ttl_s=600)  # another session is untouched
+    assert verifier(auth).verify(auth.renew(other, JOB, caller="worker-0"))
+
+
 def test_e16_key_rotation_grace(auth, clock):
     old_tok = issue(auth)
     auth.rotate(grace_s=120)
@@ -306,10 +321,12 @@ def test_e16_key_rotation_grace(auth, clock):
     clock.t += 121
     assert code_of(lambda: verifier(auth).verify(old_tok)) == R.RETIRED_KEY
     assert verifier(auth).verify(new_tok)
-    # the rotation persisted: a fresh authority object sees the same trust store
+    # the rotation persisted in the public trust store; a later authority of the run keeps it as history and
+    # brings its own key: every earlier token key is retired (their tokens belong to finished attempts)
     again = Authority(auth.key_dir, clock=clock, leeway_s=L, max_ttl_s=7200)
-    assert again.active_kid == auth.active_kid
-    assert code_of(lambda: verifier(again).verify(old_tok)) == R.RETIRED_KEY
+    assert again.active_kid not in (auth.active_kid,) and auth.active_kid in again.trust.keys
+    assert code_of(lambda: verifier(again).verify(new_tok)) == R.RETIRED_KEY
+    assert again.trust.keys[auth.audit_kid].status == "active"  # older audit checkpoints still verify
 
 
 def test_e17_malformed_payloads(auth):
@@ -377,7 +394,7 @@ def test_e18_raw_token_never_logged(auth, tmp_path, caplog, clock):
     assert token_digest(bad) in audit_text and "wrong_job" in audit_text
     assert TrustStore.load(ts).keys  # trust store holds public keys only
     assert "private" not in ts.read_text()
-    assert oct((auth.key_dir / "keys.json").stat().st_mode & 0o777) == "0o600"
+    assert sorted(p.name for p in auth.key_dir.iterdir()) == ["trust_store.json"]  # no key material on disk
 
 
 def test_issue_refuses_unknown_interface(auth):

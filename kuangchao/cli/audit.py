@@ -1,11 +1,15 @@
 """``kc audit``: query and verify a task's permission audit logs (SPEC L5.6).
 
     kc audit --task NAME [--since DATE] [--action deny|allow|all] [--module M] [--json] [--verify] [--log PATH]
+    kc audit --verify --run RUN_DIR [--job-id ID] [--mode enforcing|trusted] [--pins FILE] [--log PATH]
 
 Lines look like ``2024-01-15 10:23:45 | worker-3 | memory_alloc | DENIED | token expired (memory:params)``
-(UTC). Logs are found under ``--log`` (a file, or a directory holding ``<task>/*.jsonl``), else under the
-``permission.audit_log`` of ``--config``, else ``audit/<task>/``. ``--verify`` checks the hash chain and the signed
-checkpoints (with ``<log>.trust.json`` or ``--trust-store``) and names the first bad record; exit code 1 if any log
+(UTC). Logs are found under ``--log`` (a file, or a directory holding ``<task>/*.jsonl``), else the ones the run's
+pins name (``--run``), else under the ``permission.audit_log`` of ``--config``, else ``audit/<task>/``. ``--verify``
+checks the hash chain and the signed checkpoints and names the first bad record. With ``--run`` the trust comes from
+outside the log's directory (:mod:`kuangchao_core.perm.audit_trust`): the run's job id, the authority's trust store
+and audit pins; an enforcing job fails without them. Without ``--run`` it is ``<log>.trust.json`` (or
+``--trust-store``) and said to be unpinned. Pins or anchors whose log is gone fail too. Exit code 1 if any log
 fails, 2 for bad arguments.
 """
 
@@ -18,9 +22,18 @@ from pathlib import Path
 
 import typer
 
-from kuangchao_core.perm.audit_verify import read_records, verify_log
+from kuangchao_core.perm.audit_trust import (
+    MODES,
+    AuditTrust,
+    missing_log_report,
+    orphaned_logs,
+    run_log_paths,
+    trust_for_log,
+    trust_for_run,
+    verify_with_trust,
+)
+from kuangchao_core.perm.audit_verify import VerifyReport, read_records
 from kuangchao_core.perm.reasons import phrase
-from kuangchao_core.perm.tokens import TrustStore
 
 _DECISION_WORD = {"deny": "DENIED", "allow": "ALLOWED", "info": "INFO"}
 _RELATIVE = re.compile(r"(\d+)([smhd])\Z")
@@ -60,9 +73,10 @@ def format_line(rec: dict) -> str:
     return f"{when} | {rec.get('actor', '?')} | {rec.get('action', '?')} | {decision} | {reason}"
 
 
-def find_logs(task: str | None, log: Path | None, config: Path | None) -> list[Path]:
-    """The audit log files of ``task`` (see module docstring for the search order)."""
-    if log is not None and log.is_file():
+def find_logs(task: str | None, log: Path | None, config: Path | None, suffix: str = "") -> list[Path]:
+    """The audit log files of ``task`` (see module docstring for the search order); with ``suffix`` the files
+    named like a log plus ``suffix`` (``.anchors``: the signed checkpoints)."""
+    if log is not None and log.is_file() and not suffix:
         return [log]
     base = log
     if base is None and config is not None:
@@ -72,7 +86,7 @@ def find_logs(task: str | None, log: Path | None, config: Path | None) -> list[P
         setting = cfg.permission.audit_log
         task = task or cfg.task.name
         if setting and "{" in setting:
-            pattern = setting.format(task=task, job_id="*")
+            pattern = setting.format(task=task, job_id="*") + suffix
             return (
                 sorted(Path().glob(pattern))
                 if not Path(pattern).is_absolute()
@@ -81,8 +95,15 @@ def find_logs(task: str | None, log: Path | None, config: Path | None) -> list[P
         base = Path(setting) if setting else None
     base = base or Path("audit")
     if task is None:
-        return sorted(base.glob("*/*.jsonl"))
-    return sorted((base / task).glob("*.jsonl"))
+        return sorted(base.glob(f"*/*.jsonl{suffix}"))
+    return sorted((base / task).glob(f"*.jsonl{suffix}"))
+
+
+def _anchored_logs(task: str | None, log: Path | None, config: Path | None) -> list[Path]:
+    """Every log path that has signed checkpoints (existing or not), for finding anchors without a log."""
+    if log is not None and not log.is_dir():
+        return [log]
+    return [Path(str(p)[: -len(".anchors")]) for p in find_logs(task, log, config, suffix=".anchors")]
 
 
 def audit(
@@ -95,26 +116,68 @@ def audit(
     log: Path = typer.Option(None, "--log", help="An audit log file, or the directory holding <task>/*.jsonl."),
     config: Path = typer.Option(None, "--config", help="Job config whose permission.audit_log says where logs are."),
     trust_store: Path = typer.Option(None, "--trust-store", help="Public keys for checkpoint signatures."),
+    run: Path = typer.Option(
+        None, "--run", help="The job's run directory: its job_id and the authority's trust store and audit pins."
+    ),
+    job_id: str = typer.Option(None, "--job-id", help="The job the log must belong to (default: <run>/job_id)."),
+    mode: str = typer.Option(
+        None, "--mode", help="enforcing | trusted; enforcing fails without trust store, checkpoints and pins."
+    ),
+    pins: Path = typer.Option(None, "--pins", help="Audit pins to check too (e.g. MLflow's audit/pins.json)."),
 ) -> None:
     """Print or verify a task's permission decisions."""
     if action not in ("deny", "allow", "all"):
         typer.echo(f"error: --action must be deny, allow or all, not {action!r}", err=True)
         raise typer.Exit(2)
-    if task is None and log is None and config is None:
-        typer.echo("error: give --task NAME (or --log PATH / --config FILE)", err=True)
+    if mode is not None and mode not in MODES:
+        typer.echo(f"error: --mode must be enforcing or trusted, not {mode!r}", err=True)
+        raise typer.Exit(2)
+    if task is None and log is None and config is None and run is None:
+        typer.echo("error: give --task NAME (or --log PATH / --config FILE / --run RUN_DIR)", err=True)
         raise typer.Exit(2)
     try:
         cutoff = parse_since(since)
     except ValueError:
         typer.echo(f"error: --since {since!r} is not a date (2024-01-15, 2024-01-15T10:00:00Z) or age (2h)", err=True)
         raise typer.Exit(2) from None
-    logs = find_logs(task, log, config)
-    if not logs:
-        where = log or "audit/"
-        typer.echo(f"error: no audit log for task {task!r} under {where}; pass --log PATH or --config FILE", err=True)
+    run_trust = None
+    if run is not None:
+        if not run.is_dir():
+            typer.echo(
+                f"error: --run {run}: not a directory; pass the run directory of a job (runs/<task>/<run>)", err=True
+            )
+            raise typer.Exit(2)
+        try:
+            run_trust = trust_for_run(run, job_id=job_id, mode=mode, trust_store=trust_store, pins_file=pins)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+    if run_trust is not None and log is None:
+        candidates = run_log_paths(run, run_trust)
+        logs = [p for p in candidates if p.is_file()]
+    else:
+        logs = find_logs(task, log, config)
+        candidates = _anchored_logs(task, log, config) if verify else []
+    missing = _missing_logs(candidates, run_trust) if verify else []
+    if not logs and not missing:
+        if run_trust is not None and log is None:
+            typer.echo(
+                f"error: {run}: no audit pins or config.yaml name the job's audit log; pass --log PATH", err=True
+            )
+        else:
+            where = log or "audit/"
+            typer.echo(
+                f"error: no audit log for task {task!r} under {where}; pass --log PATH or --config FILE", err=True
+            )
         raise typer.Exit(2)
     if verify:
-        raise typer.Exit(_verify(logs, trust_store, as_json))
+
+        def trust_of(path: Path) -> AuditTrust:
+            if run_trust is not None:
+                return run_trust
+            return trust_for_log(path, job_id=job_id, mode=mode, trust_store=trust_store, pins_file=pins)
+
+        raise typer.Exit(_verify(logs, missing, trust_of, as_json))
     shown = 0
     for path in logs:
         for rec in read_records(path):
@@ -133,25 +196,48 @@ def audit(
         typer.echo(f"{shown} {what} in {len(logs)} audit log{'s' if len(logs) != 1 else ''}")
 
 
-def _verify(logs: list[Path], trust_store: Path | None, as_json: bool) -> int:
+def _missing_logs(candidates: list[Path], trust: AuditTrust | None) -> list[Path]:
+    """Logs that are gone while their anchors (or, with a run, their pins) remain."""
+    missing = orphaned_logs(candidates)
+    for pin in trust.pins if trust else []:
+        path = Path(pin.log_path)
+        if not path.exists() and all(path.resolve() != m.resolve() for m in missing):
+            missing.append(path)
+    return missing
+
+
+def _verify(logs: list[Path], missing: list[Path], trust_of, as_json: bool) -> int:
     failed = 0
     for path in logs:
-        ts_path = trust_store or Path(f"{path}.trust.json")
-        ts = TrustStore.load(ts_path) if ts_path.exists() else None
-        report = verify_log(path, trust_store=ts)
+        trust = trust_of(path)
+        report = verify_with_trust(path, trust)
         failed += not report.ok
-        if as_json:
-            typer.echo(json.dumps({"log": str(path), **report.to_json()}, sort_keys=True))
-            continue
-        if report.ok:
-            typer.echo(f"OK {path}: {report.records} records, {report.checkpoints} signed checkpoints")
-        else:
-            line = f" (line {report.first_bad_line})" if report.first_bad_line else ""
-            typer.echo(f"TAMPERED {path}: first bad record seq {report.first_bad_seq}{line}: {report.problem}")
-            typer.echo(f"  {report.detail}")
-        for w in report.warnings:
-            typer.echo(f"  warning: {w}")
+        _show(path, report, trust, as_json)
+    for path in missing:
+        trust = trust_of(path)
+        failed += 1
+        _show(path, missing_log_report(path, trust), trust, as_json)
     return 1 if failed else 0
+
+
+def _show(path: Path, report: VerifyReport, trust: AuditTrust, as_json: bool) -> None:
+    if as_json:
+        extra = {"log": str(path), "mode": trust.mode, "pinned": trust.pinned}
+        typer.echo(json.dumps({**extra, **report.to_json()}, sort_keys=True))
+        return
+    if report.ok:
+        pinned = f"; pinned head seq {max(p.seq for p in trust.pins)}" if trust.pinned else ""
+        typer.echo(f"OK {path}: {report.records} records, {report.checkpoints} signed checkpoints{pinned}")
+    elif report.first_bad_seq is not None:
+        line = f" (line {report.first_bad_line})" if report.first_bad_line else ""
+        typer.echo(f"TAMPERED {path}: first bad record seq {report.first_bad_seq}{line}: {report.problem}")
+        typer.echo(f"  {report.detail}")
+    else:
+        typer.echo(f"FAILED {path}: {report.problem}")
+    for problem in report.trust_problems:
+        typer.echo(f"  {problem['problem']}: {problem['detail']}")
+    for w in report.warnings:
+        typer.echo(f"  warning: {w}")
 
 
 def register(app: typer.Typer) -> None:

@@ -35,6 +35,8 @@ _COMMAND_MODULES = [
     "runs",
     "node",
     "topology",
+    "operator_cmd",
+    "token_cmd",
 ]
 
 

@@ -1,7 +1,8 @@
 """``kc plan --config FILE``: explain a job's parallel layout before anything runs, or list why it cannot run.
 
 Exit 0 with the plan (groups, stages, micro-batches, bubble, memory per rank); exit 2 listing every config or plan
-problem as ``FILE: dotted.path: message``.
+problem as ``FILE: dotted.path: message``. A plan whose largest rank would not fit in this machine's memory (the
+check ``kc train`` refuses it with, ``engine.plan_memory``) is still explained, after a warning with the numbers.
 
 ``--scale N`` (repeatable) adds the predicted step time of the layout and its weak-scaling efficiency at N GPUs
 (8 per node, NVLink inside, 200 and 400 Gb/s between) for flat, hierarchical and compressed DP all-reduce
@@ -98,10 +99,11 @@ def plan(
     if not 0.0 < topk_ratio <= 1.0:
         typer.echo(f"{config}: --topk-ratio: must be in (0, 1], got {topk_ratio}", err=True)
         raise typer.Exit(2)
-    from kuangchao_core.engine.plan import interface_problems
+    if not scale and nodes is None:  # a layout for this machine: would its ranks fit in its memory?
+        from kuangchao_core.engine.plan import memory_problems
 
-    for path, message in interface_problems(cfg):
-        typer.echo(f"{config}: warning: {path}: {message}; the job would be denied it", err=True)
+        for path, message in memory_problems(cfg):
+            typer.echo(f"{config}: warning: {path}: {message}; kc train would refuse this plan here", err=True)
     result = explain_plan(cfg)
     report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
     placement = _placement(cfg)

@@ -24,7 +24,7 @@ from kuangchao_core.ckpt.index import (
     model_config_of_checkpoint,
     param_keys,
 )
-from kuangchao_core.ckpt.layout import step_dir_name
+from kuangchao_core.ckpt.layout import TENSOR_TABLE, step_dir_name
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.layout import TargetLayout
 
@@ -69,7 +69,7 @@ def relayout_checkpoint(
         zero_stage=0,
     )
     reserved = {"format_version", "step", "kuangchao_version", "torch_version", "created_at", "world_size"}
-    meta = {k: v for k, v in manifest.items() if k not in reserved | {"files", "tensors"}}
+    meta = {k: v for k, v in manifest.items() if k not in reserved | {"files", "tensors", TENSOR_TABLE}}
     meta["parallel"] = parallel
     meta["converted_from"] = {"path": str(src), "world_size": old_world, "parallel": manifest.get("parallel")}
     dst = Path(dst_task_dir)

@@ -1,8 +1,11 @@
 """Integrity checks: is a step directory a complete, untampered checkpoint?
 
-A step directory is intact when its ``manifest.json`` exists, parses, has this format version, names the step of
-its directory, lists a shard and an RNG file for every rank, and every file it lists exists with the recorded size
-and sha256. Anything else is reported as a problem; :func:`find_latest_intact` skips such directories and logs why.
+A step directory is intact when its ``manifest.json`` exists, parses, has a format version this kuangchao reads,
+names the step of its directory, lists a shard and an RNG file for every rank, every file it lists exists with the
+recorded size and sha256, and (format version 2) every shard's safetensors header holds exactly the tensors, dtypes
+and shapes of the manifest's ``tensor_table`` with data offsets inside the file (``ckpt.header``). Version 1 steps
+have no table and verify by hash only. Anything else is reported as a problem; :func:`find_latest_intact` skips
+such directories and logs why.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.ckpt.header import HeaderError, read_header, table_problems
 from kuangchao_core.ckpt.layout import (
     FORMAT_VERSION,
     LOGGER_NAME,
     MANIFEST,
+    READ_FORMAT_VERSIONS,
+    TENSOR_TABLE,
     parse_step_dir,
     rng_name,
     shard_name,
@@ -58,10 +64,11 @@ def _load_manifest(storage: Storage, key: str, where: str) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise corrupt(where, f"{MANIFEST} is not a JSON object")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_FORMAT_VERSIONS:
         raise corrupt(
             where,
-            f"format_version is {version!r}, this kuangchao reads {FORMAT_VERSION}",
+            f"format_version is {version!r}, this kuangchao reads {', '.join(map(str, READ_FORMAT_VERSIONS))} "
+            f"(writes {FORMAT_VERSION})",
             "convert it with a kuangchao that knows that version, or use another checkpoint",
         )
     if not isinstance(manifest.get("files"), dict):
@@ -143,6 +150,10 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
     if dir_step is not None and manifest.get("step") != dir_step:
         problems.append(f"manifest step {manifest.get('step')!r} does not match directory step {dir_step}")
     files: dict[str, Any] = manifest["files"]
+    has_table = manifest.get("format_version", 1) >= 2
+    if has_table and not isinstance(manifest.get(TENSOR_TABLE), dict):
+        problems.append(f"format_version {manifest['format_version']} manifest has no '{TENSOR_TABLE}' table")
+        has_table = False
     world_size = manifest.get("world_size")
     if isinstance(world_size, int) and not isinstance(world_size, bool) and 1 <= world_size <= MAX_WORLD_SIZE:
         for r in range(world_size):
@@ -174,7 +185,34 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
         digest = st.sha256(fkey)
         if digest != entry["sha256"]:
             problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest ({str(entry['sha256'])[:16]}…)")
+        if has_table:
+            problems.extend(_header_problems(st, fkey, rel, manifest[TENSOR_TABLE]))
+    if has_table:
+        problems.extend(
+            f"{str(rel)[:80]!r}: in the manifest's tensor_table but not among its files"
+            for rel in sorted(manifest[TENSOR_TABLE], key=str)
+            if rel not in files
+        )
     return problems
+
+
+def _is_shard(rel: str) -> bool:
+    return rel.startswith("shards/") and rel.endswith(".safetensors")
+
+
+def _header_problems(st: Storage, fkey: str, rel: str, table: dict[str, Any]) -> list[str]:
+    """Problems of one listed file against the manifest's tensor table (shards only; never raises)."""
+    if not _is_shard(rel):
+        return []
+    if rel not in table:
+        return [f"{rel}: not in the manifest's tensor_table"]
+    try:
+        entries = read_header(st, fkey)
+    except HeaderError as exc:
+        return [f"{rel}: bad safetensors header ({exc})"]
+    except (CheckpointError, OSError) as exc:
+        return [f"{rel}: safetensors header unreadable ({exc})"]
+    return table_problems(rel, entries, table[rel])
 
 
 def list_step_dirs(task_dir: str | os.PathLike[str], storage: Storage | None = None) -> list[tuple[int, str]]:

@@ -1,4 +1,4 @@
-"""Names and constants of the on-disk checkpoint format (version 1).
+"""Names and constants of the on-disk checkpoint format (version 2; version 1 is still read).
 
 ::
 
@@ -6,7 +6,8 @@
         shards/rank_<r:05d>.safetensors   tensors only: param.<name>, optim.<name>.<key>
         rng/rank_<r:05d>.json             RNG states of that rank (torch CPU/CUDA, numpy, python)
         state.json                        step, scheduler, sampler, … (written by rank 0)
-        manifest.json                     written last: sha256 + size of every file, versions, configs
+        manifest.json                     written last: sha256 + size of every file, versions, configs,
+                                          and (version 2) each shard's tensor table: name -> dtype, shape
 
 A step directory is published by renaming ``step_<N>.tmp-<nonce>`` to ``step_<N>``; only a directory whose
 name is exactly ``step_<N:08d>`` (at least 8 digits, no other spelling) is a checkpoint. Task directories written
@@ -17,7 +18,13 @@ from __future__ import annotations
 
 import re
 
-FORMAT_VERSION = 1
+#: the manifest format this kuangchao writes. Version 2 adds ``tensor_table`` (per shard, per tensor the dtype
+#: and shape of its safetensors header), checked by ``verify_checkpoint``; version 1 steps verify by hash only.
+FORMAT_VERSION = 2
+#: the manifest formats this kuangchao reads
+READ_FORMAT_VERSIONS = (1, 2)
+#: the manifest key of the per-shard tensor table (format version 2)
+TENSOR_TABLE = "tensor_table"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 LOGGER_NAME = "kuangchao.ckpt"

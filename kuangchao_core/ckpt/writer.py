@@ -5,7 +5,8 @@ Protocol of :meth:`CheckpointWriter.save` (every rank calls it with the same ``s
 1. rank 0 creates ``<task>/step_<N>.tmp-<nonce>/`` (removing a leftover of the same name first); barrier.
 2. every rank writes ``shards/rank_<r>.safetensors`` and ``rng/rank_<r>.json``; rank 0 also ``state.json``.
    Each file goes to a temporary name, is flushed and fsynced, then renamed. Barrier.
-3. rank 0 hashes every file (sha256 + size), writes ``manifest.json`` (temp, fsync, rename) last, fsyncs the
+3. rank 0 hashes every file (sha256 + size), reads every shard's safetensors header into the manifest's
+   ``tensor_table`` (per tensor its dtype and shape), writes ``manifest.json`` (temp, fsync, rename) last, fsyncs the
    directories, renames ``step_<N>.tmp-<nonce>`` to ``step_<N>`` and fsyncs the task directory. Barrier.
 4. rank 0 applies retention when ``keep_last`` was given.
 
@@ -38,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from kuangchao_core import __version__
+from kuangchao_core.ckpt.header import HeaderError, read_header, tensor_table
 from kuangchao_core.ckpt.layout import (
     FORMAT_VERSION,
     LOGGER_NAME,
@@ -46,6 +48,7 @@ from kuangchao_core.ckpt.layout import (
     META_FORMAT,
     META_SLICES,
     STATE,
+    TENSOR_TABLE,
     rng_name,
     shard_name,
     step_dir_name,
@@ -57,7 +60,16 @@ from kuangchao_core.perm import guard_api
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_RESERVED = {"format_version", "step", "kuangchao_version", "created_at", "world_size", "files", "tensors"}
+_RESERVED = {
+    "format_version",
+    "step",
+    "kuangchao_version",
+    "created_at",
+    "world_size",
+    "files",
+    "tensors",
+    TENSOR_TABLE,
+}
 
 
 def default_attempt_id() -> str:
@@ -132,6 +144,14 @@ def _slices_from_header(st: Storage, key: str) -> dict[str, Any]:
     from kuangchao_core.ckpt.reader import read_safetensors_metadata
 
     return json.loads(read_safetensors_metadata(st, key, key).get(META_SLICES, "{}"))
+
+
+def _table_from_header(st: Storage, key: str) -> dict[str, Any]:
+    """The dtype and shape of every tensor of the shard at ``key``, as its safetensors header states them."""
+    try:
+        return tensor_table(read_header(st, key))
+    except HeaderError as exc:
+        raise CheckpointError(f"{key}: the shard just written has an unreadable safetensors header ({exc})") from None
 
 
 class CheckpointWriter:
@@ -275,6 +295,7 @@ class CheckpointWriter:
         tensors_meta = {
             shard_name(r): _slices_from_header(st, f"{tmp_key}/{shard_name(r)}") for r in range(self.world_size)
         }
+        table = {shard_name(r): _table_from_header(st, f"{tmp_key}/{shard_name(r)}") for r in range(self.world_size)}
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -287,6 +308,7 @@ class CheckpointWriter:
             **{k: v for k, v in meta.items() if k not in ("model", "parallel")},
             "files": files,
             "tensors": tensors_meta,
+            TENSOR_TABLE: table,
         }
         st.write_bytes(f"{tmp_key}/{MANIFEST}", _json_bytes(manifest, "manifest"))
         for sub in ("shards", "rng", ""):

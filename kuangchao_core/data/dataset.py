@@ -71,10 +71,11 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     """Open the dataset the ``data`` section describes (object or dict) and pack it into windows of ``seq_len``.
 
     ``path`` None or ``format: synthetic`` -> the synthetic corpus (``split`` ``train`` or ``eval``, the held-out
-    problems); else user files (only ``split="train"``). Checks ``dataset_read`` on ``dataset:<name>`` once.
+    problems); else user files (only ``split="train"``). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
+    process's data loader module when it has one (``guard_api.guard_for("data_loader")``).
     """
     name = dataset_name(data_cfg)
-    guard_api.check("dataset_read", f"dataset:{name}")
+    guard_api.check_as("data_loader", "dataset_read", f"dataset:{name}")  # the rank's data loader token
     seq_len = int(setting(data_cfg, "seq_len", 0))
     tokenizer = get_tokenizer(setting(data_cfg, "tokenizer", "byte"), vocab_size)
     corpus = None

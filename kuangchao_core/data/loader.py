@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kuangchao_core.errors import DataError
+from kuangchao_core.perm import guard_api
 
 
 def collate(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
@@ -64,6 +65,10 @@ class PrefetchLoader:
         return batches, state
 
     def _work(self) -> None:
+        with guard_api.thread_guard(guard_api.guard_for("data_loader")):  # the prefetch thread is the data loader
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 batches, state = self._prepare()

@@ -3,7 +3,8 @@
 - :func:`check_plan` returns every reason the layout cannot run, as ``(dotted_path, message)`` pairs with the
   numbers (TP not dividing heads / kv heads / vocabulary / MLP width, layers not divisible by pp x v, micro-batch
   counts the schedule cannot run, world size not matching the cluster or the launched processes). The engine runs
-  it before launch (:func:`raise_for_plan`).
+  it before launch (:func:`raise_for_plan`, which also refuses a layout whose largest rank's estimated memory
+  exceeds what a rank of the devices may use: ``engine.plan_memory``).
 - :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
   (virtual) stage holds, micro-batches per step, the expected bubble fraction and the estimated memory per rank.
 
@@ -20,6 +21,7 @@ moments, ZeRO §3: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kuangchao_core.errors import ConfigError, PlanError
@@ -89,6 +91,7 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
             )
         )
     collect(validate_sizes, dp, tp, pp, world_size)
+    errors.extend(interface_problems(cfg))  # a primitive the job may not use would fail the run at its first call
     unique: Errors = []
     for e in errors:
         if e not in unique:
@@ -119,9 +122,8 @@ def required_primitives(cfg: Any) -> dict[str, str]:
 def interface_problems(cfg: Any) -> Errors:
     """Primitives the layout needs that ``permission.allowed_interfaces`` leaves out (enforcing mode), named.
 
-    Reported as warnings for now (``kc config validate``, ``kc plan``, the flow's start): the original design's own
-    example lists no send/recv for its pipeline, and refusing it is a decision still open (issue 16); a worker
-    denied one of them fails the run at once, without retries."""
+    Part of :func:`check_plan`, so ``kc plan``, ``kc config validate`` and the flow refuse such a job before anything
+    starts (a worker denied a primitive would fail the run at its first call, and a denial is never retried)."""
     perm = getattr(cfg, "permission", None)
     allowed = getattr(perm, "allowed_interfaces", None)
     if allowed is None or getattr(perm, "mode", "enforcing") != "enforcing":
@@ -140,11 +142,35 @@ def interface_problems(cfg: Any) -> Errors:
     ]
 
 
-def raise_for_plan(cfg: Any, world_size: int | None = None) -> None:
-    """Raise PlanError listing every problem :func:`check_plan` finds."""
-    errors = check_plan(cfg, world_size)
+def raise_for_plan(cfg: Any, world_size: int | None = None, device_memory: Any = None) -> None:
+    """Raise PlanError listing every problem :func:`check_plan` finds, or, for a layout that can run, why the
+    largest rank's estimated memory does not fit in what a rank of this machine's devices may use
+    (``engine.plan_memory``: the numbers, the device, what to change).
+
+    ``device_memory``: bytes per rank (a number) or a ``plan_memory.DeviceMemory``, instead of measuring it here
+    (None: measured; skipped where it cannot be known, e.g. a static cluster before launch)."""
+    errors = check_plan(cfg, world_size) or memory_problems(cfg, world_size, device_memory)
     if errors:
         raise PlanError(errors)
+
+
+def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None) -> Errors:
+    """``[("parallel", message)]`` when the largest rank of ``cfg``'s layout (one that :func:`check_plan` accepts)
+    needs more memory than a rank may use, with the numbers and what to change; else [].
+
+    ``memory``: bytes per rank (a number) or a ``plan_memory.DeviceMemory``; None measures it where the check runs
+    (``plan_memory.device_memory``) and skips the check where that cannot be known."""
+    from kuangchao_core.engine.plan_memory import DeviceMemory, device_memory, fit_problems
+
+    if memory is None:
+        memory = device_memory(cfg, world_size)
+        if memory is None:
+            return []
+    elif not isinstance(memory, DeviceMemory):
+        memory = DeviceMemory(float(memory), "the device", "as given")
+    par = cfg.parallel
+    first_replica = range(par.tensor_parallel_size * par.pipeline_parallel_size)  # DP replicas hold the same
+    return fit_problems(par, rank_memory(cfg, first_replica), memory)
 
 
 def _bytes(n: float) -> float:
@@ -186,14 +212,66 @@ def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
     return float(min(m, pp))
 
 
-def explain_plan(cfg: Any) -> dict[str, Any]:
-    """JSON-able description of the layout (call :func:`check_plan` first; this raises PlanError on a bad plan)."""
+def _raise_for_layout(cfg: Any) -> None:
+    errors = check_plan(cfg)
+    if errors:
+        raise PlanError(errors)
+
+
+def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """The estimated memory of each rank in ``ranks`` (default: all) of a layout :func:`check_plan` accepts:
+    ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, activations_estimate, total}}``
+    (formulas in the module docstring). Raises PlanError on a bad plan."""
     from kuangchao_core.models.layout import slices_for_rank
-    from kuangchao_core.parallel.mesh import coords_of, mesh_layout
+    from kuangchao_core.parallel.mesh import coords_of
+    from kuangchao_core.parallel.pipeline import partition_layers
+
+    _raise_for_layout(cfg)
+    mcfg = _model_config(cfg)
+    par = cfg.parallel
+    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
+    chunks = partition_layers(mcfg.num_layers, pp, v)
+    seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
+    fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
+    act_layer = activation_bytes_per_layer(seq, b, mcfg.hidden_size, mcfg.num_heads, tp, fp32)
+    in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
+    out = []
+    for rank in range(dp * tp * pp) if ranks is None else ranks:
+        dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
+        slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
+        psi = sum(r.numel for r in slices.values())
+        layers = sum(c.end - c.start for c in chunks[pp_rank])
+        last = any(c.has_head for c in chunks[pp_rank])
+        state = state_bytes(psi, dp, par.zero_stage)
+        params, grads, optim = state["params"], state["grads"], state["optimizer"]
+        acts = act_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
+        out.append(
+            {
+                "rank": rank,
+                "coords": {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank},
+                "parameters": psi,
+                "memory_bytes": {
+                    "params": _bytes(params),
+                    "grads": _bytes(grads),
+                    "optimizer": _bytes(optim),
+                    "activations_estimate": _bytes(acts),
+                    "total": _bytes(params + grads + optim + acts),
+                },
+            }
+        )
+    return out
+
+
+def explain_plan(cfg: Any) -> dict[str, Any]:
+    """JSON-able description of the layout (call :func:`check_plan` first; this raises PlanError on a bad plan).
+
+    Memory is not checked against the devices here (``kc plan`` warns about it; :func:`raise_for_plan` refuses)."""
+    from kuangchao_core.parallel.mesh import mesh_layout
     from kuangchao_core.parallel.pipeline import partition_layers
     from kuangchao_core.parallel.pp_schedules import bubble_fraction
 
-    raise_for_plan(cfg)
+    _raise_for_layout(cfg)
     mcfg = _model_config(cfg)
     par = cfg.parallel
     dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
@@ -217,34 +295,8 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
         for r in range(pp)
     ]
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
-    fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
     zero = par.zero_stage
-    act_layer = activation_bytes_per_layer(seq, b, mcfg.hidden_size, mcfg.num_heads, tp, fp32)
-    in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
-    ranks = []
-    for rank in range(layout.world_size):
-        dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
-        slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
-        psi = sum(r.numel for r in slices.values())
-        layers = sum(c.end - c.start for c in chunks[pp_rank])
-        last = any(c.has_head for c in chunks[pp_rank])
-        state = state_bytes(psi, dp, zero)
-        params, grads, optim = state["params"], state["grads"], state["optimizer"]
-        acts = act_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
-        ranks.append(
-            {
-                "rank": rank,
-                "coords": {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank},
-                "parameters": psi,
-                "memory_bytes": {
-                    "params": _bytes(params),
-                    "grads": _bytes(grads),
-                    "optimizer": _bytes(optim),
-                    "activations_estimate": _bytes(acts),
-                    "total": _bytes(params + grads + optim + acts),
-                },
-            }
-        )
+    ranks = rank_memory(cfg)
     bubble = bubble_fraction(pp, m, v if par.pipeline_schedule == "interleaved_1f1b" else 1) if pp > 1 else 0.0
     return {
         "sizes": {"dp": dp, "tp": tp, "pp": pp, "virtual": v, "world_size": layout.world_size},

@@ -4,7 +4,8 @@
 
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional ``KC_MLFLOW_RUN_ID`` +
 ``KC_TRACKING_URI`` (rank 0 logs metrics), ``KC_HEARTBEAT_DIR`` (heartbeats for the launcher),
-``KC_TOKEN_FILE``/``KC_TRUST_STORE``/``KC_JOB_ID``/``KC_ATTEMPT`` (capability token of this module),
+``KC_TOKENS`` (this node's tokens; the worker keeps its own two and removes the variable), ``KC_TRUST_STORE`` +
+``KC_TRUST_ROOT`` (the signed trust store and its signer), ``KC_JOB_ID``/``KC_ATTEMPT``,
 ``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer); ``KC_RANK_MAP`` /
 ``KC_NODE_OF_RANK`` (the placement: which mesh rank each torch rank plays, and the node of every mesh rank).
 Sequence: device_init → guard → comm groups → model → data → steps → checkpoints.
@@ -28,29 +29,69 @@ from kuangchao_core.sched.heartbeat import HeartbeatWriter
 log = logging.getLogger("kuangchao.engine.worker")
 
 
+def _take_tokens() -> dict[str, str]:
+    """This process's tokens from ``KC_TOKENS`` (module -> token), removed from the environment at once, so no
+    process this worker starts inherits them."""
+    import json
+
+    raw = os.environ.pop("KC_TOKENS", None)
+    for key in [k for k in os.environ if k.startswith("KC_TOKEN_BUNDLE")]:
+        os.environ.pop(key, None)
+    if not raw:
+        return {}
+    try:
+        tokens = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {}
+
+
 def _install_guard(cfg, rank: int) -> None:
+    """The rank's guards: ``worker-<rank>`` for the process, ``data_loader-<rank>`` for its dataset reads."""
     from kuangchao_core.perm import guard_api
 
-    token_file = os.environ.get("KC_TOKEN_FILE")
+    tokens = _take_tokens()
     if cfg.permission.mode == "trusted":
         log.warning("permission.mode is TRUSTED: capability checks are OFF for module worker-%d", rank)
         guard_api.install_guard(guard_api.AllowAll())
         return
-    if token_file:
-        from kuangchao_core.perm.runtime import install_worker_guard
-
-        install_worker_guard(
-            token_file=token_file,
-            trust_store_file=os.environ["KC_TRUST_STORE"],
-            job_id=os.environ.get("KC_JOB_ID", cfg.task.name),
-            attempt=int(os.environ.get("KC_ATTEMPT", "0")),
-            audit_log=os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log,
+    mine = tokens.get(f"worker-{rank}")
+    if not mine:
+        raise KuangchaoError(
+            f"worker-{rank}: no capability token (KC_TOKENS has none for this rank) and permission.mode is "
+            "enforcing; start jobs with `kc train` or `kc launch` (which issue tokens) or set "
+            "permission.mode: trusted on a private cluster"
         )
-        return
-    raise KuangchaoError(
-        f"worker-{rank}: no capability token (KC_TOKEN_FILE unset) and permission.mode is enforcing; "
-        "start jobs with `kc train` (which issues tokens) or set permission.mode: trusted on a private cluster"
+    from kuangchao_core.perm.audit import AuditLog
+    from kuangchao_core.perm.runtime import ENV_AUTHORITY_ADDR, install_worker_guard, load_trust, module_guard
+
+    job_id = os.environ.get("KC_JOB_ID", cfg.task.name)
+    attempt = int(os.environ.get("KC_ATTEMPT", "0"))
+    audit_log = os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log
+    root = os.environ.get("KC_TRUST_ROOT")
+    install_worker_guard(
+        None,
+        os.environ["KC_TRUST_STORE"],
+        job_id,
+        attempt,
+        audit_log,
+        token=mine,
+        trust_root=root,
     )
+    loader = tokens.get(f"data_loader-{rank}")
+    if loader:  # dataset reads (start, evaluation, the prefetch thread) run under the data loader's own token
+        trust, policy = load_trust(os.environ["KC_TRUST_STORE"], root, os.environ.get("KC_POLICY_FILE"))
+        guard = module_guard(
+            loader,
+            f"data_loader-{rank}",
+            trust,
+            policy,
+            job_id,
+            attempt,
+            AuditLog(audit_log, job_id) if audit_log else None,
+            authority_addr=os.environ.get(ENV_AUTHORITY_ADDR),
+        )
+        guard_api.install_module_guard("data_loader", guard)
 
 
 @record
@@ -104,7 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
         from kuangchao_core.perm.global_config import GlobalConfig
 
-        trainer.global_config = GlobalConfig(global_config, cfg.task.name)
+        trust = None
+        if cfg.permission.mode != "trusted" and os.environ.get("KC_TRUST_STORE"):
+            from kuangchao_core.perm.runtime import load_trust
+
+            trust, _ = load_trust(
+                os.environ["KC_TRUST_STORE"], os.environ.get("KC_TRUST_ROOT"), os.environ.get("KC_POLICY_FILE")
+            )
+        job_id = os.environ.get("KC_JOB_ID") if trust is not None else None
+        trainer.global_config = GlobalConfig(global_config, cfg.task.name, trust=trust, job_id=job_id)
     resume = args.resume or cfg.checkpoint.resume
     try:
         # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself

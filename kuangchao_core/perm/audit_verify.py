@@ -3,6 +3,8 @@
 :func:`verify_log` never raises for a bad log: it reports the first record that is missing, altered or foreign,
 a chain that does not reach the last signed checkpoint (a cut or consistently rewritten tail), records after the
 last checkpoint (the unanchored tail) and a torn last line. ``kc audit`` and the tests read logs through it.
+Checks against trust held outside the log's directory (the run's pins, :mod:`~kuangchao_core.perm.audit_pins`)
+add their findings to the same report (:meth:`VerifyReport.add_problem`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,9 +37,40 @@ def read_records(path: str | os.PathLike) -> Iterator[dict]:
                 yield rec
 
 
+def read_head(path: str | os.PathLike) -> tuple[int, str | None, str | None]:
+    """``(seq, hash, log_id)`` of the last complete record of a log (``(0, None, None)`` when it has none).
+
+    Reads only the tail of the file; a torn last line is skipped. Raises ``ValueError`` if that record is unreadable.
+    """
+    with open(path, "rb") as f:
+        buf, pos = b"", f.seek(0, os.SEEK_END)
+        while True:
+            last_nl = buf.rfind(b"\n")
+            if last_nl >= 0:
+                prev_nl = buf.rfind(b"\n", 0, last_nl)
+                if prev_nl >= 0 or pos == 0:
+                    line = buf[prev_nl + 1 : last_nl]
+                    break
+            if pos == 0:
+                return 0, None, None
+            start = max(0, pos - 65536)
+            f.seek(start)
+            buf = f.read(pos - start) + buf
+            pos = start
+    rec = strict_json_loads_record(line)
+    if not isinstance(rec.get("seq"), int) or not isinstance(rec.get("hash"), str):
+        raise ValueError("the last record has no integer seq or no hash")
+    return rec["seq"], rec["hash"], rec.get("log_id")
+
+
 @dataclass
 class VerifyReport:
-    """Outcome of :func:`verify_log`. ``first_bad_seq`` names the first record that is missing, altered or foreign."""
+    """Outcome of :func:`verify_log`. ``first_bad_seq`` names the first record that is missing, altered or foreign.
+
+    ``head_seq``/``head_hash``: the last record of the valid chain; ``hash_at``: the hashes of the seqs asked for
+    (``verify_log(hash_at=...)``); ``checkpoint_kids``: the audit keys the checkpoints name (accepted or not);
+    ``trust_problems``: ``{"problem", "detail"}`` of failures not tied to one record (pins, trust, missing anchors).
+    """
 
     ok: bool
     log_id: str | None
@@ -50,9 +83,22 @@ class VerifyReport:
     unanchored_tail: int = 0
     torn_tail_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    head_seq: int = 0
+    head_hash: str | None = None
+    hash_at: dict[int, str] = field(default_factory=dict)
+    checkpoint_kids: list[str] = field(default_factory=list)
+    trust_problems: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
+        """The report as a JSON-ready dict."""
         return dict(self.__dict__)
+
+    def add_problem(self, problem: str, detail: str) -> None:
+        """Record a failure that no single record is to blame for; the report is no longer ok."""
+        self.trust_problems.append({"problem": problem, "detail": detail})
+        self.ok = False
+        if self.problem is None:
+            self.problem, self.detail = problem, detail
 
 
 def _fail(report: VerifyReport, problem: str, seq: int, line: int | None, detail: str) -> None:
@@ -67,8 +113,15 @@ def verify_log(
     log_id: str | None = None,
     trust_store: TrustStore | None = None,
     anchors: str | os.PathLike | None = None,
+    hash_at: Iterable[int] = (),
+    require_anchors: bool = False,
 ) -> VerifyReport:
-    """Check the chain and the signed checkpoints of one log; never raises for a bad log, reports instead."""
+    """Check the chain and the signed checkpoints of one log; never raises for a bad log, reports instead.
+
+    ``log_id``: the expected log (job) id, else the one the log claims. ``hash_at``: seqs whose hashes the report
+    keeps (for pins). ``require_anchors``: a log without signed checkpoints fails (``no_anchors``) instead of warning.
+    """
+    wanted = set(hash_at)
     raw = Path(path).read_bytes()
     lines = raw.split(b"\n")
     torn = lines.pop()  # the bytes after the last newline ("" when the file ends cleanly)
@@ -113,8 +166,13 @@ def verify_log(
         prev = rec["hash"]
         hashes[i] = prev
     valid = len(hashes)
+    report.head_seq, report.head_hash = valid, (hashes[valid] if valid else None)
+    report.hash_at = {s: hashes[s] for s in sorted(wanted) if s in hashes}
     last_anchor, prev_anchor_ok = 0, 0
     for j, cline in enumerate(ckpts, start=1):
+        kid = _peek(cline, "kid")
+        if isinstance(kid, str) and kid not in report.checkpoint_kids:
+            report.checkpoint_kids.append(kid)
         try:
             cp = _verify_checkpoint(cline, trust_store, log_id)
         except ValueError as exc:
@@ -146,7 +204,13 @@ def verify_log(
             prev_anchor_ok = seq
     if trust_store is None and ckpts:
         report.warnings.append("checkpoint signatures not checked: no trust store given (--trust-store)")
-    if not ckpts:
+    if not ckpts and require_anchors:
+        report.add_problem(
+            "no_anchors",
+            f"no signed checkpoints in {anchors}: an enforcing job's log is anchored by the authority, so they were "
+            "deleted (or never written); a truncated or rewritten log cannot be ruled out",
+        )
+    elif not ckpts:
         report.warnings.append("no signed checkpoints: a consistently rewritten or truncated log cannot be detected")
     if report.ok:
         report.unanchored_tail = report.records - last_anchor
@@ -181,6 +245,13 @@ def _claimed_log_id(ckpts: list[bytes], lines: list[bytes]) -> str | None:
             except (ValueError, AttributeError):
                 pass
     return None
+
+
+def _peek(line: bytes, key: str):
+    try:
+        return json.loads(line).get(key)
+    except (ValueError, AttributeError):
+        return None
 
 
 def _peek_seq(line: bytes) -> int:

@@ -1,13 +1,21 @@
 """The token authority: owns the signing keys, issues, renews, revokes and rotates.
 
-It runs in the orchestrating process only. Private keys live in ``<key_dir>/keys.json`` (directory 0700, file
-0600); the public half of every key, with its status, goes to ``<key_dir>/trust_store.json`` which workers
-receive. Token signing and audit-checkpoint signing use separate keys (key separation by purpose).
+It runs in the orchestrating process only, and its private keys never leave that process's memory: they are
+generated per authority (per job and flow process) or derived from the ``TokenSigningKey`` Prefect Secret block
+(``permission.signing_key_block``), and never written to disk. ``<key_dir>/`` (0700) holds public state only:
+``trust_store.json`` — the public half of every key with its status, the trusted operators and the revocations —
+signed by the active token key, so a worker that is handed the trust root (``KC_TRUST_ROOT``) detects any edit.
+Token signing and audit-checkpoint signing use separate keys (key separation by purpose).
+
+Revocations made while a job runs (``kc token revoke``: operator-signed documents in ``<key_dir>/revocations.json``)
+are read before every renewal; renewal is bound to its caller: the token's subject must be the module asking, and
+only the newest token of a session renews — presenting an older one (a copy) revokes the session.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import logging
 import os
 import secrets
 import threading
@@ -31,35 +39,41 @@ from kuangchao_core.perm.tokens import (
     TrustedKey,
     TrustStore,
     Verifier,
-    b64d,
-    b64e,
     check_canonical,
-    new_kid,
     private_raw,
     public_raw,
     sign_token,
+    trust_root_of,
 )
 
 DEFAULT_SESSION_CAP_S = 30 * 24 * 3600
+log = logging.getLogger("kuangchao.perm.authority")
 
 
-def _write_private(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _kid_of(purpose: str, key: Ed25519PrivateKey) -> str:
+    return f"{purpose[:3]}-{hashlib.sha256(public_raw(key)).hexdigest()[:12]}"
+
+
+def _derived_audit_key(signing_key: Ed25519PrivateKey) -> Ed25519PrivateKey:
+    """The audit key that belongs to a configured signing key: stable across processes, never the same key."""
+    return Ed25519PrivateKey.from_private_bytes(
+        hashlib.sha256(b"kuangchao audit key\x00" + private_raw(signing_key)).digest()
+    )
 
 
 class Authority:
-    """Issues and renews capability tokens; workers never see its private keys."""
+    """Issues and renews capability tokens; workers never see its private keys (they exist in memory only).
+
+    ``signing_key``: the token key to use (from the ``TokenSigningKey`` block); by default a fresh one. The public
+    trust store already in ``key_dir`` (an earlier process of the same run) is kept as history: its token keys are
+    retired (their tokens belong to finished attempts), its audit keys stay so older audit checkpoints verify.
+    """
 
     def __init__(
         self,
         key_dir: str | os.PathLike,
         *,
+        signing_key: Ed25519PrivateKey | None = None,
         issuer: str = DEFAULT_ISSUER,
         audience: str = DEFAULT_AUDIENCE,
         max_ttl_s: float = DEFAULT_MAX_TTL_S,
@@ -77,54 +91,80 @@ class Authority:
         self.max_renewals = max_renewals
         self.clock = clock
         self._lock = threading.Lock()
+        self._latest: dict[str, str] = {}  # session id -> the newest token id of that session
+        self._revocations_stamp: tuple | None = None
         self.key_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.key_dir, 0o700)
-        self._keys_path = self.key_dir / "keys.json"
-        if self._keys_path.exists():
-            st = self._keys_path.stat()
-            if st.st_mode & 0o077:
-                raise KuangchaoError(
-                    f"authority key file {self._keys_path} is readable by others (mode {oct(st.st_mode & 0o777)}); "
-                    "run `chmod 600` on it or delete the directory to generate fresh keys"
-                )
-            data = json.loads(self._keys_path.read_text())
-            self._private = {kid: Ed25519PrivateKey.from_private_bytes(b64d(v)) for kid, v in data["private"].items()}
-            self.active_kid = data["active_kid"]
-            self.audit_kid = data["audit_kid"]
-            self.trust = TrustStore.load(self.trust_store_path)
+        self._private: dict[str, Ed25519PrivateKey] = {}
+        self.trust = self._history()
+        if signing_key is not None:
+            self.active_kid = self._add_key(PURPOSE_CAPABILITY, signing_key)
+            self.audit_kid = self._add_key(PURPOSE_AUDIT, _derived_audit_key(signing_key))
         else:
-            self._private = {}
-            self.trust = TrustStore(issuers=[issuer])
             self.active_kid = self._add_key(PURPOSE_CAPABILITY)
             self.audit_kid = self._add_key(PURPOSE_AUDIT)
-            self._save()
+        self._save()
+
+    def _history(self) -> TrustStore:
+        path = self.trust_store_path
+        if not path.exists():
+            return TrustStore(issuers=[self.issuer])
+        try:
+            old = TrustStore.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the unreadable trust store %s (%s); starting a new one", path, exc)
+            return TrustStore(issuers=[self.issuer])
+        for k in old.keys.values():
+            if k.purpose == PURPOSE_CAPABILITY and k.status in ("active", "grace"):
+                k.status = "retired"
+        return old
 
     # ------------------------------------------------------------------ keys
     @property
     def trust_store_path(self) -> Path:
-        """Where the public trust store is written (hand this file to workers)."""
+        """Where the signed public trust store is written."""
         return self.key_dir / "trust_store.json"
 
-    def _add_key(self, purpose: str) -> str:
-        key = Ed25519PrivateKey.generate()
-        kid = new_kid(purpose)
+    @property
+    def revocations_path(self) -> Path:
+        """Where ``kc token revoke`` appends operator-signed revocations for this authority to honour."""
+        return self.key_dir / "revocations.json"
+
+    @property
+    def trust_root(self) -> str:
+        """``KID:PUBLIC_KEY`` of the key that signs the trust store and policy (``KC_TRUST_ROOT`` for workers)."""
+        return trust_root_of(self.active_kid, self._private[self.active_kid])
+
+    def _add_key(self, purpose: str, key: Ed25519PrivateKey | None = None) -> str:
+        key = key or Ed25519PrivateKey.generate()
+        kid = _kid_of(purpose, key)
         self._private[kid] = key
         self.trust.keys[kid] = TrustedKey(kid, purpose, public_raw(key))
         return kid
 
     def _save(self) -> None:
-        data = {
-            "active_kid": self.active_kid,
-            "audit_kid": self.audit_kid,
-            "private": {kid: b64e(private_raw(k)) for kid, k in self._private.items()},
-        }
-        _write_private(self._keys_path, data)
-        self.trust.save(self.trust_store_path)
+        self.trust.save_signed(self.trust_store_path, self._private[self.active_kid], self.active_kid)
+
+    def trust_operators(self, operators: Iterable) -> None:
+        """Trust these operators (:class:`~kuangchao_core.perm.operator.TrustedOperator`) for config changes and
+        revocations of this job; persisted to the signed trust store."""
+        with self._lock:
+            for op in operators:
+                self.trust.operators[op.kid] = op.to_json()
+            self._save()
 
     def export_trust_store(self, path: str | os.PathLike) -> Path:
-        """Copy the public trust store to ``path`` (for a run directory)."""
-        self.trust.save(path)
-        return Path(path)
+        """Write the signed public trust store to ``path`` (for a run directory or beside an audit log)."""
+        return self.trust.save_signed(path, self._private[self.active_kid], self.active_kid)
+
+    actor = "orchestrator"  # how audit records name changes this authority signs
+
+    def sign(self, typ: str, body: dict) -> dict:
+        """A document of type ``typ`` signed with the active token key (the policy, the job's initial settings)."""
+        from kuangchao_core.perm.signed_doc import sign_document
+
+        with self._lock:
+            return sign_document(typ, body, self._private[self.active_kid], self.active_kid)
 
     def audit_signing_key(self) -> tuple[str, Ed25519PrivateKey]:
         """The (kid, key) for signing audit checkpoints: never the token key."""
@@ -163,6 +203,31 @@ class Authority:
                 if kid == self.active_kid:
                     self.active_kid = self._add_key(PURPOSE_CAPABILITY)
             self._save()
+
+    def refresh_revocations(self, job_id: str) -> int:
+        """Apply the operator-signed revocations of ``revocations.json`` for ``job_id`` (only those whose signer the
+        trust store names as an operator; others are skipped with a warning). Returns how many are in force."""
+        from kuangchao_core.perm.revocation import read_revocations
+
+        try:
+            st = self.revocations_path.stat()
+        except FileNotFoundError:
+            return 0
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._revocations_stamp:
+            return len(self.trust.revoked_jti) + len(self.trust.revoked_sub)
+        entries = read_revocations(self.revocations_path, self.trust, job_id)
+        with self._lock:
+            changed = False
+            for e in entries:
+                target = self.trust.revoked_jti if e["kind"] == "jti" else self.trust.revoked_sub
+                if e["target"] not in target:
+                    target.add(e["target"])
+                    changed = True
+            if changed:
+                self._save()
+            self._revocations_stamp = stamp
+        return len(self.trust.revoked_jti) + len(self.trust.revoked_sub)
 
     # ------------------------------------------------------------------ issue / renew
     def issue(
@@ -216,6 +281,7 @@ class Authority:
                 f"objects={claims['objects']}, interfaces={claims['interfaces']}); see docs/architecture.md"
             )
         with self._lock:
+            self._latest[jti] = jti
             return sign_token(claims, self._private[self.active_kid], self.active_kid)
 
     def verifier(self, job_id: str, min_attempt: int = 0) -> Verifier:
@@ -232,22 +298,41 @@ class Authority:
         )
 
     def renew(
-        self, token: str, job_id: str, min_attempt: int = 0, narrow: dict | None = None, ttl_s: float | None = None
+        self,
+        token: str,
+        job_id: str,
+        min_attempt: int = 0,
+        narrow: dict | None = None,
+        ttl_s: float | None = None,
+        *,
+        caller: str | None = None,
     ) -> str:
         """Renew ``token``: only before expiry, within the session cap and renewal count, scope never wider.
 
-        ``narrow`` optionally asks for a smaller scope (``interfaces``/``devices``/``regions``/``groups``/``objects``);
-        ``ttl_s`` may shorten the lifetime (e.g. after a start-up grace), never lengthen it.
-        Raises ``TokenRejected`` with the reason code otherwise.
+        ``caller``: the module asking; the token must be its own. Only the newest token of a session renews: an
+        older one (a copy kept by someone else) is refused and the whole session revoked. Revocations by operators
+        (``revocations.json``) are read first. ``narrow`` optionally asks for a smaller scope
+        (``interfaces``/``devices``/``regions``/``groups``/``objects``); ``ttl_s`` may shorten the lifetime (e.g. after
+        a start-up grace), never lengthen it. Raises ``TokenRejected`` with the reason code otherwise.
         """
         now = self.clock()
+        try:
+            self.refresh_revocations(job_id)
+        except Exception as exc:  # an unreadable revocation file must not stop renewals of the others
+            log.error("revocations of %s not readable: %s", job_id, exc)
         verifier = self.verifier(job_id, min_attempt)
         try:
-            old = verifier.verify(token, now=now)
+            old = verifier.verify(token, subject=caller, now=now)
         except R.TokenRejected as exc:
             if exc.code == R.EXPIRED:
                 raise R.TokenRejected(R.RENEWAL_LATE, exc.jti) from None
             raise
+        with self._lock:
+            newest = self._latest.get(old.sid)
+            if newest is not None and newest != old.jti:  # a superseded token: somebody kept a copy
+                self.trust.revoked_jti.add(old.sid)
+                self._save()
+                raise R.TokenRejected(R.REPLAY, old.jti)
         if now >= old.exp:  # strictly before expiry: the leeway is for clock skew, not for late renewal
             raise R.TokenRejected(R.RENEWAL_LATE, old.jti)
         ttl = old.exp - old.iat
@@ -274,4 +359,5 @@ class Authority:
             renewals=old.renewals + 1,
         )
         with self._lock:
+            self._latest[old.sid] = data["jti"]
             return sign_token(data, self._private[self.active_kid], self.active_kid)

@@ -7,12 +7,19 @@ CLI). Layout: ``{"task", "version", "values", "updated"}``. Writers serialise on
 write a temporary file in the same directory, ``fsync`` it and ``rename`` it over the old one (then ``fsync`` the
 directory), so a reader sees either the old or the new version, never a torn one; ``version`` grows by one per change.
 
-Permissions:
+Permissions and signatures:
 
-* ``set`` needs ``config_write`` on ``config:<task>`` (in the built-in roles only ``admin`` has it, so a worker
-  holding a ``trainer`` token is refused and the guard audits the denial). Every accepted change is appended to the
-  job's audit log (action ``config_change``) with the token id (``jti``) of the guard that made it, the key, the
-  old and the new value and the new version; if that record cannot be written, the change is rolled back.
+* ``set`` needs a signer: an operator key the job trusts (``kc config set``; see
+  :mod:`kuangchao_core.perm.operator`) or the job's own authority (the initial values). Each version is a document
+  signed by it (:mod:`kuangchao_core.perm.signed_doc`); a process without a signer (a worker) is refused
+  (``PermissionDenied``), and the refusal audited. Every accepted change is appended to the job's audit log (action
+  ``config_change``) with the signer, the key, the old and the new value and the new version; if that record cannot
+  be written, the change is rolled back.
+* Readers given the job's ``trust`` (its verified trust store — the trainer's case) apply a version only if it is
+  signed by a trusted operator or the job's authority, names this job, is not older than the last version they
+  accepted, and every value passes its validator; anything else — a direct write of the file, a copy of another
+  job's file, a replayed old version, ``lr_scale: 1e12`` — is refused (``ConfigRefused``) and audited once per
+  file version, and the job keeps its settings.
 * ``get`` / ``snapshot`` need a live capability token of any role (or ``permission.mode: trusted``). There is no
   read interface for the configuration, and every module must be able to follow the settings it runs under, so
   holding a verified, unexpired token of the job is the least privilege that still lets workers read; a process
@@ -35,13 +42,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kuangchao_core.errors import ConfigError, KuangchaoError
+from kuangchao_core.errors import ConfigError, KuangchaoError, PermissionDenied
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.audit import AuditLog
+from kuangchao_core.perm.signed_doc import DocumentRejected, document_signer, verify_document
+from kuangchao_core.perm.tokens import PURPOSE_CAPABILITY, TrustStore
 
 Validator = Callable[[Any], Any]
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+GLOBAL_CONFIG_TYP = "kuangchao/global-config"
+
+
+class ConfigRefused(KuangchaoError):
+    """A version of the global configuration that the job does not apply (unsigned, untrusted, invalid, stale)."""
+
+
 _KEY = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 
 
@@ -119,8 +135,9 @@ class GlobalConfig:
     """The global configuration of job task ``task``, stored in ``path``.
 
     ``audit``: the job's audit log; defaults to the one the installed guard writes to. ``extra_keys``: more allowed
-    keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``actor``: the module name recorded for
-    changes when the guard has none (trusted mode).
+    keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``actor``: unused (kept for callers;
+    the signer names the actor). ``trust``: verify every version read against it (see the module docstring);
+    ``job_id``: the job the file must name (checked with ``trust``, written by ``set``).
     """
 
     def __init__(
@@ -131,9 +148,15 @@ class GlobalConfig:
         audit: AuditLog | None = None,
         extra_keys: Mapping[str, Validator] | None = None,
         actor: str | None = None,
+        trust: TrustStore | None = None,
+        job_id: str | None = None,
     ):
         self.path = Path(path)
         self.task = task
+        self.trust = trust
+        self.job_id = job_id
+        self._accepted = 0  # the newest version this reader accepted (an older one is a replay)
+        self._refused_stamp: tuple | None = None
         self.resource = f"config:{task}"
         self.audit = audit
         self.actor = actor
@@ -212,6 +235,13 @@ class GlobalConfig:
                 f"global config {self.path} is unreadable ({exc}); restore it from the audit log's config_change "
                 "records or delete it to start from the defaults"
             ) from None
+        if self.trust is not None:
+            return self._verified(data)
+        if isinstance(data, dict) and isinstance(data.get("body"), dict) and "sig" in data:
+            data = data["body"]
+        return self._snapshot_of(data)
+
+    def _snapshot_of(self, data: Any) -> Snapshot:
         if not isinstance(data, dict) or data.get("task") != self.task or not isinstance(data.get("values"), dict):
             raise KuangchaoError(
                 f"global config {self.path} does not belong to task {self.task!r} (found task "
@@ -219,15 +249,91 @@ class GlobalConfig:
             )
         return Snapshot(int(data.get("version", 0)), dict(data["values"]), dict(data.get("updated") or {}))
 
+    def _signer_public(self, kid: str | None) -> bytes | None:
+        public = self.trust.operator_public(kid)
+        if public is None and kid in self.trust.keys:
+            k = self.trust.keys[kid]
+            if k.purpose == PURPOSE_CAPABILITY and k.status != "revoked":
+                public = k.public
+        return public
+
+    def _verified(self, data: Any) -> Snapshot:
+        try:
+            kid = document_signer(data)
+            public = self._signer_public(kid)
+            if public is None:
+                raise DocumentRejected(
+                    str(self.path), "unsigned" if kid is None else f"signer {kid} is not trusted by this job"
+                )
+            body = verify_document(data, GLOBAL_CONFIG_TYP, public, where=str(self.path))
+            snap = self._snapshot_of(body)
+            if self.job_id is not None and body.get("job_id") != self.job_id:
+                raise DocumentRejected(str(self.path), f"written for job {body.get('job_id')!r}, not {self.job_id!r}")
+            if snap.version < self._accepted:
+                raise DocumentRejected(str(self.path), f"version {snap.version} is older than {self._accepted}")
+            for key, value in snap.values.items():
+                if key not in self.keys:
+                    raise DocumentRejected(str(self.path), f"{key!r} is not a changeable setting")
+                try:
+                    snap.values[key] = self.keys[key](value)
+                except ValueError as exc:
+                    raise DocumentRejected(str(self.path), f"global_config.{key}: {exc}") from None
+        except (DocumentRejected, KuangchaoError) as exc:
+            self._audit_refusal(str(exc))
+            raise ConfigRefused(f"global config refused, settings unchanged: {exc}") from None
+        self._accepted = snap.version
+        return snap
+
+    def _audit_refusal(self, why: str) -> None:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp == self._refused_stamp:
+            return  # this version was already refused and recorded
+        self._refused_stamp = stamp
+        guard = guard_api.current_guard()
+        audit = self.audit or getattr(guard, "audit", None)
+        if audit is not None:
+            audit.append(
+                "config_change",
+                actor=getattr(guard, "module_id", None) or "reader",
+                decision="deny",
+                resource=self.resource,
+                reason=why[:300],
+                jti=guard_api.current_token_id() or "",
+            )
+
     # ------------------------------------------------------------------ writing
-    def set(self, key: str, value: Any) -> int:
+    def set(self, key: str, value: Any, *, signer: Any = None) -> int:
         """Change ``key`` to ``value`` for the whole job and return the new version.
 
-        Needs ``config_write`` on ``config:<task>`` (checked first; a denial raises ``PermissionDenied`` and is
-        audited by the guard). The change is recorded in the audit log with the token id that made it.
-        Setting a key to its current value changes nothing and returns the current version.
+        ``signer``: an :class:`~kuangchao_core.perm.operator.OperatorKey` the job trusts, or the job's
+        :class:`~kuangchao_core.perm.authority.Authority` (anything with ``sign(typ, body)`` and ``actor``); without
+        one the change is refused (``PermissionDenied``) and the refusal audited — except in trusted mode (an
+        ``AllowAll`` guard), where the version is written unsigned. The change is recorded in the
+        audit log with its signer. Setting a key to its current value changes nothing and returns the current
+        version.
         """
-        guard_api.check("config_write", self.resource)
+        trusted_mode = isinstance(guard_api.current_guard(), guard_api.AllowAll)
+        if signer is None and not trusted_mode:
+            guard = guard_api.current_guard()
+            audit = self.audit or getattr(guard, "audit", None)
+            if audit is not None:
+                audit.append(
+                    "config_write",
+                    actor=getattr(guard, "module_id", None) or "unknown",
+                    decision="deny",
+                    resource=self.resource,
+                    reason="unsigned",
+                    jti=guard_api.current_token_id() or "",
+                )
+            raise PermissionDenied(
+                "config_write",
+                self.resource,
+                "a change must be signed by an operator key the job trusts (kc config set)",
+            )
         self._known(key)
         try:
             value = self.keys[key](value)
@@ -240,8 +346,8 @@ class GlobalConfig:
                 f"cannot change global config {key!r} of task {self.task!r}: no audit log to record the change in; "
                 "install the worker guard with permission.audit_log set or pass audit=AuditLog(...)"
             )
-        jti = guard_api.current_token_id() or ""
-        actor = getattr(guard, "module_id", None) or self.actor or "trusted"
+        actor = str(getattr(signer, "actor", "orchestrator")) if signer is not None else "trusted"
+        kid = str(getattr(signer, "kid", None) or getattr(signer, "active_kid", "")) if signer is not None else ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._lock_path, "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -253,8 +359,17 @@ class GlobalConfig:
                     return current.version
                 values = {**current.values, key: value}
                 version = current.version + 1
-                updated = {"key": key, "jti": jti, "actor": actor, "ts": time.time()}
-                self._write({"task": self.task, "version": version, "values": values, "updated": updated})
+                updated = {"key": key, "signer": kid, "actor": actor, "ts": time.time()}
+                body = {
+                    "format": FORMAT_VERSION,
+                    "task": self.task,
+                    "job_id": self.job_id or "",
+                    "version": version,
+                    "values": values,
+                    "updated": updated,
+                }
+                previous_raw = self.path.read_bytes() if self.path.exists() else None
+                self._write(signer.sign(GLOBAL_CONFIG_TYP, body) if signer is not None else body)
                 try:
                     audit.append(
                         "config_change",
@@ -262,23 +377,16 @@ class GlobalConfig:
                         decision="allow",
                         resource=self.resource,
                         reason=f"set {key}",
-                        jti=jti,
-                        attempt=getattr(getattr(guard, "claims", None), "attempt", None),
+                        jti="",
+                        signer=kid,
                         key=key,
                         old=None if old is missing else old,
                         new=value,
                         version=version,
                     )
                 except BaseException:  # an unrecorded change must not stay in force
-                    if current.version:
-                        self._write(
-                            {
-                                "task": self.task,
-                                "version": current.version,
-                                "values": current.values,
-                                "updated": current.updated,
-                            }
-                        )
+                    if previous_raw is not None:
+                        self._write_raw(previous_raw)
                     else:
                         self.path.unlink(missing_ok=True)
                     raise
@@ -292,12 +400,15 @@ class GlobalConfig:
                 [(f"global_config.{key}", f"not a changeable setting; allowed: {sorted(self.keys)}")], str(self.path)
             )
 
-    def _write(self, data: dict) -> None:
+    def _write(self, doc: dict) -> None:
+        self._write_raw(json.dumps(doc, sort_keys=True).encode())
+
+    def _write_raw(self, raw: bytes) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps({"format": FORMAT_VERSION, **data}, sort_keys=True))
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -61,6 +61,7 @@ class TokenGuard:
         self._reported: dict[tuple[str, str], int] = {}
         self._next_flush = _monotonic() + count_interval_s
         self.renewals_applied = 0
+        self.revoked: str | None = None  # the reason, once the authority refused to renew this module's token
         self._debug = log.isEnabledFor(logging.DEBUG)
         self._install(claims)
 
@@ -91,6 +92,25 @@ class TokenGuard:
                 renewals=claims.renewals,
             )
 
+    def revoke(self, reason: str = R.REVOKED) -> None:
+        """Stop allowing anything from now on (the authority refused a renewal: revoked or superseded)."""
+        rights, _ = self._state
+        self._state = ({}, _monotonic() - 1.0)
+        if self.revoked is None and self.audit:
+            self.audit.append(
+                "token_revoked",
+                actor=self.module_id,
+                decision="info",
+                resource=f"token:{self.claims.sid}",
+                reason=reason,
+                jti=self.claims.jti,
+                attempt=self.claims.attempt,
+            )
+        self.revoked = reason
+        log.error(
+            "%s: capability token %s (%s); every further operation is denied", self.module_id, reason, self.claims.jti
+        )
+
     @property
     def expires_in(self) -> float:
         """Seconds until the current token stops being honoured (leeway included)."""
@@ -116,6 +136,8 @@ class TokenGuard:
         self._deny(interface, resource, self._reason(interface, resource, rights, now, deadline))
 
     def _reason(self, interface, resource, rights, now, deadline) -> str:
+        if self.revoked is not None:
+            return R.REVOKED
         if interface in rights and resource in rights[interface] and now >= deadline:
             return R.EXPIRED
         if self.role is None:

@@ -7,6 +7,9 @@ Layers below L5 import only this module. The permission layer installs a real gu
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from kuangchao_core.errors import PermissionDenied
@@ -33,6 +36,8 @@ class AllowAll:
 
 
 _current: Guard = DenyAll()
+_thread = threading.local()  # a module that runs in its own thread (the data loader) has its own guard
+_modules: dict[str, Guard] = {}  # the guards of the process's other modules, by kind ("data_loader")
 
 
 def install_guard(guard: Guard) -> Guard:
@@ -42,17 +47,46 @@ def install_guard(guard: Guard) -> Guard:
     return previous
 
 
+@contextmanager
+def thread_guard(guard: Guard) -> Iterator[Guard]:
+    """Within the block, this thread's checks go to ``guard`` instead of the process's (other threads unchanged)."""
+    previous = getattr(_thread, "guard", None)
+    _thread.guard = guard
+    try:
+        yield guard
+    finally:
+        _thread.guard = previous
+
+
 def current_guard() -> Guard:
-    """The guard installed in this process."""
-    return _current
+    """The guard this thread's checks go to: its own (:func:`thread_guard`) or the process's."""
+    return getattr(_thread, "guard", None) or _current
 
 
 def check(interface: str, resource: str) -> None:
-    """Check ``interface`` on ``resource`` with this process's guard."""
-    _current.check(interface, resource)
+    """Check ``interface`` on ``resource`` with this thread's guard."""
+    current_guard().check(interface, resource)
+
+
+def install_module_guard(kind: str, guard: Guard | None) -> None:
+    """Register the guard of this process's ``kind`` module (``data_loader``); None removes it."""
+    if guard is None:
+        _modules.pop(kind, None)
+    else:
+        _modules[kind] = guard
+
+
+def guard_for(kind: str) -> Guard:
+    """The guard of this process's ``kind`` module when one is registered, else this thread's guard."""
+    return _modules.get(kind) or current_guard()
+
+
+def check_as(kind: str, interface: str, resource: str) -> None:
+    """Check ``interface`` on ``resource`` as the process's ``kind`` module (see :func:`guard_for`)."""
+    guard_for(kind).check(interface, resource)
 
 
 def current_token_id() -> str | None:
-    """The token id (``jti``) behind this process's guard; None when no token backs it (``DenyAll``, ``AllowAll``)."""
-    jti = getattr(getattr(_current, "claims", None), "jti", None)
+    """The token id (``jti``) behind this thread's guard; None when no token backs it (``DenyAll``, ``AllowAll``)."""
+    jti = getattr(getattr(current_guard(), "claims", None), "jti", None)
     return jti if isinstance(jti, str) else None

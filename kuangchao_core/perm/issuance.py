@@ -1,17 +1,20 @@
 """Token issuance for a run: one capability token per module of the job, before launch (SPEC L5.1), plus the
 run's identity (job id), its authority and where its audit log goes.
 
-Modules: ``worker-<rank>`` (role ``trainer``), ``data_loader-<rank>`` (role ``data_loader``) and ``monitor``
-(role ``monitor``). Writes, under ``<run_dir>/``:
+Modules: ``worker-<rank>`` (role ``trainer``), ``data_loader-<rank>`` (role ``data_loader``, used by the rank's
+data loading) and ``monitor`` (role ``monitor``, the orchestrator's metrics reader). The authority and the tokens
+stay in the orchestrating process's memory (:func:`open_authority`, :func:`issued_tokens`); nothing secret is
+written. Under ``<run_dir>/`` go only public, signed files:
 
-- ``authority/`` (0700): the signing keys (``keys.json``, 0600) — stays with the orchestrating process;
-- ``tokens/<module>.token`` (0600 each), ``tokens/trust_store.json`` (public keys) and ``tokens/policy.json``;
+- ``authority/trust_store.json`` (public keys, trusted operators, revocations) and ``authority/policy.json`` (the
+  roles), both signed by the authority — a worker verifies them against ``KC_TRUST_ROOT``;
 - ``job_id``: the job id every token is bound to (stable across attempts of one run).
 
-Returns the environment for the workers: ``KC_TOKEN_FILE`` (a ``{rank}`` template that
-``install_worker_guard`` fills from ``RANK``), ``KC_TRUST_STORE``, ``KC_POLICY_FILE``, ``KC_JOB_ID``,
-``KC_ATTEMPT``, ``KC_AUDIT_LOG``, ``KC_PERMISSION_MODE``, ``KC_TOKEN_TTL``. First tokens live
-``max(token_ttl_seconds, STARTUP_GRACE_S)``; every renewal has the configured TTL.
+:func:`issue_tokens_for_run` returns the worker environment without tokens: ``KC_TRUST_STORE``, ``KC_TRUST_ROOT``,
+``KC_POLICY_FILE``, ``KC_JOB_ID``, ``KC_ATTEMPT``, ``KC_AUDIT_LOG``, ``KC_PERMISSION_MODE``, ``KC_TOKEN_TTL``. The
+launch adds the tokens of the ranks it starts (:func:`token_env`: ``KC_TOKENS``, read and removed from the
+environment by each worker, which keeps only its own). First tokens live ``max(token_ttl_seconds,
+STARTUP_GRACE_S)``; every renewal has the configured TTL.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from kuangchao_core.config.access import setting
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.layout import DEFAULT_REGIONS, dataset_resource_name, group_layout, groups_of_rank
 from kuangchao_core.perm.roles import Policy
+from kuangchao_core.perm.signed_doc import write_document
 from kuangchao_core.perm.tokens import DEFAULT_MAX_TTL_S
+from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS
+
+POLICY_TYP = "kuangchao/policy"
+_AUTHORITIES: dict[str, Authority] = {}
+_TOKENS: dict[tuple[str, int], dict[str, str]] = {}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 #: first tokens live at least this long, so a short ``token_ttl_seconds`` cannot expire during worker start-up;
@@ -55,9 +64,70 @@ def audit_log_path(cfg: Any, job_id: str) -> Path:
     return base / task_name / f"{job_id}.jsonl"
 
 
+def _key(run_dir: str | os.PathLike) -> str:
+    return str(Path(run_dir).resolve())
+
+
+def open_authority(cfg: Any, run_dir: str | os.PathLike, signing_key_pem: str | None = None) -> Authority:
+    """Create the run's authority in this process (keys in memory only) and remember it for the tasks that follow.
+
+    ``signing_key_pem``: the ``TokenSigningKey`` block's key (``permission.signing_key_block``), else a fresh key.
+    The job trusts the operators of ``permission.operators`` and the local operator key of whoever starts it
+    (created on first use, see :mod:`kuangchao_core.perm.operator`)."""
+    from kuangchao_core.perm.operator import local_operator, parse_operator
+
+    operators = [
+        parse_operator(spec, f"permission.operators[{i}]")
+        for i, spec in enumerate(setting(cfg, "permission.operators") or [])
+    ]
+    signing_key = None
+    if signing_key_pem:
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+        signing_key = load_pem_private_key(signing_key_pem.encode(), password=None)
+    authority = Authority(Path(run_dir) / "authority", signing_key=signing_key, max_ttl_s=DEFAULT_MAX_TTL_S)
+    mine = local_operator(create=True)
+    authority.trust_operators([*operators, *([mine] if mine else [])])
+    _AUTHORITIES[_key(run_dir)] = authority
+    return authority
+
+
 def authority_for(cfg: Any, run_dir: str | os.PathLike) -> Authority:
-    """Open (or create) the run's authority; only the orchestrating process (issue, launch) calls this."""
-    return Authority(Path(run_dir) / "authority", max_ttl_s=DEFAULT_MAX_TTL_S)  # a config never raises it
+    """The run's authority in this process (opened by :func:`open_authority` on first use); only the orchestrating
+    process (issue, launch) calls this. A config never raises the verifier's maximum TTL."""
+    return _AUTHORITIES.get(_key(run_dir)) or open_authority(cfg, run_dir)
+
+
+def close_authority(run_dir: str | os.PathLike) -> None:
+    """Forget the run's authority and its tokens in this process (the job is over)."""
+    key = _key(run_dir)
+    _AUTHORITIES.pop(key, None)
+    for k in [k for k in _TOKENS if k[0] == key]:
+        del _TOKENS[k]
+
+
+def issued_tokens(run_dir: str | os.PathLike, attempt: int) -> dict[str, str]:
+    """The tokens issued in this process for ``attempt`` of the run (module -> token); empty if none."""
+    return dict(_TOKENS.get((_key(run_dir), int(attempt)), {}))
+
+
+def token_env(run_dir: str | os.PathLike, attempt: int, ranks: list[int] | None = None) -> dict[str, str]:
+    """``{"KC_TOKENS": ...}`` with the worker and data-loader tokens of ``ranks`` (all ranks when None), for the
+    environment of the processes that run them; KuangchaoError when no token was issued for ``attempt``."""
+    import json
+
+    from kuangchao_core.errors import KuangchaoError
+
+    tokens = issued_tokens(run_dir, attempt)
+    if not tokens:
+        raise KuangchaoError(
+            f"no tokens issued in this process for attempt {attempt} of {run_dir}: issue them with "
+            "issue_tokens_for_run in the process that launches the workers"
+        )
+    if ranks is not None:
+        wanted = {f"{m}-{r}" for r in ranks for m in ("worker", "data_loader")}
+        tokens = {m: t for m, t in tokens.items() if m in wanted}
+    return {ENV_TOKENS: json.dumps(tokens, sort_keys=True)}
 
 
 def issue_tokens_for_run(
@@ -91,22 +161,14 @@ def issue_tokens_for_run(
     use_cuda = setting(cfg, "train.device", "auto") != "cpu"
     task_name = cfg.task.name
     datasets = [f"dataset:{d}" for d in {dataset_resource_name(cfg.data), "synthetic"} if d]
-    tok_dir = run_dir / "tokens"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(tok_dir, 0o700)
+    issued: dict[str, str] = {}
 
     def role_interfaces(role: str) -> list[str]:
         r = policy.role(role)
         return sorted(i for i in (r.interfaces if r else ()) if policy.interface_allowed(i))
 
-    def write(module: str, token: str) -> Path:
-        path = tok_dir / f"{module}.token"
-        tmp = tok_dir / f".{module}.token.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        os.replace(tmp, path)
-        return path
+    def write(module: str, token: str) -> None:
+        issued[module] = token
 
     for rank in range(world):
         devices = ["cpu"] + ([f"cuda:{local_of_rank[rank]}"] if use_cuda else [])
@@ -121,7 +183,7 @@ def issue_tokens_for_run(
                 devices=devices,
                 regions=DEFAULT_REGIONS,
                 groups=groups_of_rank(layout, rank),
-                objects=[f"checkpoint:{task_name}", f"metrics:{task_name}", *datasets],
+                objects=[f"checkpoint:{task_name}", f"metrics:{task_name}"],  # datasets: the data loader's
                 ttl_s=first_ttl,
             ),
         )
@@ -150,14 +212,18 @@ def issue_tokens_for_run(
             ttl_s=first_ttl,
         ),
     )
-    trust = authority.export_trust_store(tok_dir / "trust_store.json")
-    policy_file = policy.save(tok_dir / "policy.json")
+    _TOKENS[(_key(run_dir), int(attempt))] = issued
+    for stale in [k for k in _TOKENS if k[0] == _key(run_dir) and k[1] < int(attempt)]:
+        del _TOKENS[stale]  # an earlier attempt's tokens are never handed out again
+    authority_dir = authority.key_dir
+    trust = authority.export_trust_store(authority_dir / "trust_store.json")
+    policy_file = write_document(authority_dir / "policy.json", authority.sign(POLICY_TYP, policy.to_json()))
     audit = audit_log_path(cfg, job_id)
     audit.parent.mkdir(parents=True, exist_ok=True)
     authority.export_trust_store(f"{audit}.trust.json")  # lets `kc audit --verify` check the signed checkpoints
     return {
-        "KC_TOKEN_FILE": str((tok_dir / "worker-{rank}.token").resolve()),
         "KC_TRUST_STORE": str(trust.resolve()),
+        "KC_TRUST_ROOT": authority.trust_root,
         "KC_POLICY_FILE": str(policy_file.resolve()),
         "KC_JOB_ID": job_id,
         "KC_ATTEMPT": str(int(attempt)),
@@ -167,19 +233,21 @@ def issue_tokens_for_run(
     }
 
 
-def node_token_env(env: dict[str, str], node: str, ranks: list[int]) -> dict[str, str]:
-    """The worker environment of one node of a multi-node job: ``KC_TOKEN_FILE`` points into a directory that
-    holds only the tokens of that node's ``ranks`` (the node never gets another node's tokens)."""
-    src = Path(env["KC_TOKEN_FILE"])
-    own = src.parent / "nodes" / node
+def node_token_env(env: dict[str, str], run_dir: str | os.PathLike, attempt: int, node: str, ranks: list[int]) -> dict:
+    """The worker environment of one node of a multi-node job. Flow-run parameters are stored by Prefect, so the
+    tokens do not travel in them: they go to a bundle file (0600, in a 0700 directory) holding only that node's
+    ``ranks``, which the node agent reads into its ranks' environment and deletes before starting them
+    (:func:`~kuangchao_core.sched.node_share.take_token_bundle`)."""
+    import json
+
+    own = Path(run_dir) / "tokens" / node
     own.mkdir(parents=True, exist_ok=True)
+    os.chmod(own.parent, 0o700)
     os.chmod(own, 0o700)
-    for rank in ranks:
-        for module in (f"worker-{rank}", f"data_loader-{rank}"):
-            token = (src.parent / f"{module}.token").read_bytes()
-            tmp = own / f".{module}.token.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(token)
-            os.replace(tmp, own / f"{module}.token")
-    return {**env, "KC_TOKEN_FILE": str(own / src.name)}
+    path = own / f"attempt_{int(attempt)}.json"
+    tmp = own / f".{path.name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(json.loads(token_env(run_dir, attempt, ranks)[ENV_TOKENS])))
+    os.replace(tmp, path)
+    return {**env, ENV_TOKEN_BUNDLE: str(path.resolve())}

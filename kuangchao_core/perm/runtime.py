@@ -2,8 +2,11 @@
 
 Worker side: :func:`install_worker_guard` verifies the module's token once, builds its :class:`TokenGuard`,
 installs it through ``guard_api`` and starts a :class:`TokenRenewer` thread when ``KC_AUTHORITY_ADDR`` (or
-``authority_addr``) names a :class:`RenewalServer`. Renewal asks the orchestrating process over local HTTP; the
-worker never holds a signing key, and every renewed token is verified (signature included) before it is used.
+``authority_addr``) names a :class:`RenewalServer`; :func:`module_guard` does the same for a second module of the
+process (the rank's data loader) without installing it process-wide. With a ``trust_root`` the trust store and the
+policy must be signed by it (a file edited by anyone else is refused). Renewal asks the orchestrating process over
+HTTP; the worker never holds a signing key, every renewed token is verified (signature included) before it is
+used, and a refused renewal (revoked, or a superseded copy) ends the guard's rights at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,74 @@ def _module_id_from_env() -> str:
     return f"worker-{int(os.environ.get('RANK', '0'))}"
 
 
+def load_trust(
+    trust_store_file: str | os.PathLike, trust_root: str | None, policy_file: str | os.PathLike | None
+) -> tuple[TrustStore, Policy]:
+    """The trust store and policy a module runs under. With ``trust_root`` (``KC_TRUST_ROOT``) both must be signed by
+    it — ``DocumentRejected`` otherwise; without it (tools, tests) they are read as they are."""
+    from kuangchao_core.perm.signed_doc import read_document, verify_document
+
+    pf = Path(policy_file) if policy_file else Path(trust_store_file).with_name("policy.json")
+    if trust_root is None:
+        return TrustStore.load(trust_store_file), (Policy.load(pf) if pf.exists() else Policy())
+    trust = TrustStore.load_verified(trust_store_file, trust_root)
+    from kuangchao_core.perm.tokens import parse_trust_root
+
+    body = verify_document(read_document(pf), "kuangchao/policy", parse_trust_root(trust_root)[1], where=str(pf))
+    return trust, Policy(body.get("roles"), body.get("allowed_interfaces"), source=str(pf))
+
+
+def module_guard(
+    token: str,
+    module_id: str,
+    trust: TrustStore,
+    policy: Policy,
+    job_id: str,
+    attempt: int,
+    audit: AuditLog | None = None,
+    *,
+    authority_addr: str | None = None,
+    leeway_s: float = DEFAULT_LEEWAY_S,
+    max_ttl_s: float = DEFAULT_MAX_TTL_S,
+    renew: bool = True,
+) -> TokenGuard:
+    """Verify ``module_id``'s token and build its guard (renewed in the background when ``authority_addr`` is
+    given); not installed — use ``guard_api.install_guard`` or ``guard_api.thread_guard``. A token that fails
+    verification is audited and re-raised as the generic ``TokenRejected``."""
+    verifier = Verifier(trust, job_id=job_id, min_attempt=attempt, leeway_s=leeway_s, max_ttl_s=max_ttl_s)
+    try:
+        claims = verifier.verify(token, subject=module_id)
+    except R.TokenRejected as exc:
+        log.error("%s: capability token rejected (%s); sha256=%s", module_id, exc.code, token_digest(token))
+        if audit:
+            audit.append(
+                "token_verify",
+                actor=module_id,
+                decision="deny",
+                resource=f"job:{job_id}",
+                reason=exc.code,
+                jti=exc.jti or "",
+                attempt=attempt,
+                token_sha256=token_digest(token),
+            )
+        raise
+    guard = TokenGuard(claims, policy, audit=audit, leeway_s=leeway_s)
+    if audit:
+        audit.append(
+            "token_loaded",
+            actor=module_id,
+            decision="info",
+            resource=f"job:{job_id}",
+            reason=claims.role,
+            jti=claims.jti,
+            attempt=attempt,
+        )
+    if renew and authority_addr:
+        guard.renewer = TokenRenewer(guard, verifier, token, authority_addr)
+        guard.renewer.start()
+    return guard
+
+
 def install_worker_guard(
     token_file: str | os.PathLike | None,
     trust_store_file: str | os.PathLike | None,
@@ -43,6 +114,8 @@ def install_worker_guard(
     audit_log: str | os.PathLike | None = None,
     mode: str = "enforcing",
     *,
+    token: str | None = None,
+    trust_root: str | None = None,
     module_id: str | None = None,
     policy: Policy | None = None,
     policy_file: str | os.PathLike | None = None,
@@ -53,10 +126,12 @@ def install_worker_guard(
 ):
     """Verify this process's token once and install its guard; returns the guard (or ``AllowAll`` in trusted mode).
 
-    ``module_id`` defaults to ``worker-$RANK`` and must equal the token's subject; ``{rank}`` in ``token_file`` is
-    replaced by ``$RANK``. ``policy`` defaults to ``policy_file`` / ``$KC_POLICY_FILE`` / the ``policy.json`` beside
-    the trust store (written by ``issue_tokens``), else the built-in roles. A token that
-    fails verification installs a deny-all guard (audited) and re-raises the generic ``TokenRejected``.
+    The token is ``token`` itself (the worker's path: from its environment) or read from ``token_file`` (tools,
+    tests; ``{rank}`` is replaced by ``$RANK``). ``module_id`` defaults to ``worker-$RANK`` and must equal the
+    token's subject. ``trust_root``: see :func:`load_trust` (a trust store or policy not signed by it installs a
+    deny-all guard, audited, and raises). ``policy`` defaults to ``policy_file`` / ``$KC_POLICY_FILE`` / the
+    ``policy.json`` beside the trust store, else the built-in roles. A token that fails verification installs a
+    deny-all guard (audited) and re-raises the generic ``TokenRejected``.
     """
     module_id = module_id or _module_id_from_env()
     if token_file and "{rank}" in str(token_file):  # one template for every rank (torchrun shares the environment)
@@ -76,48 +151,41 @@ def install_worker_guard(
         return guard_api.current_guard()
     if mode != "enforcing":
         raise ValueError(f"permission.mode must be 'enforcing' or 'trusted', not {mode!r}")
-    if not token_file or not trust_store_file:
+    if token is None and token_file:
+        token = Path(token_file).read_text().strip()
+    if not token or not trust_store_file:
         guard_api.install_guard(AuditedDenyAll(module_id, audit))
         raise R.TokenRejected(R.NO_TOKEN, module_id=module_id)
-    trust = TrustStore.load(trust_store_file)
-    if policy is None:
-        pf = Path(policy_file) if policy_file else Path(trust_store_file).with_name("policy.json")
-        policy = Policy.load(pf) if pf.exists() else Policy()
-    verifier = Verifier(trust, job_id=job_id, min_attempt=attempt, leeway_s=leeway_s, max_ttl_s=max_ttl_s)
-    token = Path(token_file).read_text().strip()
+    from kuangchao_core.perm.signed_doc import DocumentRejected
+
     try:
-        claims = verifier.verify(token, subject=module_id)
-    except R.TokenRejected as exc:
-        log.error("%s: capability token rejected (%s); sha256=%s", module_id, exc.code, token_digest(token))
+        trust, loaded_policy = load_trust(trust_store_file, trust_root, policy_file)
+    except DocumentRejected as exc:
+        log.error("%s: %s; refusing to run under it", module_id, exc)
         if audit:
             audit.append(
-                "token_verify",
-                actor=module_id,
-                decision="deny",
-                resource=f"job:{job_id}",
-                reason=exc.code,
-                jti=exc.jti or "",
-                attempt=attempt,
-                token_sha256=token_digest(token),
+                "trust_verify", actor=module_id, decision="deny", resource=f"job:{job_id}", reason=exc.reason[:200]
             )
+        guard_api.install_guard(AuditedDenyAll(module_id, audit, R.BAD_SIGNATURE))
+        raise R.TokenRejected(R.BAD_SIGNATURE, module_id=module_id) from None
+    try:
+        guard = module_guard(
+            token,
+            module_id,
+            trust,
+            policy or loaded_policy,
+            job_id,
+            attempt,
+            audit,
+            authority_addr=authority_addr or os.environ.get(ENV_AUTHORITY_ADDR),
+            leeway_s=leeway_s,
+            max_ttl_s=max_ttl_s,
+            renew=renew,
+        )
+    except R.TokenRejected as exc:
         guard_api.install_guard(AuditedDenyAll(module_id, audit, exc.code))
         raise
-    guard = TokenGuard(claims, policy, audit=audit, leeway_s=leeway_s)
-    if audit:
-        audit.append(
-            "token_loaded",
-            actor=module_id,
-            decision="info",
-            resource=f"job:{job_id}",
-            reason=claims.role,
-            jti=claims.jti,
-            attempt=attempt,
-        )
     guard_api.install_guard(guard)
-    addr = authority_addr or os.environ.get(ENV_AUTHORITY_ADDR)
-    if renew and addr:
-        guard.renewer = TokenRenewer(guard, verifier, token, addr)
-        guard.renewer.start()
     return guard
 
 
@@ -174,9 +242,11 @@ class TokenRenewer(threading.Thread):
             with urllib.request.urlopen(req, timeout=10) as resp:
                 new = json.loads(resp.read(MAX_REQUEST_BYTES))["token"]
         except urllib.error.HTTPError as exc:
-            raise R.TokenRejected(
-                R.REVOKED if exc.code == 403 else R.MALFORMED, module_id=self.guard.module_id
-            ) from None
+            if exc.code == 403:  # the authority will not renew this token again: revoked, or a superseded copy
+                self.guard.revoke(R.REVOKED)
+                self._stop_event.set()
+                raise R.TokenRejected(R.REVOKED, module_id=self.guard.module_id) from None
+            raise R.TokenRejected(R.MALFORMED, module_id=self.guard.module_id) from None
         claims = self.verifier.verify(new, subject=self.guard.module_id)
         self.guard.update(claims)
         self.token = new
@@ -195,7 +265,8 @@ class _QuietServer(ThreadingHTTPServer):
 class RenewalServer:
     """Local HTTP endpoint of the authority, run by the orchestrating process (the ``launch`` task).
 
-    ``POST /renew {"token": ...}`` answers ``{"token": <renewed>}`` or 403 (generic). It also signs audit
+    ``POST /renew {"token": ..., "module_id": ...}`` answers ``{"token": <renewed>}`` or 403 (generic); the token
+    must be the caller's own and the newest of its session, and operator revocations are applied first. It also signs audit
     checkpoints of the job's log every ``anchor_interval_s`` seconds and at :meth:`stop`. ``ttl_s`` (the configured
     ``permission.token_ttl_seconds``) is the lifetime of renewed tokens, so first tokens issued with a start-up grace
     fall back to it. Start it before the workers and pass :attr:`address` to them in ``KC_AUTHORITY_ADDR``.
@@ -240,11 +311,15 @@ class RenewalServer:
                     self._reply(400, {"error": "bad request"})
                     return
                 try:
-                    token = json.loads(self.rfile.read(n))["token"]
+                    request = json.loads(self.rfile.read(n))
+                    token, caller = request["token"], request["module_id"]
                 except (ValueError, KeyError, TypeError):
                     self._reply(400, {"error": "bad request"})
                     return
-                code, body = server._renew(token if isinstance(token, str) else "")
+                if not isinstance(token, str) or not isinstance(caller, str):
+                    self._reply(400, {"error": "bad request"})
+                    return
+                code, body = server._renew(token, caller)
                 self._reply(code, body)
 
             def _reply(self, code: int, body: dict):
@@ -266,9 +341,9 @@ class RenewalServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
 
-    def _renew(self, token: str) -> tuple[int, dict]:
+    def _renew(self, token: str, caller: str) -> tuple[int, dict]:
         try:
-            new = self.authority.renew(token, self.job_id, self.attempt, ttl_s=self.ttl_s)
+            new = self.authority.renew(token, self.job_id, self.attempt, ttl_s=self.ttl_s, caller=caller)
         except R.TokenRejected as exc:
             self.refused += 1
             log.warning("renewal refused (%s); sha256=%s", exc.code, token_digest(token))
@@ -279,6 +354,7 @@ class RenewalServer:
                     decision="deny",
                     resource=f"job:{self.job_id}",
                     reason=exc.code,
+                    caller=caller[:64],
                     jti=exc.jti or "",
                     token_sha256=token_digest(token),
                 )

@@ -11,13 +11,11 @@ follows the checklist of the reference (§4.2) in order; any failure raises ``To
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 import json
 import os
 import secrets
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kuangchao_core.perm import reasons as R
+from kuangchao_core.perm.encoding import b64d, b64e, canonical_json, pae  # noqa: F401 (re-exported)
 from kuangchao_core.perm.names import CLAIM_KINDS, INTERFACES, OBJECT_KINDS, is_canonical_value
 
 PREFIX = "kc1.cap."
@@ -43,39 +42,8 @@ DEFAULT_LEEWAY_S = 30
 DEFAULT_MAX_TTL_S = 24 * 3600
 PURPOSE_CAPABILITY = "capability"
 PURPOSE_AUDIT = "audit"
+TRUST_STORE_TYP = "kuangchao/trust-store"
 _IMPLICIT = CAP_TYP.encode()
-
-
-def b64e(data: bytes) -> str:
-    """URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def b64d(text: str) -> bytes:
-    """Strict inverse of :func:`b64e`; ValueError on padding, foreign characters or non-canonical encodings."""
-    if not isinstance(text, str) or "=" in text or any(c not in _B64_ALPHABET for c in text):
-        raise ValueError("not base64url without padding")
-    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    if b64e(raw) != text:
-        raise ValueError("non-canonical base64url")
-    return raw
-
-
-_B64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
-
-
-def canonical_json(obj) -> bytes:
-    """Canonical JSON bytes: sorted keys, no spaces, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def pae(*pieces: bytes) -> bytes:
-    """Pre-authentication encoding: the count and every piece length-prefixed (little-endian u64)."""
-    out = [struct.pack("<Q", len(pieces))]
-    for p in pieces:
-        out.append(struct.pack("<Q", len(p)))
-        out.append(p)
-    return b"".join(out)
 
 
 def token_digest(token: str) -> str:
@@ -217,6 +185,8 @@ class TrustStore:
     revoked_jti: set[str] = field(default_factory=set)
     revoked_sub: set[str] = field(default_factory=set)
     issuers: list[str] = field(default_factory=lambda: [DEFAULT_ISSUER])
+    #: trusted operator keys, ``kid -> {"name", "public_key"}`` (see :mod:`kuangchao_core.perm.operator`)
+    operators: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -224,6 +194,7 @@ class TrustStore:
             "issuers": list(self.issuers),
             "keys": [k.to_json() for k in self.keys.values()],
             "revoked": {"jti": sorted(self.revoked_jti), "sub": sorted(self.revoked_sub)},
+            "operators": {kid: dict(v) for kid, v in sorted(self.operators.items())},
         }
 
     @classmethod
@@ -234,7 +205,14 @@ class TrustStore:
                 k["kid"], k["purpose"], b64d(k["public_key"]), k["status"], k.get("grace_until")
             )
         rev = data.get("revoked", {})
-        return cls(keys, set(rev.get("jti", [])), set(rev.get("sub", [])), list(data.get("issuers", [DEFAULT_ISSUER])))
+        operators = {str(k): dict(v) for k, v in (data.get("operators") or {}).items()}
+        return cls(
+            keys,
+            set(rev.get("jti", [])),
+            set(rev.get("sub", [])),
+            list(data.get("issuers", [DEFAULT_ISSUER])),
+            operators,
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temporary file + rename), world-readable: it holds public keys only."""
@@ -247,7 +225,40 @@ class TrustStore:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrustStore:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a trust store file: a signed one (the authority's, see :meth:`load_verified`) is read without checking
+        its signature — only for tools that hold no trust root; workers use :meth:`load_verified`."""
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and data.get("typ") == TRUST_STORE_TYP and isinstance(data.get("body"), dict):
+            data = data["body"]
+        return cls.from_json(data)
+
+    def save_signed(self, path: str | os.PathLike, key: Ed25519PrivateKey, kid: str) -> Path:
+        """Write the store as a document signed by the authority's key ``kid`` (world-readable: public keys only)."""
+        from kuangchao_core.perm.signed_doc import sign_document, write_document
+
+        return write_document(path, sign_document(TRUST_STORE_TYP, self.to_json(), key, kid))
+
+    @classmethod
+    def load_verified(cls, path: str | os.PathLike, root: str) -> TrustStore:
+        """Read a trust store signed by ``root`` (``KID:PUBLIC_KEY``, as :func:`trust_root_of` gives it); raises
+        ``DocumentRejected`` when it is unsigned, altered or signed by another key."""
+        from kuangchao_core.perm.signed_doc import read_document, verify_document
+
+        kid, public = parse_trust_root(root)
+        doc = read_document(path)
+        if not isinstance(doc, dict) or doc.get("kid") != kid:
+            from kuangchao_core.perm.signed_doc import DocumentRejected
+
+            raise DocumentRejected(str(path), "not signed by this job's authority")
+        return cls.from_json(verify_document(doc, TRUST_STORE_TYP, public, where=str(path)))
+
+    def operator_public(self, kid: str) -> bytes | None:
+        """The public key of trusted operator ``kid`` (None when the job does not trust it)."""
+        entry = self.operators.get(kid) if isinstance(kid, str) else None
+        try:
+            return b64d(entry["public_key"]) if entry else None
+        except (KeyError, ValueError, TypeError):
+            return None
 
     def key_for(self, kid: str, purpose: str, now: float) -> Ed25519PublicKey:
         """The public key ``kid`` for ``purpose``; TokenRejected (fail closed) if unknown, revoked or retired."""
@@ -259,6 +270,21 @@ class TrustStore:
         if k.status == "retired" or (k.status == "grace" and (k.grace_until is None or now > k.grace_until)):
             raise R.TokenRejected(R.RETIRED_KEY)
         return Ed25519PublicKey.from_public_bytes(k.public)
+
+
+def trust_root_of(kid: str, key: Ed25519PrivateKey | bytes) -> str:
+    """``KID:PUBLIC_KEY`` of the key that signs a job's trust store and policy (handed to workers, public)."""
+    public = key if isinstance(key, bytes) else public_raw(key)
+    return f"{kid}:{b64e(public)}"
+
+
+def parse_trust_root(root: str) -> tuple[str, bytes]:
+    """Inverse of :func:`trust_root_of`; ValueError when malformed."""
+    kid, sep, key = str(root).rpartition(":")
+    public = b64d(key)
+    if not sep or not kid or len(public) != 32:
+        raise ValueError("trust root must be KID:PUBLIC_KEY")
+    return kid, public
 
 
 # ----------------------------------------------------------------------------------------------- sign / verify

@@ -27,6 +27,8 @@ from typing import Any
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.launcher import run_workers
 
+ENV_TOKENS = "KC_TOKENS"
+ENV_TOKEN_BUNDLE = "KC_TOKEN_BUNDLE"
 AGENT_BEAT = "agent.json"
 RESULT = "result.json"
 STOP = "stop"
@@ -102,13 +104,26 @@ class _AgentBeat(threading.Thread):
             self.halt.wait(self.interval_s)
 
 
+def take_token_bundle(env: dict[str, str]) -> dict[str, str]:
+    """Replace ``KC_TOKEN_BUNDLE`` (a file of this node's tokens, written by the orchestrator because flow-run
+    parameters are stored by Prefect) by ``KC_TOKENS`` with its content, and delete the file."""
+    path = env.get(ENV_TOKEN_BUNDLE)
+    if not path:
+        return env
+    out = {k: v for k, v in env.items() if k != ENV_TOKEN_BUNDLE}
+    bundle = Path(path)
+    out[ENV_TOKENS] = bundle.read_text()
+    bundle.unlink(missing_ok=True)
+    return out
+
+
 def run_node_share(share: NodeShare) -> dict[str, Any]:
     """Run this node's ranks to the end; writes ``result.json`` and re-raises a failure as ``WorkerFailed``."""
     out = node_dir(share.run_dir, share.attempt, share.node)
     out.mkdir(parents=True, exist_ok=True)
     beat = _AgentBeat(out / AGENT_BEAT, share.beat_interval_s)
     beat.start()
-    env = {**os.environ, **share.env, "KC_NODE": share.node}
+    env = take_token_bundle({**os.environ, **share.env, "KC_NODE": share.node})  # tokens: file -> env, file gone
     if share.ifname:
         env.setdefault("GLOO_SOCKET_IFNAME", share.ifname)
         env.setdefault("NCCL_SOCKET_IFNAME", share.ifname)
