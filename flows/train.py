@@ -108,6 +108,21 @@ def train_flow(
             close_authority(run_dir)
 
 
+def _logged_loss_points(cfg: Any, run_dir: Path, attempt: int, run_id: str, logger: Any) -> int | None:
+    """How many loss values the job's MLflow run holds, read back as the job's ``monitor`` module (its own token,
+    ``metrics_read`` on ``metrics:<task>``; trusted mode reads without one). None, with a warning, if unreadable."""
+    from kuangchao_core.obs.metrics_reader import read_metrics
+    from kuangchao_core.perm.issuance import monitor_guard
+
+    try:
+        guard = monitor_guard(cfg, run_dir, attempt) if cfg.permission.mode == "enforcing" else guard_api.AllowAll()
+        with guard_api.thread_guard(guard):
+            return len(read_metrics(tracking.tracking_uri(cfg), run_id, "loss", task=cfg.task.name))
+    except Exception as exc:  # the summary says it could not check; the run itself succeeded
+        logger.warning("could not read the run's metrics back from MLflow: %s", exc)
+        return None
+
+
 def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
     """The Completed state named ``Skipped`` of a run that had nothing to train, with an honest summary."""
     summary = {
@@ -278,6 +293,7 @@ def _run(
             "wall_s": round(time.time() - t0, 1),
             "run_dir": str(run_dir),
         }
+        summary["loss_points_in_mlflow"] = _logged_loss_points(cfg, run_dir, attempts - 1, run_id, logger)
         create_markdown_artifact(
             _summary_markdown(cfg, summary), key="kuangchao-run-summary", description="training run summary"
         )

@@ -1,9 +1,9 @@
 """Checkpoints written by the engine in one layout resume in another and continue the same training (issue 3 §6).
 
-The reference trains dp2×tp2 for 6 steps without interruption, checkpointing every 3 steps. Copies of its checkpoint
-directory (the step-6 checkpoint removed, so ``resume: auto`` picks step 3) are resumed at tp1 (one process) and at
+The reference trains dp2×tp2 for 4 steps without interruption, checkpointing every 2 steps. Copies of its checkpoint
+directory (the step-4 checkpoint removed, so ``resume: auto`` picks step 2) are resumed at tp1 (one process) and at
 pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges). Jobs
-train in float64: the losses after step 3 must continue as the uninterrupted reference within ``FP64_REL`` = 1e-10
+train in float64: the losses after step 2 must continue as the uninterrupted reference within ``FP64_REL`` = 1e-10
 relative (not bitwise: the reduction order differs between layouts), and the final parameters within 1e-10 relative
 norm per tensor (tolerances derived in tests/tolerances.py).
 """
@@ -25,8 +25,8 @@ from tests.engine_helpers import gather_full, only_lineage, run_trainers, tiny_j
 from tests.mp import run_distributed
 from tests.tolerances import FP64_REL, rel_norm
 
-STEPS = 6
-INTERVAL = 3
+STEPS = 4
+INTERVAL = 2
 MICRO = 2
 GLOBAL_MICRO_BATCHES = 4
 

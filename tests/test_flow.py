@@ -38,3 +38,35 @@ def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa:
     with open(meta_path, encoding="utf-8") as fh:
         meta = json.load(fh)
     assert meta["step"] == STEPS and len(meta["manifest_sha256"]) == 64 and meta["size_bytes"] > 0
+
+
+def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monitor(reference_run):  # noqa: F811
+    """The keys-off-disk and pinned-trust parts of issue 16 on a real flow run: no token or private key anywhere
+    in the run directory, `kc audit --verify --run` passes against the pins the orchestrator recorded (in the
+    authority's state and the MLflow run), and the summary's metric read-back ran under the monitor's own token."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+    from kuangchao_core.perm.audit_pins import load_pins
+    from kuangchao_core.perm.audit_verify import read_records
+
+    summary = reference_run["summary"]
+    run_dir = Path(summary["run_dir"])
+    texts = [p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file()]
+    assert not any("kc1.cap." in t for t in texts), "a capability token was written into the run directory"
+    assert not any('"private' in t for t in texts)
+    assert {"audit_pins.json", "policy.json", "trust_store.json"} <= {p.name for p in (run_dir / "authority").iterdir()}
+    res = CliRunner().invoke(app, ["audit", "--verify", "--run", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    tags = MlflowClient(reference_run["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
+    assert "kuangchao.audit_pin" in tags
+    assert summary["loss_points_in_mlflow"] == len(reference_run["losses"])
+    job_id = (run_dir / "job_id").read_text().strip()
+    pins = load_pins(run_dir / "authority")
+    assert pins and {p.job_id for p in pins} == {job_id}
+    records = list(read_records(pins[-1].log_path))
+    reads = [r for r in records if r["action"] == "metrics_read" and r["decision"] == "allow"]
+    assert reads and {r["actor"] for r in reads} == {"monitor"}

@@ -251,3 +251,34 @@ def node_token_env(env: dict[str, str], run_dir: str | os.PathLike, attempt: int
         f.write(json.dumps(json.loads(token_env(run_dir, attempt, ranks)[ENV_TOKENS])))
     os.replace(tmp, path)
     return {**env, ENV_TOKEN_BUNDLE: str(path.resolve())}
+
+
+def monitor_guard(cfg: Any, run_dir: str | os.PathLike, attempt: int):
+    """The guard of the job's ``monitor`` module in the orchestrating process (metrics reads: run summaries, the
+    exporter), from the token issued for ``attempt`` — re-issued with the same scope once it has expired."""
+    from kuangchao_core.perm import reasons as R
+    from kuangchao_core.perm.audit import AuditLog
+    from kuangchao_core.perm.guard import TokenGuard
+
+    authority = authority_for(cfg, run_dir)
+    job_id = job_id_for(cfg, run_dir)
+    policy = Policy.from_config(setting(cfg, "permission"))
+    token = issued_tokens(run_dir, attempt).get("monitor")
+    verifier = authority.verifier(job_id, attempt)
+    try:
+        if token is None:
+            raise R.TokenRejected(R.NO_TOKEN)
+        claims = verifier.verify(token, subject="monitor")
+    except R.TokenRejected:
+        role = policy.role("monitor")
+        token = authority.issue(
+            "monitor",
+            "monitor",
+            job_id,
+            attempt,
+            interfaces=sorted(i for i in (role.interfaces if role else ()) if policy.interface_allowed(i)),
+            objects=[f"metrics:{cfg.task.name}"],
+            ttl_s=STARTUP_GRACE_S,
+        )
+        claims = verifier.verify(token, subject="monitor")
+    return TokenGuard(claims, policy, audit=AuditLog(audit_log_path(cfg, job_id), job_id))
