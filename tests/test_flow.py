@@ -63,6 +63,7 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     assert res.exit_code == 0, res.output
     tags = MlflowClient(reference_run["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
     assert "kuangchao.audit_pin" in tags
+    assert _artifacts("kc-audit-pin", summary["flow_run_id"]), "the pin is also a Prefect artifact of the flow run"
     assert summary["loss_points_in_mlflow"] == len(reference_run["losses"])
     job_id = (run_dir / "job_id").read_text().strip()
     pins = load_pins(run_dir / "authority")
@@ -70,3 +71,19 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     records = list(read_records(pins[-1].log_path))
     reads = [r for r in records if r["action"] == "metrics_read" and r["decision"] == "allow"]
     assert reads and {r["actor"] for r in reads} == {"monitor"}
+    datasets = [r for r in records if r["action"] == "dataset_read"]
+    assert datasets and {r["actor"] for r in datasets} == {"data_loader-0", "data_loader-1"}  # never worker-N
+    assert {r["decision"] for r in datasets} == {"allow"}
+
+
+def _artifacts(key: str, flow_run_id: str) -> list:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    return [a for a in asyncio.run(read()) if str(a.flow_run_id) == str(flow_run_id)]

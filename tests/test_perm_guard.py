@@ -302,3 +302,75 @@ def test_a_worker_cannot_forge_rights_from_the_files_it_can_read(tmp_path, monke
     write_document(env["KC_TRUST_STORE"], sign_document(TRUST_STORE_TYP, body, evil, "cap-evil"))
     with pytest.raises(R.TokenRejected):
         install_worker_guard(None, env["KC_TRUST_STORE"], job, 0, token=forged, **kw)
+
+
+def test_the_signing_key_block_s_key_signs_and_stays_in_memory(tmp_path, monkeypatch):
+    """``permission.signing_key_block``: the block's key (here its PEM, as the flow receives it) is the token key;
+    a later authority of the run from the same block has the same token and audit keys (audit checkpoints keep
+    verifying), and neither process writes it anywhere. Without a block every authority has a fresh key."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+    from kuangchao_core.perm.issuance import close_authority, open_authority
+    from kuangchao_core.perm.tokens import public_raw
+
+    monkeypatch.chdir(tmp_path)
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()).decode()
+    run = tmp_path / "run"
+    first = open_authority(_cfg(), run, pem)
+    assert first.trust.keys[first.active_kid].public == public_raw(key)
+    kids = (first.active_kid, first.audit_kid)
+    close_authority(run)
+    again = open_authority(_cfg(), run, pem)
+    assert (again.active_kid, again.audit_kid) == kids and again.trust.keys[again.audit_kid].status == "active"
+    close_authority(run)
+    fresh = open_authority(_cfg(), run)  # control: no block, a new key
+    assert fresh.active_kid != kids[0] and fresh.trust.keys[kids[0]].status == "retired"
+    close_authority(run)
+    assert not any(pem.splitlines()[1] in p.read_text(errors="replace") for p in run.rglob("*") if p.is_file())
+
+
+def test_dataset_reads_run_as_the_data_loader_also_in_the_prefetch_thread(auth, tmp_path):
+    """Roles made real: a trainer token carries no dataset, so reading one needs the rank's data loader guard —
+    at start, for evaluation and in the prefetch thread; without it (the control) the read is denied."""
+    import torch
+
+    from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
+
+    log = AuditLog(tmp_path / "audit.jsonl", JOB)
+    trainer = auth.verifier(JOB).verify(
+        auth.issue("worker-0", "trainer", JOB, 0, interfaces=["dataset_read"], ttl_s=600), subject="worker-0"
+    )
+    loader = auth.verifier(JOB).verify(
+        auth.issue("data_loader-0", "data_loader", JOB, 0, interfaces=["dataset_read"], objects=["dataset:synthetic"]),
+        subject="data_loader-0",
+    )
+    data = {"seq_len": 16, "synthetic": {"num_train": 64, "num_eval": 8}}
+    guard_api.install_guard(TokenGuard(trainer, Policy(), audit=log))
+    try:
+        with pytest.raises(PermissionDenied) as ei:
+            build_dataset(data, 256)
+        assert ei.value.code == R.OUT_OF_SCOPE
+        guard_api.install_module_guard("data_loader", TokenGuard(loader, Policy(), audit=log))
+        dataset = build_dataset(data, 256)
+
+        seen: list[str] = []
+
+        class Recording:
+            def __len__(self):
+                return len(dataset)
+
+            def __getitem__(self, i):
+                seen.append(guard_api.current_guard().module_id)
+                return {"input_ids": torch.zeros(4, dtype=torch.long)}
+
+        sampler = ResumableBatchSampler(len(dataset), 2, 1, 0, 1, seed=1)
+        prefetch = PrefetchLoader(Recording(), sampler, depth=1)
+        prefetch.next_step()
+        prefetch.close()
+        assert seen and set(seen) == {"data_loader-0"}
+    finally:
+        guard_api.install_module_guard("data_loader", None)
+    reads = [r for r in read_records(log.path) if r["action"] == "dataset_read"]
+    assert [(r["actor"], r["decision"]) for r in reads] == [("worker-0", "deny"), ("data_loader-0", "allow")]
