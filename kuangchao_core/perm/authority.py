@@ -117,6 +117,7 @@ class Authority:
         for k in old.keys.values():
             if k.purpose == PURPOSE_CAPABILITY and k.status in ("active", "grace"):
                 k.status = "retired"
+        old.operators = {}  # trusted operators come from this process's config only (trust_operators)
         return old
 
     # ------------------------------------------------------------------ keys

@@ -135,9 +135,9 @@ class GlobalConfig:
     """The global configuration of job task ``task``, stored in ``path``.
 
     ``audit``: the job's audit log; defaults to the one the installed guard writes to. ``extra_keys``: more allowed
-    keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``actor``: unused (kept for callers;
-    the signer names the actor). ``trust``: verify every version read against it (see the module docstring);
-    ``job_id``: the job the file must name (checked with ``trust``, written by ``set``).
+    keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``trust``: verify every version read
+    against it (see the module docstring); ``job_id``: the job the file must name (checked with ``trust``, written
+    by ``set``).
     """
 
     def __init__(
@@ -147,7 +147,6 @@ class GlobalConfig:
         *,
         audit: AuditLog | None = None,
         extra_keys: Mapping[str, Validator] | None = None,
-        actor: str | None = None,
         trust: TrustStore | None = None,
         job_id: str | None = None,
     ):
@@ -159,7 +158,6 @@ class GlobalConfig:
         self._refused_stamp: tuple | None = None
         self.resource = f"config:{task}"
         self.audit = audit
-        self.actor = actor
         self.keys: dict[str, Validator] = dict(DEFAULT_KEYS)
         bad = [
             (f"global_config.keys.{k}", "a key must match [a-z][a-z0-9_]{0,63}")

@@ -209,11 +209,14 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
-        """Load a policy file written by :meth:`save`; ConfigError if it is malformed or names unknown rights."""
+        """Load a policy file written by :meth:`save` or signed by the authority (its signature is checked by
+        ``runtime.load_trust`` with a trust root, not here); ConfigError if it is malformed or names unknown rights."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError([("policy", f"cannot read policy: {exc}")], str(path)) from None
+        if isinstance(data, dict) and data.get("typ") == "kuangchao/policy" and isinstance(data.get("body"), dict):
+            data = data["body"]  # the authority's signed policy, read here without its signature (tools, tests)
         if not isinstance(data, dict):
             raise ConfigError([("policy", "must be a JSON object")], str(path))
         return cls(data.get("roles"), data.get("allowed_interfaces"), source=str(path))
