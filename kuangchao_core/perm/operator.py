@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -138,4 +139,11 @@ def local_operator(create: bool = True) -> TrustedOperator | None:
         return load_operator_key(path).public
     if not create:
         return None
-    return create_operator_key(path).public
+    key = create_operator_key(path)
+    logging.getLogger("kuangchao.perm.operator").warning(
+        "created your operator key %s (%s) at %s: `kc config set` and `kc token revoke` sign with it",
+        key.kid,
+        key.name,
+        path,
+    )
+    return key.public
