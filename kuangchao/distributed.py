@@ -2,12 +2,14 @@
 
     import kuangchao.distributed as kc
 
-    kc.init()                                            # from the torchrun environment
+    kc.init()                 # the rank's capability token (from `kc launch`) and the torchrun environment
     g = kc.CommGroup(ranks=[0, 1, 2, 3], backend="gloo", timeout_ms=30000)
     kc.all_reduce(tensor=t, group=g, op="sum")
     kc.memory.release_unused()
 
-Every call passes the permission guard of the process and is timed (``kc.COMM_STATS``).
+Every call passes the permission guard of the process and is timed (``kc.COMM_STATS``). Run scripts with
+``kc launch --nproc-per-node N script.py``: it issues each rank a token, which this module installs when it is
+imported (and :func:`init` again, if it was not yet). ``kc.init(trusted=True)`` runs without checks, loudly.
 """
 
 from __future__ import annotations
@@ -41,7 +43,41 @@ from kuangchao_core.hal import (
     stream_create,
 )
 
-init = init_distributed
+
+def _install_guard_from_environment() -> bool:
+    """Install this rank's guard from ``KC_TOKENS`` (set by ``kc launch``); False when the environment has none."""
+    import os
+
+    if not os.environ.get("KC_TOKENS"):
+        return False
+    from kuangchao_core.perm.runtime import install_from_environment
+
+    install_from_environment(int(os.environ.get("RANK", "0")))
+    return True
+
+
+def init(backend: str = "auto", timeout_ms: int = 300000, *, trusted: bool = False) -> CommGroup:
+    """Join the job: install the rank's capability token (``kc launch`` puts it in the environment) and the
+    process group (torchrun's environment); returns the world group.
+
+    ``trusted=True`` turns every permission check off for this process (a private cluster; logged loudly). Without
+    a token and not trusted, the first guarded call raises ``PermissionDenied`` saying how to run the script."""
+    import logging
+
+    from kuangchao_core.perm import guard_api
+
+    if trusted:
+        logging.getLogger("kuangchao.distributed").warning(
+            "!!! kc.init(trusted=True): capability checks are OFF in this process. Use only on a private cluster; "
+            "start the script with `kc launch` to enforce tokens. !!!"
+        )
+        guard_api.install_guard(guard_api.AllowAll())
+    elif isinstance(guard_api.current_guard(), guard_api.DenyAll):
+        _install_guard_from_environment()
+    return init_distributed(backend=backend, timeout_ms=timeout_ms)
+
+
+_install_guard_from_environment()  # a script that never calls kc.init() still runs under its token
 
 memory = SimpleNamespace(
     alloc=memory_alloc,

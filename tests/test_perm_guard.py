@@ -374,3 +374,18 @@ def test_dataset_reads_run_as_the_data_loader_also_in_the_prefetch_thread(auth, 
         guard_api.install_module_guard("data_loader", None)
     reads = [r for r in read_records(log.path) if r["action"] == "dataset_read"]
     assert [(r["actor"], r["decision"]) for r in reads] == [("worker-0", "deny"), ("data_loader-0", "allow")]
+
+
+def test_a_token_for_every_group_allows_any_canonical_group_within_its_role(auth):
+    """``kc launch`` tokens carry ``groups: ["*"]`` (a script's groups are named when it creates them): any
+    canonical group passes, a non-canonical name does not, and the role still decides the interfaces."""
+    any_group = dict(interfaces=["all_reduce", "send"], groups=["*"], ttl_s=600)
+    g = TokenGuard(auth.verifier(JOB).verify(auth.issue("worker-0", "trainer", JOB, 0, **any_group)), Policy())
+    for group in ("group:world", "group:g3[0,1]", "group:tp[2,3]"):
+        g.check("all_reduce", group)
+    assert code(g, "all_reduce", "group:g1[0,1]/../x") == R.OUT_OF_SCOPE
+    assert code(g, "broadcast", "group:world") == R.OUT_OF_SCOPE  # not in the token
+    loader = auth.verifier(JOB).verify(auth.issue("data_loader-0", "data_loader", JOB, 0, **any_group))
+    assert code(TokenGuard(loader, Policy()), "all_reduce", "group:world") == R.ROLE_DENIED  # the role refuses
+    with pytest.raises(Exception, match="not canonical"):  # the wildcard is the whole claim or nothing
+        auth.issue("worker-0", "trainer", JOB, 0, interfaces=["all_reduce"], groups=["*", "world"])

@@ -25,6 +25,7 @@ app = typer.Typer(
 # sub-command modules, in help order; each defines register(app)
 _COMMAND_MODULES = [
     "train",
+    "launch",
     "config_cmd",
     "plan",
     "recommend",

@@ -262,6 +262,24 @@ class PermissionSection(Section):
     audit_log: str | None = None
     allowed_interfaces: list[str] | None = None
     roles: dict[str, RoleSpec] = Field(default_factory=dict)
+    #: operator keys (``NAME:PUBLIC_KEY``, as ``kc operator show`` prints them) that may change or revoke in a
+    #: running job, besides the key of whoever starts it
+    operators: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("operators")
+    @classmethod
+    def _operator_keys(cls, value: list[str]) -> list[str]:
+        import re
+
+        for spec in value:
+            name, sep, key = str(spec).partition(":")
+            if (
+                not sep
+                or not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", name)
+                or not re.fullmatch(r"[A-Za-z0-9_-]{43}", key)
+            ):
+                raise ValueError(f"{spec!r} is not NAME:PUBLIC_KEY (as `kc operator show` prints it)")
+        return value
 
     @field_validator("allowed_interfaces")
     @classmethod

@@ -86,7 +86,7 @@ def unused_settings(cfg: Any) -> Warnings:
         if data.format == "txt" and _given(data, "text_field"):
             out.append(("data.text_field", "not used for plain-text files (only jsonl and parquet have fields)"))
     if perm.mode == "trusted":
-        for name in ("token_ttl_seconds", "roles", "allowed_interfaces"):
+        for name in ("token_ttl_seconds", "roles", "allowed_interfaces", "operators"):
             if _given(perm, name):
                 out.append((f"permission.{name}", "not used in permission.mode trusted (no tokens are checked)"))
     return out

@@ -22,76 +22,23 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from kuangchao_core.config import load_config
-from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
 from kuangchao_core.sched.heartbeat import HeartbeatWriter
 
 log = logging.getLogger("kuangchao.engine.worker")
 
 
-def _take_tokens() -> dict[str, str]:
-    """This process's tokens from ``KC_TOKENS`` (module -> token), removed from the environment at once, so no
-    process this worker starts inherits them."""
-    import json
-
-    raw = os.environ.pop("KC_TOKENS", None)
-    for key in [k for k in os.environ if k.startswith("KC_TOKEN_BUNDLE")]:
-        os.environ.pop(key, None)
-    if not raw:
-        return {}
-    try:
-        tokens = json.loads(raw)
-    except ValueError:
-        return {}
-    return {str(k): str(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {}
-
-
 def _install_guard(cfg, rank: int) -> None:
     """The rank's guards: ``worker-<rank>`` for the process, ``data_loader-<rank>`` for its dataset reads."""
     from kuangchao_core.perm import guard_api
+    from kuangchao_core.perm.runtime import install_from_environment, take_environment_tokens
 
-    tokens = _take_tokens()
+    tokens = take_environment_tokens()
     if cfg.permission.mode == "trusted":
         log.warning("permission.mode is TRUSTED: capability checks are OFF for module worker-%d", rank)
         guard_api.install_guard(guard_api.AllowAll())
         return
-    mine = tokens.get(f"worker-{rank}")
-    if not mine:
-        raise KuangchaoError(
-            f"worker-{rank}: no capability token (KC_TOKENS has none for this rank) and permission.mode is "
-            "enforcing; start jobs with `kc train` or `kc launch` (which issue tokens) or set "
-            "permission.mode: trusted on a private cluster"
-        )
-    from kuangchao_core.perm.audit import AuditLog
-    from kuangchao_core.perm.runtime import ENV_AUTHORITY_ADDR, install_worker_guard, load_trust, module_guard
-
-    job_id = os.environ.get("KC_JOB_ID", cfg.task.name)
-    attempt = int(os.environ.get("KC_ATTEMPT", "0"))
-    audit_log = os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log
-    root = os.environ.get("KC_TRUST_ROOT")
-    install_worker_guard(
-        None,
-        os.environ["KC_TRUST_STORE"],
-        job_id,
-        attempt,
-        audit_log,
-        token=mine,
-        trust_root=root,
-    )
-    loader = tokens.get(f"data_loader-{rank}")
-    if loader:  # dataset reads (start, evaluation, the prefetch thread) run under the data loader's own token
-        trust, policy = load_trust(os.environ["KC_TRUST_STORE"], root, os.environ.get("KC_POLICY_FILE"))
-        guard = module_guard(
-            loader,
-            f"data_loader-{rank}",
-            trust,
-            policy,
-            job_id,
-            attempt,
-            AuditLog(audit_log, job_id) if audit_log else None,
-            authority_addr=os.environ.get(ENV_AUTHORITY_ADDR),
-        )
-        guard_api.install_module_guard("data_loader", guard)
+    install_from_environment(rank, tokens, os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log)
 
 
 @record

@@ -16,7 +16,7 @@ from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.names import INTERFACE_KINDS, is_canonical_resource
 from kuangchao_core.perm.roles import Policy, Role
-from kuangchao_core.perm.tokens import DEFAULT_LEEWAY_S, Claims
+from kuangchao_core.perm.tokens import ANY_GROUP, DEFAULT_LEEWAY_S, Claims
 
 log = logging.getLogger("kuangchao.perm.guard")
 _monotonic = time.monotonic
@@ -68,6 +68,9 @@ class TokenGuard:
     def _install(self, claims: Claims) -> None:
         role = self.policy.role(claims.role)
         rights = effective_rights(claims, role, self.policy)
+        # interfaces granted on every group of the job (a ``groups: ["*"]`` token): a group is then checked by name
+        self._any_group = frozenset(itf for itf, res in rights.items() if f"group:{ANY_GROUP}" in res)
+        self._group_ok: dict[tuple[str, str], bool] = {}
         # expiry on the monotonic clock, so a wall-clock jump cannot extend a token
         deadline = _monotonic() + (claims.exp + self.leeway_s - self.clock())
         self._state = (rights, deadline)
@@ -121,7 +124,11 @@ class TokenGuard:
         rights, deadline = self._state
         allowed = rights.get(interface)
         now = _monotonic()
-        if allowed is not None and resource in allowed and now < deadline:
+        if (
+            allowed is not None
+            and (resource in allowed or (interface in self._any_group and self._any_group_allows(interface, resource)))
+            and now < deadline
+        ):
             key = (interface, resource)
             n = self._counts.get(key)
             if n is None:
@@ -135,16 +142,37 @@ class TokenGuard:
             return
         self._deny(interface, resource, self._reason(interface, resource, rights, now, deadline))
 
+    def _any_group_allows(self, interface: str, resource: str) -> bool:
+        key = (interface, resource)
+        ok = self._group_ok.get(key)
+        if ok is None:
+            ok = (
+                isinstance(resource, str)
+                and resource.startswith("group:")
+                and is_canonical_resource(resource)
+                and self.role is not None
+                and self.role.allows(interface, resource)
+            )
+            if len(self._group_ok) < 4096:
+                self._group_ok[key] = ok
+        return ok
+
     def _reason(self, interface, resource, rights, now, deadline) -> str:
         if self.revoked is not None:
             return R.REVOKED
-        if interface in rights and resource in rights[interface] and now >= deadline:
+        granted = interface in rights and (
+            resource in rights[interface]
+            or (interface in self._any_group and self._any_group_allows(interface, resource))
+        )
+        if granted and now >= deadline:
             return R.EXPIRED
         if self.role is None:
             return R.UNKNOWN_ROLE
         if not isinstance(resource, str) or not is_canonical_resource(resource):
             return R.OUT_OF_SCOPE
-        if interface not in self.claims.interfaces or resource not in self.claims.resources():
+        claimed = self.claims.resources()
+        in_token = resource in claimed or (resource.startswith("group:") and f"group:{ANY_GROUP}" in claimed)
+        if interface not in self.claims.interfaces or not in_token:
             return R.OUT_OF_SCOPE
         if self.role.denies(interface, resource):
             return R.EXPLICIT_DENY

@@ -25,7 +25,12 @@ class DenyAll:
     """The guard of a process that holds no token: every operation is refused."""
 
     def check(self, interface: str, resource: str) -> None:
-        raise PermissionDenied(interface, resource, "no capability token loaded")
+        raise PermissionDenied(
+            interface,
+            resource,
+            "no capability token loaded: start the script with `kc launch` (or the job with `kc train`), which "
+            "issues each rank its token, or call kc.init(trusted=True) on a private cluster",
+        )
 
 
 class AllowAll:

@@ -233,6 +233,62 @@ def issue_tokens_for_run(
     }
 
 
+def issue_script_tokens(
+    cfg: Any, run_dir: str | os.PathLike, ranks: list[int], *, role: str = "trainer", nproc_per_node: int = 1
+) -> dict[str, str]:
+    """Tokens for a user's script under ``kc launch``: ``worker-<rank>`` for each of ``ranks`` with ``role``, every
+    communication group of the job (``groups: ["*"]``: the script's own groups cannot be named in advance), the
+    rank's CPU and local CUDA device, the memory regions, and the job's metrics and checkpoints. Returns the
+    worker environment (as :func:`issue_tokens_for_run`), with ``KC_TOKENS`` holding the tokens."""
+    import json
+
+    from kuangchao_core.errors import ConfigError
+    from kuangchao_core.perm.tokens import ANY_GROUP
+
+    run_dir = Path(run_dir)
+    perm = setting(cfg, "permission")
+    policy = Policy.from_config(perm)
+    if policy.role(role) is None:
+        raise ConfigError([("--role", f"unknown role {role!r}; the job's roles are {sorted(policy.roles)}")])
+    authority = authority_for(cfg, run_dir)
+    job_id = job_id_for(cfg, run_dir)
+    ttl = float(setting(perm, "token_ttl_seconds", 3600))
+    interfaces = sorted(i for i in policy.role(role).interfaces if policy.interface_allowed(i))
+    use_cuda = setting(cfg, "train.device", "auto") != "cpu"
+    task = cfg.task.name
+    tokens = {
+        f"worker-{r}": authority.issue(
+            f"worker-{r}",
+            role,
+            job_id,
+            0,
+            interfaces=interfaces,
+            devices=["cpu"] + ([f"cuda:{r % nproc_per_node}"] if use_cuda else []),
+            regions=DEFAULT_REGIONS,
+            groups=[ANY_GROUP],
+            objects=[f"checkpoint:{task}", f"metrics:{task}"],
+            ttl_s=max(ttl, STARTUP_GRACE_S),
+        )
+        for r in ranks
+    }
+    _TOKENS[(_key(run_dir), 0)] = tokens
+    trust = authority.export_trust_store(authority.key_dir / "trust_store.json")
+    policy_file = write_document(authority.key_dir / "policy.json", authority.sign(POLICY_TYP, policy.to_json()))
+    audit = audit_log_path(cfg, job_id)
+    audit.parent.mkdir(parents=True, exist_ok=True)
+    return {
+        "KC_TRUST_STORE": str(trust.resolve()),
+        "KC_TRUST_ROOT": authority.trust_root,
+        "KC_POLICY_FILE": str(policy_file.resolve()),
+        "KC_JOB_ID": job_id,
+        "KC_ATTEMPT": "0",
+        "KC_AUDIT_LOG": str(audit.resolve()),
+        "KC_PERMISSION_MODE": "enforcing",
+        "KC_TOKEN_TTL": str(ttl),
+        ENV_TOKENS: json.dumps(tokens, sort_keys=True),
+    }
+
+
 def node_token_env(env: dict[str, str], run_dir: str | os.PathLike, attempt: int, node: str, ranks: list[int]) -> dict:
     """The worker environment of one node of a multi-node job. Flow-run parameters are stored by Prefect, so the
     tokens do not travel in them: they go to a bundle file (0600, in a 0700 directory) holding only that node's

@@ -189,6 +189,58 @@ def install_worker_guard(
     return guard
 
 
+ENV_TOKENS = "KC_TOKENS"
+#: what a process without a token is told (the SDK outside ``kc launch``, a worker started by hand)
+HOW_TO_RUN = (
+    "start the script with `kc launch [--nproc-per-node N] script.py` (or the job with `kc train`), which issues "
+    "every rank its token; on a private cluster call kc.init(trusted=True) to run without checks"
+)
+
+
+def take_environment_tokens() -> dict[str, str]:
+    """This process's tokens from ``KC_TOKENS`` (module -> token), removed from the environment at once so no
+    process started from here inherits them; ``{}`` when there are none."""
+    raw = os.environ.pop(ENV_TOKENS, None)
+    if not raw:
+        return {}
+    try:
+        tokens = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {}
+
+
+def install_from_environment(rank: int, tokens: dict[str, str] | None = None, audit_log: str | None = None):
+    """Install rank ``rank``'s guards from the launcher's environment: ``worker-<rank>`` for the process (verified
+    against ``KC_TRUST_STORE``/``KC_TRUST_ROOT``/``KC_POLICY_FILE``, renewed through ``KC_AUTHORITY_ADDR``) and,
+    when issued, ``data_loader-<rank>`` for its dataset reads. Returns the worker guard; ``TokenRejected`` with
+    :data:`HOW_TO_RUN` when the environment holds no token for the rank."""
+    from kuangchao_core.errors import PermissionDenied
+
+    tokens = take_environment_tokens() if tokens is None else tokens
+    mine = tokens.get(f"worker-{rank}")
+    if not mine or not os.environ.get("KC_TRUST_STORE"):
+        guard_api.install_guard(guard_api.DenyAll())
+        raise PermissionDenied("device_init", "device:*", f"worker-{rank} has no capability token; {HOW_TO_RUN}")
+    job_id = os.environ.get("KC_JOB_ID", "")
+    attempt = int(os.environ.get("KC_ATTEMPT", "0"))
+    audit_log = audit_log or os.environ.get("KC_AUDIT_LOG")
+    root = os.environ.get("KC_TRUST_ROOT")
+    guard = install_worker_guard(
+        None, os.environ["KC_TRUST_STORE"], job_id, attempt, audit_log, token=mine, trust_root=root
+    )
+    loader = tokens.get(f"data_loader-{rank}")
+    if loader:  # dataset reads (start, evaluation, the prefetch thread) run under the data loader's own token
+        trust, policy = load_trust(os.environ["KC_TRUST_STORE"], root, os.environ.get("KC_POLICY_FILE"))
+        audit = AuditLog(audit_log, job_id) if audit_log else None
+        addr = os.environ.get(ENV_AUTHORITY_ADDR)
+        loader_guard = module_guard(
+            loader, f"data_loader-{rank}", trust, policy, job_id, attempt, audit, authority_addr=addr
+        )
+        guard_api.install_module_guard("data_loader", loader_guard)
+    return guard
+
+
 class TokenRenewer(threading.Thread):
     """Background thread: renews the token at half its lifetime (or half ``$KC_TOKEN_TTL`` if shorter, for
     first tokens carrying a start-up grace) through the :class:`RenewalServer`; failures retry until expiry."""

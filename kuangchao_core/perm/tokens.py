@@ -124,9 +124,18 @@ class Claims(BaseModel):
         return frozenset(names)
 
 
+#: the one wildcard a token may carry: ``groups: ["*"]`` — every communication group of the job (``kc launch``: a
+#: user's script creates groups whose names cannot be known when its tokens are issued)
+ANY_GROUP = "*"
+
+
 def check_canonical(claims: Claims) -> bool:
+    """Whether every name in ``claims`` is canonical (the groups claim may also be exactly ``["*"]``)."""
     for fld, kind in CLAIM_KINDS.items():
-        if not all(is_canonical_value(kind, v) for v in getattr(claims, fld)):
+        values = getattr(claims, fld)
+        if kind == "group" and list(values) == [ANY_GROUP]:
+            continue
+        if not all(is_canonical_value(kind, v) for v in values):
             return False
     for obj in claims.objects:
         kind, sep, value = obj.partition(":")
