@@ -33,6 +33,7 @@ from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
+from kuangchao_core.obs.prometheus import register_exporter
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.issuance import close_authority, open_authority
 from kuangchao_core.sched.elastic import config_for_attempt
@@ -123,6 +124,34 @@ def _logged_loss_points(cfg: Any, run_dir: Path, attempt: int, run_id: str, logg
         return None
 
 
+def _start_exporter(cfg: Any, run_dir: Path, run_id: str, logger: Any):
+    """The job's Prometheus endpoint for all its attempts (``tracking.prometheus_port``; None when off). Each scrape
+    is a ``metrics_read`` of the job's ``monitor`` module, under that role's rules (trusted mode: unchecked)."""
+    from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
+
+    if cfg.tracking.prometheus_port is None:
+        return None
+    held: dict[str, Any] = {}
+
+    def authorize() -> None:
+        if cfg.permission.mode != "enforcing":
+            return
+        from kuangchao_core.perm.issuance import latest_attempt, monitor_guard
+
+        guard = held.get("guard")
+        if guard is None or guard.expires_in < 5 or guard.claims.attempt != latest_attempt(run_dir):
+            guard = held["guard"] = monitor_guard(cfg, run_dir, latest_attempt(run_dir))
+        guard.check("metrics_read", f"metrics:{cfg.task.name}")
+
+    exporter = MetricsExporter(
+        JobMetrics(cfg.task.name, run_id), cfg.tracking.prometheus_host, int(cfg.tracking.prometheus_port), authorize
+    )
+    address = exporter.start()
+    register_exporter(str(run_dir), exporter)
+    logger.info("Prometheus metrics of the job at %s", address)
+    return exporter
+
+
 def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
     """The Completed state named ``Skipped`` of a run that had nothing to train, with an honest summary."""
     summary = {
@@ -193,6 +222,7 @@ def _run(
         cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
     )
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
+    exporter = _start_exporter(cfg, run_dir, run_id, logger)
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
@@ -251,6 +281,8 @@ def _run(
 
         def before_restart(next_attempt: int, exc: BaseException) -> None:
             failed = next_attempt - 1
+            if exporter is not None:
+                exporter.metrics.restart()
             node = getattr(exc, "node", None)
             if node is not None and getattr(exc, "rank", None) is None:
                 lost_nodes.append(node)
@@ -292,6 +324,8 @@ def _run(
             "flow_run_id": fr_id,
             "wall_s": round(time.time() - t0, 1),
             "run_dir": str(run_dir),
+            "anomalies": result.get("anomalies", []),
+            "prometheus": exporter.address if exporter is not None else None,
         }
         summary["loss_points_in_mlflow"] = _logged_loss_points(cfg, run_dir, attempts - 1, run_id, logger)
         create_markdown_artifact(
@@ -305,3 +339,7 @@ def _run(
     except BaseException:
         tracking.close_run(cfg, run_id, "FAILED")
         raise
+    finally:
+        if exporter is not None:
+            register_exporter(str(run_dir), None)
+            exporter.stop()

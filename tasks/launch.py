@@ -18,6 +18,7 @@ from prefect import task
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.obs.console import LiveView
+from kuangchao_core.obs.prometheus import exporter_for
 from kuangchao_core.obs.tracking import tracking_uri
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
@@ -31,6 +32,7 @@ from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster
 from kuangchao_core.sched.nodes import route_address
 from kuangchao_core.sched.placement import NodeAssignment
 from kuangchao_core.sched.rank_placement import RankPlacement
+from tasks.job_events import JobEvents
 
 
 @dataclass
@@ -45,6 +47,7 @@ class LaunchSummary:
     heldout_accuracy: float | None
     loss_floor: float | None
     checkpoints: list[int] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)  # the ranks' anomaly events, in order
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for artifacts and JSON output."""
@@ -100,6 +103,11 @@ def launch_workers(
     """
     run_dir = Path(run_dir)
     view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
+    exporter = exporter_for(str(run_dir))
+    events = JobEvents(
+        cfg, (env or {}).get("KC_JOB_ID", cfg.task.name), mlflow_run_id, exporter.metrics if exporter else None
+    )
+    view.listeners.append(events)
     worker_env = {
         "KC_RUN_DIR": str(run_dir),
         "KC_ATTEMPT": str(attempt),
@@ -188,6 +196,7 @@ def launch_workers(
         heldout_accuracy=evals[-1].get("heldout_accuracy") if evals else None,
         loss_floor=evals[-1].get("loss_floor") if evals else None,
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],
+        anomalies=[{k: a.get(k) for k in ("kind", "step", "action", "message")} for a in events.anomalies],
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -57,12 +58,27 @@ def _records(path: Path) -> list[dict]:
 
 def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter, register_exporter
     from tasks.launch import launch_workers
 
     steps = 400
-    cfg, run_dir = _job(tmp_path, steps)
+    # every step's communication share counts as too high: the comm_share anomaly is raised in a real job
+    cfg, run_dir = _job(tmp_path, steps, **{"train.anomaly.comm_share": 0.0001, "train.anomaly.comm_share_steps": 1})
     env = issue_tokens_for_run(cfg, run_dir, 0)
     outcome: dict = {}
+    exporter = MetricsExporter(JobMetrics(cfg.task.name, "r"))
+    url = exporter.start()
+    register_exporter(str(run_dir), exporter)
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                out[sample.name + (f"{{{sample.labels['kind']}}}" if "kind" in sample.labels else "")] = sample.value
+        return out
 
     def job():
         try:
@@ -80,6 +96,7 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
             break
         time.sleep(0.2)
     assert thread.is_alive(), f"the job ended before the change could be made: {outcome}"
+    during = scrape()  # a scrape while the job runs
     t_set = time.time()
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5"])
     assert res.exit_code == 0, res.output
@@ -90,6 +107,15 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"].steps == steps
     t_end = time.time()
+    after = scrape()
+    register_exporter(str(run_dir), None)
+    exporter.stop()
+    scraped_step = int(during["kuangchao_train_step"])
+    logged = {r["step"]: r["loss"] for r in _records(log0) if r.get("msg") == "step"}
+    assert scraped_step >= 3 and during["kuangchao_train_loss"] == logged[scraped_step]  # the latest step's loss
+    assert after["kuangchao_train_step"] == steps and after["kuangchao_train_step_seconds_count"] == steps
+    assert after["kuangchao_train_anomalies_total{comm_share}"] >= 1
+    assert [a["kind"] for a in outcome["summary"].anomalies][:1] == ["comm_share"]
 
     applied = {}
     for rank, path in ((0, log0), (1, log1)):

@@ -210,6 +210,38 @@ class OptimizerSection(Section):
         return value
 
 
+AnomalyAction = Literal["warn", "checkpoint", "stop"]
+
+
+class AnomalySection(Section):
+    """What counts as an anomaly (RT.6) and what to do about each kind.
+
+    ``comm_share``: communication over this share of step time for ``comm_share_steps`` steps in a row;
+    ``grad_norm_factor``: a gradient norm above this multiple of the median of the last ``window`` steps;
+    ``loss_spike_factor``: a loss above this multiple of that median (a NaN or infinite loss is always one);
+    ``memory_growth_mb``: memory in use growing by more than this between two steps. ``actions``: per kind
+    (``comm_share``, ``grad_norm``, ``loss_nan``, ``loss_spike``, ``memory_growth``) ``warn`` (default),
+    ``checkpoint`` or ``stop``; ``comm_share`` and ``memory_growth`` are measured per rank, so they only warn."""
+
+    comm_share: Float = Field(default=0.30, gt=0, le=1)
+    comm_share_steps: Int = Field(default=5, ge=1)
+    grad_norm_factor: Float = Field(default=10.0, gt=1)
+    loss_spike_factor: Float = Field(default=3.0, gt=1)
+    window: Int = Field(default=20, ge=3, le=10000)
+    memory_growth_mb: Float = Field(default=1024.0, gt=0)
+    actions: dict[Literal["comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth"], AnomalyAction] = Field(
+        default_factory=dict
+    )
+
+    @field_validator("actions")
+    @classmethod
+    def _local_kinds_only_warn(cls, value: dict) -> dict:
+        bad = [k for k in ("comm_share", "memory_growth") if value.get(k, "warn") != "warn"]
+        if bad:
+            raise ValueError(f"{bad} are measured on each rank separately and can only warn (ranks could disagree)")
+        return value
+
+
 class TrainSection(Section):
     """The training loop: ``steps`` counts optimizer steps."""
 
@@ -222,6 +254,7 @@ class TrainSection(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
     deterministic: bool = False
+    anomaly: AnomalySection = Field(default_factory=AnomalySection)
 
 
 class RoleSpec(Section):
@@ -354,6 +387,9 @@ class TrackingSection(Section):
 
     uri: str = Field(default="sqlite:///mlflow.db", min_length=1)
     experiment: str | None = None
+    #: the job's Prometheus ``/metrics`` (served by the orchestrator): a port, 0 for any free one, null for none
+    prometheus_port: Int | None = Field(default=0, ge=0, le=65535)
+    prometheus_host: str = "127.0.0.1"
 
 
 class LoggingSection(Section):

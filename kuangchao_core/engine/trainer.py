@@ -23,12 +23,14 @@ from kuangchao_core.comm import primitives as P
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
+from kuangchao_core.engine.anomaly import AnomalyDetector
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.evaluation import held_out_loss_for
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import memory_bytes, memory_kind, tensor_bytes
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
+from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.parallel.forward_backward import get_forward_backward
@@ -77,6 +79,10 @@ class TrainState:
         return self.trained_tokens / self.train_seconds if self.train_seconds > 0 else None
 
 
+class AnomalyStop(KuangchaoError):
+    """The run was stopped by an anomaly whose action is ``stop`` (never retried)."""
+
+
 class Trainer:
     """Builds this rank's model part, data and optimizer for a dp×tp×pp mesh and runs the step loop.
 
@@ -119,6 +125,7 @@ class Trainer:
         self.loader: PrefetchLoader | None = None
         self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
         self.lr_scale = 1.0
+        self.anomaly = AnomalyDetector(cfg.train.anomaly)
         self.checkpoints = TrainerCheckpoints(
             cfg,
             rank,
@@ -144,6 +151,21 @@ class Trainer:
     def barrier(self) -> None:
         """A barrier over every rank, through the communication layer (so the guard sees it)."""
         P.all_reduce(torch.zeros(1), group=self.world_group, op="sum")
+
+    def _anomalies(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Flag this step's anomalies (log, event for the orchestrator, MLflow counts in ``metrics``), run their
+        ``checkpoint`` actions; returns the kind whose action is ``stop``, if any (every rank sees the same)."""
+        stop = None
+        for a in self.anomaly.observe(step, metrics):
+            log.warning("anomaly %s at step %d: %s (action %s)", a.kind, step, a.message, a.action)
+            if self.rank == 0:
+                emit_event("anomaly", **a.to_dict())
+                metrics[f"anomalies_{a.kind}"] = float(self.anomaly.counts[a.kind])
+            if a.action == "checkpoint":
+                self.save_checkpoint()
+            elif a.action == "stop":
+                stop = a.kind
+        return stop
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -268,6 +290,7 @@ class Trainer:
                 settings = live.follow(result.step, first=first)
                 self.lr_scale = settings.lr_scale
                 metrics = result.metrics()
+                stop = self._anomalies(result.step, metrics)
                 if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:
                     metrics["eval_loss"] = self.evaluator()  # collective: every rank evaluates its share
                     if self.rank == 0:
@@ -288,6 +311,9 @@ class Trainer:
                     }
                     log_event(log, "step", **fields)
                     emit_event("step", **fields)
+                if stop:
+                    self.save_checkpoint()  # the state that showed it, to look at; then the run ends
+                    raise AnomalyStop(f"stopped at step {result.step} by anomaly {stop} (train.anomaly.actions)")
                 interval = settings.checkpoint_interval
                 if interval and result.step % interval == 0:
                     self.save_checkpoint()

@@ -79,6 +79,8 @@ class LiveView:
         self.events: list[dict[str, Any]] = []
         self._progress = None
         self._task_id = None
+        #: called with every event of the ranks (the Prometheus metrics, anomaly reactions of the orchestrator)
+        self.listeners: list = []
 
     def __call__(self, line: str) -> None:
         self.handle_line(line)
@@ -91,6 +93,11 @@ class LiveView:
                 self._print(line.rstrip(), always=True)  # warnings and errors even without the console view
             return
         kind = event.get("event")
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception as exc:  # a listener's failure never stops the view of the run
+                self._print(f"event listener failed: {exc}", always=True)
         if kind == "step":
             self.last_step = event
             self._on_step(event)
@@ -108,6 +115,10 @@ class LiveView:
                 self._print(format_memory(event))
             elif kind == "eval_loss":
                 self._print(f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}")
+            elif kind == "anomaly":
+                self._print(
+                    f"anomaly ({event.get('kind')}) at step {event.get('step')}: {event.get('message')}", always=True
+                )
             elif kind == "done":
                 self.close()
 

@@ -77,7 +77,7 @@ def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fie
     logger.log(level, msg, extra={"fields": fields})
 
 
-def emit_event(kind: str, stream: TextIO | None = None, **fields: Any) -> None:
+def emit_event(kind: str, /, stream: TextIO | None = None, **fields: Any) -> None:
     """Write one machine-readable event line (``KC_EVENT {json}``) to stdout for the launcher's live view."""
     out = stream or sys.stdout
     out.write(EVENT_PREFIX + json.dumps({"event": kind, **fields}, default=str) + "\n")

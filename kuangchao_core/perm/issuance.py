@@ -111,6 +111,12 @@ def issued_tokens(run_dir: str | os.PathLike, attempt: int) -> dict[str, str]:
     return dict(_TOKENS.get((_key(run_dir), int(attempt)), {}))
 
 
+def latest_attempt(run_dir: str | os.PathLike) -> int:
+    """The newest attempt of the run whose tokens were issued in this process (0 when none was)."""
+    attempts = [a for key, a in _TOKENS if key == _key(run_dir)]
+    return max(attempts) if attempts else 0
+
+
 def token_env(run_dir: str | os.PathLike, attempt: int, ranks: list[int] | None = None) -> dict[str, str]:
     """``{"KC_TOKENS": ...}`` with the worker and data-loader tokens of ``ranks`` (all ranks when None), for the
     environment of the processes that run them; KuangchaoError when no token was issued for ``attempt``."""

@@ -38,8 +38,8 @@ class RestartPolicy:
     def retryable(self, exc: BaseException) -> bool:
         """Whether ``exc`` may be answered with a restart."""
         cause = str(getattr(exc, "cause", "")) if isinstance(exc, WorkerFailed) else ""
-        if "PermissionDenied:" in cause or "ConfigError:" in cause:
-            return False  # a worker denied by its token, or given a job that cannot run, fails again every attempt
+        if "PermissionDenied:" in cause or "ConfigError:" in cause or "AnomalyStop:" in cause:
+            return False  # denied by its token, given a job that cannot run, or stopped on purpose: never again
         return not isinstance(exc, NEVER_RETRY) and isinstance(exc, self.retry_on)
 
 

@@ -1,0 +1,155 @@
+"""The job's Prometheus metrics (SPEC RT.1), served by the orchestrating process at ``/metrics``.
+
+:class:`JobMetrics` keeps one registry per job, fed with the ranks' events as the orchestrator receives them (the
+``step`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
+``_step_seconds`` (histogram), ``_grad_norm``, ``_comm_share``, ``_loss_scale`` (when the job reports one),
+``_step``, ``_restarts_total`` and ``_anomalies_total{kind}``; labels are only ``task`` and ``run``.
+:class:`MetricsExporter` serves it over HTTP; every scrape first calls ``authorize`` (the orchestrator passes the
+job's ``monitor`` guard: reading metrics is a ``metrics_read`` on ``metrics:<task>``), and a denial is a 403.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from kuangchao_core.errors import PermissionDenied
+
+log = logging.getLogger("kuangchao.obs.prometheus")
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_EXPORTERS: dict[str, MetricsExporter] = {}
+
+
+class JobMetrics:
+    """The Prometheus metrics of one job (task ``task``, run ``run``)."""
+
+    def __init__(self, task: str, run: str):
+        self.registry = CollectorRegistry()
+        labels = {"task": task, "run": run}
+        self._labels = labels
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kuangchao_train_{name}", doc, names, registry=self.registry)
+
+        self.loss = gauge("loss", "Training loss of the latest logged step.")
+        self.tokens_per_second = gauge("tokens_per_second", "Global training throughput of the latest step.")
+        self.grad_norm = gauge("grad_norm", "Gradient norm (before clipping) of the latest step.")
+        self.comm_share = gauge("comm_share", "Share of the latest step's time spent in communication (rank 0).")
+        self.loss_scale = gauge("loss_scale", "Dynamic loss scale of the latest step (fp16 jobs).")
+        self.step = gauge("step", "The latest optimizer step the job logged.")
+        self.step_seconds = Histogram(
+            "kuangchao_train_step_seconds",
+            "Wall time of an optimizer step.",
+            names,
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "kuangchao_train_restarts", "Restarts of the job's workers.", names, registry=self.registry
+        )
+        self.anomalies = Counter(
+            "kuangchao_train_anomalies", "Anomalies flagged, by kind.", [*names, "kind"], registry=self.registry
+        )
+        self.restarts.labels(**labels)  # present at 0 from the start
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """Update from one event of the ranks (``step``, ``anomaly``; others are ignored)."""
+        kind, lab = event.get("event"), self._labels
+        if kind == "step":
+            for gauge, key in (
+                (self.loss, "loss"),
+                (self.tokens_per_second, "tokens_per_s"),
+                (self.grad_norm, "grad_norm"),
+                (self.comm_share, "comm_share"),
+                (self.loss_scale, "loss_scale"),
+                (self.step, "step"),
+            ):
+                value = event.get(key)
+                if isinstance(value, (int, float)):
+                    gauge.labels(**lab).set(float(value))
+            if isinstance(event.get("step_time_s"), (int, float)):
+                self.step_seconds.labels(**lab).observe(float(event["step_time_s"]))
+        elif kind == "anomaly":
+            self.anomalies.labels(**lab, kind=str(event.get("kind", "unknown"))[:32]).inc()
+
+    def restart(self) -> None:
+        """Count one restart of the workers."""
+        self.restarts.labels(**self._labels).inc()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # scrapes every few seconds: not for the orchestrator's console
+        return
+
+
+class _Server(WSGIServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        log.warning("metrics endpoint: dropped a request from %s", client_address[0])
+
+
+class MetricsExporter:
+    """Serves ``metrics`` at ``http://host:port/metrics``; ``authorize()`` runs before each scrape (raise
+    ``PermissionDenied`` to refuse it with a 403)."""
+
+    def __init__(
+        self, metrics: JobMetrics, host: str = "127.0.0.1", port: int = 0, authorize: Callable[[], None] | None = None
+    ):
+        self.metrics = metrics
+        self.authorize = authorize or (lambda: None)
+        self.denied = 0
+        prometheus_app = make_wsgi_app(metrics.registry)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") != "/metrics":
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"not found: try /metrics\n"]
+            try:
+                self.authorize()
+            except PermissionDenied as exc:
+                self.denied += 1
+                start_response("403 Forbidden", [("Content-Type", "text/plain")])
+                return [f"denied: {exc}\n".encode()]
+            return prometheus_app(environ, start_response)
+
+        self._server = make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """``http://host:port/metrics``."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/metrics"
+
+    def start(self) -> str:
+        """Serve in a background thread; returns :attr:`address`."""
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kc-metrics", daemon=True)
+        self._thread.start()
+        return self.address
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def register_exporter(run_dir: str, exporter: MetricsExporter | None) -> None:
+    """Remember (or, with None, forget) the exporter of the run in ``run_dir`` for the tasks of this process."""
+    if exporter is None:
+        _EXPORTERS.pop(str(run_dir), None)
+    else:
+        _EXPORTERS[str(run_dir)] = exporter
+
+
+def exporter_for(run_dir: str) -> MetricsExporter | None:
+    """The exporter registered for ``run_dir`` in this process, if any."""
+    return _EXPORTERS.get(str(run_dir))

@@ -1,0 +1,228 @@
+"""Anomaly flags (issue 13, RT.6) and the job's Prometheus endpoint.
+
+- the detector on hand-made series: each kind fires on its cause and stays quiet on a normal run (the control);
+- real Gloo trainers with a NaN injected into step 3's loss flag ``loss_nan`` on every rank at that step; with the
+  action ``stop`` the run saves that step and ends with ``AnomalyStop`` (never retried), with ``warn`` it goes on;
+- the orchestrator side: the ranks' event lines through the live view reach the Prometheus counters (a real HTTP
+  scrape parsed with the text-format parser), an MLflow tag on a real store and a Prefect event on the session's
+  server; a monitor whose role lacks ``metrics_read`` is refused the scrape (403)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kuangchao_core.config import config_from_dict
+from kuangchao_core.engine.anomaly import AnomalyDetector
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.recovery import RestartPolicy
+from tests.engine_helpers import tiny_job
+from tests.mp import run_distributed
+
+SETTINGS = config_from_dict({"task": {"name": "a"}}).train.anomaly
+
+
+def _series(n, over=None):
+    over = over or {}
+    base = {"grad_norm": 1.0, "comm_share": 0.1, "mem_bytes": 1e8}
+    return [{**base, "loss": 2.0 - 0.01 * i, **over.get(i, {})} for i in range(n)]
+
+
+def _kinds(metrics_list, settings=SETTINGS):
+    det = AnomalyDetector(settings)
+    return [(a.kind, a.step) for step, m in enumerate(metrics_list, 1) for a in det.observe(step, m)]
+
+
+def test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet():
+    assert _kinds(_series(40)) == []  # the control
+    assert _kinds(_series(10, {5: {"loss": float("nan")}})) == [("loss_nan", 6)]
+    assert _kinds(_series(10, {5: {"loss": 9.0}})) == [("loss_spike", 6)]
+    assert _kinds(_series(10, {5: {"grad_norm": 50.0}})) == [("grad_norm", 6)]
+    assert _kinds(_series(10, {5: {"mem_bytes": 1e8 + 2 * 2**30}})) == [("memory_growth", 6)]
+    busy = {i: {"comm_share": 0.6} for i in range(2, 40)}  # 38 steps over 30 %: flagged after 5, then every window
+    assert _kinds(_series(40, busy)) == [("comm_share", 7), ("comm_share", 27)]
+    assert _kinds(_series(10, {i: {"comm_share": 0.6} for i in (1, 3, 5, 7)})) == []  # never 5 in a row
+    strict = SETTINGS.model_copy(update={"comm_share": 0.05, "comm_share_steps": 1})
+    assert _kinds(_series(3), strict)[0] == ("comm_share", 1)
+
+
+def _nan_at_step_3(rank, world_size, cfg):
+    import sys
+
+    import torch
+
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.engine.trainer import AnomalyStop, Trainer
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    init_distributed(backend="gloo", timeout_ms=120_000)
+    trainer = Trainer(
+        cfg,
+        rank,
+        world_size,
+        torch.device("cpu"),
+        world_group(),
+        ParallelMesh.from_config(cfg.parallel, rank, world_size),
+    )
+    step = trainer.train_step
+
+    def injected(batches):
+        result = step(batches)
+        if result.step == 3:
+            result.loss = float("nan")  # what a diverging step reports
+        return result
+
+    trainer.train_step = injected
+    out, sys.stdout = sys.stdout, io.StringIO()
+    stopped = None
+    try:
+        trainer.run(resume="never")
+    except AnomalyStop as exc:
+        stopped = str(exc)
+    finally:
+        captured, sys.stdout = sys.stdout.getvalue(), out
+    events = [json.loads(line.split("KC_EVENT ", 1)[1]) for line in captured.splitlines() if "KC_EVENT " in line]
+    anomalies = [e for e in events if e["event"] == "anomaly"]
+    return {
+        "stopped": stopped,
+        "steps": trainer.state.step,
+        "anomalies": anomalies,
+        "counts": dict(trainer.anomaly.counts),
+    }
+
+
+@pytest.mark.parametrize("action", ["stop", "warn"])
+def test_a_nan_loss_is_flagged_on_every_rank_and_its_action_runs(tmp_path, action):
+    cfg = tiny_job(
+        str(tmp_path),
+        task={"name": f"nan-{action}"},
+        parallel={"data_parallel_size": 2},
+        train={"steps": 5, "anomaly": {"actions": {"loss_nan": action}}},
+        checkpoint={"interval": 100},
+    )
+    res = run_distributed(_nan_at_step_3, 2, args=(cfg,), timeout=300)
+    for r in res:
+        assert r["counts"]["loss_nan"] == 1, r
+        assert (r["stopped"] is not None) == (action == "stop") and r["steps"] == (3 if action == "stop" else 5)
+    assert [(a["kind"], a["step"], a["action"]) for a in res[0]["anomalies"]] == [("loss_nan", 3, action)]
+    assert res[1]["anomalies"] == []  # rank 0 reports for the job
+    saved = sorted(p.name for p in tmp_path.rglob("step_*") if p.is_dir())
+    if action == "stop":  # the step that showed it is kept to look at; the stop is never retried
+        assert saved == ["step_00000003"]
+        assert not RestartPolicy(max_restarts=3).retryable(WorkerFailed(0, f"AnomalyStop: {res[0]['stopped']}"))
+    else:
+        assert saved == ["step_00000005"]  # the end of the run only
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = sample.labels.get("kind")
+            out[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+    return out
+
+
+def _prefect_events(name: str) -> list[dict]:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def read():
+        async with get_client() as c:
+            r = await c._client.post("/events/filter", json={"filter": {"event": {"prefix": [name]}}, "limit": 50})
+            r.raise_for_status()
+            return r.json().get("events", [])
+
+    return asyncio.run(read())
+
+
+def test_the_orchestrator_counts_tags_and_announces_anomalies_and_serves_metrics(prefect_api, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from kuangchao_core.obs.console import LiveView
+    from kuangchao_core.obs.jsonlog import emit_event
+    from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
+    from tasks.job_events import JobEvents
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config_from_dict({"task": {"name": "kc-anomaly"}, "tracking": {"uri": uri}})
+    client = MlflowClient(uri)
+    run_id = client.create_run(
+        client.create_experiment("kc-anomaly", artifact_location=str(tmp_path / "a"))
+    ).info.run_id
+    metrics = JobMetrics("kc-anomaly", run_id)
+    exporter = MetricsExporter(metrics)
+    url = exporter.start()
+    try:
+        view, lines = LiveView(stream=io.StringIO(), quiet=True), io.StringIO()
+        events = JobEvents(cfg, "kc-anomaly@run", run_id, metrics, prefect=True)
+        view.listeners.append(events)
+        emit_event(
+            "step", stream=lines, step=7, loss=2.5, tokens_per_s=1000.0, grad_norm=0.5, comm_share=0.4, step_time_s=0.2
+        )
+        emit_event(
+            "anomaly", stream=lines, kind="comm_share", step=7, value=0.4, threshold=0.3, action="warn", message="m"
+        )
+        emit_event(
+            "anomaly",
+            stream=lines,
+            kind="loss_nan",
+            step=8,
+            value=float("nan"),
+            threshold=0.0,
+            action="stop",
+            message="n",
+        )
+        for line in lines.getvalue().splitlines():
+            view.handle_line(f"[rank0]: {line}")  # as the launcher relays them
+        got = _scrape(url)
+        assert got["kuangchao_train_loss"] == 2.5 and got["kuangchao_train_step"] == 7
+        assert got["kuangchao_train_step_seconds_count"] == 1 and got["kuangchao_train_restarts_total"] == 0
+        assert (
+            got["kuangchao_train_anomalies_total{comm_share}"] == 1
+            and got["kuangchao_train_anomalies_total{loss_nan}"] == 1
+        )
+        tags = client.get_run(run_id).data.tags
+        assert tags["kuangchao.anomaly.comm_share"] == "7" and tags["kuangchao.anomaly.loss_nan"] == "8"
+        deadline, seen = time.time() + 30, []
+        while time.time() < deadline and len(seen) < 2:
+            seen = _prefect_events("kuangchao.anomaly.")
+            time.sleep(0.5)
+        assert {e["event"] for e in seen} >= {"kuangchao.anomaly.comm_share", "kuangchao.anomaly.loss_nan"}
+        assert all(e["resource"]["prefect.resource.id"] == "kuangchao.job.kc-anomaly@run" for e in seen)
+    finally:
+        exporter.stop()
+
+
+def test_a_scrape_is_a_monitor_read_under_its_roles_rules(tmp_path):
+    from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
+    from kuangchao_core.perm.authority import Authority
+    from kuangchao_core.perm.guard import TokenGuard
+    from kuangchao_core.perm.roles import Policy
+
+    auth = Authority(tmp_path / "authority")
+    token = auth.issue("monitor", "monitor", "j", 0, interfaces=["metrics_read"], objects=["metrics:t"], ttl_s=600)
+    claims = auth.verifier("j").verify(token, subject="monitor")
+    for roles, allowed in ((None, True), ({"monitor": {"interfaces": [], "resources": []}}, False)):
+        guard = TokenGuard(claims, Policy(roles))
+        exporter = MetricsExporter(JobMetrics("t", "r"), authorize=lambda g=guard: g.check("metrics_read", "metrics:t"))
+        url = exporter.start()
+        try:
+            if allowed:
+                assert "kuangchao_train_restarts_total" in _scrape(url)
+            else:
+                with pytest.raises(urllib.error.HTTPError) as ei:
+                    _scrape(url)
+                assert ei.value.code == 403 and exporter.denied == 1
+        finally:
+            exporter.stop()
