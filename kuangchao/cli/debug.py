@@ -10,9 +10,12 @@ import typer
 debug_app = typer.Typer(help="Inspect state dumps written by workers (communication groups, memory records).")
 
 
-def _expand(paths: list[Path]) -> list[Path]:
+def _expand(paths: list[Path], kind: str = "comm") -> list[Path]:
+    """Dump files: files as given, a folder's ``*.json``, or a run directory's ``debug/<kind>/`` dumps."""
     files: list[Path] = []
     for p in paths:
+        if (p / "debug" / kind).is_dir():
+            p = p / "debug" / kind
         if p.is_dir():
             files.extend(sorted(p.glob("*.json")))
         else:
@@ -22,7 +25,9 @@ def _expand(paths: list[Path]) -> list[Path]:
 
 @debug_app.command("comm")
 def comm(
-    paths: list[Path] = typer.Argument(..., help="Dump files from comm.state.write_dump (one per rank), or a folder."),
+    paths: list[Path] = typer.Argument(
+        ..., help="A run directory (its debug/comm dumps: SIGUSR1 or a timeout wrote them), a folder or dump files."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Check the group dumps of all ranks for inconsistent rank order, mixed backends and laggards."""
@@ -55,17 +60,25 @@ def comm(
 
 @debug_app.command("memory")
 def memory(
-    path: Path = typer.Argument(..., help="A report from hal.write_memory_report."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    path: Path = typer.Argument(..., help="A run directory (its debug/memory dumps) or a memory report file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report(s) as JSON."),
 ) -> None:
-    """Show which modules hold memory (allocation records per module and region)."""
-    if not path.is_file():
-        typer.echo(f"kc debug memory: no such report file: {path}", err=True)
+    """Show which modules hold memory (allocation records per module and region), per rank for a run."""
+    files = _expand([path], "memory")
+    if not files or not all(f.is_file() for f in files):
+        typer.echo(f"kc debug memory: no memory report at {path} (SIGUSR1 the workers to write them)", err=True)
         raise typer.Exit(2)
-    rep = json.loads(path.read_text())
+    reports = {f.stem: json.loads(f.read_text()) for f in files}
     if as_json:
-        typer.echo(json.dumps(rep, indent=1))
+        typer.echo(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())), indent=1))
         return
+    for name, rep in reports.items():
+        if len(reports) > 1:
+            typer.echo(f"== {name}")
+        _print_memory(rep)
+
+
+def _print_memory(rep: dict) -> None:
     mods = sorted(rep.get("modules", {}).items(), key=lambda kv: -kv[1]["live_bytes"])
     for name, st in mods:
         typer.echo(

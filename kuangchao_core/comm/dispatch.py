@@ -41,6 +41,10 @@ def _enter(op: str, group, peer: int | None) -> int:
     return n
 
 
+#: called (no arguments) when a collective times out, before ``CommTimeout`` is raised
+TIMEOUT_HOOKS: list = []
+
+
 def _looks_like_timeout(exc: BaseException, elapsed_s: float, timeout_ms: int) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text or elapsed_s * 1000 >= 0.95 * timeout_ms
@@ -52,6 +56,11 @@ def _fail(op: str, group, seq: int, peer: int | None, elapsed_s: float, exc: Bas
     if _looks_like_timeout(exc, elapsed_s, group.timeout_ms):
         missing = diag.find_missing(group, op, seq, peer=peer)
         group.broken = f"{op} seq {seq} timed out"
+        for hook in list(TIMEOUT_HOOKS):  # e.g. the worker's state dumps for `kc debug comm`
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a dump that fails must not hide the timeout
+                pass
         raise CommTimeout(group.name, op, seq, missing, group.timeout_ms) from exc
     group.broken = f"{op} seq {seq} failed: {exc}"
     raise CommError(

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
+    if os.environ.get("KC_RUN_DIR"):  # SIGUSR1 / a collective timeout: state dumps for `kc debug comm|memory`
+        from kuangchao_core.engine.debug_dumps import dump_on_signal
+
+        dump_on_signal(os.environ["KC_RUN_DIR"], rank)
     heartbeat = HeartbeatWriter.from_env(rank)
     if heartbeat is not None:
         heartbeat.start()
