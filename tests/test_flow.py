@@ -24,6 +24,11 @@ def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa:
     assert tags["kuangchao.layout"] == "dp2-tp1-pp1-zero0"
     assert len(tags["kuangchao.config_hash"]) >= 8
     assert tags["kuangchao.attempts"] == "1"
+    import socket
+
+    node = socket.gethostname()  # MLflow's system metrics, one monitor per node, named after it
+    assert f"system/{node}/cpu_utilization_percentage" in run.data.metrics, sorted(run.data.metrics)
+    assert f"system/{node}/system_memory_usage_megabytes" in run.data.metrics
     assert "mlflow.source.git.commit" in tags
     assert run.data.params["train.steps"] == str(STEPS)
 

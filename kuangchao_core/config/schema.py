@@ -390,6 +390,9 @@ class TrackingSection(Section):
     #: the job's Prometheus ``/metrics`` (served by the orchestrator): a port, 0 for any free one, null for none
     prometheus_port: Int | None = Field(default=0, ge=0, le=65535)
     prometheus_host: str = "127.0.0.1"
+    #: CPU, memory (and GPU) of every node into the MLflow run, sampled every ``system_metrics_interval_s``
+    system_metrics: bool = True
+    system_metrics_interval_s: Float = Field(default=10.0, ge=0.1, le=3600)
 
 
 class LoggingSection(Section):

@@ -91,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
 
         sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id, task=cfg.task.name)
 
+    system = None
+    if run_id and local_rank == 0 and cfg.tracking.system_metrics:  # one monitor per node
+        import socket
+
+        from kuangchao_core.obs.system_metrics import start_system_metrics
+
+        node = os.environ.get("KC_NODE") or socket.gethostname()
+        uri = os.environ.get("KC_TRACKING_URI", cfg.tracking.uri)
+        system = start_system_metrics(uri, run_id, node, cfg.task.name, cfg.tracking.system_metrics_interval_s)
+
     trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
     global_config = os.environ.get("KC_GLOBAL_CONFIG")
     if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
@@ -119,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 finals = {"final_loss": final_loss, "tokens_per_s_mean": mean}
                 sink.log_final({k: v for k, v in finals.items() if v is not None}, state.step)
     finally:
+        if system is not None:
+            system.finish()
         if sink is not None:
             sink.close()
         if heartbeat is not None:
