@@ -39,6 +39,7 @@ from kuangchao_core.perm.issuance import close_authority, open_authority
 from kuangchao_core.sched.elastic import config_for_attempt
 from kuangchao_core.sched.recovery import RestartPolicy, supervise
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
+from tasks.ckpt_mirror import CheckpointMirror, register_mirror
 from tasks.doctor import doctor
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
@@ -223,6 +224,7 @@ def _run(
     )
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     exporter = _start_exporter(cfg, run_dir, run_id, logger)
+    mirror = None
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
@@ -236,6 +238,9 @@ def _run(
             tracking.log_json_artifact(cfg, run_id, topology.to_dict(), "topology", "topology.json")
         if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
             create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
+        if cfg.checkpoint.uri:  # every checkpoint to S3 while the job runs (the orchestrator holds the credentials)
+            mirror = CheckpointMirror(cfg, plan.lineage, s3_settings)
+            register_mirror(str(run_dir), mirror)
 
         def one_attempt(attempt: int) -> dict[str, Any]:
             nonlocal attempts
@@ -300,6 +305,8 @@ def _run(
         except WorkerFailed:
             tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
             raise
+        if mirror is not None:
+            mirror.close()  # the uploads in flight finish before the final check uploads what is left
         ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
         summary = {
             "task": cfg.task.name,
@@ -343,3 +350,6 @@ def _run(
         if exporter is not None:
             register_exporter(str(run_dir), None)
             exporter.stop()
+        if mirror is not None:  # a failed job keeps every checkpoint it saved in S3
+            register_mirror(str(run_dir), None)
+            mirror.close()

@@ -1,5 +1,6 @@
-"""What the orchestrator does with the ranks' events while a job runs: the Prometheus metrics of the job, and for
-each anomaly an MLflow tag and a Prefect event (``kuangchao.anomaly.<kind>``, so a Prefect automation can react).
+"""What the orchestrator does with the ranks' events while a job runs: the Prometheus metrics of the job, each new
+checkpoint to the S3 mirror, and for each anomaly an MLflow tag and a Prefect event (``kuangchao.anomaly.<kind>``,
+so a Prefect automation can react).
 
 The launch task adds a :class:`JobEvents` to its live view (``LiveView.listeners``); the flow owns the job's
 :class:`~kuangchao_core.obs.prometheus.JobMetrics` and exporter across attempts.
@@ -38,10 +39,18 @@ class JobEvents:
     """Listener of one attempt's events: feeds ``metrics`` (or nothing) and reacts to anomalies."""
 
     def __init__(
-        self, cfg: Any, job_id: str, mlflow_run_id: str | None, metrics: Any = None, prefect: bool | None = None
+        self,
+        cfg: Any,
+        job_id: str,
+        mlflow_run_id: str | None,
+        metrics: Any = None,
+        prefect: bool | None = None,
+        mirror: Any = None,
     ):
         """``prefect``: send Prefect events; by default when built inside a Prefect flow or task run (outside one a
-        Prefect client would start a temporary server of its own just for the event)."""
+        Prefect client would start a temporary server of its own just for the event). ``mirror``: the run's
+        :class:`~tasks.ckpt_mirror.CheckpointMirror`, given every ``checkpoint`` event."""
+        self.mirror = mirror
         self.prefect = _in_prefect_run() if prefect is None else prefect
         self.cfg = cfg
         self.job_id = job_id
@@ -52,6 +61,8 @@ class JobEvents:
     def __call__(self, event: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.observe(event)
+        if event.get("event") == "checkpoint" and self.mirror is not None:
+            self.mirror.submit(int(event.get("step", 0)))
         if event.get("event") != "anomaly":
             return
         self.anomalies.append(event)

@@ -32,6 +32,7 @@ from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster
 from kuangchao_core.sched.nodes import route_address
 from kuangchao_core.sched.placement import NodeAssignment
 from kuangchao_core.sched.rank_placement import RankPlacement
+from tasks.ckpt_mirror import mirror_for
 from tasks.job_events import JobEvents
 
 
@@ -105,7 +106,11 @@ def launch_workers(
     view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
     exporter = exporter_for(str(run_dir))
     events = JobEvents(
-        cfg, (env or {}).get("KC_JOB_ID", cfg.task.name), mlflow_run_id, exporter.metrics if exporter else None
+        cfg,
+        (env or {}).get("KC_JOB_ID", cfg.task.name),
+        mlflow_run_id,
+        exporter.metrics if exporter else None,
+        mirror=mirror_for(str(run_dir)),
     )
     view.listeners.append(events)
     worker_env = {

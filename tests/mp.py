@@ -74,18 +74,29 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
     import queue as queue_mod
+    import time
 
     try:
-        for _ in range(world_size):
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world_size and not errors:
             try:
-                rank, ok, value = queue.get(timeout=timeout)
+                rank, ok, value = queue.get(timeout=0.5)
             except queue_mod.Empty:
-                raise RuntimeError(
-                    f"distributed run timed out after {timeout}s; ranks done: {sorted(results) + sorted(errors)}"
-                ) from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead:  # killed (a signal) or exited: a result it sent may still be in the pipe
+                    try:
+                        rank, ok, value = queue.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        errors[dead[0]] = f"process exited with code {procs[dead[0]].exitcode} without a result"
+                        break
+                    (results if ok else errors)[rank] = value
+                    continue
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"distributed run timed out after {timeout}s; ranks done: {sorted(results) + sorted(errors)}"
+                    ) from None
+                continue
             (results if ok else errors)[rank] = value
-            if errors:
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

@@ -125,12 +125,18 @@ def test_sigkill_mid_run_flow_recovers_bitwise_and_mirrors_to_s3(reference_run, 
     assert STEPS in remote and summary["checkpoint_uri"] == remote[STEPS]
 
 
-def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(reference_run, tmp_path):  # noqa: F811
+def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(reference_run, tmp_path, moto_s3):  # noqa: F811
+    """Every attempt is killed (the first after its step-8 checkpoint): the run fails naming the killed rank, and the
+    checkpoints it saved are in S3 — mirrored while it ran, since the flow never reached its final upload."""
     from mlflow.tracking import MlflowClient
+
+    from kuangchao_core.ckpt.s3 import S3Settings, list_checkpoints
 
     store = Path(override_value(reference_run["overrides"], "tracking.uri")[len("sqlite:///") :]).parent
     overrides = tiny_overrides(tmp_path, store, **{"cluster.max_restarts": 1})
-    killer = Saboteur(_attempt_glob(tmp_path, overrides), [0, 1, 2], rank=1)
+    overrides += ["checkpoint.uri=s3://kc-ckpt/failing", f"checkpoint.endpoint_url={moto_s3}"]
+    task_dir = _ckpt_dir(overrides)
+    killer = Saboteur(_attempt_glob(tmp_path, overrides), [0, 1, 2], rank=1, ready=lambda: committed(task_dir, 8))
     killer.start()
     try:
         with pytest.raises(WorkerFailed) as info:
@@ -152,6 +158,11 @@ def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(referen
         ]
     )
     assert len(runs) == 1 and runs[0].info.status == "FAILED" and runs[0].data.tags["kuangchao.attempts"] == "2"
+    lineage = only_lineage(task_dir).name
+    saved = sorted(int(p.parent.name[5:]) for p in (task_dir / lineage).glob("step_*/manifest.json"))
+    s3_task = f"{override_value(overrides, 'task.name')}/{lineage}"
+    remote = dict(list_checkpoints("s3://kc-ckpt/failing", s3_task, settings=S3Settings(endpoint_url=moto_s3)))
+    assert 8 in saved and sorted(remote) == saved, (saved, remote)  # the failed job's checkpoints reached S3
 
 
 def test_config_error_is_not_retried(prefect_api, session_store, tmp_path):  # noqa: F811

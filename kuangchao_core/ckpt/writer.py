@@ -32,6 +32,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,21 @@ def _table_from_header(st: Storage, key: str) -> dict[str, Any]:
         raise CheckpointError(f"{key}: the shard just written has an unreadable safetensors header ({exc})") from None
 
 
+@dataclass
+class SavePlan:
+    """One rank's checkpoint of one step, encoded and ready to be written (see :meth:`CheckpointWriter.save`)."""
+
+    step: int
+    task: str
+    tmp_key: str
+    final_key: str
+    tensors: dict[str, torch.Tensor]
+    header: dict[str, str]
+    rng_bytes: bytes
+    state_bytes: bytes | None
+    meta: dict[str, Any]
+
+
 class CheckpointWriter:
     """Writes ``<root_dir>/<task_name>/step_<N>/`` collectively from ``world_size`` ranks (see module docstring).
 
@@ -218,14 +234,42 @@ class CheckpointWriter:
         the full tensor it holds (``full_shape`` + ``offsets`` or ``ranges``); tensors not named hold the whole
         tensor. ``shard_meta``: any JSON value stored in this rank's shard header (read with ``read_shard_extra``).
         """
+        plan = self.plan_save(step, tensors, rng_state, state, meta, slices, shard_meta)
+        self.open_step(plan)
+        self.barrier()
+        self.write_files(plan)
+        self.barrier()
+        if self.rank == 0:
+            self._commit(plan.step, plan.tmp_key, plan.final_key, plan.meta)
+        self.barrier()
+        if not self.storage.exists(plan.final_key):
+            raise CheckpointError(
+                f"checkpoint {self.task_dir / step_dir_name(plan.step)} was not published by rank 0; see rank 0's log"
+            )
+        self.retain(plan)
+        return self.task_dir / step_dir_name(plan.step)
+
+    # the phases of a save (``ckpt.async_save`` runs the last ones in the background)
+    def plan_save(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        rng_state: Mapping[str, Any],
+        state: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        slices: Mapping[str, Mapping[str, Any]] | None = None,
+        shard_meta: Any = None,
+        *,
+        copy: bool = False,
+    ) -> SavePlan:
+        """Validate and encode everything before any collective (a bad argument fails here rather than in a peer's
+        barrier). ``copy``: snapshot the tensors (their own memory), so training may change the originals."""
         guard_api.check("checkpoint_write", f"checkpoint:{self.task_name}")
         step = int(step)
         task = f"{self.task_name}/{self.lineage}" if self.lineage else self.task_name
-        tmp_key = f"{task}/{tmp_dir_name(step, self.nonce)}"
-        final_key = f"{task}/{step_dir_name(step)}"
-
-        # validate and encode before any collective, so a bad argument fails here rather than in a peer's barrier
         prepared = _prepare_tensors(tensors)
+        if copy:
+            prepared = {k: t.clone() for k, t in prepared.items()}
         slices = dict(slices or {})
         unknown = sorted(set(slices) - set(prepared))
         if unknown:
@@ -238,45 +282,59 @@ class CheckpointWriter:
         }
         rng_bytes = _json_bytes(dict(rng_state), f"rng_state of rank {self.rank}")
         state_bytes = None
+        meta = dict(meta or {})
         if self.rank == 0:
             full_state = {"step": step, **dict(state or {})}
             if full_state["step"] != step:
                 raise CheckpointError(f"state['step'] is {full_state['step']} but save() was called for step {step}")
             state_bytes = _json_bytes(full_state, "state")
-            meta = dict(meta or {})
             clash = sorted(set(meta) & _RESERVED)
             if clash:
                 raise CheckpointError(f"meta keys {clash} are reserved for the manifest; rename them")
             _json_bytes(meta, "meta")
+        return SavePlan(
+            step,
+            task,
+            f"{task}/{tmp_dir_name(step, self.nonce)}",
+            f"{task}/{step_dir_name(step)}",
+            prepared,
+            header,
+            rng_bytes,
+            state_bytes,
+            meta,
+        )
 
+    def open_step(self, plan: SavePlan) -> None:
+        """Rank 0 creates the step's temporary directory (follow with a barrier)."""
         st = self.storage
         if self.rank == 0:
-            if st.exists(tmp_key):
-                logger.warning("removing leftover %s from an earlier attempt", tmp_key)
-                st.remove_tree(tmp_key)
-            st.make_dir(f"{tmp_key}/shards")
-            st.make_dir(f"{tmp_key}/rng")
-        self.barrier()
+            if st.exists(plan.tmp_key):
+                logger.warning("removing leftover %s from an earlier attempt", plan.tmp_key)
+                st.remove_tree(plan.tmp_key)
+            st.make_dir(f"{plan.tmp_key}/shards")
+            st.make_dir(f"{plan.tmp_key}/rng")
 
-        st.write_with(f"{tmp_key}/{shard_name(self.rank)}", lambda p: save_file(prepared, str(p), metadata=header))
-        st.write_bytes(f"{tmp_key}/{rng_name(self.rank)}", rng_bytes)
-        if state_bytes is not None:
-            st.write_bytes(f"{tmp_key}/{STATE}", state_bytes)
-        self.barrier()
+    def write_files(self, plan: SavePlan) -> None:
+        """Write this rank's shard, RNG state and (rank 0) training state into the temporary directory."""
+        st = self.storage
+        header = plan.header
+        st.write_with(
+            f"{plan.tmp_key}/{shard_name(self.rank)}", lambda p: save_file(plan.tensors, str(p), metadata=header)
+        )
+        st.write_bytes(f"{plan.tmp_key}/{rng_name(self.rank)}", plan.rng_bytes)
+        if plan.state_bytes is not None:
+            st.write_bytes(f"{plan.tmp_key}/{STATE}", plan.state_bytes)
 
-        if self.rank == 0:
-            self._commit(step, tmp_key, final_key, meta or {})
-        self.barrier()
+    def commit(self, plan: SavePlan) -> None:
+        """Rank 0: verify every rank's files are there, write the manifest, publish the step (atomic rename)."""
+        self._commit(plan.step, plan.tmp_key, plan.final_key, plan.meta)
 
-        if not st.exists(final_key):
-            raise CheckpointError(
-                f"checkpoint {self.task_dir / step_dir_name(step)} was not published by rank 0; see rank 0's log"
-            )
+    def retain(self, plan: SavePlan) -> None:
+        """Rank 0: apply ``keep_last`` to the lineage, never touching the step just written."""
         if self.rank == 0 and self.keep_last:
             from kuangchao_core.ckpt.retention import apply_retention
 
-            apply_retention(task, self.keep_last, storage=st, protect=step_dir_name(step))
-        return self.task_dir / step_dir_name(step)
+            apply_retention(plan.task, self.keep_last, storage=self.storage, protect=step_dir_name(plan.step))
 
     def _commit(self, step: int, tmp_key: str, final_key: str, meta: Mapping[str, Any]) -> None:
         st = self.storage

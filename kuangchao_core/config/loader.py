@@ -130,10 +130,10 @@ def _child(tp: Any, part: str) -> tuple[Any | None, list[str]]:
     allowed: list[str] = []
     for alt in _unwrap(tp):
         if isinstance(alt, type) and issubclass(alt, BaseModel):
-            fields = list(alt.model_fields)
-            allowed.extend(fields)
-            if part in alt.model_fields:
-                return alt.model_fields[part].annotation, allowed
+            by_key = {f.alias or name: f for name, f in alt.model_fields.items()}  # YAML keys (``async``)
+            allowed.extend(by_key)
+            if part in by_key:
+                return by_key[part].annotation, allowed
         origin = typing.get_origin(alt)
         if origin is dict:
             return typing.get_args(alt)[1], allowed

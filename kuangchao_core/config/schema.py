@@ -367,12 +367,16 @@ class ClusterSection(Section):
 class CheckpointSection(Section):
     """Where and how often checkpoints are written, and how a run resumes."""
 
+    model_config = ConfigDict(**Section.model_config, populate_by_name=True)
+
     dir: str = Field(default="checkpoints", min_length=1)
     uri: str | None = None
     endpoint_url: str | None = None
     interval: Int = Field(default=100, ge=1)
     keep_last: Int = Field(default=3, ge=1)
     resume: str = Field(default="auto", min_length=1)
+    #: ``async: true`` — snapshot to host memory and write in the background (``ckpt.async_save``)
+    async_: bool = Field(default=False, alias="async")
 
     @field_validator("uri")
     @classmethod
@@ -459,7 +463,7 @@ class JobConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON-safe data, sections in canonical order."""
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
     def to_yaml(self) -> str:
         """The resolved config as YAML; ``load_config`` reads it back to an equal config."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kuangchao_core import __version__
+from kuangchao_core.ckpt.async_save import AsyncSaver
 from kuangchao_core.ckpt.index import load_for_layout, load_optimizer_for_layout, param_keys
 from kuangchao_core.ckpt.integrity import mark_bad, read_manifest
 from kuangchao_core.ckpt.lineage import LEGACY, ResumePlan, create_lineage, plan_resume
@@ -77,6 +78,7 @@ class TrainerCheckpoints:
         self.layout = layout
         self.barrier = barrier
         self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, rank, world_size, barrier=barrier)
+        self.saver = AsyncSaver(self.writer) if getattr(cfg.checkpoint, "async_", False) else None
         self.plan: ResumePlan | None = None
 
     # ------------------------------------------------------------------ lineage
@@ -143,8 +145,10 @@ class TrainerCheckpoints:
             "node_of_rank": list(getattr(self.mesh, "node_of_rank", [])),
         }
 
-    def save(self, step: int, losses: list[float], sampler_state: dict[str, Any]) -> Path:
-        """Write the checkpoint of ``step`` into this run's lineage, then apply retention (collective)."""
+    def save(self, step: int, losses: list[float], sampler_state: dict[str, Any], on_commit: Any = None) -> Path | None:
+        """Write the checkpoint of ``step`` into this run's lineage, then apply retention (collective); ``on_commit``
+        is called with the step directory once it is published. With ``checkpoint.async`` the tensors are
+        snapshotted and written in the background (``ckpt.async_save``) and None is returned."""
         tensors, slices = self._tensors()
         state = {
             "step": step,
@@ -154,19 +158,32 @@ class TrainerCheckpoints:
             "kuangchao_version": __version__,
             "config_hash": self.cfg.config_hash(),
         }
-        path = self.writer.save(
-            step,
-            tensors,
-            rng_state=capture_rng_state(),
-            state=state if self.rank == 0 else None,
-            meta=self._meta(),
-            slices=slices,
-        )
         keep = self.cfg.checkpoint.keep_last
-        if self.rank == 0 and keep:
-            apply_retention(self.writer.task_dir, keep, protect=path.name)  # this lineage only, never this step
+
+        def published(path: Path) -> None:
+            if self.rank == 0 and keep:
+                apply_retention(self.writer.task_dir, keep, protect=path.name)  # this lineage only, never this step
+            if on_commit is not None:
+                on_commit(path)
+
+        kw = dict(state=state if self.rank == 0 else None, meta=self._meta(), slices=slices)
+        if self.saver is not None:
+            self.saver.start(step, tensors, capture_rng_state(), on_commit=published, **kw)
+            return None
+        path = self.writer.save(step, tensors, rng_state=capture_rng_state(), **kw)
+        published(path)
         self.barrier()
         return path
+
+    def check(self) -> None:
+        """Raise the error of a failed background save (no-op for synchronous saves)."""
+        if self.saver is not None:
+            self.saver.check()
+
+    def finish(self) -> None:
+        """Wait until the background save in flight (if any) is published; raise its error."""
+        if self.saver is not None:
+            self.saver.wait()
 
     # ------------------------------------------------------------------ load
     @torch.no_grad()

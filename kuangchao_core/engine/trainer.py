@@ -168,10 +168,18 @@ class Trainer:
         return stop
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """Write the checkpoint of the current step into this run's lineage (collective over all ranks)."""
+    def save_checkpoint(self) -> Path | None:
+        """Write the checkpoint of the current step into this run's lineage (collective over all ranks); with
+        ``checkpoint.async`` it is written in the background and None is returned. Rank 0 reports the
+        ``checkpoint`` event when the step is published."""
         assert self.loader is not None
-        return self.checkpoints.save(self.state.step, self.state.losses, self.loader.state_dict())
+        return self.checkpoints.save(
+            self.state.step, self.state.losses, self.loader.state_dict(), on_commit=self._published
+        )
+
+    def _published(self, step_dir: Path) -> None:
+        if self.rank == 0:
+            emit_event("checkpoint", step=int(step_dir.name.removeprefix("step_")))
 
     def load_checkpoint(self, step_dir: Path) -> None:
         """Restore params, optimizer, step, sampler position and RNG from ``step_dir`` (any layout)."""
@@ -313,17 +321,16 @@ class Trainer:
                     emit_event("step", **fields)
                 if stop:
                     self.save_checkpoint()  # the state that showed it, to look at; then the run ends
+                    self.checkpoints.finish()
                     raise AnomalyStop(f"stopped at step {result.step} by anomaly {stop} (train.anomaly.actions)")
                 interval = settings.checkpoint_interval
                 if interval and result.step % interval == 0:
                     self.save_checkpoint()
                     last_saved = result.step
-                    if self.rank == 0:
-                        emit_event("checkpoint", step=result.step)
+                self.checkpoints.check()  # a failed background save ends the run here
             if self.state.step != last_saved and self.state.step == total:
                 self.save_checkpoint()
-                if self.rank == 0:
-                    emit_event("checkpoint", step=self.state.step)
+            self.checkpoints.finish()  # the save in flight is published before the run reports done
         finally:
             self.loader.close()
         return self.state

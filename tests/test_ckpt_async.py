@@ -1,0 +1,108 @@
+"""Checkpoints that do not stop training (issue 13, ``checkpoint.async: true``), in real Gloo processes:
+
+- a run checkpointed in the background and resumed continues bitwise as the uninterrupted synchronous run (the
+  snapshot is taken before training changes the tensors; the RNG and sampler state with it) — the control is the
+  same comparison's own tolerance: exact equality;
+- a rank killed while its background write is in progress leaves a temporary directory only: the newest intact
+  checkpoint is the previous one;
+- a background write that fails ends the run at the next step with the error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kuangchao_core.ckpt.lineage import new_lineage_id
+from kuangchao_core.ckpt.reader import find_latest_intact
+from tests.engine_helpers import run_trainers, tiny_job
+from tests.mp import run_distributed
+
+
+def _job(root: Path, name: str, asynchronous: bool):
+    return tiny_job(
+        str(root),
+        task={"name": name, "seed": 5},
+        parallel={"data_parallel_size": 2},
+        train={"steps": 6},
+        checkpoint={"interval": 2, "keep_last": 5, "async": asynchronous},
+    )
+
+
+def test_async_checkpoints_resume_bitwise_like_synchronous_ones(tmp_path):
+    lineage = new_lineage_id()
+    reference = _job(tmp_path / "sync", "ck", False)
+    background = _job(tmp_path / "async", "ck", True)
+    jobs = [
+        {"cfg": reference},
+        {"cfg": background, "max_steps": 4, "lineage": lineage},  # stops after its step-4 save is published
+        {"cfg": background, "resume": "auto", "lineage": lineage},
+    ]
+    ref, first, resumed = run_distributed(run_trainers, 2, args=(jobs,), timeout=300)[0]
+    steps = sorted(p.name for p in (tmp_path / "async" / "ckpt" / "ck" / lineage).glob("step_*"))
+    assert steps == ["step_00000002", "step_00000004", "step_00000006"]
+    assert resumed["steps_run"] == 2, "the resumed run continues after step 4"
+    assert resumed["losses"][-2:] == ref["losses"][-2:]
+    for name, value in ref["params"].items():
+        assert np.array_equal(resumed["params"][name], value), f"{name} differs after the async resume"
+    assert first["losses"] == ref["losses"][:4]
+
+
+def _killed_mid_write(rank, world_size, cfg, how):
+    import os
+    import signal
+
+    import torch
+
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.errors import CheckpointError
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    init_distributed(backend="gloo", timeout_ms=60_000)
+    trainer = Trainer(
+        cfg,
+        rank,
+        world_size,
+        torch.device("cpu"),
+        world_group(),
+        ParallelMesh.from_config(cfg.parallel, rank, world_size),
+    )
+    writer = trainer.checkpoints.writer
+    write = writer.write_files
+
+    def failing(plan, _write=write):
+        if plan.step == 4:
+            _write(plan)  # the shard is on disk, the step is not published
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError("disk full")
+        _write(plan)
+
+    writer.write_files = failing
+    try:
+        trainer.run(resume="never")
+    except CheckpointError as exc:
+        return {"error": str(exc), "step": trainer.state.step}
+    return {"error": None, "step": trainer.state.step}
+
+
+@pytest.mark.parametrize("how", ["kill", "error"])
+def test_a_background_write_that_dies_or_fails_leaves_the_previous_checkpoint(tmp_path, how):
+    cfg = tiny_job(
+        str(tmp_path), task={"name": f"ck-{how}"}, train={"steps": 6}, checkpoint={"interval": 2, "async": True}
+    )
+    if how == "kill":
+        with pytest.raises(RuntimeError):  # the rank is gone
+            run_distributed(_killed_mid_write, 1, args=(cfg, how), timeout=180)
+    else:
+        [out] = run_distributed(_killed_mid_write, 1, args=(cfg, how), timeout=180)
+        assert out["error"] and "disk full" in out["error"] and out["step"] in (4, 5), out
+    [lineage] = [p for p in (tmp_path / "ckpt" / f"ck-{how}").iterdir() if p.is_dir()]
+    newest = find_latest_intact(lineage)
+    assert newest is not None and newest.name == "step_00000002", newest
+    assert any(".tmp-" in p.name for p in lineage.iterdir()), "the torn step stays a temporary directory"
