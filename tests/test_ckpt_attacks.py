@@ -173,3 +173,19 @@ def test_an_unloadable_newest_checkpoint_is_marked_bad_and_the_next_attempt_resu
     assert "num_layers 2 vs 3" in model_mismatch(manifest, config_from_model_section(_job(str(tmp_path), 3).model))
     assert model_mismatch(manifest, config_from_model_section(_job(str(tmp_path)).model)) is None
     assert not (previous / "BAD.json").exists()
+    # `kc debug checkpoint` says the same: usable with the job's config, refused for another model's, and the
+    # marked step names why (OPS.4)
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+
+    run = CliRunner()
+    for layers, name in ((2, "job.yaml"), (3, "other.yaml")):
+        (tmp_path / name).write_text(_job(str(tmp_path), layers).to_yaml(), encoding="utf-8")
+    res = run.invoke(app, ["debug", "checkpoint", str(previous), "--config", str(tmp_path / "job.yaml")])
+    assert res.exit_code == 0 and "usable" in res.output and "step               2" in res.output, res.output
+    res = run.invoke(app, ["debug", "checkpoint", str(previous), "--config", str(tmp_path / "other.yaml")])
+    assert res.exit_code == 1 and "num_layers 2 vs 3" in res.output
+    [marked] = [p.parent for p in previous.parent.glob("step_00000004*/BAD.json")]  # moved aside by the rerun
+    res = run.invoke(app, ["debug", "checkpoint", str(marked)])
+    assert res.exit_code == 1 and "marked bad" in res.output, res.output

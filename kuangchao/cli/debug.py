@@ -90,6 +90,148 @@ def _print_memory(rep: dict) -> None:
     typer.echo(f"pool cached={rep.get('pool_cached_bytes', 0):,} B of {rep.get('pool_max_bytes', 0):,} B")
 
 
+@debug_app.command("gradient")
+def gradient(
+    run_dir: Path = typer.Argument(None, help="A run directory whose ranks wrote gradient snapshots."),
+    config: str = typer.Option(None, "--config", "-c", help="Run this job to --step and snapshot it instead."),
+    step: int = typer.Option(1, "--step", min=1, help="With --config: the optimizer step to snapshot."),
+    set_: list[str] = typer.Option([], "--set", help="With --config: overrides, as for kc train."),
+    top: int = typer.Option(10, "--top", min=1, help="How many differing tensors to list."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Compare parameters and reduced gradients across data-parallel replicas at one step and name the tensors
+    that differ most (replicas must agree exactly). Either read RUN_DIR's snapshots (a job run with
+    KC_GRAD_SNAPSHOT_STEP=N), or run --config for --step steps in a scratch run directory and snapshot it.
+    Exit 0 when the replicas agree, 1 naming what differs, 2 for bad arguments."""
+    from kuangchao_core.engine.grad_snapshot import load_snapshots, replica_differences, snapshot_path
+
+    if (run_dir is None) == (config is None):
+        typer.echo("kc debug gradient: give a RUN_DIR or --config (one of them)", err=True)
+        raise typer.Exit(2)
+    if config:
+        run_dir = _run_for_snapshot(config, set_, step)
+    folder = snapshot_path(run_dir, 0).parent
+    snaps = load_snapshots(folder) if folder.is_dir() else {}
+    if not snaps:
+        typer.echo(f"kc debug gradient: no gradient snapshots in {folder}", err=True)
+        raise typer.Exit(2)
+    diffs = replica_differences(snaps)
+    steps = sorted({s["step"] for s in snaps.values()})
+    if as_json:
+        typer.echo(json.dumps({"run_dir": str(run_dir), "steps": steps, "differences": diffs[:top]}, indent=1))
+    else:
+        typer.echo(f"{len(snaps)} ranks at step {steps}; replicas compared by (tp, pp) coordinates")
+        for d in diffs[:top]:
+            typer.echo(f"{d['tensor']:<48} ranks {d['ranks']}  max |diff| {d['max_abs']:.3e}  relative {d['rel']:.3e}")
+        typer.echo("replicas agree" if not diffs else f"{len(diffs)} tensor(s) differ between replicas")
+    raise typer.Exit(1 if diffs else 0)
+
+
+def _run_for_snapshot(config: str, set_: list[str], step: int) -> Path:
+    """Run the job to ``step`` in a scratch run directory (tokens issued as ``kc train`` does) with snapshots on."""
+    import os
+    import time as _time
+
+    from kuangchao_core.config import load_config
+    from kuangchao_core.engine.grad_snapshot import ENV_STEP
+    from kuangchao_core.errors import ConfigError, KuangchaoError
+
+    stamp = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())
+    try:
+        base = load_config(config, set_)
+        run = Path(os.environ.get("KC_RUNS_DIR", "runs")) / "debug" / base.task.name / stamp
+        cfg = load_config(
+            config,
+            [
+                *set_,
+                f"train.steps={step}",
+                f"checkpoint.dir={run / 'ckpt'}",  # the job's own checkpoints are neither read nor written
+                "checkpoint.resume=never",
+                f"checkpoint.interval={10**9}",
+                "tracking.prometheus_port=null",
+            ],
+        )
+    except ConfigError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    from kuangchao_core.perm.issuance import close_authority, issue_tokens_for_run
+    from tasks.launch import launch_workers
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    env = {ENV_STEP: str(step)}
+    try:
+        if cfg.permission.mode == "enforcing":
+            env.update(issue_tokens_for_run(cfg, run, 0))
+        launch_workers(cfg, run / "config.yaml", run, 0, "never", None, env)
+    except KuangchaoError as exc:
+        typer.echo(f"kc debug gradient: the job failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        close_authority(run)
+    return run
+
+
+@debug_app.command("checkpoint")
+def checkpoint(
+    step_dir: Path = typer.Argument(..., help="A checkpoint step directory (…/step_<N>)."),
+    config: str = typer.Option(None, "--config", "-c", help="A job config to check the checkpoint against."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check a checkpoint's integrity (hashes, safetensors headers against the manifest, layout) and its metadata:
+    step, format, Kuangchao and torch versions, layout, and — with --config — whether the job's model fits it and
+    in which layout it will be read. Exit 0 usable, 1 with the problems listed, 2 when it is not a checkpoint."""
+    from kuangchao_core.ckpt.integrity import read_manifest, verify_checkpoint
+
+    if not (step_dir / "manifest.json").is_file():
+        typer.echo(f"kc debug checkpoint: {step_dir}: no manifest.json (not a committed step directory)", err=True)
+        raise typer.Exit(2)
+    problems = list(verify_checkpoint(step_dir))
+    try:
+        manifest = read_manifest(step_dir)
+    except Exception as exc:  # a manifest that verify already flagged
+        manifest = {}
+        problems.append(f"manifest unreadable: {exc}")
+    bad = step_dir / "BAD.json"
+    if bad.exists():
+        problems.append(f"marked bad by a job that could not load it: {bad.read_text(errors='replace')[:300]}")
+    report = {
+        "step": manifest.get("step"),
+        "format_version": manifest.get("format_version"),
+        "kuangchao_version": manifest.get("kuangchao_version"),
+        "torch_version": manifest.get("torch_version"),
+        "created_at": manifest.get("created_at"),
+        "world_size": manifest.get("world_size"),
+        "parallel": manifest.get("parallel"),
+        "model_shape": manifest.get("model_shape"),
+    }
+    if config:
+        from kuangchao_core.config import load_config
+        from kuangchao_core.engine.checkpointing import model_mismatch
+        from kuangchao_core.errors import ConfigError
+        from kuangchao_core.models.llama import config_from_model_section
+
+        try:
+            cfg = load_config(config)
+        except ConfigError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(2) from None
+        mismatch = model_mismatch(manifest, config_from_model_section(cfg.model))
+        if mismatch:
+            problems.append(mismatch)
+        par = cfg.parallel
+        report["job_layout"] = f"dp{par.data_parallel_size}-tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}"
+    report["problems"] = problems
+    if as_json:
+        typer.echo(json.dumps(report, indent=1, default=str))
+    else:
+        for key, value in report.items():
+            if key != "problems" and value is not None:
+                typer.echo(f"{key:<18} {value}")
+        typer.echo("usable" if not problems else "problems:\n  " + "\n  ".join(problems))
+    raise typer.Exit(1 if problems else 0)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``debug`` command group to the ``kc`` app."""
     app.add_typer(debug_app, name="debug")

@@ -26,6 +26,8 @@ from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dat
 from kuangchao_core.engine.anomaly import AnomalyDetector
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.evaluation import held_out_loss_for
+from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
+from kuangchao_core.engine.grad_snapshot import write_snapshot
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import memory_bytes, memory_kind, tensor_bytes
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
@@ -287,6 +289,7 @@ class Trainer:
             emit_event(
                 "start", total_steps=total, start_step=start_step, world_size=self.world_size, lineage=plan.lineage
             )
+        snapshot_at = int(os.environ.get(GRAD_SNAPSHOT_ENV, "0") or 0) if os.environ.get("KC_RUN_DIR") else 0
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
@@ -298,6 +301,8 @@ class Trainer:
                 settings = live.follow(result.step, first=first)
                 self.lr_scale = settings.lr_scale
                 metrics = result.metrics()
+                if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step
+                    write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
                 if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:
                     metrics["eval_loss"] = self.evaluator()  # collective: every rank evaluates its share
