@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-STEPS = 24
-INTERVAL = 4
+STEPS = 12
+INTERVAL = 2
 
 
 @pytest.fixture(scope="session")

@@ -162,7 +162,8 @@ def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(referen
     saved = sorted(int(p.parent.name[5:]) for p in (task_dir / lineage).glob("step_*/manifest.json"))
     s3_task = f"{override_value(overrides, 'task.name')}/{lineage}"
     remote = dict(list_checkpoints("s3://kc-ckpt/failing", s3_task, settings=S3Settings(endpoint_url=moto_s3)))
-    assert 8 in saved and sorted(remote) == saved, (saved, remote)  # the failed job's checkpoints reached S3
+    # the failed job's checkpoints reached S3 (also those local retention has deleted since)
+    assert 8 in saved and set(saved) <= set(remote), (saved, remote)
 
 
 def test_config_error_is_not_retried(prefect_api, session_store, tmp_path):  # noqa: F811
