@@ -1,13 +1,15 @@
 """Our DataParallel against torch's DistributedDataParallel: same model, same data, 2 Gloo processes.
 
 Both wrappers train their own copy of one small Llama-style model (same initial weights) on the same batches.
-They are alternated in one run (rounds of a few steps each, the order flipped every round, so that load drift on a
-shared machine hits both alike) and the median step time
-(forward + backward + gradient sync + AdamW step, as seen by rank 0) of each is reported.
+They are alternated in blocks (each block ``--steps`` steps of ours and as many of DDP, the order flipped every
+block, so that load drift on a shared machine hits both alike). A step is forward + backward + gradient sync +
+AdamW step, as seen by rank 0; each block gives one ratio, median step of ours ÷ median step of DDP in the block
+(``benchmarks/_ratios.py``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_vs_ddp.py [--rounds 24] [--steps 2] [--bucket-mb 25]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_vs_ddp.py [--blocks 20] [--steps 4] [--bucket-mb 25]
 
-Ends with ``RESULT {"ratio_vs_peer": ours/ddp, ...}`` (DESIGN.md §4).
+Ends with ``RESULT {"ratio_vs_peer": median of the per-block ratios, "ratio_iqr": [q1, q3], "ratio_min_max":
+[min, max], "blocks": n, ...}`` (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ratios import block_stats, format_line, result_fields
 
 from kuangchao_core.sched.launcher import free_port
 
@@ -89,19 +92,22 @@ def _worker(rank: int, port: int, args, queue) -> None:
             opts["ddp"].zero_grad()
 
         runners = {"ours": step_ours, "ddp": step_ddp}
-        times: dict[str, list[float]] = {"ours": [], "ddp": []}
+        # times[name][block] = that block's step times
+        times: dict[str, list[list[float]]] = {"ours": [], "ddp": []}
         for fn in runners.values():  # warm-up (allocations, DDP's bucket rebuild)
             for s in range(2):
                 fn(*batch(s))
-        for rnd in range(args.rounds):
-            order = ("ours", "ddp") if rnd % 2 == 0 else ("ddp", "ours")
+        for blk in range(args.blocks):
+            order = ("ours", "ddp") if blk % 2 == 0 else ("ddp", "ours")
             for name in order:
                 dist.barrier()
+                got = []
                 for s in range(args.steps):
-                    x, y = batch(rnd * args.steps + s)
+                    x, y = batch(blk * args.steps + s)
                     t0 = time.perf_counter()
                     runners[name](x, y)
-                    times[name].append(time.perf_counter() - t0)
+                    got.append(time.perf_counter() - t0)
+                times[name].append(got)
         same = all(
             torch.allclose(p, q, rtol=1e-4, atol=1e-6)
             for p, q in zip(ours_model.parameters(), ddp_model.parameters(), strict=True)
@@ -113,8 +119,8 @@ def _worker(rank: int, port: int, args, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--blocks", "--rounds", dest="blocks", type=int, default=20, help="blocks of ours + DDP")
+    parser.add_argument("--steps", type=int, default=4, help="steps of each side per block")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
@@ -134,25 +140,27 @@ def main() -> None:
         raise SystemExit(f"a benchmark worker failed: exit codes {[p.exitcode for p in procs]}")
 
     times = results[0]["times"]
-    ours_med = statistics.median(times["ours"])
-    ddp_med = statistics.median(times["ddp"])
-    ratio = ours_med / ddp_med
+    stats = block_stats(list(zip(times["ours"], times["ddp"], strict=True)))
+    pooled = {name: [t for blk in times[name] for t in blk] for name in times}
+    ours_med = statistics.median(pooled["ours"])
+    ddp_med = statistics.median(pooled["ddp"])
     n_params = _build(1).config.num_params()
     print(f"model: Llama-like, {n_params / 1e6:.2f} M params; 2 Gloo processes; batch {args.batch}x{args.seq} per rank")
     print(
-        f"rounds {args.rounds} x {args.steps} steps, bucket {args.bucket_mb} MiB, ours used {results[0]['buckets']} buckets"
+        f"blocks {args.blocks} x {args.steps} steps, bucket {args.bucket_mb} MiB, ours used {results[0]['buckets']} buckets"
     )
     print(f"{'impl':<6} {'median s':>10} {'min s':>10} {'max s':>10} {'steps':>6}")
     for name, med in (("ours", ours_med), ("ddp", ddp_med)):
-        ts = times[name]
+        ts = pooled[name]
         print(f"{name:<6} {med:>10.4f} {min(ts):>10.4f} {max(ts):>10.4f} {len(ts):>6}")
-    print(f"ours/ddp = {ratio:.3f}; parameters equal after training: {results[0]['same_params']}")
+    print(format_line("ours/ddp", stats))
+    print(f"parameters equal after training: {results[0]['same_params']}")
     print(f"wall time {time.perf_counter() - t_start:.1f} s")
     print(
         "RESULT "
         + json.dumps(
             {
-                "ratio_vs_peer": round(ratio, 4),
+                **result_fields(stats),
                 "ours_median_s": round(ours_med, 5),
                 "ddp_median_s": round(ddp_med, 5),
                 "params_equal": results[0]["same_params"],

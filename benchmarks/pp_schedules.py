@@ -1,16 +1,24 @@
 """Pipeline schedules: ours against torch.distributed.pipelining on the same stages (Gloo, CPU).
 
-1. Real compute (tiny Llama, 8 layers): median step time of our 1F1B / interleaved 1F1B (v=2) divided by
-   torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, p=2 and p=4, m=8; and the measured bubble fraction
-   (1 - mean compute time / step time) next to (p-1)/(m+p-1) and (p-1)/(v m+p-1).
+1. Real compute (tiny Llama, 8 layers): our 1F1B / interleaved 1F1B (v=2) against torch's ``Schedule1F1B`` /
+   ``ScheduleInterleaved1F1B``, p=2 and p=4, m=8. The four runners alternate in blocks (``--steps`` steps of
+   each; the order reversed every block, so each pair ours/torch swaps order and drift hits both alike); each
+   comparison gets one ratio per block, median step of ours ÷ median step of torch in the block (rank 0's
+   barrier-to-barrier step time; ``benchmarks/_ratios.py``). Also the measured bubble fraction
+   (1 - mean compute time / step time, over all blocks) next to (p-1)/(m+p-1) and (p-1)/(v m+p-1).
 2. Simulated compute (each stage sleeps a fixed time per forward and twice that per backward, split over its
    chunks) so two cores can show the schedules themselves: step times, bubbles and interleaved/1F1B throughput.
 
-Ends with ``RESULT {json}``. Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pp_schedules.py``.
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pp_schedules.py [--blocks 10] [--steps 2] [--sim-rounds 2]
+
+Ends with ``RESULT {json}``: ``ratio_vs_peer``, ``ratio_iqr``, ``ratio_min_max`` and ``blocks``, each a mapping
+comparison (``1f1b_p2``, ``interleaved_p2``, ``1f1b_p4``, ``interleaved_p4``) -> value; bubbles and the simulated
+step times beside them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -24,9 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from kuangchao_core.sched.launcher import free_port
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+
+from kuangchao_core.sched.launcher import free_port  # noqa: E402
 
 M = 8
 V = 2
@@ -34,8 +44,6 @@ MB = 2
 SEQ = 32
 HIDDEN = 64
 LAYERS = 8
-ROUNDS = 5
-STEPS_PER_ROUND = 2
 SLEEP_F = 0.02  # seconds per stage forward in the simulated-compute run (backward: twice that)
 
 
@@ -160,7 +168,7 @@ def _time(step, x, y, n):
     return out
 
 
-def _body(rank, p, port, q):
+def _body(rank, p, port, q, blocks, steps, sim_rounds):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(p))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=p, timeout=timedelta(seconds=120))
@@ -181,23 +189,25 @@ def _body(rank, p, port, q):
             runners[f"ours_{name}"] = _ours(group, mods, loss_fn, name)
             if not sim:
                 runners[f"torch_{name}"] = _torch(p, rank, setup(p, rank, v), loss_fn, v > 1)
-        times = {k: [] for k in runners}
+        times = {k: [] for k in runners}  # runner -> [block][step] (step time, compute time)
         for step in runners.values():  # warm-up (torch infers shapes on its first step)
             _time(step, x, y, 1)
-        rounds = 2 if sim else ROUNDS
-        for _ in range(rounds):
-            for k, step in runners.items():
-                times[k] += _time(step, x, y, STEPS_PER_ROUND)
+        keys = list(runners)
+        for blk in range(sim_rounds if sim else blocks):
+            for k in keys if blk % 2 == 0 else reversed(keys):
+                times[k].append(_time(runners[k], x, y, steps))
         res["sim" if sim else "real"] = times
     q.put((rank, res))
     dist.destroy_process_group()
 
 
-def _run(p):
+def _run(p, args):
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_body, args=(r, p, port, q)) for r in range(p)]
+    procs = [
+        ctx.Process(target=_body, args=(r, p, port, q, args.blocks, args.steps, args.sim_rounds)) for r in range(p)
+    ]
     for pr in procs:
         pr.start()
     out = dict(q.get(timeout=600) for _ in range(p))
@@ -206,25 +216,44 @@ def _run(p):
     return [out[r] for r in range(p)]
 
 
+def _step_times(rank_res, kind, key) -> list[list[float]]:
+    """[block][step] step times of one runner on one rank."""
+    return [[t for t, _ in blk] for blk in rank_res[kind][key]]
+
+
 def _summary(per_rank, kind, key, p):
-    steps = [t for t, _ in per_rank[0][kind][key]]
+    steps = [t for blk in _step_times(per_rank[0], kind, key) for t in blk]
     med = statistics.median(steps)
-    comp = [statistics.median(c for _, c in r[kind][key]) for r in per_rank if r[kind][key][0][1] is not None]
+    comp = [
+        statistics.median(c for blk in r[kind][key] for _, c in blk)
+        for r in per_rank
+        if r[kind][key][0][0][1] is not None
+    ]
     bubble = 1.0 - statistics.mean(comp) / med if comp else None
     return med, bubble
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=10, help="blocks of the four real-compute runners")
+    ap.add_argument("--steps", type=int, default=2, help="steps of each runner per block")
+    ap.add_argument("--sim-rounds", type=int, default=2, help="rounds of the simulated-compute runs")
+    args = ap.parse_args(argv)
     from kuangchao_core.parallel.pp_schedules import bubble_fraction
 
     t_start = time.perf_counter()
-    ratio, bubble, sim, gain = {}, {}, {}, {}
+    stats, bubble, sim, gain = {}, {}, {}, {}
     for p in (2, 4):
-        per_rank = _run(p)
+        per_rank = _run(p, args)
         for name, short, v in (("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved", V)):
             ours, b = _summary(per_rank, "real", f"ours_{name}", p)
             peer, _ = _summary(per_rank, "real", f"torch_{name}", p)
-            ratio[f"{short}_p{p}"] = round(ours / peer, 3)
+            blocks = zip(
+                _step_times(per_rank[0], "real", f"ours_{name}"),
+                _step_times(per_rank[0], "real", f"torch_{name}"),
+                strict=True,
+            )
+            st = stats[f"{short}_p{p}"] = block_stats(list(blocks))
             s_med, s_b = _summary(per_rank, "sim", f"ours_{name}", p)
             ideal = (M * v + p - 1) * 3 * SLEEP_F / v
             theory = bubble_fraction(p, M, v)
@@ -235,15 +264,16 @@ def main():
             }
             sim[f"{short}_p{p}"] = {"step_s": round(s_med, 4), "ideal_s": round(ideal, 4)}
             print(
-                f"p={p} {name:17s} real: ours {ours * 1e3:7.1f} ms  torch {peer * 1e3:7.1f} ms  ratio {ours / peer:.3f}"
+                f"p={p} {name:17s} real: ours {ours * 1e3:7.1f} ms  torch {peer * 1e3:7.1f} ms"
                 f"  bubble {b:.3f} (theory {theory:.3f}) | sim: {s_med * 1e3:6.1f} ms (ideal {ideal * 1e3:6.1f})"
                 f"  bubble {s_b:.3f}"
             )
+            print(format_line(f"p={p} {name:17s} ours/torch", st))
         gain[f"p{p}"] = round(sim[f"1f1b_p{p}"]["step_s"] / sim[f"interleaved_p{p}"]["step_s"], 3)
         print(f"p={p} simulated interleaved/1F1B throughput: {gain[f'p{p}']:.3f}x")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     result = {
-        "ratio_vs_peer": ratio,
+        **keyed_result_fields(stats),
         "bubble": bubble,
         "interleaved_gain": gain,
         "sim_step": sim,
@@ -255,6 +285,8 @@ def main():
             "hidden": HIDDEN,
             "layers": LAYERS,
             "sleep_f": SLEEP_F,
+            "steps_per_block": args.steps,
+            "sim_rounds": args.sim_rounds,
         },
     }
     print("RESULT " + json.dumps(result))

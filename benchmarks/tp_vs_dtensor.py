@@ -5,12 +5,14 @@ Ours: :func:`kuangchao_core.models.tp_llama.build_tp_model` (vocab-parallel embe
 copy-to-region per block). Peer: the one-process ``LlamaForCausalLM`` parallelized with torchtitan's Llama plan
 (q/k/v/gate/up colwise, o/down rowwise, embedding rowwise from replicated ids, lm_head colwise with replicated
 output and the ordinary cross-entropy). Both start from the same weights; their first losses are checked to agree.
-Rounds of a few steps alternate between the two, the order flipped every round, and the median step time
-(forward + backward + AdamW step, rank 0) of each is reported.
+Blocks of ``--steps`` steps alternate between the two, the order flipped every block; a step is forward +
+backward + AdamW step as seen by rank 0, and each block gives one ratio, median step of ours ÷ median step of
+DTensor in the block (``benchmarks/_ratios.py``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tp_vs_dtensor.py [--rounds 10] [--steps 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tp_vs_dtensor.py [--blocks 16] [--steps 4]
 
-Ends with ``RESULT {"ratio_vs_peer": ours/dtensor, ...}`` (DESIGN.md §4).
+Ends with ``RESULT {"ratio_vs_peer": median of the per-block ratios, "ratio_iqr": [q1, q3], "ratio_min_max":
+[min, max], "blocks": n, ...}`` (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ratios import block_stats, format_line, result_fields
 
 from kuangchao_core.sched.launcher import free_port
 
@@ -109,21 +112,23 @@ def _worker(rank: int, port: int, args, queue) -> None:
         for _ in range(2):
             step_ours()
             step_peer()
-        times: dict[str, list[float]] = {"ours": [], "dtensor": []}
+        times: dict[str, list[list[float]]] = {"ours": [], "dtensor": []}  # [block][step]
         comm_ops = 0
-        for rnd in range(args.rounds):
+        for blk in range(args.blocks):
             order = [("ours", step_ours), ("dtensor", step_peer)]
-            if rnd % 2:
+            if blk % 2:
                 order.reverse()
             for name, fn in order:
+                got = []
                 for _ in range(args.steps):
                     dist.barrier()
                     COMM_STATS.reset()
                     t0 = time.perf_counter()
                     fn()
-                    times[name].append(time.perf_counter() - t0)
+                    got.append(time.perf_counter() - t0)
                     if name == "ours":
                         comm_ops = sum(COMM_STATS.counts_by_op().values())
+                times[name].append(got)
         if rank == 0:
             queue.put({"times": times, "first_losses": first, "ours_comm_ops_per_step": comm_ops})
     except BaseException as exc:  # report any failure to the parent
@@ -137,8 +142,8 @@ def _worker(rank: int, port: int, args, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--blocks", "--rounds", dest="blocks", type=int, default=16, help="blocks of ours + DTensor")
+    parser.add_argument("--steps", type=int, default=4, help="steps of each side per block")
     args = parser.parse_args()
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -151,13 +156,15 @@ def main() -> None:
         p.join(timeout=60)
     if "error" in out:
         raise SystemExit(out["error"])
-    med = {k: statistics.median(v) for k, v in out["times"].items()}
+    times = out["times"]
+    stats = block_stats(list(zip(times["ours"], times["dtensor"], strict=True)))
+    med = {k: statistics.median(t for blk in v for t in blk) for k, v in times.items()}
     ours_loss, peer_loss = out["first_losses"]
     result = {
-        "ratio_vs_peer": round(med["ours"] / med["dtensor"], 4),
+        **result_fields(stats),
         "ours_median_step_s": round(med["ours"], 5),
         "dtensor_median_step_s": round(med["dtensor"], 5),
-        "steps_each": len(out["times"]["ours"]),
+        "steps_each": args.blocks * args.steps,
         "first_loss_ours": ours_loss,
         "first_loss_dtensor": peer_loss,
         "first_loss_rel_diff": abs(ours_loss - peer_loss) / abs(peer_loss),
@@ -167,7 +174,8 @@ def main() -> None:
         "tp": WORLD,
         "backend": "gloo",
     }
-    print(f"ours {med['ours'] * 1e3:.1f} ms/step, DTensor {med['dtensor'] * 1e3:.1f} ms/step")
+    print(f"ours {med['ours'] * 1e3:.1f} ms/step, DTensor {med['dtensor'] * 1e3:.1f} ms/step (all blocks)")
+    print(format_line("ours/dtensor", stats))
     print("RESULT " + json.dumps(result))
 
 

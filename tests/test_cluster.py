@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -284,56 +283,52 @@ def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path, stor
     assert not list((tmp_path / "runs").glob("*/*/attempt_*")), "a rank was started"
 
 
-def test_dynamic_picks_two_live_nodes_placed_from_the_probe(cluster, tmp_path, store, one_process_losses):
-    """Dynamic: the probe measures all three live hosts, the job takes two of them (equal links, no load: by name) and
-    trains like one process. (Losing a node mid-run is the static test's; the spare-node choice after a loss is
-    ``choose_nodes(exclude=...)`` in tests/test_placement.py.)"""
-    overrides = _overrides(
-        tmp_path, "kc-cluster-dynamic", store, **{"cluster.mode": "dynamic", "cluster.registry": f"prefect://{POOL}"}
-    )
-    result = _finish(_start_train(cluster, tmp_path, overrides), tmp_path)
-    summary = _summary(result)
-    run_dir = Path(summary["run_dir"])
-    assert summary["attempts"] == 1, summary
-    assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h1"]
-    assert sorted(json.loads((run_dir / "placement.attempt_0.json").read_text())["placement"]["nodes"]) == ["h0", "h1"]
-    assert len(list((run_dir / "probe" / "ranks").glob("rank_*.json"))) == 6  # 3 hosts x 2 ranks measured
-    _assert_losses(store, summary, one_process_losses)
-    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
-
-
-def test_static_dp2_tp2_on_two_hosts_trains_like_one_process_and_shrinks_when_one_is_lost(
+def test_dynamic_picks_two_of_three_probed_nodes_and_shrinks_when_one_is_lost(
     cluster, tmp_path, store, one_process_losses
 ):
-    """Static dp2×tp2 on h0 and h2; h2 dies mid-run (its agent stops beating: the node is lost) and, with cluster.elastic,
-    the job resumes as dp1×tp2 with doubled accumulation on h0 alone: the loss sequence is the one-process one."""
-    overrides = _overrides(tmp_path, "kc-cluster-static", store, **{"cluster.elastic": "true"})
-    overrides += [f"{k}={v}" for k, v in _static("h0", "h2").items()]
-    ckpt = tmp_path / "ckpt" / "kc-cluster-static"
+    """Dynamic dp2×tp2 with cluster.elastic: the probe measures all three live hosts and the job takes two of them
+    (equal links, no load: by name, h0 and h1), placed from the measured links. The spare h2 goes away, then h1 dies
+    mid-run (its agent stops beating: the node is lost); with no node left to replace it the job resumes as dp1×tp2
+    with doubled accumulation on h0 alone, and the loss sequence is the one-process one. (Choosing a spare node
+    after a loss is ``choose_nodes(exclude=...)`` in tests/test_placement.py; a static cluster's missing agent is
+    the test above.)"""
+    overrides = _overrides(
+        tmp_path,
+        "kc-cluster-dynamic",
+        store,
+        **{"cluster.mode": "dynamic", "cluster.registry": f"prefect://{POOL}", "cluster.elastic": "true"},
+    )
+    runs = tmp_path / "runs" / "kc-cluster-dynamic"
+    ckpt = tmp_path / "ckpt" / "kc-cluster-dynamic"
     proc = _start_train(cluster, tmp_path, overrides)
     try:
-        _wait(lambda: list(ckpt.glob(f"*/step_{INTERVAL * 2:08d}/manifest.json")), 300, "a checkpoint mid-run")
+        # the first attempt is placed long before its ranks train (they start on the agents): time to lose the spare
+        _wait(lambda: list(runs.glob("*/placement.attempt_0.json")), 300, "the first attempt placed")
         assert cluster.bench.kill_host(2) > 0
+        _wait(lambda: "h2" not in cluster.live(), 60, "the spare h2 no longer live", poll_s=2)
+        _wait(lambda: list(ckpt.glob(f"*/step_{INTERVAL:08d}/manifest.json")), 300, "a checkpoint mid-run")
+        assert cluster.bench.kill_host(1) > 0
         result = _finish(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
     summary = _summary(result)
     run_dir = Path(summary["run_dir"])
-    assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h2"]
-    assert summary["attempts"] == 2 and summary["restart_causes"][0].startswith("attempt 0: node h2: lost")
+    assert len(list((run_dir / "probe" / "ranks").glob("rank_*.json"))) == 6  # 3 hosts x 2 ranks measured
+    assert sorted(p.name for p in (run_dir / "attempt_0" / "nodes").iterdir()) == ["h0", "h1"]
+    assert sorted(json.loads((run_dir / "placement.attempt_0.json").read_text())["placement"]["nodes"]) == ["h0", "h1"]
+    assert summary["attempts"] == 2 and summary["restart_causes"][0].startswith("attempt 0: node h1: lost"), summary
     assert sorted(p.name for p in (run_dir / "attempt_1" / "nodes").iterdir()) == ["h0"]
     replanned = load_config(run_dir / "config.attempt_1.yaml")
     assert (replanned.parallel.data_parallel_size, replanned.parallel.gradient_accumulation_steps) == (1, 2)
     assert replanned.parallel.tensor_parallel_size == 2
     _assert_losses(store, summary, one_process_losses)
-    _assert_probed_and_placed(store, summary, ["h0", "h2"])
+    _assert_probed_and_placed(store, summary, ["h0", "h1"])
 
 
 def _assert_probed_and_placed(store: Path, summary: dict, nodes: list[str]) -> None:
     """The node agents measured the real links (loopback inside a host, the shaped link between hosts) and the
-    attempt was placed from them: each TP group inside one host; both recorded with the run. (This run reuses the
-    probe of the dynamic test before it, which measured h0, h1 and h2: it covers h0 and h2.)"""
+    attempt was placed from them: each TP group inside one host; both recorded with the run."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{store / 'mlflow.db'}")

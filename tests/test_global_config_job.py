@@ -96,7 +96,11 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
             break
         time.sleep(0.2)
     assert thread.is_alive(), f"the job ended before the change could be made: {outcome}"
+    # the exporter follows the ranks' event stream, which can trail their log files by a few steps
     during = scrape()  # a scrape while the job runs
+    while during.get("kuangchao_train_step", 0) < 3 and time.time() < deadline and thread.is_alive():
+        time.sleep(0.1)
+        during = scrape()
     t_set = time.time()
     res = RUN.invoke(app, ["config", "set", "--run", str(run_dir), "lr_scale=0.5"])
     assert res.exit_code == 0, res.output

@@ -257,7 +257,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if torch.get_default_device().type == "meta":  # shapes only; these ops on meta would import torch._dynamo
+            inv_freq = torch.empty(head_dim // 2)
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,7 +375,10 @@ class LlamaForCausalLM(nn.Module):
 
     def make_embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         """Build the token embedding. Override to return a vocabulary-parallel embedding."""
-        return nn.Embedding(num_embeddings, dim)
+        weight = torch.empty(num_embeddings, dim)
+        if weight.device.type != "meta":  # nn.Embedding's own N(0, 1); on meta normal_ would import torch._dynamo
+            nn.init.normal_(weight)
+        return nn.Embedding(num_embeddings, dim, _weight=weight)
 
     @property
     def layers(self) -> nn.ModuleList:
