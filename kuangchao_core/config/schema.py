@@ -253,6 +253,9 @@ class TrainSection(Section):
     eval_interval: Int = Field(default=50, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
+    #: recompute decoder layers in the backward instead of keeping their activations: ``full`` keeps each layer's
+    #: input only, ``selective`` keeps matmul and attention outputs and recomputes the rest
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     deterministic: bool = False
     anomaly: AnomalySection = Field(default_factory=AnomalySection)
 

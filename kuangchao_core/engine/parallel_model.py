@@ -81,6 +81,7 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
         model = LlamaForCausalLM(llama_cfg)
         model.init_weights(seed)
         loss_fn = causal_lm_loss
+    model.activation_checkpointing = cfg.train.activation_checkpointing
     dtype = param_dtype(cfg.train.dtype)
     layout = _target(mesh, cfg)
     regions = layout.param_slices(llama_cfg)

@@ -13,7 +13,10 @@ after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimi
 Activations are a rough estimate: per layer and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 16 bits
 (Korthikanti et al.), doubled for fp32, times the layers of the stage and the micro-batches in flight
 (1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and min(m, p)·(1 + (p−1)/(p·v)) for
-interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage. :func:`state_bytes`,
+interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage. With activation checkpointing a layer keeps
+only its input (``full``: s·b·h elements) or its input and the outputs of its matmuls and attention core
+(``selective``: s·b·(3h + (2·q + 2·kv + 2·I)/t) elements, q/kv/I the query, key-value and MLP widths), and one
+layer's whole activations are added for the layer being recomputed. :func:`state_bytes`,
 :func:`activation_bytes_per_layer` and :func:`micro_batches_in_flight` hold these formulas (``kc recommend`` reuses
 them); :func:`state_bytes` also knows bf16 mixed precision (2Ψ parameters, 2Ψ gradients, 12Ψ fp32 master copy and
 moments, ZeRO §3: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N).
@@ -201,6 +204,20 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     return seq * micro_batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) * (2 if fp32 else 1)
 
 
+def recomputed_layer_bytes(seq: int, micro_batch: int, mcfg: Any, tp: int, fp32: bool, mode: str) -> float:
+    """Bytes one layer keeps from its forward under activation checkpointing ``mode`` (module docstring): its
+    input (``full``), or its input and the outputs of its matmuls and attention core (``selective``)."""
+    tokens, elem, h = seq * micro_batch, (4 if fp32 else 2), mcfg.hidden_size
+    if mode == "full":
+        return tokens * h * elem
+    d = mcfg.head_dim
+    q = mcfg.num_heads * d // tp
+    kv = max(mcfg.num_kv_heads * d // tp, d)  # fewer kv heads than TP ranks: each rank keeps one, replicated
+    inter = mcfg.intermediate_size // tp
+    # input; q, k, v, attention output; o_proj and down_proj outputs (whole after TP's all-reduce); gate and up
+    return tokens * elem * (h + 2 * q + 2 * kv + 2 * h + 2 * inter)
+
+
 def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
     """Micro-batches whose activations a pipeline rank holds at once (module docstring)."""
     if pp == 1:
@@ -235,6 +252,8 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
     fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
     act_layer = activation_bytes_per_layer(seq, b, mcfg.hidden_size, mcfg.num_heads, tp, fp32)
+    recompute = getattr(getattr(cfg, "train", None), "activation_checkpointing", "none")
+    kept_layer = act_layer if recompute == "none" else recomputed_layer_bytes(seq, b, mcfg, tp, fp32, recompute)
     in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
     out = []
     for rank in range(dp * tp * pp) if ranks is None else ranks:
@@ -245,7 +264,9 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
         last = any(c.has_head for c in chunks[pp_rank])
         state = state_bytes(psi, dp, par.zero_stage)
         params, grads, optim = state["params"], state["grads"], state["optimizer"]
-        acts = act_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
+        acts = kept_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
+        if recompute != "none" and layers:
+            acts += act_layer  # the layer being recomputed in the backward holds all of its activations
         out.append(
             {
                 "rank": rank,

@@ -27,6 +27,7 @@ from kuangchao_core.config.access import setting
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
+from kuangchao_core.models.recompute import run_layer
 
 IGNORE_INDEX = -100
 
@@ -358,7 +359,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only language model with Hugging Face parameter names; ``forward(input_ids) -> logits``."""
+    """Decoder-only language model with Hugging Face parameter names; ``forward(input_ids) -> logits``.
+
+    ``activation_checkpointing``: ``none``, ``full`` or ``selective`` (:mod:`kuangchao_core.models.recompute`),
+    applied to each decoder layer while autograd records."""
+
+    activation_checkpointing: str = "none"
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -399,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         end = len(self.model.layers) if end is None else end
         cos, sin = self.rotary(h.shape[1], h.device, h.dtype)
         for layer in self.model.layers[start:end]:
-            h = layer(h, cos, sin)
+            h = run_layer(layer, h, cos, sin, self.activation_checkpointing)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
