@@ -498,7 +498,8 @@ def test_settings_the_job_does_not_use_are_named_and_defaults_are_quiet(tmp_path
         "permission.token_ttl_seconds": {"permission": {"mode": "trusted", "token_ttl_seconds": 60}},
         "cluster.registry": {"cluster": {"registry": "prefect://pool"}},
         "task.priority": {"task": {"priority": "high"}},
-        "train.dtype": {"train": {"dtype": "bf16"}},
+        "train.loss_scaling": {"train": {"dtype": "bf16", "loss_scaling": {"initial_scale": 8}}},
+        "parallel.grad_reduce_dtype": {"parallel": {"zero_stage": 1, "grad_reduce_dtype": "bf16"}},
         "train.warmup_steps": {"train": {"steps": 4, "warmup_steps": 4}},
     }
     for path, section in cases.items():

@@ -175,6 +175,8 @@ class ParallelSection(Section):
     bucket_size_mb: Float = Field(default=25.0, gt=0)
     hierarchical_allreduce: Literal["auto", "on", "off"] = "auto"
     grad_compression: Literal["none", "fp16", "bf16", "topk"] = "none"
+    #: the dtype DP gradient buckets are summed in (fp32 gradients of mixed precision; bf16 halves the bytes)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     topk_ratio: Float = Field(default=0.01, gt=0, le=1)
     topk_warmup_steps: Int = Field(default=0, ge=0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -242,6 +244,15 @@ class AnomalySection(Section):
         return value
 
 
+class LossScalingSection(Section):
+    """Dynamic loss scaling of ``train.dtype: fp16``: the scale doubles after ``growth_interval`` clean steps in a
+    row and halves after ``hysteresis`` steps whose gradients overflowed (each skipped)."""
+
+    initial_scale: Float = Field(default=2.0**16, gt=0, le=2.0**32)
+    growth_interval: Int = Field(default=2000, ge=1)
+    hysteresis: Int = Field(default=1, ge=1)
+
+
 class TrainSection(Section):
     """The training loop: ``steps`` counts optimizer steps."""
 
@@ -256,6 +267,7 @@ class TrainSection(Section):
     #: recompute decoder layers in the backward instead of keeping their activations: ``full`` keeps each layer's
     #: input only, ``selective`` keeps matmul and attention outputs and recomputes the rest
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    loss_scaling: LossScalingSection = Field(default_factory=LossScalingSection)
     deterministic: bool = False
     anomaly: AnomalySection = Field(default_factory=AnomalySection)
 

@@ -1,7 +1,7 @@
 """Settings a job accepts but does not use, said once at start (a config key is never silently ignored).
 
 Each entry is ``(dotted path, why)``. Most are settings that only mean something together with another one
-(``checkpoint.endpoint_url`` without ``checkpoint.uri``); a few are not built yet (mixed precision, placement by
+(``checkpoint.endpoint_url`` without ``checkpoint.uri``); a few are not built yet (placement by
 priority) and say what the job does instead. A setting counts as *given* when the config file or an override
 names it, so defaults never produce a warning.
 """
@@ -31,14 +31,15 @@ def unused_settings(cfg: Any) -> Warnings:
         cfg.cluster,
         cfg.checkpoint,
     )
-    if train.dtype in ("bf16", "fp16"):
-        out.append(
-            (
-                "train.dtype",
-                f"{train.dtype}: mixed precision is not implemented yet; this job trains with fp32 parameters and "
-                "fp32 compute (set train.dtype: fp32 to silence this)",
-            )
+    if train.dtype != "fp16" and _given(train, "loss_scaling"):
+        out.append(("train.loss_scaling", f"only used with train.dtype fp16; this job trains in {train.dtype}"))
+    if par.grad_reduce_dtype != "fp32" and (par.zero_stage or par.grad_compression != "none"):
+        why = (
+            f"ZeRO-{par.zero_stage} reduce-scatters fp32 gradients"
+            if par.zero_stage
+            else f"grad_compression {par.grad_compression} decides the exchange"
         )
+        out.append(("parallel.grad_reduce_dtype", f"applies to uncompressed DP buckets of zero_stage 0; {why}"))
     if train.lr_schedule == "constant" and _given(train, "min_lr_ratio"):
         out.append(("train.min_lr_ratio", "only used by lr_schedule cosine; this job's learning rate is constant"))
     if train.warmup_steps >= train.steps:

@@ -145,10 +145,18 @@ class TrainerCheckpoints:
             "node_of_rank": list(getattr(self.mesh, "node_of_rank", [])),
         }
 
-    def save(self, step: int, losses: list[float], sampler_state: dict[str, Any], on_commit: Any = None) -> Path | None:
+    def save(
+        self,
+        step: int,
+        losses: list[float],
+        sampler_state: dict[str, Any],
+        on_commit: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path | None:
         """Write the checkpoint of ``step`` into this run's lineage, then apply retention (collective); ``on_commit``
         is called with the step directory once it is published. With ``checkpoint.async`` the tensors are
-        snapshotted and written in the background (``ckpt.async_save``) and None is returned."""
+        snapshotted and written in the background (``ckpt.async_save``) and None is returned. ``extra``: more
+        ``state.json`` entries (``optimizer_steps`` when steps were skipped, the loss scaler's ``precision``)."""
         tensors, slices = self._tensors()
         state = {
             "step": step,
@@ -157,6 +165,7 @@ class TrainerCheckpoints:
             "losses": losses,
             "kuangchao_version": __version__,
             "config_hash": self.cfg.config_hash(),
+            **(extra or {}),
         }
         keep = self.cfg.checkpoint.keep_last
 

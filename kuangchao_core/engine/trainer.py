@@ -37,6 +37,7 @@ from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.parallel.forward_backward import get_forward_backward
 from kuangchao_core.parallel.grad_sync import make_grad_sync
+from kuangchao_core.parallel.mixed_precision import mixed_precision_for
 
 log = logging.getLogger("kuangchao.engine")
 
@@ -53,6 +54,7 @@ class StepResult:
     mem_bytes: int
     comm_share: float
     step_time_s: float
+    precision: dict[str, float] = field(default_factory=dict)  # loss_scale, skipped_steps under fp16
 
     def metrics(self) -> dict[str, float]:
         """The MLflow metric dict (contract names)."""
@@ -63,6 +65,7 @@ class StepResult:
             "grad_norm": self.grad_norm,
             "mem_bytes": float(self.mem_bytes),
             "comm_share": self.comm_share,
+            **self.precision,
         }
 
 
@@ -107,7 +110,10 @@ class Trainer:
         self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
         self.model = self.parts.model
         self.sync = make_grad_sync(cfg, self.model, mesh, self.parts.norm_weight)
-        self.forward_backward = get_forward_backward(self.model, self.parts.loss_fn, self.parts.executor)
+        self.precision = mixed_precision_for(cfg, device, world_group)
+        self.forward_backward = get_forward_backward(
+            self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
+        )
         if rank == 0 and hasattr(self.sync, "memory_report"):
             log_event(log, "zero memory per rank", **self.sync.memory_report())
 
@@ -175,8 +181,12 @@ class Trainer:
         ``checkpoint.async`` it is written in the background and None is returned. Rank 0 reports the
         ``checkpoint`` event when the step is published."""
         assert self.loader is not None
+        extra = {
+            "optimizer_steps": self.state.step - self.precision.skipped_steps,
+            "precision": self.precision.state_dict(),
+        }
         return self.checkpoints.save(
-            self.state.step, self.state.losses, self.loader.state_dict(), on_commit=self._published
+            self.state.step, self.state.losses, self.loader.state_dict(), on_commit=self._published, extra=extra
         )
 
     def _published(self, step_dir: Path) -> None:
@@ -186,6 +196,7 @@ class Trainer:
     def load_checkpoint(self, step_dir: Path) -> None:
         """Restore params, optimizer, step, sampler position and RNG from ``step_dir`` (any layout)."""
         state = self.checkpoints.load(step_dir)
+        self.precision.load_state_dict(state.get("precision"))
         self.state.step = int(state["step"])
         self.state.losses = list(state.get("losses", []))
         self.sampler.load_state_dict(state["sampler"])
@@ -213,8 +224,14 @@ class Trainer:
             for b in micro_batches
         ]
         local_loss, tokens = self.forward_backward(self.sync, batches)
-        grad_norm = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
-        self.sync.step()
+        # fp16: unscale and agree over every rank whether any gradient overflowed; such a step is skipped
+        skip = self.precision.dynamic and self.precision.unscale_and_check(self.sync.local_grads())
+        if skip:
+            grad_norm = float("nan")
+        else:
+            grad_norm = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
+            self.sync.step()
+        self.precision.update(skip)
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
         loss_t = torch.tensor([local_loss], dtype=torch.float64)
         for group in (self.mesh.pp_group, self.mesh.dp_group):
@@ -234,6 +251,7 @@ class Trainer:
             mem_bytes=memory_bytes(self.device),
             comm_share=min(1.0, comm / dt) if dt > 0 else 0.0,
             step_time_s=dt,
+            precision=self.precision.metrics(),
         )
 
     def _report_memory(self, result: StepResult) -> None:

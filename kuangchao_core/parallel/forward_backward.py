@@ -14,6 +14,7 @@ The loss returned is this rank's: the mean over micro-batches on the last pipeli
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,27 +29,36 @@ def _tokens(batches: list[dict[str, torch.Tensor]]) -> int:
     return sum(int((b["labels"] != -100).sum()) for b in batches)
 
 
-def get_forward_backward(model: torch.nn.Module, loss_fn: Callable, executor: Any = None) -> ForwardBackward:
-    """The step function for this rank: pipelined when ``executor`` (a PipelineExecutor) is given, else plain."""
+def get_forward_backward(
+    model: torch.nn.Module, loss_fn: Callable, executor: Any = None, precision: Any = None
+) -> ForwardBackward:
+    """The step function for this rank: pipelined when ``executor`` (a PipelineExecutor) is given, else plain.
+
+    ``precision``: the job's :class:`~kuangchao_core.parallel.mixed_precision.MixedPrecision` (forwards under its
+    autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled."""
     if executor is not None:
 
         def pipelined(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
             with sync.no_sync():
-                loss = executor.run(batches)
+                loss = executor.run(batches, precision=precision)
             sync.finish(accumulated=True)
             return (float(loss) if loss is not None else 0.0), _tokens(batches)
 
         return pipelined
 
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+    scale = precision.scale if precision is not None else (lambda loss: loss)
+
     def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         n = len(batches)
-        local = 0.0
+        local = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(batches):
             with maybe_no_sync(sync, last=i == n - 1):
-                loss = loss_fn(model(batch["input_ids"]), batch["labels"]) / n
-                loss.backward()
-            local += float(loss.detach())
+                with autocast():
+                    loss = loss_fn(model(batch["input_ids"]), batch["labels"]) / n
+                scale(loss).backward()
+            local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
         sync.finish()
-        return local, _tokens(batches)
+        return float(local), _tokens(batches)
 
     return plain

@@ -63,6 +63,9 @@ class GradSync(Protocol):
     def state_tensors(self) -> list[torch.Tensor]:
         """The optimizer-state tensors this rank holds (for memory accounting)."""
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """The reduced gradient tensors this rank's optimizer will read (for loss-scale unscaling)."""
+
 
 def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
     for group in groups:
@@ -141,6 +144,10 @@ class ReplicatedAdamW:
     def step(self) -> None:
         """See :meth:`GradSync.step`."""
         self.optimizer.step()
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """See :meth:`GradSync.local_grads`."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     def prepare(self) -> None:
         """Broadcast DP rank 0's parameters to the other replicas."""
@@ -235,6 +242,11 @@ class ShardedAdamW:
         """See :meth:`GradSync.step`."""
         self.optimizer.step()
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """See :meth:`GradSync.local_grads`: this rank's gradient shards."""
+        self.optimizer.finish_gradient_sync()
+        return list(self.optimizer.grad_shards())
+
     def prepare(self) -> None:
         """Nothing to do: the ZeRO optimizer broadcast rank 0's parameters when it was built and all-gathers after
         every step."""
@@ -292,7 +304,10 @@ def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dic
     stage = int(par.zero_stage)
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage)
-    compressor = make_compressor(par.grad_compression, par.topk_ratio, par.topk_warmup_steps)
+    kind = par.grad_compression
+    if kind == "none" and par.grad_reduce_dtype == "bf16":
+        kind = "bf16"  # the same exchange: buckets summed in bfloat16
+    compressor = make_compressor(kind, par.topk_ratio, par.topk_warmup_steps)
     return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, compressor)
 
 

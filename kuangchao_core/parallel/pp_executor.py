@@ -13,9 +13,11 @@ batch when every micro-batch has the same number of counted tokens.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,9 +99,15 @@ class PipelineExecutor:
         kind, mb, stage = message_key(action, self.p, self.pp_rank)
         return (mb * self.num_stages + stage) * 2 + (kind == "grad")
 
-    def run(self, micro_batches: Sequence[dict]) -> torch.Tensor | None:
+    def run(self, micro_batches: Sequence[dict], precision: Any = None) -> torch.Tensor | None:
         """Run forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``), accumulating
-        parameter gradients; returns the mean loss over micro-batches on the last stage, None elsewhere."""
+        parameter gradients; returns the mean loss over micro-batches on the last stage, None elsewhere.
+
+        ``precision``: a :class:`~kuangchao_core.parallel.mixed_precision.MixedPrecision` whose autocast the
+        forwards run under and whose scaled loss the last stage's backward starts from (the loss returned is
+        unscaled)."""
+        autocast = precision.autocast if precision is not None else contextlib.nullcontext
+        scale = precision.scale if precision is not None else (lambda loss: loss)
         m = len(micro_batches)
         validate_schedule(self.schedule_name, self.p, m, self.v)
         ids0 = micro_batches[0]["input_ids"]
@@ -144,10 +152,13 @@ class PipelineExecutor:
                     inputs[key] = None
                 else:
                     inputs[key] = x
-                out = self.chunks[a.chunk](x)
+                with autocast():
+                    out = self.chunks[a.chunk](x)
+                    if self.is_last_stage(a.chunk):
+                        out = self.loss_fn(out, micro_batches[a.mb]["labels"].to(self.device)) / m
                 if self.is_last_stage(a.chunk):
-                    out = self.loss_fn(out, micro_batches[a.mb]["labels"].to(self.device)) / m
                     total = out.detach() if total is None else total + out.detach()
+                    out = scale(out)
                 outputs[key] = out
             elif a.kind == BACKWARD:
                 out = outputs.pop(key)
