@@ -233,7 +233,7 @@ class Trainer:
             self.sync.step()
         self.precision.update(skip)
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
-        loss_t = torch.tensor([local_loss], dtype=torch.float64)
+        loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         for group in (self.mesh.pp_group, self.mesh.dp_group):
             if group is not None and group.size > 1:
                 P.all_reduce(loss_t, group=group, op="sum")

@@ -24,6 +24,14 @@ def param_dtype(name: str) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """``torch.optim.AdamW`` implementation flags for ``params``: the fused kernel on CUDA; elsewhere the
+    single-tensor loop, whose rounding every CPU layout shares (the layout-equivalence and bitwise-resume suites
+    rely on one implementation)."""
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    return {"fused": True} if on_cuda else {"foreach": False}
+
+
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 when it is a lower-precision float, else unchanged (fp64 stays fp64)."""
     if t.dtype in (torch.float16, torch.bfloat16):

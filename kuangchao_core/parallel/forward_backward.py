@@ -51,7 +51,7 @@ def get_forward_backward(
 
     def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         n = len(batches)
-        local = torch.zeros((), dtype=torch.float64)
+        local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
         for i, batch in enumerate(batches):
             with maybe_no_sync(sync, last=i == n - 1):
                 with autocast():

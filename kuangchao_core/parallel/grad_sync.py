@@ -23,6 +23,7 @@ import torch
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.errors import CheckpointError
+from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
@@ -100,7 +101,8 @@ class ReplicatedAdamW:
         intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
         self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor if mesh.dp > 1 else None)
         self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb, reducer=self.reducer)
-        self.optimizer = torch.optim.AdamW(list(model.parameters()), foreach=False, **hyper)
+        params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(params, **adamw_kernel(params), **hyper)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -131,7 +133,7 @@ class ReplicatedAdamW:
                 return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
             return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         grads = []
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
@@ -230,7 +232,7 @@ class ShardedAdamW:
         """Sum of squares over the owned pieces of the shards, weighted per TP replication, over dp×tp×pp."""
         self.optimizer.finish_gradient_sync()
         shards = self.optimizer.grad_shards()
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=shards[0].device if shards else None)
         for slot, lo, hi, offset in self.optimizer.owned_pieces():
             piece = shards[slot.bucket][offset : offset + hi - lo]
             sq += piece.double().pow(2).sum() * self.norm_weight[slot.name]

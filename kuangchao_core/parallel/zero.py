@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
 from kuangchao_core.parallel.zero_layout import Slot, named_trainable, pieces_of, plan_buckets
 
@@ -115,7 +116,12 @@ class ZeroOptimizer:
         for sp, g in zip(self._shard_params, self._grad_shards(), strict=True):
             sp.grad = g
         self.optimizer = torch.optim.AdamW(
-            self._shard_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+            self._shard_params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            **adamw_kernel(self._shard_params),
         )
         self._broadcast_params()
 

@@ -1,0 +1,280 @@
+"""The GPU check (issue 12): one command on a CUDA machine that says whether mixed precision works there and how
+fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
+
+    python benchmarks/gpu/check.py [--out DIR] [--steps 20] [--blocks 6]
+    python benchmarks/gpu/check.py --smoke          # the same code paths on the CPU with tiny shapes (CI-sized)
+
+(a) **bf16 vs fp32**: the engine's Trainer on one device trains the small preset for 50 steps in fp32 and in bf16
+    (autocast, fp32 master weights); the largest relative loss difference is reported (the CPU test states 2%).
+(b) **~1B Llama step** (Llama-3.2-1B's shapes: hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocabulary 128256,
+    sequence 2048): ours (``LlamaForCausalLM`` under bf16 autocast, selective activation checkpointing, fused
+    AdamW on fp32 master weights) against the peer — a plain PyTorch Llama of the same shapes written here, under
+    the same autocast, ``torch.compile``d, with fused AdamW — alternated in blocks (``benchmarks/_ratios.py``).
+    Reported per side: step time, tokens/s, MFU (6·N·tokens per step ÷ time ÷ the device's bf16 dense peak;
+    attention FLOPs not counted), peak memory.
+
+Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _ratios import block_stats, format_line, result_fields  # noqa: E402
+from torch import nn  # noqa: E402
+
+#: bf16 dense peak FLOP/s by device name fragment (vendor figures, without sparsity)
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    max_seq_len=2048,
+    rope_theta=500000.0,
+)
+SMOKE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=176,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_seq_len=64,
+    rope_theta=10000.0,
+)
+
+
+def _peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------- (a) bf16 vs fp32
+
+
+def loss_tracking(device: torch.device, smoke: bool, steps: int = 50) -> dict:
+    """Train the small preset (tiny on --smoke) through the engine's Trainer in fp32 and bf16; max relative
+    loss difference."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    init_distributed(backend="auto", timeout_ms=600_000)
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = config_from_dict(
+            {
+                "task": {"name": f"gpu-check-{dtype}", "seed": 7},
+                "model": {"preset": "tiny" if smoke else "small"},
+                "data": {"format": "synthetic", "seq_len": 32 if smoke else 256, "synthetic": {"num_train": 2048}},
+                "parallel": {"micro_batch_size": 4 if smoke else 16},
+                "optimizer": {"lr": 1e-3},
+                "train": {"steps": steps, "warmup_steps": 5, "dtype": dtype, "device": device.type},
+                "permission": {"mode": "trusted"},
+                "checkpoint": {"dir": str(Path(os.environ.get("OUT", "/tmp")) / "gpu-check-ckpt"), "interval": 10**6},
+                "tracking": {"uri": "sqlite:////tmp/gpu-check-mlflow.db"},
+            }
+        )
+        mesh = ParallelMesh.from_config(cfg.parallel, 0, 1)
+        trainer = Trainer(cfg, 0, 1, device, world_group(), mesh)
+        losses[dtype] = list(trainer.run(resume="never").losses)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses["bf16"], losses["fp32"], strict=True))
+    return {"steps": steps, "max_rel_loss_diff": rel, "final": {k: v[-1] for k, v in losses.items()}}
+
+
+# ----------------------------------------------------------------------------------------- (b) the peer
+
+
+class _PeerBlock(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        h, d = c["hidden_size"], c["hidden_size"] // c["num_heads"]
+        self.heads, self.kv, self.d = c["num_heads"], c["num_kv_heads"], d
+        self.n1, self.n2 = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
+        self.qkv = nn.Linear(h, (self.heads + 2 * self.kv) * d, bias=False)
+        self.o = nn.Linear(self.heads * d, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * c["intermediate_size"], bias=False)
+        self.down = nn.Linear(c["intermediate_size"], h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.n1(x)).split([self.heads * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
+        q, k, v = (t.view(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))
+
+        def rope(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        g, u = self.gate_up(self.n2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class PeerLlama(nn.Module):
+    """A plain PyTorch Llama (fused QKV and gate/up projections, ``nn.RMSNorm``, SDPA with GQA)."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.embed = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.blocks = nn.ModuleList(_PeerBlock(c) for _ in range(c["num_layers"]))
+        self.norm = nn.RMSNorm(c["hidden_size"], eps=1e-5)
+        self.head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        d = c["hidden_size"] // c["num_heads"]
+        inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(c["max_seq_len"]).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        x = self.embed(ids)
+        for blk in self.blocks:
+            x = blk(x, self.cos[:s], self.sin[:s])
+        return self.head(self.norm(x))
+
+
+# ----------------------------------------------------------------------------------------- (b) the timing
+
+
+def _num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_timing(device: torch.device, smoke: bool, steps: int, blocks: int, batch: int, recompute: str) -> dict:
+    """Ours and the peer alternated in blocks of ``steps`` steps; medians, tokens/s, MFU and peak memory."""
+    from kuangchao_core.hal.dtypes import adamw_kernel
+    from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+
+    shapes = SMOKE if smoke else LLAMA_1B
+    seq = shapes["max_seq_len"]
+    ours = LlamaForCausalLM(LlamaConfig(**shapes)).to(device)
+    ours.init_weights(1)
+    ours.activation_checkpointing = recompute
+    peer = PeerLlama(shapes).to(device)
+    compiled_peer = peer if smoke else torch.compile(peer)
+    sides = {
+        "ours": (ours, lambda ids, y: causal_lm_loss(ours(ids), y)),
+        "peer": (peer, lambda ids, y: F.cross_entropy(compiled_peer(ids).float().flatten(0, 1), y.flatten())),
+    }
+    opts = {
+        k: torch.optim.AdamW(list(m.parameters()), lr=1e-4, **adamw_kernel(list(m.parameters())))
+        for k, (m, _) in sides.items()
+    }
+    gen = torch.Generator().manual_seed(0)
+    autocast_type = device.type
+
+    def one_step(side: str) -> float:
+        ids = torch.randint(0, shapes["vocab_size"], (batch, seq + 1), generator=gen).to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(autocast_type, dtype=torch.bfloat16):
+            loss = sides[side][1](ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        opts[side].step()
+        opts[side].zero_grad(set_to_none=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    for side in sides:  # warm-up (compilation, allocator, cuBLAS heuristics)
+        for _ in range(2 if smoke else 3):
+            one_step(side)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times: dict[str, list[list[float]]] = {"ours": [], "peer": []}
+    peak_mem: dict[str, int] = {}
+    for b in range(blocks):
+        for side in ("ours", "peer") if b % 2 == 0 else ("peer", "ours"):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times[side].append([one_step(side) for _ in range(steps)])
+            if device.type == "cuda":
+                peak_mem[side] = max(peak_mem.get(side, 0), torch.cuda.max_memory_allocated(device))
+    stats = block_stats(list(zip(times["ours"], times["peer"], strict=True)))
+    peak = _peak(device)
+    tokens = batch * seq
+    out = {"shapes": shapes, "batch": batch, "seq": seq, "activation_checkpointing": recompute}
+    for side, (model, _) in sides.items():
+        n = _num_params(model)
+        med = statistics.median(t for blk in times[side] for t in blk)
+        out[side] = {
+            "params": n,
+            "step_s": med,
+            "tokens_per_s": tokens / med,
+            "mfu": (6 * n * tokens / med / peak) if peak else None,
+            "peak_mem_gib": peak_mem[side] / 2**30 if side in peak_mem else None,
+        }
+    out["ratio"] = result_fields(stats)
+    print(format_line("step time ours ÷ plain PyTorch (compiled)", stats))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--recompute", default="selective", choices=("none", "full", "selective"))
+    ap.add_argument("--skip-tracking", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device here: run with --smoke for the CPU code paths", file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    result: dict = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    if not args.skip_tracking:
+        result["bf16_vs_fp32"] = loss_tracking(device, args.smoke, steps=10 if args.smoke else 50)
+        print(f"bf16 vs fp32: max relative loss difference {result['bf16_vs_fp32']['max_rel_loss_diff']:.4f}")
+    result["llama_1b_step"] = step_timing(device, args.smoke, args.steps, args.blocks, args.batch, args.recompute)
+    for side in ("ours", "peer"):
+        r = result["llama_1b_step"][side]
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else "n/a"
+        print(
+            f"{side}: {r['params'] / 1e9:.3f} B params, {r['step_s'] * 1e3:.1f} ms/step, "
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak memory {mem}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
+    print("RESULT " + json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
