@@ -10,13 +10,16 @@
 
 Memory per rank (fp32 AdamW, ``/work/shared/reference/performance.md`` §2.5, Ψ = parameters this rank holds
 after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimizer m and v 8Ψ (ZeRO-1/2: 8Ψ/N).
-Activations are a rough estimate: per layer and micro-batch s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 16 bits
-(Korthikanti et al.), doubled for fp32, times the layers of the stage and the micro-batches in flight
-(1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and min(m, p)·(1 + (p−1)/(p·v)) for
-interleaved 1F1B), plus the fp32 logits s·b·V/t·4 on the last stage. With activation checkpointing a layer keeps
-only its input (``full``: s·b·h elements) or its input and the outputs of its matmuls and attention core
-(``selective``: s·b·(3h + (2·q + 2·kv + 2·I)/t) elements, q/kv/I the query, key-value and MLP widths), and one
-layer's whole activations are added for the layer being recomputed. :func:`state_bytes`,
+Activations per layer and micro-batch are the elements its backward keeps, counted from this model's operations
+(h hidden, q = heads·head_dim, kv = kv_heads·head_dim, I the MLP width, t TP; measured on CPU with
+``hal.heap``, ``tests/test_plan_accuracy.py``): 4h + (6q + 4I)/t per token — the two norms' inputs and outputs,
+the rotary inputs and outputs, SDPA's inputs (keys and values after the GQA repeat) and output, o_proj's input, and
+gate, up, SiLU and product for the MLP; ``selective`` checkpointing keeps the layer input and the matmul and
+attention outputs, 3h + (2q + 2kv + 2I)/t; ``full`` only the input, h (plus one layer's whole activations while it
+is recomputed). Elements are 4 bytes in fp32, 2 under bf16/fp16 autocast, 8 in fp64; the micro-batches in flight
+multiply them (1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and
+min(m, p)·(1 + (p−1)/(p·v)) for interleaved 1F1B), and the last stage adds its fp32 logits and their log-softmax,
+2·s·b·V/t·4 bytes. :func:`state_bytes`,
 :func:`activation_bytes_per_layer` and :func:`micro_batches_in_flight` hold these formulas (``kc recommend`` reuses
 them); :func:`state_bytes` also knows bf16 mixed precision (2Ψ parameters, 2Ψ gradients, 12Ψ fp32 master copy and
 moments, ZeRO §3: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N).
@@ -199,23 +202,34 @@ def state_bytes(psi: float, dp: int, zero_stage: int, precision: str = "fp32") -
     }
 
 
-def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int, fp32: bool) -> float:
-    """Rough activation bytes of one layer and micro-batch: s·b·h·(10 + 24/t + 5·a·s/(h·t)), doubled in fp32."""
-    return seq * micro_batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp)) * (2 if fp32 else 1)
+#: bytes per activation element by ``train.dtype`` (under bf16/fp16 autocast most saved tensors are half)
+ACTIVATION_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def recomputed_layer_bytes(seq: int, micro_batch: int, mcfg: Any, tp: int, fp32: bool, mode: str) -> float:
-    """Bytes one layer keeps from its forward under activation checkpointing ``mode`` (module docstring): its
-    input (``full``), or its input and the outputs of its matmuls and attention core (``selective``)."""
-    tokens, elem, h = seq * micro_batch, (4 if fp32 else 2), mcfg.hidden_size
+def layer_activation_elements(mcfg: Any, tp: int, mode: str = "none") -> float:
+    """Elements per token one decoder layer keeps for its backward (module docstring), by activation
+    checkpointing ``mode``: ``none`` 4h + (6q + 4I)/t, ``selective`` 3h + (2q + 2kv + 2I)/t, ``full`` h."""
+    h = mcfg.hidden_size
     if mode == "full":
-        return tokens * h * elem
+        return float(h)
     d = mcfg.head_dim
-    q = mcfg.num_heads * d // tp
-    kv = max(mcfg.num_kv_heads * d // tp, d)  # fewer kv heads than TP ranks: each rank keeps one, replicated
-    inter = mcfg.intermediate_size // tp
-    # input; q, k, v, attention output; o_proj and down_proj outputs (whole after TP's all-reduce); gate and up
-    return tokens * elem * (h + 2 * q + 2 * kv + 2 * h + 2 * inter)
+    q = mcfg.num_heads * d / tp
+    kv = max(mcfg.num_kv_heads * d / tp, d)  # fewer kv heads than TP ranks: each rank keeps one, replicated
+    inter = mcfg.intermediate_size / tp
+    if mode == "selective":
+        return 3 * h + 2 * q + 2 * kv + 2 * inter
+    return 4 * h + 6 * q + 4 * inter
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, mcfg: Any, tp: int, dtype: str, mode: str = "none") -> float:
+    """Bytes one decoder layer keeps for one micro-batch (:func:`layer_activation_elements` × tokens × the
+    bytes of an element under ``dtype``)."""
+    return seq * micro_batch * layer_activation_elements(mcfg, tp, mode) * ACTIVATION_BYTES.get(dtype, 4)
+
+
+def head_activation_bytes(seq: int, micro_batch: int, vocab: int, tp: int) -> float:
+    """Bytes the output head keeps for one micro-batch on the last stage: the fp32 logits and their log-softmax."""
+    return 2 * seq * micro_batch * vocab / tp * 4
 
 
 def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
@@ -250,10 +264,10 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     chunks = partition_layers(mcfg.num_layers, pp, v)
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
-    fp32 = getattr(getattr(cfg, "train", None), "dtype", "fp32") == "fp32"
-    act_layer = activation_bytes_per_layer(seq, b, mcfg.hidden_size, mcfg.num_heads, tp, fp32)
+    dtype = getattr(getattr(cfg, "train", None), "dtype", "fp32")
     recompute = getattr(getattr(cfg, "train", None), "activation_checkpointing", "none")
-    kept_layer = act_layer if recompute == "none" else recomputed_layer_bytes(seq, b, mcfg, tp, fp32, recompute)
+    act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
+    kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
     in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
     out = []
     for rank in range(dp * tp * pp) if ranks is None else ranks:
@@ -264,7 +278,7 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
         last = any(c.has_head for c in chunks[pp_rank])
         state = state_bytes(psi, dp, par.zero_stage)
         params, grads, optim = state["params"], state["grads"], state["optimizer"]
-        acts = kept_layer * layers * in_flight + (seq * b * mcfg.vocab_size / tp * 4 if last else 0)
+        acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)
         if recompute != "none" and layers:
             acts += act_layer  # the layer being recomputed in the backward holds all of its activations
         out.append(

@@ -31,6 +31,7 @@ from kuangchao_core.engine.model_shape import model_section_of
 from kuangchao_core.engine.plan import (
     activation_bytes_per_layer,
     check_plan,
+    head_activation_bytes,
     micro_batches_in_flight,
     state_bytes,
 )
@@ -68,10 +69,10 @@ def memory_per_rank(model_cfg: Any, layout: Layout, precision: str = "fp32") -> 
         layout.gradient_accumulation_steps,
         layout.seq_len,
     )
-    act_layer = activation_bytes_per_layer(seq, b, model_cfg.hidden_size, model_cfg.num_heads, tp, precision == "fp32")
+    act_layer = activation_bytes_per_layer(seq, b, model_cfg, tp, precision)
     in_flight = micro_batches_in_flight(pp, m, 1, "1f1b")
     layers = model_cfg.num_layers // pp
-    logits = seq * b * model_cfg.vocab_size / tp * 4
+    logits = head_activation_bytes(seq, b, model_cfg.vocab_size, tp)
     first, last = stage_end_params(model_cfg, tp, pp)
     best: dict[str, float] = {}
     for psi, has_head in ((first, pp == 1), (last, True)):
