@@ -298,7 +298,9 @@ class Trainer:
             self.world_group,
             LiveSettings(self.lr_scale, max(1, self.cfg.train.log_interval), self.cfg.checkpoint.interval),
         )
-        self.loader = PrefetchLoader(self.dataset, self.sampler, depth=self.cfg.data.prefetch)
+        # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
+        pin = self.device.type == "cuda"
+        self.loader = PrefetchLoader(self.dataset, self.sampler, depth=self.cfg.data.prefetch, pin_memory=pin)
         last_saved = self.state.step if step_dir is not None else -1
         stop_at = total if max_steps is None else min(total, self.state.step + max_steps)
         start_step = self.state.step
