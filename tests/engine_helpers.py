@@ -161,7 +161,7 @@ def _skipped_micro_batch(trainer):
     """PP: the schedule runs the first micro-batch twice and the last one never."""
     executor = trainer.parts.executor
     run = executor.run
-    executor.run = lambda batches, _run=run: _run([*batches[:-1], batches[0]])
+    executor.run = lambda batches, _run=run, **kw: _run([*batches[:-1], batches[0]], **kw)
     return None
 
 
