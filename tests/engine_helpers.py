@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,8 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
             return result
 
         trainer.train_step = recording_step
+        if job.get("trace") and hasattr(trainer.sync, "optimizer"):
+            trainer.sync.optimizer.trace = []  # ZeRO-3 records its gathers and forward ends
         try:
             state = trainer.run(
                 resume=job.get("resume", "never"), max_steps=job.get("max_steps"), lineage=job.get("lineage")
@@ -128,11 +131,17 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
             if undo is not None:
                 undo()
         held_out = trainer.evaluator() if trainer.evaluator is not None else None  # collective
+        full = getattr(trainer.sync, "full_parameters", None)
+        with full() if full is not None else contextlib.nullcontext():  # collective under ZeRO-3
+            params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+        report = getattr(trainer.sync, "memory_report", None)
         out.append(
             {
                 "losses": list(state.losses),
                 "eval_loss": held_out,
-                "params": {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()},
+                "params": params,
+                "memory": report() if report is not None else None,
+                "zero3_trace": list(getattr(trainer.sync.optimizer, "trace", None) or []),
                 "regions": {n: r.to_meta() for n, r in trainer.parts.regions.items()},
                 "first_step": seen[0] if seen else None,
                 "first_grads": grads,
@@ -227,6 +236,27 @@ def _unreduced_zero_bucket(trainer):
     return undo
 
 
+def _unreduced_zero3_unit(trainer):
+    """ZeRO-3's first unit keeps this rank's own gradient chunk: no reduce-scatter over DP."""
+    import torch
+
+    opt = trainer.sync.optimizer
+    honest = opt._reduce_unit
+
+    def local_only(i, grads):
+        if i != 0:
+            return honest(i, grads)
+        bk = opt.buckets[0]
+        flat = torch.zeros(bk.size, dtype=opt.dtype)
+        for s, g in zip(bk.slots, grads, strict=True):
+            if g is not None:
+                flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+        return flat[opt.rank * bk.chunk : (opt.rank + 1) * bk.chunk].clone()
+
+    opt._reduce_unit = local_only
+    return None
+
+
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -238,6 +268,7 @@ SABOTAGE = {
     "skipped_micro_batch": _skipped_micro_batch,
     "unreduced_dp_bucket": _unreduced_dp_bucket,
     "unreduced_zero_bucket": _unreduced_zero_bucket,
+    "unreduced_zero3_unit": _unreduced_zero3_unit,
     "drop_comm_state": _drop_comm_state,
 }
 

@@ -8,6 +8,9 @@ the derivation is in ``tests/tolerances.py``). A smaller fp32 set checks what fp
 amplifies rounding differences that depend on the CPU). Four negative controls break one reduction each (TP, PP,
 DP, ZeRO) and must fail the same comparison by orders of magnitude.
 
+ZeRO-3 layouts (dp2, dp2 with full recomputation, dp4, dp2×tp2) also check their bytes per rank against 16Ψ/N
+and that the next block's gather is issued before the current block's forward ends.
+
 Layouts of the same world size share one set of processes (tests.engine_helpers.run_trainers), so the whole module
 starts 1 + 2 + 4 + 8 processes.
 """
@@ -54,7 +57,15 @@ LAYOUTS: dict[str, tuple[int, dict, int]] = {
     "dp2_tp2_pp2": (8, {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
     "dp2_tp2_zero1": (4, {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}, 4),
     "dp2_pp2_zero2": (4, {"data_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 2}, 4),
+    "dp2_zero3": (2, {"data_parallel_size": 2, "zero_stage": 3}, 4),
+    "dp2_zero3_full_recompute": (2, {"data_parallel_size": 2, "zero_stage": 3}, 4),
+    "dp4_zero3": (4, {"data_parallel_size": 4, "zero_stage": 3}, 4),
+    "dp2_tp2_zero3": (4, {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4),
 }
+#: layouts that also set train fields
+TRAIN_EXTRA: dict[str, dict] = {"dp2_zero3_full_recompute": {"activation_checkpointing": "full"}}
+#: ZeRO-3 layouts also run in fp32 (losses compared: their gradients live in shards)
+FP32_ZERO3 = ("dp2_zero3", "dp4_zero3", "dp2_tp2_zero3")
 #: fp32 runs: losses and first-step gradients only, one per family without ZeRO (whose gradients live in shards);
 #: their combinations are covered in fp64 above.
 FP32_LAYOUTS = ("dp2", "tp2", "pp2_1f1b")
@@ -64,10 +75,11 @@ NEGATIVE: dict[str, tuple[str, str]] = {
     "pp2_skipped_micro_batch": ("pp2_1f1b", "skipped_micro_batch"),
     "dp2_unreduced_bucket": ("dp2", "unreduced_dp_bucket"),
     "dp2_zero2_unreduced_bucket": ("dp2_zero2", "unreduced_zero_bucket"),
+    "dp2_zero3_unreduced_unit": ("dp2_zero3", "unreduced_zero3_unit"),
 }
 
 
-def _job(tmp: Path, name: str, parallel: dict, layers: int, dtype: str = "fp64"):
+def _job(tmp: Path, name: str, parallel: dict, layers: int, dtype: str = "fp64", train: dict | None = None):
     dp = parallel.get("data_parallel_size", 1)
     par = {
         "micro_batch_size": MICRO,
@@ -80,7 +92,7 @@ def _job(tmp: Path, name: str, parallel: dict, layers: int, dtype: str = "fp64")
         model={"preset": "tiny", "num_layers": layers},
         data={"seq_len": 16},
         parallel=par,
-        train={"steps": 8, "dtype": dtype},
+        train={"steps": 8, "dtype": dtype, **(train or {})},
     )
 
 
@@ -97,14 +109,15 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     }
     for name, (world, parallel, layers) in LAYOUTS.items():
         by_world.setdefault(world, []).append(name)
-        jobs[name] = {"cfg": _job(tmp, name, parallel, layers)}
-        if name in FP32_LAYOUTS:
+        jobs[name] = {"cfg": _job(tmp, name, parallel, layers, train=TRAIN_EXTRA.get(name)), "trace": True}
+        if name in FP32_LAYOUTS or name in FP32_ZERO3:
             by_world[world].append(f"{name}@fp32")
             jobs[f"{name}@fp32"] = {"cfg": _job(tmp, f"{name}_fp32", parallel, layers, "fp32")}
     for name, (layout, sabotage) in NEGATIVE.items():
         world, parallel, layers = LAYOUTS[layout]
         by_world[world].append(name)  # after the honest runs: a sabotage is undone, but run it last all the same
-        jobs[name] = {"cfg": _job(tmp, name, parallel, layers), "sabotage": sabotage}
+        cfg = _job(tmp, name, parallel, layers, train=TRAIN_EXTRA.get(layout))
+        jobs[name] = {"cfg": cfg, "sabotage": sabotage}
     out: dict[str, list[dict]] = {}
     for world, names in sorted(by_world.items()):
         batch = [{**jobs[n], "max_steps": STEPS} for n in names]
@@ -160,6 +173,41 @@ def test_layout_matches_one_process_in_fp32_where_fp32_bounds_it(runs, layout):
     name, grad_diff = worst_rel(gather_full(got, key="first_grads"), ref["first_grads"])
     assert grad_diff <= FP32_GRAD_REL, f"{layout}: first-step gradient of {name} differs by {grad_diff:.2e}"
     print(f"{layout} fp32: losses within {loss_diff:.1e}, first-step gradient {name} {grad_diff:.1e}")
+
+
+@pytest.mark.parametrize("layout", FP32_ZERO3)
+def test_zero3_losses_match_one_process_in_fp32(runs, layout):
+    ref = runs["ref4@fp32"][0]
+    loss_diff = max(max_rel_diff(r["losses"], ref["losses"]) for r in runs[f"{layout}@fp32"])
+    assert loss_diff <= FP32_LOSS_REL, f"{layout}: fp32 losses differ by {loss_diff:.2e} relative"
+
+
+@pytest.mark.parametrize("layout", ["dp2_zero3", "dp4_zero3", "dp2_tp2_zero3"])
+def test_zero3_holds_its_share_of_parameters_gradients_and_adamw_state(runs, layout):
+    """16Ψ/N bytes per rank in fp32 (8 bytes per element here: the runs are fp64, so 32Ψ/N), measured from the
+    engine's tensors after training, plus only the padding of each unit to a multiple of N."""
+    for r in runs[layout]:
+        mem = r["memory"]
+        n, psi, padded = mem["dp_size"], mem["numel"], mem["padded_numel"]
+        assert mem["stage"] == 3 and n == LAYOUTS[layout][1]["data_parallel_size"]
+        measured, formula = mem["measured"], mem["formula"]
+        assert formula["total"] == 4 * 8 * psi / n
+        assert measured["params"] == measured["grads"] == 8 * padded // n  # no full parameter left after the step
+        assert measured["optimizer_state"] == 2 * 8 * padded // n
+        assert 0 <= measured["total"] - formula["total"] <= 4 * 8 * (padded - psi) / n
+        assert padded - psi < n * mem["num_buckets"]
+
+
+def test_zero3_prefetches_the_next_block_before_the_current_forward_ends(runs):
+    trace = runs["dp2_zero3"][0]["zero3_trace"]
+    units = 1 + 4 + 2  # embedding, four layers, norm, head
+    first_forward = trace[: trace.index(("forward_end", units - 1)) + 1]
+    for i in range(units - 1):
+        assert first_forward.index(("gather", i + 1)) < first_forward.index(("forward_end", i)), first_forward
+    # the backward gathers again (reshard after forward): every layer's parameters are gathered twice per step
+    one_step = trace[: trace.index(("forward_end", units - 1), len(first_forward))]
+    for i in range(1, 5):
+        assert one_step.count(("gather", i)) >= 2, (i, one_step)
 
 
 @pytest.mark.parametrize("control", list(NEGATIVE))

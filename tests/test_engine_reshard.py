@@ -2,7 +2,8 @@
 
 The reference trains dp2×tp2 for 4 steps without interruption, checkpointing every 2 steps. Copies of its checkpoint
 directory (the step-4 checkpoint removed, so ``resume: auto`` picks step 2) are resumed at tp1 (one process) and at
-pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges). Jobs
+pp2 (two processes); a ZeRO-1 dp2 run is resumed without ZeRO (optimizer state regathered from flat ranges), and a
+ZeRO-3 dp4 run at ZeRO-3 dp2 and at dp2 without ZeRO. Jobs
 train in float64: the losses after step 2 must continue as the uninterrupted reference within ``FP64_REL`` = 1e-10
 relative (not bitwise: the reduction order differs between layouts), and the final parameters within 1e-10 relative
 norm per tensor (tolerances derived in tests/tolerances.py).
@@ -61,10 +62,20 @@ def runs(tmp_path_factory):
     ref_root, zero_root = tmp / "ref_dp2tp2", tmp / "ref_zero1"
     zero_tp_root = tmp / "ref_zero1_dp2tp2"
     zero_tp_cfg = _job(zero_tp_root, {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1})
+    zero3_root = tmp / "ref_zero3_dp4"
+    zero3_lineage = new_lineage_id()
+    zero3_step = zero3_root / "ckpt" / "reshard" / zero3_lineage / f"step_{INTERVAL:08d}"
+    zero3_cfg = _job(zero3_root, {"data_parallel_size": 4, "zero_stage": 3})
     four = run_distributed(
         run_trainers,
         4,
-        args=([{"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})}, {"cfg": zero_tp_cfg}],),
+        args=(
+            [
+                {"cfg": _job(ref_root, {"data_parallel_size": 2, "tensor_parallel_size": 2})},
+                {"cfg": zero_tp_cfg},
+                {"cfg": zero3_cfg, "lineage": zero3_lineage},
+            ],
+        ),
     )
     ref = [r[0] for r in four]
     zero_tp_step = only_lineage(zero_tp_root / "ckpt" / "reshard") / f"step_{INTERVAL:08d}"
@@ -83,6 +94,8 @@ def runs(tmp_path_factory):
                 {"cfg": _job(tmp / "zero0", {"data_parallel_size": 2}), "resume": str(zero_step)},
                 {"cfg": _job(tmp / "pp2", {"pipeline_parallel_size": 2}), "resume": "auto"},
                 {"cfg": _job(tmp / "zero_tp_to_tp2", {"tensor_parallel_size": 2}), "resume": str(zero_tp_step)},
+                {"cfg": _job(tmp / "z3_dp2", {"data_parallel_size": 2, "zero_stage": 3}), "resume": str(zero3_step)},
+                {"cfg": _job(tmp / "z3_zero0", {"data_parallel_size": 2}), "resume": str(zero3_step)},
             ],
         ),
     )
@@ -96,6 +109,9 @@ def runs(tmp_path_factory):
         "pp2": [r[2] for r in two],
         "zero_tp": [r[1] for r in four],
         "zero_tp_to_tp2": [r[3] for r in two],
+        "zero3_dp4": [r[2] for r in four],
+        "zero3_to_zero3_dp2": [r[4] for r in two],
+        "zero3_to_zero0_dp2": [r[5] for r in two],
         "tp1": [one[0][0]],
     }
 
@@ -132,6 +148,13 @@ def test_zero1_with_tensor_parallel_checkpoint_resumes_at_tp2_without_zero(runs)
     # ZeRO over DP of TP slices: the optimizer state is gathered over DP and saved per TP slice
     assert all(r["steps_run"] == STEPS - INTERVAL for r in runs["zero_tp_to_tp2"])
     _assert_continues(runs["zero_tp_to_tp2"], runs["zero_tp"], "zero1 dp2×tp2 -> tp2")
+
+
+@pytest.mark.parametrize("target", ["zero3_to_zero3_dp2", "zero3_to_zero0_dp2"])
+def test_zero3_dp4_checkpoint_resumes_at_dp2_with_and_without_zero(runs, target):
+    # parameters saved whole (gathered from the shards) and AdamW state in flat ranges of four ranks
+    assert all(r["steps_run"] == STEPS - INTERVAL for r in runs[target])
+    _assert_continues(runs[target], runs["zero3_dp4"], f"ZeRO-3 dp4 -> {target}")
 
 
 def test_convert_to_hf_gives_identical_logits(runs):

@@ -99,6 +99,37 @@ def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, gro
     return tensor_list
 
 
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup | None = None, async_op: bool = False):
+    """Gather ``tensor`` from every member into the flat ``output`` (member i's copy at ``[i*n, (i+1)*n)``, group
+    order); returns ``output``, or a ``CommHandle`` whose ``wait()`` leaves the data there if ``async_op``."""
+    g = _group(group)
+    n = tensor.numel()
+    if output.numel() != n * g.size or not output.is_contiguous():
+        raise CommError(
+            f"all_gather_into on group {g.name!r}: output must be contiguous with {n * g.size} elements "
+            f"(group size {g.size} x {n}), got {output.numel()}"
+        )
+    parts = list(output.view(g.size, n).unbind(0))
+    order = _group_order(g)
+    src = tensor.reshape(-1)
+    tmp = parts if order is None else [torch.empty_like(src) for _ in range(g.size)]
+
+    def reorder() -> None:
+        for i, j in enumerate(order):
+            parts[i].copy_(tmp[j])
+
+    def issue(a):
+        return dist.all_gather(tmp, src, group=g.pg, async_op=a)
+
+    finish = None if order is None else reorder
+    if async_op:
+        return dispatch.run_async("all_gather", g, tensor.nbytes * g.size, issue, finish)
+    dispatch.run("all_gather", g, tensor.nbytes * g.size, issue)
+    if finish is not None:
+        finish()
+    return output
+
+
 def _group_order(g: CommGroup) -> list[int] | None:
     """Positions in torch's sorted rank order of each entry of ``g.ranks``; None when identical."""
     srt = sorted(g.ranks)

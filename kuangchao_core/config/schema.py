@@ -171,7 +171,8 @@ class ParallelSection(Section):
     gradient_accumulation_steps: Int = Field(default=1, ge=1)
     virtual_pipeline_size: Int = Field(default=1, ge=1)
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "afab"] = "1f1b"
-    zero_stage: Literal[0, 1, 2] = 0
+    #: 1: AdamW state sharded over DP; 2: gradients too; 3: parameters too (gathered per block; with PP runs as 2)
+    zero_stage: Literal[0, 1, 2, 3] = 0
     bucket_size_mb: Float = Field(default=25.0, gt=0)
     hierarchical_allreduce: Literal["auto", "on", "off"] = "auto"
     grad_compression: Literal["none", "fp16", "bf16", "topk"] = "none"
@@ -202,6 +203,8 @@ class OptimizerSection(Section):
     betas: tuple[Float, Float] = (0.9, 0.95)
     eps: Float = Field(default=1e-8, gt=0)
     max_grad_norm: Float | None = Field(default=1.0, gt=0)
+    #: parameter kinds weight decay skips: ``norm`` (1-D scales), ``embedding`` (the token embedding)
+    weight_decay_exclude: list[Literal["norm", "embedding"]] = Field(default_factory=lambda: ["norm", "embedding"])
 
     @field_validator("betas")
     @classmethod
@@ -267,6 +270,8 @@ class TrainSection(Section):
     #: recompute decoder layers in the backward instead of keeping their activations: ``full`` keeps each layer's
     #: input only, ``selective`` keeps matmul and attention outputs and recomputes the rest
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    #: compile each decoder layer with ``torch.compile`` (inductor; the first steps pay the compilation)
+    compile: bool = False
     loss_scaling: LossScalingSection = Field(default_factory=LossScalingSection)
     deterministic: bool = False
     anomaly: AnomalySection = Field(default_factory=AnomalySection)

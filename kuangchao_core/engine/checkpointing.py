@@ -9,6 +9,7 @@ slice of the full tensor it is, so any layout reads only its own slices back
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import asdict
@@ -121,10 +122,11 @@ class TrainerCheckpoints:
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, dict[str, Any]] = {}
         regions = self.parts.regions
-        if self.mesh.dp_rank == 0:
-            for name, p in self.parts.model.named_parameters():
-                tensors[f"param.{name}"] = p.detach().cpu()
-                slices[f"param.{name}"] = regions[name].to_meta()
+        with self._full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
+            if self.mesh.dp_rank == 0:
+                for name, p in self.parts.model.named_parameters():
+                    tensors[f"param.{name}"] = p.detach().cpu()
+                    slices[f"param.{name}"] = regions[name].to_meta()
         opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)
         tensors.update(opt_tensors)
         slices.update(opt_slices)
@@ -195,8 +197,16 @@ class TrainerCheckpoints:
             self.saver.wait()
 
     # ------------------------------------------------------------------ load
+    def _full_parameters(self, writeback: bool = False):
+        full = getattr(self.sync, "full_parameters", None)
+        return full(writeback) if full is not None else contextlib.nullcontext()
+
     @torch.no_grad()
     def _copy_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
+        with self._full_parameters(writeback=True):
+            self._copy_into_params(full_named, source)
+
+    def _copy_into_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
         for name, p in self.parts.model.named_parameters():
             if name not in full_named:
                 raise CheckpointError(f"{source}: tensor for parameter {name} missing")

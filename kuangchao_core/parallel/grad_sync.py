@@ -5,7 +5,8 @@ The trainer holds one :class:`GradSync` and never asks which kind it is:
 - :class:`ReplicatedAdamW`: :class:`~kuangchao_core.parallel.data.DataParallel` (bucketed all-reduce during
   backward) and a plain ``torch.optim.AdamW`` on every DP replica;
 - :class:`ShardedAdamW`: :class:`~kuangchao_core.parallel.zero.ZeroOptimizer` (ZeRO-1/2: reduce-scatter, AdamW on
-  this rank's shard, all-gather).
+  this rank's shard, all-gather) or :class:`~kuangchao_core.parallel.zero3.Zero3Optimizer` (ZeRO-3: parameters
+  sharded too, gathered per block for its forward and backward).
 
 Both clip with the global gradient norm over every group of the mesh, each element counted once (``norm_weight``:
 1 / number of TP ranks holding the same region), and both give their optimizer state for a checkpoint as
@@ -27,7 +28,9 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
+from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
+from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -94,6 +97,7 @@ class ReplicatedAdamW:
         hyper: dict,
         bucket_mb: float,
         compressor: Any = None,
+        exclude: tuple[str, ...] = (),
     ):
         self.model = model
         self.mesh = mesh
@@ -102,7 +106,9 @@ class ReplicatedAdamW:
         self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor if mesh.dp > 1 else None)
         self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb, reducer=self.reducer)
         params = list(model.parameters())
-        self.optimizer = torch.optim.AdamW(params, **adamw_kernel(params), **hyper)
+        hyper = dict(hyper)
+        groups = param_groups(model.named_parameters(), hyper.pop("weight_decay"), exclude)
+        self.optimizer = torch.optim.AdamW(groups, **adamw_kernel(params), **hyper)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -192,7 +198,7 @@ class ReplicatedAdamW:
 
 
 class ShardedAdamW:
-    """ZeRO-1/2 over the DP group (``parallel.zero_stage: 1|2``), with or without TP and PP."""
+    """ZeRO-1/2/3 over the DP group (``parallel.zero_stage: 1|2|3``), with or without TP (and PP at 1/2)."""
 
     def __init__(
         self,
@@ -202,14 +208,31 @@ class ShardedAdamW:
         hyper: dict,
         bucket_mb: float,
         stage: int,
+        exclude: tuple[str, ...] = (),
     ):
         self.model = model
         self.mesh = mesh
         self.norm_weight = norm_weight
         self.names = [n for n, _ in model.named_parameters()]
-        self.optimizer = ZeroOptimizer(
-            list(model.named_parameters()), mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper
-        )
+        no_decay = [n for n, p in model.named_parameters() if not decays(n, p.shape, exclude)]
+        self.optimizer: Any
+        if stage == 3:
+            units = block_units(model)
+            recomputed = (
+                [i for i, u in enumerate(units) if u in set(model.model.layers)]
+                if getattr(model, "activation_checkpointing", "none") != "none"
+                else []
+            )
+            self.optimizer = Zero3Optimizer(model, units, mesh.dp_group, recomputed, no_decay=no_decay, **hyper)
+        else:
+            self.optimizer = ZeroOptimizer(
+                list(model.named_parameters()),
+                mesh.dp_group,
+                stage=stage,
+                bucket_cap_mb=bucket_mb,
+                no_decay=no_decay,
+                **hyper,
+            )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -293,6 +316,13 @@ class ShardedAdamW:
         """The ZeRO optimizer's measured and formula bytes per rank."""
         return self.optimizer.memory_report()
 
+    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Collective: inside the block the model's parameters hold their full values (ZeRO-3 empties them between
+        forwards; at stages 1/2 they always do)."""
+        if self.optimizer.stage == 3:
+            return self.optimizer.full_parameters(writeback)
+        return contextlib.nullcontext()
+
 
 def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
@@ -303,14 +333,17 @@ def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dic
         "eps": float(opt.eps),
         "weight_decay": float(opt.weight_decay),
     }
+    exclude = tuple(opt.weight_decay_exclude)
     stage = int(par.zero_stage)
+    if stage == 3 and mesh.pp > 1:
+        stage = 2  # per-micro-batch gathers on every stage would multiply the traffic (torchtitan does the same)
     if stage:
-        return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage)
+        return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression
     if kind == "none" and par.grad_reduce_dtype == "bf16":
         kind = "bf16"  # the same exchange: buckets summed in bfloat16
     compressor = make_compressor(kind, par.topk_ratio, par.topk_warmup_steps)
-    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, compressor)
+    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, compressor, exclude)
 
 
 def require_full_state(optim: dict[str, torch.Tensor], names: list[str], where: str) -> bool:

@@ -44,6 +44,7 @@ import torch
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
+from kuangchao_core.parallel.weight_decay import apply_decay
 from kuangchao_core.parallel.zero_layout import Slot, named_trainable, pieces_of, plan_buckets
 
 _MB = 1024 * 1024
@@ -65,6 +66,8 @@ class ZeroOptimizer:
         stage: 1 (optimizer state sharded) or 2 (gradients sharded too).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (the update is the same code, ``foreach=False``).
         bucket_cap_mb: upper bound of one bucket in MiB (the unit of reduce-scatter and all-gather).
+        no_decay: names of parameters without weight decay (:mod:`~kuangchao_core.parallel.weight_decay`); the
+            decay of the others is then applied to their ranges of the shard before AdamW's update.
 
     Parameters are broadcast from the group's first rank at construction so that all replicas start equal.
     """
@@ -79,6 +82,7 @@ class ZeroOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         bucket_cap_mb: float = 25,
+        no_decay: Iterable[str] = (),
     ):
         if stage not in (1, 2):
             raise KuangchaoError(f"ZeroOptimizer: stage must be 1 or 2, got {stage}; set parallel.zero_stage to 1 or 2")
@@ -115,12 +119,14 @@ class ZeroOptimizer:
         ]
         for sp, g in zip(self._shard_params, self._grad_shards(), strict=True):
             sp.grad = g
+        self._no_decay = set(no_decay)
+        self.weight_decay = float(weight_decay)
         self.optimizer = torch.optim.AdamW(
             self._shard_params,
             lr=lr,
             betas=betas,
             eps=eps,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if self._no_decay else weight_decay,
             **adamw_kernel(self._shard_params),
         )
         self._broadcast_params()
@@ -257,6 +263,8 @@ class ZeroOptimizer:
     def step(self) -> None:
         """AdamW on this rank's chunks, then all-gather every bucket so all replicas hold the same parameters."""
         self.finish_gradient_sync()
+        if self._no_decay:
+            apply_decay(self._decayed_ranges(), self.optimizer.param_groups[0]["lr"], self.weight_decay)
         self.optimizer.step()
         if self.size > 1:
             comm = _comm()
@@ -269,6 +277,19 @@ class ZeroOptimizer:
             src = self.flat_params[bk.start + s.offset : bk.start + s.offset + s.numel]
             s.param.data.copy_(src.view_as(s.param))
         self._synced = False
+
+    def _decayed_ranges(self) -> list[torch.Tensor]:
+        return [
+            self._shard_params[s.bucket].data[coff : coff + hi - lo]
+            for s, lo, hi, coff in self._pieces()
+            if s.name not in self._no_decay
+        ]
+
+    def set_weight_decay(self, value: float) -> None:
+        """Change the decoupled weight decay (of the decayed parameters)."""
+        self.weight_decay = float(value)
+        if not self._no_decay:
+            self.optimizer.param_groups[0]["weight_decay"] = self.weight_decay
 
     def zero_grad(self) -> None:
         """Zero the gradients (stage 1: the flat buffer; stage 2: the shard, and ``param.grad`` is dropped)."""
@@ -365,7 +386,7 @@ class ZeroOptimizer:
     def hyperparameters(self) -> dict[str, Any]:
         """AdamW's settings (lr, betas, eps, weight_decay …) as the wrapped optimizer holds them."""
         g = self.optimizer.param_groups[0]
-        return {k: v for k, v in g.items() if k != "params"}
+        return {k: v for k, v in g.items() if k != "params"} | {"weight_decay": self.weight_decay}
 
     def step_count(self) -> float:
         """Optimizer steps taken (AdamW's ``step``), 0 before the first."""

@@ -150,10 +150,12 @@ def load_full_state(opt: ZeroOptimizer, tensors: Mapping[str, torch.Tensor], met
             f"optimizer checkpoint parameters differ: only in checkpoint {sorted(names - mine)[:3]}, "
             f"only in the model {sorted(mine - names)[:3]}"
         )
-    for k in ("lr", "eps", "weight_decay", "betas"):
+    for k in ("lr", "eps", "betas"):
         if k in groups[0]:
             v = groups[0][k]
             opt.optimizer.param_groups[0][k] = tuple(v) if isinstance(v, list) else v
+    if "weight_decay" in groups[0]:
+        opt.set_weight_decay(groups[0]["weight_decay"])
     state_keys = meta.get("state_keys", {})
     opt.optimizer.state.clear()
     if not state_keys:
