@@ -109,6 +109,7 @@ LAYOUTS = {
     "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
     "dp2_zero1": {"data_parallel_size": 2, "zero_stage": 1},
     "dp2_zero2": {"data_parallel_size": 2, "zero_stage": 2},
+    "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
 }
 
 

@@ -41,6 +41,18 @@ def _reduce_op(op: str, group: CommGroup):
     return rop, False
 
 
+def _on_group_device(op: str, g: CommGroup, *tensors: torch.Tensor) -> None:
+    """NCCL reduces CUDA tensors only: say which tensor is elsewhere instead of NCCL's own error deep in the op."""
+    if g.backend != "nccl":
+        return
+    for t in tensors:
+        if t.device.type != "cuda":
+            raise CommError(
+                f"{op} on NCCL group {g.name!r}: a {tuple(t.shape)} {t.dtype} tensor is on {t.device}; NCCL "
+                "communicates CUDA tensors only (create it on the job's device)"
+            )
+
+
 def _divide(tensor: torch.Tensor, n: int) -> None:
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.div_(n)
@@ -53,6 +65,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: CommGroup | None = None) ->
     g = _group(group)
     if src not in g.ranks:
         raise CommError(f"broadcast on group {g.name!r}: src rank {src} is not in {g.ranks}")
+    _on_group_device("broadcast", g, tensor)
     dispatch.run("broadcast", g, tensor.nbytes, lambda a: dist.broadcast(tensor, src, group=g.pg, async_op=a))
     return tensor
 
@@ -61,6 +74,7 @@ def all_reduce(tensor: torch.Tensor, group: CommGroup | None = None, op: str = "
     """Reduce ``tensor`` across ``group`` in place; returns ``tensor``, or a ``CommHandle`` if ``async_op``."""
     g = _group(group)
     rop, divide = _reduce_op(op, g)
+    _on_group_device("all_reduce", g, tensor)
 
     def issue(a):
         return dist.all_reduce(tensor, op=rop, group=g.pg, async_op=a)
@@ -81,6 +95,7 @@ def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, gro
         tensor_list = [torch.empty_like(tensor) for _ in range(g.size)]
     elif len(tensor_list) != g.size:
         raise CommError(f"all_gather on group {g.name!r}: tensor_list has {len(tensor_list)} entries, need {g.size}")
+    _on_group_device("all_gather", g, tensor, *tensor_list)
     order = _group_order(g)
     if order is None:
         dispatch.run(
@@ -109,6 +124,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup
             f"all_gather_into on group {g.name!r}: output must be contiguous with {n * g.size} elements "
             f"(group size {g.size} x {n}), got {output.numel()}"
         )
+    _on_group_device("all_gather", g, tensor, output)
     parts = list(output.view(g.size, n).unbind(0))
     order = _group_order(g)
     src = tensor.reshape(-1)
@@ -167,6 +183,7 @@ def reduce_scatter(
             by_sorted[j] = chunks[i]
         chunks = by_sorted
     rop, divide = _reduce_op(op, g)
+    _on_group_device("reduce_scatter", g, *chunks, output)
     flat = torch.cat([c.reshape(-1) for c in chunks])
     nbytes = flat.nbytes
     out_flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)

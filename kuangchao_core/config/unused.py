@@ -64,6 +64,16 @@ def unused_settings(cfg: Any) -> Warnings:
                 "uncompressed",
             )
         )
+    if par.zero_stage == 3 and par.pipeline_parallel_size > 1:
+        out.append(
+            (
+                "parallel.zero_stage",
+                "3 with pipeline_parallel_size > 1 runs as ZeRO-2 (parameters replicated within each stage): "
+                "gathering them for every micro-batch on every stage would multiply the traffic",
+            )
+        )
+    if train.compile and par.zero_stage == 3:
+        out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
     if par.grad_compression != "topk":
         for key in ("topk_ratio", "topk_warmup_steps"):
             if _given(par, key):

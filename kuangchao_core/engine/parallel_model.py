@@ -15,6 +15,7 @@ from torch import nn
 
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
+from kuangchao_core.models.compile import compile_layers
 from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
@@ -101,6 +102,8 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
         )
     else:
         model = model.to(device=device, dtype=dtype)
+    if cfg.train.compile and int(par.zero_stage) != 3:  # ZeRO-3 wraps each block's forward to gather it
+        compile_layers(model)
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):
         raise PlanError(

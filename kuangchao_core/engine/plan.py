@@ -183,11 +183,22 @@ def _bytes(n: float) -> float:
     return float(round(n))
 
 
+def _unit_sizes(slices: dict[str, Any]) -> dict[str, int]:
+    """Elements per ZeRO-3 unit (each decoder layer; the embedding, final norm and head on their own)."""
+    units: dict[str, int] = {}
+    for name, region in slices.items():
+        parts = name.split(".")
+        unit = ".".join(parts[:3]) if name.startswith("model.layers.") else name
+        units[unit] = units.get(unit, 0) + region.numel
+    return units
+
+
 def state_bytes(psi: float, dp: int, zero_stage: int, precision: str = "fp32") -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state of a rank holding ``psi`` parameters (module docstring).
 
     ``precision``: ``fp32`` (fp32 AdamW: 4Ψ + 4Ψ + 8Ψ) or ``bf16`` (mixed precision: 2Ψ + 2Ψ + 12Ψ);
-    ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 the gradients too.
+    ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 the gradients too, ZeRO-3 the parameters too (the engine
+    runs ZeRO-3 as ZeRO-2 under pipeline parallelism: pass 2 there).
     """
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
@@ -196,7 +207,7 @@ def state_bytes(psi: float, dp: int, zero_stage: int, precision: str = "fp32") -
     grads = (2 if low else 4) * psi
     optim = (12 if low else 8) * psi
     return {
-        "params": params,
+        "params": params / dp if zero_stage >= 3 else params,
         "grads": grads / dp if zero_stage >= 2 else grads,
         "optimizer": optim / dp if zero_stage >= 1 else optim,
     }
@@ -276,8 +287,11 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
         psi = sum(r.numel for r in slices.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])
         last = any(c.has_head for c in chunks[pp_rank])
-        state = state_bytes(psi, dp, par.zero_stage)
+        zero = 2 if par.zero_stage == 3 and pp > 1 else par.zero_stage  # the engine's ZeRO-3 under PP is ZeRO-2
+        state = state_bytes(psi, dp, zero)
         params, grads, optim = state["params"], state["grads"], state["optimizer"]
+        # ZeRO-3 holds whole blocks while they run: the one computing and the one prefetched
+        gathered = 2 * 4 * max(_unit_sizes(slices).values()) if zero == 3 else 0
         acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)
         if recompute != "none" and layers:
             acts += act_layer  # the layer being recomputed in the backward holds all of its activations
@@ -291,7 +305,8 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
                     "grads": _bytes(grads),
                     "optimizer": _bytes(optim),
                     "activations_estimate": _bytes(acts),
-                    "total": _bytes(params + grads + optim + acts),
+                    **({"gathered_blocks": _bytes(gathered)} if zero == 3 else {}),
+                    "total": _bytes(params + grads + optim + acts + gathered),
                 },
             }
         )

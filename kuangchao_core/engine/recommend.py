@@ -178,7 +178,7 @@ def recommend(
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            for zero in (0, 1, 2) if dp > 1 else (0,):
+            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)) if dp > 1 else (0,):
                 for b in MICRO_BATCHES:
                     considered += 1
                     m, rest = divmod(global_batch_size, dp * b)

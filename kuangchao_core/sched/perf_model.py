@@ -212,10 +212,25 @@ class StepPrediction:
 def _dp_comm(
     psi: int, layout: Layout, cluster: ClusterModel, span: GroupSpan, method: str, ratio: float, index_bytes: int
 ) -> tuple[float, float, float]:
-    """(seconds, bytes one rank sends, bytes leaving one node) of one step's DP gradient synchronisation."""
+    """(seconds, bytes one rank sends, bytes leaving one node) of one step's DP gradient synchronisation.
+
+    ZeRO-3 (without PP; the engine runs it as ZeRO-2 under PP) gathers the parameters for every micro-batch's
+    forward and again for its backward and reduce-scatters every micro-batch's gradient: per step ``m`` times one
+    reduce-scatter and two all-gathers, where ZeRO-1/2 do one of each."""
+    t, sent, out, gather = _dp_comm_once(psi, layout, cluster, span, method, ratio, index_bytes)
+    if layout.zero_stage >= 3 and layout.pp == 1:
+        m = layout.gradient_accumulation_steps
+        t, sent, out = (m * (x + g) for x, g in zip((t, sent, out), gather, strict=True))
+    return t, sent, out
+
+
+def _dp_comm_once(
+    psi: int, layout: Layout, cluster: ClusterModel, span: GroupSpan, method: str, ratio: float, index_bytes: int
+) -> tuple[float, float, float, tuple[float, float, float]]:
+    """:func:`_dp_comm` of one reduction and one parameter all-gather, and that all-gather's own share."""
     n, k, m_nodes = layout.dp, span.per_node, span.nodes
     if n <= 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, (0.0, 0.0, 0.0)
     eb = layout.bytes_per_element
     param_bytes = psi * eb
     grad_eb = min(eb, 2) if method in ("fp16", "bf16") else eb
@@ -224,12 +239,14 @@ def _dp_comm(
     flat = method == "flat" or not span.spans_nodes or (k == 1 and method != "topk")
     if flat:
         link = cluster.ring_link(span.spans_nodes, span.ring_flows_per_node)
+        crossing = span.ring_flows_per_node if span.spans_nodes else 0.0
+        g_t, g_sent = all_gather_s(param_bytes, n, link), gather_bytes(param_bytes, n)
         if zero:
-            t = reduce_scatter_s(grad_bytes, n, link) + all_gather_s(param_bytes, n, link)
-            sent = gather_bytes(grad_bytes, n) + gather_bytes(param_bytes, n)
+            t = reduce_scatter_s(grad_bytes, n, link) + g_t
+            sent = gather_bytes(grad_bytes, n) + g_sent
         else:
             t, sent = all_reduce_s(grad_bytes, n, link), all_reduce_bytes(grad_bytes, n)
-        return t, sent, sent * span.ring_flows_per_node if span.spans_nodes else 0.0
+        return t, sent, sent * crossing, (g_t, g_sent, g_sent * crossing)
     inter = cluster.inter_link(span.crossing_ranks_per_node)
     t = reduce_scatter_s(grad_bytes, k, cluster.intra)
     sent = gather_bytes(grad_bytes, k)
@@ -243,14 +260,18 @@ def _dp_comm(
     else:
         t += all_reduce_s(grad_bytes / k, m_nodes, inter)
         out = all_reduce_bytes(grad_bytes / k, m_nodes)
-    if zero:  # updated parameters: all-gather across nodes, then inside the node
-        t += all_gather_s(param_bytes / k, m_nodes, inter) + all_gather_s(param_bytes, k, cluster.intra)
-        out += gather_bytes(param_bytes / k, m_nodes)
-        sent += gather_bytes(param_bytes, k)
+    # updated parameters: all-gather across nodes, then inside the node
+    g_t = all_gather_s(param_bytes / k, m_nodes, inter) + all_gather_s(param_bytes, k, cluster.intra)
+    g_out, g_sent = gather_bytes(param_bytes / k, m_nodes), gather_bytes(param_bytes, k)
+    if zero:
+        t += g_t
+        out += g_out
+        sent += g_sent
     else:  # the reduced (dense) shards back to every rank of the node
         t += all_gather_s(grad_bytes, k, cluster.intra)
         sent += gather_bytes(grad_bytes, k)
-    return t, sent + out, out * span.crossing_ranks_per_node
+    crossing = span.crossing_ranks_per_node
+    return t, sent + out, out * crossing, (g_t, g_sent + g_out, g_out * crossing)
 
 
 def predict_step(
