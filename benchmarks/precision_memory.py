@@ -1,14 +1,18 @@
-"""Activation checkpointing: the activation memory it saves and the step time it costs (issue 12's benchmark, the
-activation-checkpointing part; ZeRO stages and mixed precision join it when they land).
+"""Memory per rank of the ZeRO stages, and what activation checkpointing saves and costs (issue 12's benchmark).
+
+ZeRO: four Gloo processes run the engine's Trainer (tiny preset widths, 4 layers) at dp4 for one step with
+``zero_stage`` 0, 1, 2 and 3; each stage's bytes of parameters, gradients and AdamW state per rank are measured from
+the engine's tensors after the step (``kuangchao_core.engine.metrics.tensor_bytes``), beside 16Ψ (ZeRO-0),
+4Ψ + 4Ψ + 8Ψ/N, 4Ψ + 12Ψ/N and 16Ψ/N. Goal: ZeRO-3 ≤ 0.30× ZeRO-0.
 
 One process trains a Llama-style model (the tiny preset's widths, 4 layers, 8 × 256 tokens per step) with
 ``none``, ``full`` and ``selective`` activation checkpointing, alternated in blocks (order rotated every block).
 Memory: the C heap bytes the forward leaves held (``kuangchao_core.hal.heap``), per mode after a warm-up; time:
 per-block ratios of the median step time (forward + backward + AdamW) against ``none`` (``benchmarks/_ratios.py``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision_memory.py [--blocks 10] [--steps 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision_memory.py [--blocks 10] [--steps 4] [--skip-zero]
 
-Goals (the issue): activation memory full ≤ 0.5×, selective ≤ 0.75× of none; step time full ≤ 1.35×, selective
+Goals (the issue): ZeRO-3 ≤ 0.30× ZeRO-0; activation memory full ≤ 0.5×, selective ≤ 0.75× of none; step time full ≤ 1.35×, selective
 ≤ 1.15×. Ends with ``RESULT {json}``.
 """
 
@@ -16,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +34,80 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
 
 MODES = ("none", "full", "selective")
+ZERO_WORLD = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _zero_worker(rank: int, port: int, root: str, queue) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(ZERO_WORLD)})
+    import torch
+
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.engine.metrics import tensor_bytes
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    torch.set_num_threads(1)
+    install_guard(AllowAll())  # trusted mode: this measures tensors, not token checks
+    init_distributed(backend="gloo", timeout_ms=120_000)
+    out = {}
+    for stage in (0, 1, 2, 3):
+        cfg = config_from_dict(
+            {
+                "task": {"name": f"zero{stage}", "seed": 1},
+                "model": {"preset": "tiny", "num_layers": 4},
+                "data": {"format": "synthetic", "seq_len": 32, "synthetic": {"num_train": 256, "num_eval": 8}},
+                "parallel": {"data_parallel_size": ZERO_WORLD, "zero_stage": stage, "micro_batch_size": 2},
+                "optimizer": {"lr": 1e-3},
+                "train": {"steps": 1, "device": "cpu", "log_interval": 100},
+                "permission": {"mode": "trusted"},
+                "checkpoint": {"dir": f"{root}/ckpt", "interval": 100, "resume": "never"},
+                "tracking": {"uri": f"sqlite:///{root}/mlflow.db"},
+            }
+        )
+        mesh = ParallelMesh.from_config(cfg.parallel, rank, ZERO_WORLD)
+        trainer = Trainer(cfg, rank, ZERO_WORLD, torch.device("cpu"), world_group(), mesh)
+        trainer.run(resume="never", max_steps=1)
+        out[stage] = tensor_bytes(trainer.model, trainer.sync)
+        out["psi"] = trainer.model_config.num_params()
+        trainer.barrier()
+    queue.put((rank, out))
+
+
+def zero_memory() -> dict:
+    """Bytes per rank (the largest over the four ranks) of parameters + gradients + AdamW state by ZeRO stage."""
+    port, ctx = _free_port(), mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as root:
+        procs = [ctx.Process(target=_zero_worker, args=(r, port, root, queue)) for r in range(ZERO_WORLD)]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        deadline = time.monotonic() + 600
+        while len(results) < ZERO_WORLD:
+            try:
+                rank, out = queue.get(timeout=2)
+                results[rank] = out
+            except Exception:  # queue.Empty: is a worker gone?
+                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise SystemExit(f"a ZeRO worker failed: exit codes {[p.exitcode for p in procs]}") from None
+        for p in procs:
+            p.join()
+    psi = results[0]["psi"]
+    per_stage = {stage: max(sum(results[r][stage].values()) for r in range(ZERO_WORLD)) for stage in (0, 1, 2, 3)}
+    n = ZERO_WORLD
+    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+    return {"psi": psi, "bytes": per_stage, "formula": formula}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--skip-zero", action="store_true", help="only the activation-checkpointing part")
     args = ap.parse_args(argv)
+
+    zero = None if args.skip_zero else zero_memory()
+    if zero is not None:
+        print(f"ZeRO at dp{ZERO_WORLD}, {zero['psi'] / 1e6:.3f} M params: params + grads + AdamW state per rank")
+        for stage, b in zero["bytes"].items():
+            print(
+                f"  ZeRO-{stage}: {b / 2**20:7.3f} MiB  ({b / zero['bytes'][0]:.3f}x ZeRO-0; formula "
+                f"{zero['formula'][stage] / 2**20:7.3f} MiB)"
+            )
 
     import torch
 
@@ -94,10 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     for mode, st in stats.items():
         print(format_line(f"step time {mode} ÷ none", st) + f"; memory {mem[mode]:.3f}× of none")
     result = {
+        **(
+            {
+                "zero_bytes_per_rank": zero["bytes"],
+                "zero_vs_zero0": {s: round(b / zero["bytes"][0], 4) for s, b in zero["bytes"].items()},
+            }
+            if zero is not None
+            else {}
+        ),
         "activation_memory_vs_none": {m: round(v, 4) for m, v in mem.items()},
         "activation_bytes": held,
         **{f"step_time_{k}": v for k, v in keyed_result_fields(stats).items()},
-        "goals": {"memory": {"full": 0.5, "selective": 0.75}, "step_time": {"full": 1.35, "selective": 1.15}},
+        "goals": {
+            "zero3_vs_zero0": 0.30,
+            "memory": {"full": 0.5, "selective": 0.75},
+            "step_time": {"full": 1.35, "selective": 1.15},
+        },
     }
     print("RESULT " + json.dumps(result))
     return 0
