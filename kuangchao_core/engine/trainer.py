@@ -10,6 +10,7 @@ checkpoint I/O is :mod:`kuangchao_core.engine.checkpointing`, following ``kc con
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -322,7 +323,9 @@ class Trainer:
                 self.lr_scale = settings.lr_scale
                 metrics = result.metrics()
                 if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step
-                    write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
+                    full = getattr(self.sync, "full_parameters", None)  # collective under ZeRO-3
+                    with full() if full is not None else contextlib.nullcontext():
+                        write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
                 if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:
                     metrics["eval_loss"] = self.evaluator()  # collective: every rank evaluates its share
