@@ -224,21 +224,25 @@ class Trainer:
             {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in ("input_ids", "labels")}
             for b in micro_batches
         ]
-        local_loss, tokens = self.forward_backward(self.sync, batches)
-        # fp16: unscale and agree over every rank whether any gradient overflowed; such a step is skipped
+        tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
+        local_loss = self.forward_backward(self.sync, batches)
+        # fp16: unscale and agree over every rank whether any gradient overflowed; such a step is skipped (the one
+        # host sync of such a step besides the metrics)
         skip = self.precision.dynamic and self.precision.unscale_and_check(self.sync.local_grads())
         if skip:
-            grad_norm = float("nan")
+            norm_t = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
         else:
-            grad_norm = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
+            norm_t = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
             self.sync.step()
         self.precision.update(skip)
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
-        loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
+        loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
         for group in (self.mesh.pp_group, self.mesh.dp_group):
             if group is not None and group.size > 1:
                 P.all_reduce(loss_t, group=group, op="sum")
-        loss = float(loss_t.item()) / self.mesh.dp
+        # the step's one read of device values: the loss and the gradient norm together
+        loss_sum, grad_norm = torch.stack([loss_t[0], norm_t.to(torch.float64).reshape(())]).tolist()
+        loss = loss_sum / self.mesh.dp
         self.state.step += 1
         self.state.losses.append(loss)
         dt = time.perf_counter() - t0

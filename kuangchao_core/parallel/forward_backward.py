@@ -1,6 +1,6 @@
 """The forward and backward of one optimizer step, chosen once per job (as Megatron's ``get_forward_backward_func``).
 
-:func:`get_forward_backward` returns a function ``(sync, micro_batches) -> (local mean loss, tokens)`` that runs every
+:func:`get_forward_backward` returns a function ``(sync, micro_batches) -> local mean loss`` that runs every
 micro-batch's forward and backward and completes the gradient reduction through the job's
 :class:`~kuangchao_core.parallel.grad_sync.GradSync`:
 
@@ -9,7 +9,8 @@ micro-batch's forward and backward and completes the gradient reduction through 
 - with a pipeline: the executor runs the schedule's whole step under ``no_sync`` (its backwards interleave with
   forwards), then the reduction runs once.
 
-The loss returned is this rank's: the mean over micro-batches on the last pipeline stage, 0 on other stages.
+The loss returned is this rank's, a float64 scalar tensor on the batches' device (read by the trainer once per step,
+with the gradient norm): the mean over micro-batches on the last pipeline stage, 0 on other stages.
 """
 
 from __future__ import annotations
@@ -22,11 +23,7 @@ import torch
 
 from kuangchao_core.parallel.grad_sync import GradSync, maybe_no_sync
 
-ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]]], tuple[float, int]]
-
-
-def _tokens(batches: list[dict[str, torch.Tensor]]) -> int:
-    return sum(int((b["labels"] != -100).sum()) for b in batches)
+ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]]], torch.Tensor]
 
 
 def get_forward_backward(
@@ -38,18 +35,20 @@ def get_forward_backward(
     autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled."""
     if executor is not None:
 
-        def pipelined(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        def pipelined(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
             with sync.no_sync():
                 loss = executor.run(batches, precision=precision)
             sync.finish(accumulated=True)
-            return (float(loss) if loss is not None else 0.0), _tokens(batches)
+            if loss is None:
+                return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
+            return loss.detach().double()
 
         return pipelined
 
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
     scale = precision.scale if precision is not None else (lambda loss: loss)
 
-    def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         n = len(batches)
         local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
         for i, batch in enumerate(batches):
@@ -59,6 +58,6 @@ def get_forward_backward(
                 scale(loss).backward()
             local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
         sync.finish()
-        return float(local), _tokens(batches)
+        return local
 
     return plain

@@ -49,8 +49,9 @@ class GradSync(Protocol):
     def finish(self, accumulated: bool = False) -> None:
         """Complete the reduction of this step's gradients; ``accumulated``: every backward ran under no_sync."""
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm before clipping (each element once); clip to ``max_norm`` when it is > 0."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm before clipping (each element once), a scalar tensor on the gradients' device (no
+        host sync); clip to ``max_norm`` when it is > 0."""
 
     def step(self) -> None:
         """Apply the optimizer; afterwards every replica holds the same parameters."""
@@ -78,12 +79,12 @@ def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
     return t
 
 
-def _apply_clip(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+def _apply_clip(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale by ``min(1, max_norm / (total + 1e-6))`` on the device (×1 leaves a gradient bitwise unchanged)."""
     if max_norm > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
 
 
 class ReplicatedAdamW:
@@ -130,14 +131,14 @@ class ReplicatedAdamW:
         else:
             self.dp.finish_gradient_sync()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """See :meth:`GradSync.clip_grad_norm`; without TP and PP, ``torch.nn.utils.clip_grad_norm_`` itself."""
         mesh = self.mesh
         if mesh.tp == 1 and mesh.pp == 1:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if max_norm > 0:
-                return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
-            return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+                return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+            return torch.nn.utils.get_total_norm([p.grad for p in params])
         grads = []
         sq = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
         for name, p in self.model.named_parameters():
@@ -145,7 +146,7 @@ class ReplicatedAdamW:
                 continue
             grads.append(p.grad)
             sq += p.grad.double().pow(2).sum() * self.norm_weight[name]
-        total = float(_sum_over(sq, mesh.tp_group, mesh.pp_group).sqrt())
+        total = _sum_over(sq, mesh.tp_group, mesh.pp_group).sqrt()
         _apply_clip(grads, total, max_norm)
         return total
 
@@ -251,7 +252,7 @@ class ShardedAdamW:
         """See :meth:`GradSync.finish` (ZeRO reduces what is left either way)."""
         self.optimizer.finish_gradient_sync()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Sum of squares over the owned pieces of the shards, weighted per TP replication, over dp×tp×pp."""
         self.optimizer.finish_gradient_sync()
         shards = self.optimizer.grad_shards()
@@ -259,7 +260,7 @@ class ShardedAdamW:
         for slot, lo, hi, offset in self.optimizer.owned_pieces():
             piece = shards[slot.bucket][offset : offset + hi - lo]
             sq += piece.double().pow(2).sum() * self.norm_weight[slot.name]
-        total = float(_sum_over(sq, self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt())
+        total = _sum_over(sq, self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt()
         _apply_clip(shards, total, max_norm)
         return total
 
