@@ -10,8 +10,9 @@ Usage::
 
     results = run_distributed(body, world_size=4, args=(3,))   # list indexed by rank
 
-Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a free port per call), and
-OMP_NUM_THREADS=1; the default process group (gloo) is initialised before ``fn`` runs and destroyed after.
+Each process (forked from a server that imported torch and the engine once) gets the parent's environment, RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a free port per call), and OMP_NUM_THREADS=1; the default process
+group (gloo) is initialised before ``fn`` runs and destroyed after.
 A failure in any rank raises ``RuntimeError`` with that rank's traceback; a hang raises after ``timeout`` s.
 """
 
@@ -26,7 +27,9 @@ import torch.multiprocessing as mp
 from kuangchao_core.sched.launcher import free_port
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env):
+def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env, parent_env):
+    os.environ.clear()  # the parent's environment now, as a spawned process would have it (not the fork server's)
+    os.environ.update(parent_env)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -58,14 +61,30 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env):
                 pass
 
 
+#: imported once by the fork server; every rank process forks from it instead of importing torch (~3 s) and
+#: torch._dynamo (~2 s, which torch.optim imports on first use) again
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tests.engine_helpers", "kuangchao_core.engine.trainer"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(fn, world_size: int, args=(), kwargs=None, timeout: float = 240.0, init_pg: bool = True, env=None):
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results by rank.
+
+    The processes fork from a server that imported torch and the engine once (``forkserver``; nothing ran in it,
+    so no thread pool or process group is inherited); each starts clean as a spawned process would."""
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, init_pg, env), daemon=False
+            target=_worker,
+            args=(r, world_size, port, fn, args, kwargs or {}, queue, init_pg, env, dict(os.environ)),
+            daemon=False,
         )
         for r in range(world_size)
     ]

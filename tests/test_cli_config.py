@@ -149,7 +149,7 @@ def test_real_kc_entry_point_starts_nothing(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "(world size 16)" in ok.stdout
     bad = tmp_path.parent / f"{tmp_path.name}-bad.yaml"
-    bad.write_text("task: {name: j}\nparallel: {zero_stage: 3}\n")
+    bad.write_text("task: {name: j}\nparallel: {zero_stage: 5}\n")
     failed = subprocess.run(
         [str(kc), "config", "validate", str(bad)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
     )
