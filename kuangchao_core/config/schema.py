@@ -141,10 +141,18 @@ class DataSection(Section):
     """Where the tokens come from."""
 
     path: str | None = None
-    format: Literal["auto", "txt", "jsonl", "parquet", "synthetic"] = "auto"
+    #: ``sft``: instruction records (prompt/completion or chat messages, jsonl or parquet), loss on the answers only
+    format: Literal["auto", "txt", "jsonl", "parquet", "synthetic", "sft"] = "auto"
     text_field: str = Field(default="text", min_length=1)
+    #: ``byte``, a tokenizers JSON file, or a local Hugging Face tokenizer directory (its chat template renders sft
+    #: messages)
     tokenizer: str = Field(default="byte", min_length=1)
     seq_len: Int = Field(default=128, ge=2)
+    #: ``concat``: documents end to end, cut into windows; ``none``: one sft example per row, padded; ``auto``:
+    #: ``none`` for sft data, ``concat`` otherwise
+    packing: Literal["auto", "concat", "none"] = "auto"
+    #: an sft example longer than one window: ``drop`` it or ``truncate`` it to ``seq_len + 1`` tokens
+    truncation: Literal["drop", "truncate"] = "drop"
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
     prefetch: Int = Field(default=2, ge=0)
     shuffle: bool = True

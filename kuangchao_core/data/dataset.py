@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,10 +10,13 @@ import torch
 from kuangchao_core.config.access import setting
 from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import num_windows, pack_documents, window
+from kuangchao_core.data.sft import SFTDataset, build_sft_dataset
 from kuangchao_core.data.synthetic import make_corpus
 from kuangchao_core.data.tokenizer import get_tokenizer
 from kuangchao_core.errors import DataError
 from kuangchao_core.perm import guard_api
+
+log = logging.getLogger("kuangchao.data")
 
 _SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500, "seed": 1234}
 
@@ -67,11 +71,12 @@ def dataset_name(data_cfg: Any) -> str:
     return str(path)
 
 
-def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> TokenDataset:
+def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> TokenDataset | SFTDataset:
     """Open the dataset the ``data`` section describes (object or dict) and pack it into windows of ``seq_len``.
 
     ``path`` None or ``format: synthetic`` -> the synthetic corpus (``split`` ``train`` or ``eval``, the held-out
-    problems); else user files (only ``split="train"``). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
+    problems); else user files (only ``split="train"``): text packed into windows, or ``format: sft`` instruction
+    records (:mod:`kuangchao_core.data.sft`). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
     process's data loader module when it has one (``guard_api.guard_for("data_loader")``).
     """
     name = dataset_name(data_cfg)
@@ -87,6 +92,19 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     else:
         if split != "train":
             raise DataError(f"dataset {name!r}: user files have only a 'train' split, not {split!r}")
+        packing = setting(data_cfg, "packing", "auto")
+        if setting(data_cfg, "format", "auto") == "sft":
+            ds = build_sft_dataset(
+                str(setting(data_cfg, "path")),
+                tokenizer,
+                seq_len,
+                "none" if packing == "auto" else packing,
+                setting(data_cfg, "truncation", "drop"),
+            )
+            log.info("sft data %s: %s", name, ds.report.to_dict())
+            return ds
+        if packing == "none":
+            raise DataError("data.packing none applies to sft data (data.format sft); text is packed with concat")
         docs = read_documents(
             setting(data_cfg, "path"), setting(data_cfg, "format", "auto"), setting(data_cfg, "text_field", "text")
         )

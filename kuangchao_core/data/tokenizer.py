@@ -1,4 +1,5 @@
-"""Tokenizers: a byte-level one by default, or a local Hugging Face ``tokenizers`` JSON file (never the hub).
+"""Tokenizers: a byte-level one by default, or a local Hugging Face ``tokenizers`` JSON file or tokenizer directory
+(never the hub).
 
 Document separator: for :class:`ByteTokenizer` it is byte 10 (``"\\n"``); a ``tokenizers`` file uses its
 end-of-text special token when it has one (``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``), else
@@ -30,15 +31,53 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
+def _token_text(value) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_config(path: Path) -> dict:
+    import json
+
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise DataError(f"data.tokenizer: {path} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise DataError(f"data.tokenizer: {path} must hold a JSON object")
+    return config
+
+
 class HFTokenizer:
-    """A ``tokenizers`` JSON file loaded from local disk."""
+    """A ``tokenizers`` JSON file loaded from local disk, or a Hugging Face tokenizer directory (``tokenizer.json``
+    and ``tokenizer_config.json``, whose ``chat_template``, ``bos_token`` and ``eos_token`` are kept; the end token
+    separates documents)."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
+        path = Path(path)
+        config = {}
+        if path.is_dir():
+            config = _read_config(path / "tokenizer_config.json")
+            path = path / "tokenizer.json"
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.special_tokens = {
+            k: v for k in ("bos_token", "eos_token") if (v := _token_text(config.get(k))) is not None
+        }
         self.path = Path(path)
         if not self.path.is_file():
-            raise DataError(f"data.tokenizer: no tokenizer file at {self.path}; give 'byte' or a local tokenizers JSON")
+            raise DataError(
+                f"data.tokenizer: no tokenizer file at {self.path}; give 'byte', a local tokenizers JSON or a "
+                "directory holding tokenizer.json"
+            )
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as exc:  # the Rust library raises plain Exceptions
@@ -46,7 +85,10 @@ class HFTokenizer:
         self.name = str(self.path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        sep = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
+        eos = self.special_tokens.get("eos_token")
+        sep = vocab.get(eos) if eos else None
+        if sep is None:
+            sep = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
         if sep is None:
             ids = self._tok.encode("\n", add_special_tokens=False).ids
             if len(ids) != 1:
@@ -67,7 +109,8 @@ class HFTokenizer:
 
 
 def get_tokenizer(spec: str | None, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
-    """``"byte"`` (or None) -> ByteTokenizer, else a path to a tokenizers JSON. Checks the vocabulary fits the model."""
+    """``"byte"`` (or None) -> ByteTokenizer, else a path to a tokenizers JSON or a tokenizer directory. Checks the
+    vocabulary fits the model."""
     tok = ByteTokenizer() if spec in (None, "", "byte") else HFTokenizer(spec)
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise DataError(

@@ -151,6 +151,10 @@ def load_records(data_cfg: Any) -> tuple[list[bytes | str], str]:
     text_field = setting(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
         return _synthetic_records(data_cfg), "synthetic corpus"
+    if fmt == "sft":  # each record's text as the model reads it; a record training cannot use fails here
+        from kuangchao_core.data.sft import iter_sft_records, record_text
+
+        return [record_text(r, where) for r, where in iter_sft_records(path)], str(path)
     return [raw for raw, _ in iter_records(path, fmt, text_field)], str(path)
 
 
