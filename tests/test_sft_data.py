@@ -196,3 +196,14 @@ def test_packing_none_is_refused_for_text_data(tmp_path):
 
     with pytest.raises(ConfigError, match="data.packing"):
         tiny_job(str(tmp_path), data={"format": "jsonl", "path": str(tmp_path), "packing": "none"})
+
+
+def test_documents_packing_trains_answers_and_never_across_examples():
+    tok = ByteTokenizer()
+    records = [({"prompt": f"q{i}=", "completion": f"a{i}"}, f"r{i}") for i in range(5)]
+    examples, report = build_examples(iter(records), tok, seq_len=64, truncation="drop")
+    ds = SFTDataset(examples, 24, "documents", "x", tok, report)
+    item = ds[0]
+    assert item["segment_ids"].tolist()[:6] == [0] * 6 and item["segment_ids"].tolist()[6] == 1
+    assert item["position_ids"].tolist()[6] == 0  # the second example starts at position 0
+    assert _labels_text(tok, item)[0] == "a0\na1\na2\na3\n"  # answers; no label crosses into the next example

@@ -148,9 +148,10 @@ class DataSection(Section):
     #: messages)
     tokenizer: str = Field(default="byte", min_length=1)
     seq_len: Int = Field(default=128, ge=2)
-    #: ``concat``: documents end to end, cut into windows; ``none``: one sft example per row, padded; ``auto``:
-    #: ``none`` for sft data, ``concat`` otherwise
-    packing: Literal["auto", "concat", "none"] = "auto"
+    #: ``concat``: documents end to end, cut into windows; ``documents``: the same, but attention stays inside each
+    #: document and positions restart; ``none``: one sft example per row, padded; ``auto``: ``none`` for sft data,
+    #: ``concat`` otherwise
+    packing: Literal["auto", "concat", "documents", "none"] = "auto"
     #: an sft example longer than one window: ``drop`` it or ``truncate`` it to ``seq_len + 1`` tokens
     truncation: Literal["drop", "truncate"] = "drop"
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)

@@ -9,7 +9,7 @@ import torch
 
 from kuangchao_core.config.access import setting
 from kuangchao_core.data.files import read_documents
-from kuangchao_core.data.packing import num_windows, pack_documents, window
+from kuangchao_core.data.packing import document_window, num_windows, pack_documents_with_starts, window
 from kuangchao_core.data.sft import SFTDataset, build_sft_dataset
 from kuangchao_core.data.synthetic import make_corpus
 from kuangchao_core.data.tokenizer import get_tokenizer
@@ -22,12 +22,13 @@ _SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500
 
 
 class TokenDataset:
-    """Fixed-length windows over one in-memory token stream (see :mod:`kuangchao_core.data.packing`).
+    """Fixed-length windows over one in-memory token stream (see :mod:`kuangchao_core.data.packing`); with document
+    ``starts`` each window also carries segment and position ids (``data.packing: documents``).
 
     ``corpus`` is the :class:`~kuangchao_core.data.synthetic.ArithmeticCorpus` for the synthetic corpus, else None.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, name: str, tokenizer, corpus=None):
+    def __init__(self, tokens: torch.Tensor, seq_len: int, name: str, tokenizer, corpus=None, starts=None):
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
         self.tokens = tokens
@@ -35,6 +36,7 @@ class TokenDataset:
         self.name = name
         self.tokenizer = tokenizer
         self.corpus = corpus
+        self.starts = starts  # document starts: windows keep documents apart (data.packing documents)
         self._n = num_windows(tokens.numel(), self.seq_len)
         if self._n == 0:
             raise DataError(
@@ -53,6 +55,8 @@ class TokenDataset:
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -self._n <= index < self._n:
             raise IndexError(f"window {index} out of range for {self._n} windows")
+        if self.starts is not None:
+            return document_window(self.tokens, self.starts, index % self._n, self.seq_len)
         return window(self.tokens, index % self._n, self.seq_len)
 
 
@@ -109,5 +113,6 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
             setting(data_cfg, "path"), setting(data_cfg, "format", "auto"), setting(data_cfg, "text_field", "text")
         )
         label = name
-    tokens = pack_documents(docs, tokenizer, vocab_size)
-    return TokenDataset(tokens, seq_len, label, tokenizer, corpus)
+    tokens, starts = pack_documents_with_starts(docs, tokenizer, vocab_size)
+    keep_apart = setting(data_cfg, "packing", "auto") == "documents"
+    return TokenDataset(tokens, seq_len, label, tokenizer, corpus, starts if keep_apart else None)

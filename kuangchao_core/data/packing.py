@@ -4,6 +4,11 @@ Window ``i`` covers stream tokens ``[i*seq_len, i*seq_len + seq_len]`` (``seq_le
 windows share one boundary token): ``input_ids`` are its first ``seq_len`` tokens, ``labels`` its last ``seq_len``
 (already shifted, so ``labels[t]`` is the token after ``input_ids[t]``). The tail that does not fill a window is
 dropped.
+
+``data.packing: documents`` (:func:`document_window`) keeps the documents apart inside a window: each token carries
+its document's ``segment_ids`` (attention stays inside it) and its ``position_ids`` within the document (rotary
+positions restart), and the label that would predict the next document's first token from this one's last is
+-100. A window's loss is then the sum of its documents' losses, each as if run alone.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import torch
 from kuangchao_core.errors import DataError
 
 
-def pack_documents(docs: Iterable[str], tokenizer, vocab_size: int | None = None) -> torch.Tensor:
-    """One int32 stream: each document's tokens followed by ``tokenizer.sep_id``."""
+def pack_documents_with_starts(
+    docs: Iterable[str], tokenizer, vocab_size: int | None = None
+) -> tuple[torch.Tensor, np.ndarray]:
+    """One int32 stream — each document's tokens followed by ``tokenizer.sep_id`` — and where each document starts
+    in it (int64, ascending)."""
     sep = int(tokenizer.sep_id)
     parts: list[np.ndarray] = []
     for doc in docs:
@@ -32,7 +40,8 @@ def pack_documents(docs: Iterable[str], tokenizer, vocab_size: int | None = None
             f"token id {int(stream.max())} is outside model.vocab_size {vocab_size}; "
             "use a tokenizer that fits the model or raise model.vocab_size"
         )
-    return stream
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]], dtype=np.int64) if parts else np.zeros(0, np.int64)
+    return stream, starts
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:
@@ -44,3 +53,17 @@ def window(stream: torch.Tensor, index: int, seq_len: int) -> dict[str, torch.Te
     """``input_ids``/``labels`` (LongTensors of ``seq_len``) of window ``index``."""
     chunk = stream[index * seq_len : index * seq_len + seq_len + 1].long()
     return {"input_ids": chunk[:-1], "labels": chunk[1:]}
+
+
+def document_window(stream: torch.Tensor, starts: np.ndarray, index: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Window ``index`` with ``segment_ids``, ``position_ids`` and cross-document labels masked (module docstring);
+    ``starts``: where each document begins in ``stream``."""
+    lo = index * seq_len
+    out = window(stream, index, seq_len)
+    pos = np.arange(lo, lo + seq_len + 1)
+    doc = np.searchsorted(starts, pos, side="right") - 1
+    out["segment_ids"] = torch.from_numpy(doc[:-1] - doc[0])
+    out["position_ids"] = torch.from_numpy(pos[:-1] - starts[doc[:-1]])
+    crosses = torch.from_numpy(doc[1:] != doc[:-1])
+    out["labels"] = torch.where(crosses, torch.full_like(out["labels"], -100), out["labels"])
+    return out

@@ -19,7 +19,9 @@ counted in the dataset's ``report``.
 
 Packing (``data.packing``): ``none`` — one example per row, padded with the end token (padding never trained; with
 causal attention the padding after an example cannot change its tokens); ``concat`` — examples laid end to end and
-cut into windows as pre-training text is (attention then crosses example boundaries).
+cut into windows as pre-training text is (attention then crosses example boundaries); ``documents`` — as
+``concat``, but each example attends only to itself with positions from 0 (:func:`~kuangchao_core.data.packing.
+document_window`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from kuangchao_core.data.files import resolve_files
-from kuangchao_core.data.packing import num_windows
+from kuangchao_core.data.packing import document_window, num_windows
 from kuangchao_core.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -225,8 +227,8 @@ class SFTDataset:
     """Windows of ``seq_len`` input tokens whose labels are -100 wherever the loss is not taken."""
 
     def __init__(self, examples: Sequence[Example], seq_len: int, packing: str, name: str, tokenizer, report):
-        if packing not in ("none", "concat"):
-            raise DataError(f"data.packing {packing!r} is not available for sft data; use none or concat")
+        if packing not in ("none", "concat", "documents"):
+            raise DataError(f"data.packing {packing!r} is not available for sft data; use none, concat or documents")
         self.seq_len, self.name, self.tokenizer, self.report, self.packing = seq_len, name, tokenizer, report, packing
         self.corpus = None
         width = seq_len + 1
@@ -241,6 +243,8 @@ class SFTDataset:
         else:
             self.ids = torch.from_numpy(np.concatenate([np.asarray(ex.ids, dtype=np.int32) for ex in examples]))
             self.trained = torch.from_numpy(np.concatenate([np.asarray(ex.trained, dtype=bool) for ex in examples]))
+            lengths = [len(ex.ids) for ex in examples]
+            self.starts = np.cumsum([0] + lengths[:-1], dtype=np.int64) if packing == "documents" else None
             self._n = num_windows(self.ids.numel(), seq_len)
             if self._n == 0:
                 raise DataError(f"dataset {name!r}: {self.ids.numel()} tokens, fewer than one window of {width}")
@@ -259,6 +263,12 @@ class SFTDataset:
         index %= self._n
         if self.packing == "none":
             ids, trained = self.ids[index], self.trained[index]
+        elif self.packing == "documents":
+            out = document_window(self.ids, self.starts, index, self.seq_len)
+            lo = index * self.seq_len
+            keep = self.trained[lo + 1 : lo + self.seq_len + 1]
+            out["labels"] = torch.where(keep, out["labels"], torch.full_like(out["labels"], -100))
+            return out
         else:
             lo = index * self.seq_len
             ids, trained = self.ids[lo : lo + self.seq_len + 1], self.trained[lo : lo + self.seq_len + 1]

@@ -17,6 +17,7 @@ from kuangchao_core.comm import primitives as P
 from kuangchao_core.data import build_dataset
 from kuangchao_core.errors import DataError
 from kuangchao_core.models.llama import IGNORE_INDEX
+from kuangchao_core.parallel.forward_backward import model_inputs
 
 #: Held-out micro-batches per evaluation, over all DP ranks (a fixed set, so values compare across steps and runs).
 EVAL_MICRO_BATCHES = 8
@@ -41,14 +42,14 @@ class HeldOutLoss:
         """Token-weighted mean loss over the held-out micro-batches of every DP rank."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         try:
             for items in self.batches:
-                ids = torch.stack([x["input_ids"] for x in items]).to(self.device)
-                labels = torch.stack([x["labels"] for x in items]).to(self.device)
-                count = int((labels != IGNORE_INDEX).sum())
-                loss = self.loss_fn(self.model(ids), labels)
-                totals += torch.tensor([float(loss) * count, float(count)], dtype=torch.float64)
+                batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
+                labels = batch["labels"]
+                count = (labels != IGNORE_INDEX).sum()
+                loss = self.loss_fn(self.model(batch["input_ids"], **model_inputs(batch)), labels)
+                totals += torch.stack([loss.detach().double() * count, count.double()])
         finally:
             self.model.train(was_training)
         if self.mesh.dp > 1:

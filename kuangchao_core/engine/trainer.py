@@ -36,7 +36,7 @@ from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
-from kuangchao_core.parallel.forward_backward import get_forward_backward
+from kuangchao_core.parallel.forward_backward import BATCH_KEYS, get_forward_backward
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
 
@@ -221,8 +221,7 @@ class Trainer:
             group["lr"] = lr
         self.sync.zero_grad()
         batches = [
-            {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in ("input_ids", "labels")}
-            for b in micro_batches
+            {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in BATCH_KEYS} for b in micro_batches
         ]
         tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
         local_loss = self.forward_backward(self.sync, batches)

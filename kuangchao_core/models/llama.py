@@ -265,10 +265,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for ``positions`` (seq,) -> (seq, head_dim), or per sequence (batch, seq) -> (batch, 1, seq,
+        head_dim), which broadcasts over the heads."""
         # the tables are computed in fp32 for every dtype, as Hugging Face does, so fp64 logits match theirs
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:
+            emb = emb.unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean attention mask: causal, and only within the same segment (document)."""
+    s = segment_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal).unsqueeze(1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +309,11 @@ class LlamaAttention(nn.Module):
         self.v_proj = make_linear(cfg.hidden_size, cfg.num_kv_heads * d, "v_proj")
         self.o_proj = make_linear(cfg.num_heads * d, cfg.hidden_size, "o_proj")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention; ``mask`` (batch, 1, seq, seq), True where a query may attend, replaces the plain causal
+        mask (:func:`document_mask`: packed documents that do not see each other)."""
         b, s, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
@@ -309,7 +325,10 @@ class LlamaAttention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -342,8 +361,10 @@ class LlamaDecoderLayer(nn.Module):
             return F.dropout(x, self.dropout, training=True)
         return x
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self._drop(self.self_attn(self.input_layernorm(h), cos, sin))
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = h + self._drop(self.self_attn(self.input_layernorm(h), cos, sin, mask))
         return h + self._drop(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -400,26 +421,47 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(seq_len, device=device)
         return self.model.rotary_emb(positions, dtype)
 
-    def run_layers(self, h: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Run decoder layers ``start``..``end``-1 (indices into ``model.layers``) on hidden states ``h``."""
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        start: int = 0,
+        end: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run decoder layers ``start``..``end``-1 (indices into ``model.layers``) on hidden states ``h``.
+
+        ``position_ids`` (batch, seq): rotary positions per token (default 0..seq-1); ``segment_ids`` (batch, seq):
+        which packed document each token belongs to — attention stays inside a document."""
         end = len(self.model.layers) if end is None else end
-        cos, sin = self.rotary(h.shape[1], h.device, h.dtype)
+        if position_ids is None:
+            cos, sin = self.rotary(h.shape[1], h.device, h.dtype)
+        else:
+            cos, sin = self.model.rotary_emb(position_ids.to(h.device), h.dtype)
+        mask = None if segment_ids is None else document_mask(segment_ids.to(h.device))
         for layer in self.model.layers[start:end]:
-            h = run_layer(layer, h, cos, sin, self.activation_checkpointing)
+            h = run_layer(layer, h, cos, sin, self.activation_checkpointing, mask)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection: hidden states -> logits (batch, seq, vocab)."""
         return self.lm_head(self.model.norm(h))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for every position of ``input_ids`` (batch, seq)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every position of ``input_ids`` (batch, seq); ``position_ids``/``segment_ids`` as in
+        :meth:`run_layers` (packed documents)."""
         if input_ids.shape[-1] > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {input_ids.shape[-1]} exceeds model.max_seq_len {self.config.max_seq_len}; "
                 "shorten data.seq_len or raise model.max_seq_len"
             )
-        return self.head(self.run_layers(self.embed(input_ids)))
+        h = self.run_layers(self.embed(input_ids), position_ids=position_ids, segment_ids=segment_ids)
+        return self.head(h)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation (:func:`init_from_seed` with every tensor whole)."""

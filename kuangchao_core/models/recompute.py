@@ -49,15 +49,22 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_keep_matmul_and_attention)
 
 
-def run_layer(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
-    """``layer(h, cos, sin)`` under activation checkpointing ``mode`` (one of :data:`MODES`); without autograd
-    (evaluation, ``torch.no_grad``) nothing is recomputed, so every mode is a plain call."""
+def run_layer(
+    layer: torch.nn.Module,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mode: str,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``layer(h, cos, sin, mask)`` under activation checkpointing ``mode`` (one of :data:`MODES`); without autograd
+    (evaluation, ``torch.no_grad``) nothing is recomputed, so every mode is a plain call. ``mask``: the packed
+    documents' attention mask, or None for plain causal attention."""
+    args = (h, cos, sin) if mask is None else (h, cos, sin, mask)
     if mode == "none" or not torch.is_grad_enabled():
-        return layer(h, cos, sin)
+        return layer(*args)
     if mode == "full":
-        return checkpoint(layer, h, cos, sin, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True)
     if mode == "selective":
-        return checkpoint(
-            layer, h, cos, sin, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_contexts
-        )
+        return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_selective_contexts)
     raise ValueError(f"activation checkpointing {mode!r}: expected one of {', '.join(MODES)}")

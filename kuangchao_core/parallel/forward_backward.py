@@ -24,6 +24,14 @@ import torch
 from kuangchao_core.parallel.grad_sync import GradSync, maybe_no_sync
 
 ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]]], torch.Tensor]
+#: what a micro-batch may carry to the device: tokens, labels, and packed documents' positions and segments
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+MODEL_KEYS = ("position_ids", "segment_ids")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs of the model besides ``input_ids`` that ``batch`` has (packed documents)."""
+    return {k: batch[k] for k in MODEL_KEYS if k in batch}
 
 
 def get_forward_backward(
@@ -54,7 +62,7 @@ def get_forward_backward(
         for i, batch in enumerate(batches):
             with maybe_no_sync(sync, last=i == n - 1):
                 with autocast():
-                    loss = loss_fn(model(batch["input_ids"]), batch["labels"]) / n
+                    loss = loss_fn(model(batch["input_ids"], **model_inputs(batch)), batch["labels"]) / n
                 scale(loss).backward()
             local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
         sync.finish()
