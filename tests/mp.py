@@ -46,11 +46,17 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env, paren
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    store = None
     try:
         if init_pg:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=120))
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120), store=store
+            )
         result = fn(rank, world_size, *args, **kwargs)
         queue.put((rank, True, result))
+        if store is not None:
+            _leave_together(store, rank, world_size)
     except BaseException:  # report every failure, including SystemExit from a rank
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,6 +65,19 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue, init_pg, env, paren
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _leave_together(store, rank: int, world_size: int, wait_s: float = 60.0) -> None:
+    """Rank 0 hosts the store every group's rendezvous goes through: it stays until every rank is done, so a rank
+    still creating a group (one rank 0 is not in) is not cut off by rank 0 leaving first."""
+    import time
+
+    store.add("tests.mp.done", 1)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + wait_s
+    while store.add("tests.mp.done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 #: imported once by the fork server; every rank process forks from it instead of importing torch (~3 s) and
