@@ -47,6 +47,21 @@ def tiny_job(tmp_dir: str, **sections: Any):
     return config_from_dict(base)
 
 
+def trainer_in_process(cfg, rank: int, world_size: int, timeout_ms: int = 120_000):
+    """The engine's Trainer for this rank of a process group this process already belongs to (trusted mode)."""
+    import torch
+
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    init_distributed(backend="gloo", timeout_ms=timeout_ms)
+    mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
+    return Trainer(cfg, rank, world_size, torch.device("cpu"), world_group(), mesh)
+
+
 def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_steps: int | None = None, patch=None):
     """Build the engine's Trainer in this process (already in a Gloo group) and train; returns the loss list."""
     import torch

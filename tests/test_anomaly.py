@@ -22,7 +22,7 @@ from kuangchao_core.config import config_from_dict
 from kuangchao_core.engine.anomaly import AnomalyDetector
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.recovery import RestartPolicy
-from tests.engine_helpers import tiny_job
+from tests.engine_helpers import tiny_job, trainer_in_process
 from tests.mp import run_distributed
 
 SETTINGS = config_from_dict({"task": {"name": "a"}}).train.anomaly
@@ -55,23 +55,9 @@ def test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet():
 def _nan_at_step_3(rank, world_size, cfg):
     import sys
 
-    import torch
+    from kuangchao_core.engine.trainer import AnomalyStop
 
-    from kuangchao_core.comm import init_distributed, world_group
-    from kuangchao_core.engine.trainer import AnomalyStop, Trainer
-    from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.perm import guard_api
-
-    guard_api.install_guard(guard_api.AllowAll())
-    init_distributed(backend="gloo", timeout_ms=120_000)
-    trainer = Trainer(
-        cfg,
-        rank,
-        world_size,
-        torch.device("cpu"),
-        world_group(),
-        ParallelMesh.from_config(cfg.parallel, rank, world_size),
-    )
+    trainer = trainer_in_process(cfg, rank, world_size, timeout_ms=120_000)
     step = trainer.train_step
 
     def injected(batches):

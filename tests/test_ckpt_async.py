@@ -17,7 +17,7 @@ import pytest
 
 from kuangchao_core.ckpt.lineage import new_lineage_id
 from kuangchao_core.ckpt.reader import find_latest_intact
-from tests.engine_helpers import run_trainers, tiny_job
+from tests.engine_helpers import run_trainers, tiny_job, trainer_in_process
 from tests.mp import run_distributed
 
 
@@ -54,24 +54,9 @@ def _killed_mid_write(rank, world_size, cfg, how):
     import os
     import signal
 
-    import torch
-
-    from kuangchao_core.comm import init_distributed, world_group
-    from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.errors import CheckpointError
-    from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.perm import guard_api
 
-    guard_api.install_guard(guard_api.AllowAll())
-    init_distributed(backend="gloo", timeout_ms=60_000)
-    trainer = Trainer(
-        cfg,
-        rank,
-        world_size,
-        torch.device("cpu"),
-        world_group(),
-        ParallelMesh.from_config(cfg.parallel, rank, world_size),
-    )
+    trainer = trainer_in_process(cfg, rank, world_size, timeout_ms=60_000)
     writer = trainer.checkpoints.writer
     write = writer.write_files
 

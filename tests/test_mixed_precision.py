@@ -161,6 +161,7 @@ LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
     "dp2_zero1": {"data_parallel_size": 2, "zero_stage": 1},
+    "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
 }
 
 

@@ -60,24 +60,12 @@ def _pre_fix_norm_reduction():
 def _steps(rank: int, world_size: int, jobs: list[tuple[str, object, bool]]):
     import torch
 
-    from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.data import PrefetchLoader
-    from kuangchao_core.engine.trainer import Trainer
-    from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.perm import guard_api
+    from tests.engine_helpers import trainer_in_process
 
-    guard_api.install_guard(guard_api.AllowAll())
-    init_distributed(backend="gloo", timeout_ms=60_000)
     out = {}
     for name, cfg, sabotage in jobs:
-        trainer = Trainer(
-            cfg,
-            rank,
-            world_size,
-            torch.device("cpu"),
-            world_group(),
-            ParallelMesh.from_config(cfg.parallel, rank, world_size),
-        )
+        trainer = trainer_in_process(cfg, rank, world_size, timeout_ms=60_000)
         trainer.sync.prepare()
         loader = PrefetchLoader(trainer.dataset, trainer.sampler, depth=2)
         batches = [loader.next_step() for _ in range(2)]

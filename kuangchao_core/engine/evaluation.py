@@ -3,8 +3,8 @@
 The held-out set is the data's evaluation split: the synthetic corpus' held-out problems (``data.synthetic.num_eval``).
 Every ``eval_interval`` steps each DP rank computes the loss of its share of the first held-out micro-batches (TP
 ranks of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so
-every layout reports the same number. A job the held-out loss cannot be computed for says so once at start:
-file data has no evaluation split yet, and a pipeline has no forward-only schedule.
+every layout reports the same number; a pipeline runs its stages forward only, one micro-batch after another. A job
+the held-out loss cannot be computed for says so once at start: file data has no evaluation split yet.
 """
 
 from __future__ import annotations
@@ -46,21 +46,57 @@ class HeldOutLoss:
         try:
             for items in self.batches:
                 batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
-                labels = batch["labels"]
-                count = (labels != IGNORE_INDEX).sum()
-                loss = self.loss_fn(self.model(batch["input_ids"], **model_inputs(batch)), labels)
-                totals += torch.stack([loss.detach().double() * count, count.double()])
+                totals += self._loss_sum_and_count(batch)
         finally:
             self.model.train(was_training)
-        if self.mesh.dp > 1:
-            P.all_reduce(totals, group=self.mesh.dp_group, op="sum")
+        for group in (self.mesh.pp_group, self.mesh.dp_group):  # the loss lives on the last stage: sum over PP
+            if group is not None and group.size > 1:
+                P.all_reduce(totals, group=group, op="sum")
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+    def _token_weighted(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        count = (labels != IGNORE_INDEX).sum()
+        loss = self.loss_fn(logits, labels)
+        return torch.stack([loss.detach().double() * count, count.double()])
+
+    def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(loss × tokens, tokens) of one micro-batch, float64 on the device."""
+        return self._token_weighted(self.model(batch["input_ids"], **model_inputs(batch)), batch["labels"])
+
+
+class PipelinedHeldOutLoss(HeldOutLoss):
+    """The held-out loss through the pipeline, forward only: each micro-batch runs the virtual stages in order,
+    every rank its own chunks, activations handed to the next stage's rank with send/recv; the last stage's
+    token-weighted loss is summed over PP (zero elsewhere) and DP."""
+
+    def __init__(self, executor: Any, model: torch.nn.Module, dataset: Any, mesh: Any, micro_batch: int, device):
+        super().__init__(model, executor.loss_fn, dataset, mesh, micro_batch, device)
+        self.executor = executor
+
+    def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ex = self.executor
+        ranks, p = ex.group.ranks, ex.p
+        ids = batch["input_ids"]
+        out = torch.zeros(2, dtype=torch.float64, device=self.device)
+        x: torch.Tensor | None = None
+        for stage in range(ex.num_stages):
+            if stage % p != ex.pp_rank:
+                continue
+            if stage == 0:
+                x = ids
+            else:
+                x = torch.empty(*ids.shape, ex.hidden_size, dtype=ex.dtype, device=self.device)
+                P.recv(x, src=ranks[(stage - 1) % p], group=ex.group)
+            y = ex.chunks[stage // p](x)
+            if stage == ex.num_stages - 1:
+                out = self._token_weighted(y, batch["labels"])
+            else:
+                P.send(y.contiguous(), dst=ranks[(stage + 1) % p], group=ex.group)
+        return out
 
 
 def held_out_loss_for(cfg: Any, parts: Any, mesh: Any, vocab_size: int, device) -> tuple[HeldOutLoss | None, str]:
     """The evaluator of this job, or None with the reason it has none (for the start-up warning)."""
-    if mesh.pp > 1:
-        return None, "pipeline layouts have no forward-only schedule yet"
     if not cfg.data.is_synthetic:
         return None, f"data.path {cfg.data.path} has no evaluation split yet"
     if int(cfg.data.synthetic.num_eval) < 1:
@@ -69,4 +105,7 @@ def held_out_loss_for(cfg: Any, parts: Any, mesh: Any, vocab_size: int, device) 
         dataset = build_dataset(cfg.data, vocab_size, split="eval")
     except DataError as exc:
         return None, f"the held-out split cannot be used ({exc})"
-    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, cfg.parallel.micro_batch_size, device), ""
+    micro = cfg.parallel.micro_batch_size
+    if parts.executor is not None:
+        return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device), ""
+    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device), ""

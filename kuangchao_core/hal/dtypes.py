@@ -25,11 +25,12 @@ def param_dtype(name: str) -> torch.dtype:
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
-    """``torch.optim.AdamW`` implementation flags for ``params``: the fused kernel on CUDA; elsewhere the
-    single-tensor loop, whose rounding every CPU layout shares (the layout-equivalence and bitwise-resume suites
-    rely on one implementation)."""
+    """``torch.optim.AdamW`` implementation flags for ``params``: the fused kernel on CUDA, the multi-tensor
+    (``foreach``) one elsewhere. Both are element-wise, so an element's update does not depend on how parameters are
+    grouped into tensors: replicated parameters and ZeRO's flat shards round alike (the layout-equivalence and
+    bitwise-resume suites rely on that)."""
     on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
-    return {"fused": True} if on_cuda else {"foreach": False}
+    return {"fused": True} if on_cuda else {"foreach": True}
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:

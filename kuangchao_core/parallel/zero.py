@@ -16,8 +16,8 @@ Per rank this keeps (Ψ = trainable elements, fp32): parameters 4Ψ (replicated)
   collectives) it is reduce-scattered straight into this rank's persistent gradient shard and freed.
 - Gradient accumulation: micro-steps inside ``with opt.no_sync():`` accumulate locally, no communication; the last
   micro-step's backward communicates. Scale each micro-step's loss by ``1 / grad_accum``.
-- :meth:`step` runs ``torch.optim.AdamW`` (``foreach=False``) on this rank's chunks, then all-gathers every bucket
-  so all replicas hold equal parameters again.
+- :meth:`step` runs ``torch.optim.AdamW`` (``hal.dtypes.adamw_kernel``: fused on CUDA, foreach elsewhere) on this
+  rank's chunks, then all-gathers every bucket so all replicas hold equal parameters again.
 
 Typical step::
 
@@ -64,7 +64,8 @@ class ZeroOptimizer:
             ``param_<i>``). Parameters not requiring a gradient are ignored.
         dp_group: the data-parallel ``CommGroup``; every member constructs the optimizer with the same model.
         stage: 1 (optimizer state sharded) or 2 (gradients sharded too).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (the update is the same code, ``foreach=False``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (the same update code,
+            :func:`~kuangchao_core.hal.dtypes.adamw_kernel`).
         bucket_cap_mb: upper bound of one bucket in MiB (the unit of reduce-scatter and all-gather).
         no_decay: names of parameters without weight decay (:mod:`~kuangchao_core.parallel.weight_decay`); the
             decay of the others is then applied to their ranges of the shard before AdamW's update.
@@ -385,15 +386,11 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def hyperparameters(self) -> dict[str, Any]:
         """AdamW's settings (lr, betas, eps, weight_decay …) as the wrapped optimizer holds them."""
-        g = self.optimizer.param_groups[0]
-        return {k: v for k, v in g.items() if k != "params"} | {"weight_decay": self.weight_decay}
+        return zero_state.adamw_hyperparameters(self.optimizer, self.weight_decay)
 
     def step_count(self) -> float:
         """Optimizer steps taken (AdamW's ``step``), 0 before the first."""
-        for st in self.optimizer.state.values():
-            if "step" in st:
-                return float(st["step"])
-        return 0.0
+        return zero_state.adamw_step_count(self.optimizer)
 
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:

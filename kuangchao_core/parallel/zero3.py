@@ -449,15 +449,11 @@ class Zero3Optimizer:
     # ------------------------------------------------------------------ checkpoints (as ZeroOptimizer)
     def hyperparameters(self) -> dict[str, Any]:
         """AdamW's settings with the decoupled weight decay of the decayed parameters."""
-        g = self.optimizer.param_groups[0]
-        return {k: v for k, v in g.items() if k != "params"} | {"weight_decay": self.weight_decay}
+        return zero_state.adamw_hyperparameters(self.optimizer, self.weight_decay)
 
     def step_count(self) -> float:
         """Optimizer steps taken, 0 before the first."""
-        for st in self.optimizer.state.values():
-            if "step" in st:
-                return float(st["step"])
-        return 0.0
+        return zero_state.adamw_step_count(self.optimizer)
 
     @property
     def named_params(self) -> list[tuple[str, torch.Tensor]]:

@@ -34,6 +34,20 @@ def comm_primitives():
     return primitives
 
 
+def adamw_hyperparameters(optimizer: torch.optim.Optimizer, weight_decay: float) -> dict[str, Any]:
+    """The wrapped AdamW's settings, with the decoupled ``weight_decay`` the sharded optimizer applies itself."""
+    g = optimizer.param_groups[0]
+    return {k: v for k, v in g.items() if k != "params"} | {"weight_decay": weight_decay}
+
+
+def adamw_step_count(optimizer: torch.optim.Optimizer) -> float:
+    """Optimizer steps the wrapped AdamW took (its ``step`` state), 0 before the first."""
+    for st in optimizer.state.values():
+        if "step" in st:
+            return float(st["step"])
+    return 0.0
+
+
 def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
     """Bytes per rank held for parameters, gradients and AdamW state: measured tensors and the formulas.
 
