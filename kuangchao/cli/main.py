@@ -29,6 +29,7 @@ _COMMAND_MODULES = [
     "config_cmd",
     "plan",
     "recommend",
+    "data_cmd",
     "doctor",
     "checkpoint_cmd",
     "audit",

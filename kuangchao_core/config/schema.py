@@ -154,6 +154,9 @@ class DataSection(Section):
     packing: Literal["auto", "concat", "documents", "none"] = "auto"
     #: an sft example longer than one window: ``drop`` it or ``truncate`` it to ``seq_len + 1`` tokens
     truncation: Literal["drop", "truncate"] = "drop"
+    #: tokenize text files once into memory-mapped arrays here, shared by every rank, attempt and later run
+    #: (``kc data prepare``); unset: every rank tokenizes the files at start
+    cache_dir: str | None = None
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
     prefetch: Int = Field(default=2, ge=0)
     shuffle: bool = True

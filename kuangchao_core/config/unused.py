@@ -74,6 +74,8 @@ def unused_settings(cfg: Any) -> Warnings:
         )
     if train.compile and par.zero_stage == 3:
         out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
+    if data.cache_dir and (data.is_synthetic or data.format == "sft"):
+        out.append(("data.cache_dir", "caches text files (txt, jsonl, parquet); this job's data is not cached"))
     if data.format != "sft" and _given(data, "truncation"):
         out.append(("data.truncation", "only used with data.format sft (text is packed across documents)"))
     if par.grad_compression != "topk":

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.data.cache import cached_corpus
 from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import document_window, num_windows, pack_documents_with_starts, window
 from kuangchao_core.data.sft import SFTDataset, build_sft_dataset
@@ -109,6 +110,17 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
             return ds
         if packing == "none":
             raise DataError("data.packing none applies to sft data (data.format sft); text is packed with concat")
+        cache_dir = setting(data_cfg, "cache_dir")
+        if cache_dir:
+            tokens, starts, meta = cached_corpus(data_cfg, tokenizer, vocab_size, str(cache_dir))
+            log.info(
+                "data %s: %s tokens cache %s (%s)",
+                name,
+                "built" if meta["built"] else "read from",
+                meta["key"],
+                f"{meta['num_tokens']:,} tokens, {meta['num_documents']:,} documents",
+            )
+            return TokenDataset(tokens, seq_len, name, tokenizer, None, starts if packing == "documents" else None)
         docs = read_documents(
             setting(data_cfg, "path"), setting(data_cfg, "format", "auto"), setting(data_cfg, "text_field", "text")
         )
