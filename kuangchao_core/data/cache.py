@@ -98,8 +98,9 @@ def _read_entry(entry: Path, vocab_size: int | None) -> tuple[torch.Tensor, np.n
             f"token id {meta['max_token']} in the cached corpus {entry} is outside model.vocab_size {vocab_size}; "
             "use a tokenizer that fits the model or raise model.vocab_size"
         )
+    docs = int(meta["num_documents"])
     tokens = np.memmap(entry / "tokens.bin", dtype=np.int32, mode="c", shape=(n,)) if n else np.zeros(0, np.int32)
-    starts = np.fromfile(entry / "starts.bin", dtype=np.int64)
+    starts = np.memmap(entry / "starts.bin", dtype=np.int64, mode="r", shape=(docs,)) if docs else np.zeros(0, np.int64)
     return torch.from_numpy(tokens), starts, meta
 
 
