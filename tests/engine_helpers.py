@@ -272,6 +272,19 @@ def _unreduced_zero3_unit(trainer):
     return None
 
 
+def _unsummed_lora_a(trainer):
+    """LoRA under TP: the replicated ``A`` of a column-parallel projection keeps this rank's partial gradient."""
+    from kuangchao_core.models import lora
+
+    real = lora.sum_grad_over_tp
+    lora.sum_grad_over_tp = lambda weight, group: weight
+
+    def undo():
+        lora.sum_grad_over_tp = real
+
+    return undo
+
+
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -285,6 +298,7 @@ SABOTAGE = {
     "unreduced_zero_bucket": _unreduced_zero_bucket,
     "unreduced_zero3_unit": _unreduced_zero3_unit,
     "drop_comm_state": _drop_comm_state,
+    "unsummed_lora_a": _unsummed_lora_a,
 }
 
 

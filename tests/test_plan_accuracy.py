@@ -25,10 +25,13 @@ SEQ, MICRO = 128, 8
 needs_heap = pytest.mark.skipif(heap_in_use_bytes() is None, reason="needs glibc's mallinfo2 to measure CPU memory")
 
 
-def _job(tmp: str, layers: int, mode: str = "none", **parallel):
+LORA = {"rank": 4, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+def _job(tmp: str, layers: int, mode: str = "none", lora: dict | None = None, **parallel):
     return tiny_job(
         tmp,
-        model={"preset": "tiny", "num_layers": layers},
+        model={"preset": "tiny", "num_layers": layers, "lora": lora},
         data={"seq_len": SEQ},
         parallel={"micro_batch_size": MICRO, **parallel},
         train={"activation_checkpointing": mode, "steps": 2},
@@ -110,6 +113,8 @@ LAYOUTS = {
     "dp2_zero1": {"data_parallel_size": 2, "zero_stage": 1},
     "dp2_zero2": {"data_parallel_size": 2, "zero_stage": 2},
     "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
+    "tp2_lora": {"tensor_parallel_size": 2, "lora": LORA},
+    "dp2_zero1_lora": {"data_parallel_size": 2, "zero_stage": 1, "lora": LORA},
 }
 
 

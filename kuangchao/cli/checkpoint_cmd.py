@@ -6,7 +6,8 @@
   root) with its status: intact, corrupt (with reasons), incomplete (``.tmp-*``) or replaced.
 - ``kc checkpoint convert SRC DST --parallel tp=1,pp=1[,dp=N,v=V]`` — re-lay SRC (a step directory) out for
   another layout as ``DST/step_<N>`` (DST is a task directory); ``--format hf`` writes ``DST/model.safetensors``
-  and ``DST/config.json`` in Hugging Face Llama naming instead. Exit 0 done, 1 unreadable/corrupt source,
+  and ``DST/config.json`` in Hugging Face Llama naming instead (a LoRA checkpoint merged into its base);
+  ``--format peft`` writes a LoRA checkpoint's ``adapter_model.safetensors`` + ``adapter_config.json``. Exit 0 done, 1 unreadable/corrupt source,
   2 bad arguments.
 """
 
@@ -184,15 +185,22 @@ def convert(
         ..., help="Destination: a task directory (layout), or an output directory (--format hf)"
     ),
     parallel: str = typer.Option("tp=1,pp=1", "--parallel", help="Target layout, e.g. tp=1,pp=1 or tp=2,pp=2,dp=1,v=1"),
-    fmt: str = typer.Option("kuangchao", "--format", help="kuangchao (re-laid-out checkpoint) or hf (Hugging Face)"),
+    fmt: str = typer.Option(
+        "kuangchao",
+        "--format",
+        help="kuangchao (re-laid-out checkpoint), hf (Hugging Face; a LoRA checkpoint merged into its base) or "
+        "peft (a LoRA checkpoint's adapters)",
+    ),
 ) -> None:
-    """Write SRC in another parallel layout, or as a Hugging Face Llama directory (--format hf)."""
+    """Write SRC in another parallel layout, as a Hugging Face Llama directory (--format hf), or a LoRA
+    checkpoint's adapters in PEFT's format (--format peft)."""
     from kuangchao_core.ckpt.convert import export_hf, relayout_checkpoint
+    from kuangchao_core.ckpt.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, export_merged, export_peft, lora_meta
     from kuangchao_core.errors import CheckpointError, ConfigError
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
-    if fmt not in ("kuangchao", "hf"):
-        typer.echo(f"error: --format {fmt!r}: use 'kuangchao' or 'hf'", err=True)
+    if fmt not in ("kuangchao", "hf", "peft"):
+        typer.echo(f"error: --format {fmt!r}: use 'kuangchao', 'hf' or 'peft'", err=True)
         raise typer.Exit(2)
     try:
         sizes = parse_parallel(parallel)
@@ -212,8 +220,11 @@ def convert(
     previous = install_guard(AllowAll())
     try:
         if fmt == "hf":
-            out = export_hf(src, dst)
+            out = (export_merged if lora_meta(src) is not None else export_hf)(src, dst)
             typer.echo(f"OK wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+        elif fmt == "peft":
+            out = export_peft(src, dst)
+            typer.echo(f"OK wrote {out / ADAPTER_FILE} and {out / ADAPTER_CONFIG}")
         else:
             out = relayout_checkpoint(src, dst, **sizes)
             typer.echo(

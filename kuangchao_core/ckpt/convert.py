@@ -6,15 +6,13 @@ safetensors and JSON only, never pickle; both are atomic (manifest last / ``os.r
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from kuangchao_core.ckpt.hf import SINGLE_FILE, hf_config_dict
+from kuangchao_core.ckpt.hf import write_hf_dir
 from kuangchao_core.ckpt.index import (
     OPTIM,
     PARAM,
@@ -55,6 +53,11 @@ def relayout_checkpoint(
     index = CheckpointIndex.open(src)
     manifest = index.manifest
     index.close()
+    if manifest.get("lora") is not None:
+        raise CheckpointError(
+            f"{src} holds LoRA adapters, which resume in any layout as they are; export them with --format peft, "
+            "or merged into the base with --format hf"
+        )
     cfg = model_config_of_checkpoint(manifest)
     world = mesh_layout(dp, tp, pp).world_size
     state = read_state(src)
@@ -115,10 +118,13 @@ def relayout_checkpoint(
 def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
     """Write ``out_dir/model.safetensors`` (full fp32 parameters, HF names) and ``out_dir/config.json``.
 
-    Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``.
+    Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``. A LoRA checkpoint (adapters only) is merged into
+    its base by :func:`~kuangchao_core.ckpt.lora_export.export_merged` instead.
     """
     index = CheckpointIndex.open(step_dir)
     try:
+        if index.manifest.get("lora") is not None:
+            raise CheckpointError(f"{step_dir} holds LoRA adapters only: merge them into their base (export_merged)")
         cfg = model_config_of_checkpoint(index.manifest)
         tensors = {
             key[len(PARAM) :]: index.read(key).to(torch.float32).contiguous()
@@ -133,12 +139,4 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str])
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{step_dir}: parameters missing from the checkpoint: {missing[:5]}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SINGLE_FILE}.tmp"
-    save_file({n: tensors[n] for n in expected}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / SINGLE_FILE)
-    cfg_tmp = out / ".config.json.tmp"
-    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(cfg_tmp, out / "config.json")
-    return out
+    return write_hf_dir(tensors, cfg, out_dir)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.models.layout import Region, TargetLayout
@@ -116,3 +117,20 @@ def hf_config_dict(cfg: Any) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
     }
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike[str]) -> Path:
+    """Write full parameters ``tensors`` (HF names, in :func:`full_shapes` order) and the ``config.json`` of
+    ``cfg`` into ``out_dir``, each file atomically. Returns ``out_dir``."""
+    from kuangchao_core.models.tp_llama import full_shapes
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{SINGLE_FILE}.tmp"
+    ordered = {n: tensors[n].to(torch.float32).contiguous() for n in full_shapes(cfg)}
+    save_file(ordered, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / SINGLE_FILE)
+    cfg_tmp = out / ".config.json.tmp"
+    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(cfg_tmp, out / "config.json")
+    return out

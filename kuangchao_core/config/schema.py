@@ -80,6 +80,27 @@ class TaskSection(Section):
     seed: Int = 1234
 
 
+#: projections LoRA can adapt (``model.lora.targets``)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(Section):
+    """Low-rank adapters (:mod:`kuangchao_core.models.lora`): the base weights stay frozen; each targeted projection
+    ``W`` gains ``B @ A`` (``A``: rank × in, ``B``: out × rank, ``B`` starting at zero), scaled by ``alpha / rank``."""
+
+    rank: Int = Field(default=8, ge=1)
+    alpha: Float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input (PEFT's)")
+    targets: list[Literal[LORA_TARGETS]] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+
+    @field_validator("targets")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"targets must be distinct, got {value}")
+        return value
+
+
 class ModelSection(Section):
     """The model's shape. A preset fills the fields left unset; fields set explicitly win.
 
@@ -103,6 +124,8 @@ class ModelSection(Section):
     norm_eps: Float | None = Field(default=None, gt=0)
     tie_embeddings: bool | None = None
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="residual dropout (0 = off)")
+    #: fine-tune low-rank adapters instead of every weight (unset: full fine-tuning)
+    lora: LoraSection | None = None
 
     @model_validator(mode="before")
     @classmethod

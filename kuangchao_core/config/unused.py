@@ -72,6 +72,14 @@ def unused_settings(cfg: Any) -> Warnings:
                 "gathering them for every micro-batch on every stage would multiply the traffic",
             )
         )
+    if par.zero_stage == 3 and cfg.model.lora is not None and par.pipeline_parallel_size == 1:
+        out.append(
+            (
+                "parallel.zero_stage",
+                "3 with model.lora runs as ZeRO-2: the frozen base stays whole, the adapters' gradients and AdamW "
+                "state are partitioned",
+            )
+        )
     if train.compile and par.zero_stage == 3:
         out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
     if data.cache_dir and (data.is_synthetic or data.format == "sft"):

@@ -109,13 +109,26 @@ class TrainerCheckpoints:
 
     # ------------------------------------------------------------------ save
     def _meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "model": self.cfg.model.model_dump(mode="json"),
             "model_shape": asdict(self.model_config),
             "parallel": self.cfg.parallel.model_dump(mode="json"),
             "task": self.cfg.task.name,
             "comm_layout": self._comm_layout(),
         }
+        if self.parts.lora is not None:
+            meta["lora"] = self._lora_meta()
+        return meta
+
+    def _lora_meta(self) -> dict[str, Any]:
+        """The adapters' settings and the identity of the frozen base they were trained on (a LoRA checkpoint
+        holds only the adapters)."""
+        if not hasattr(self, "_lora_meta_cache"):
+            from kuangchao_core.models.lora import base_identity
+
+            base = base_identity(self.cfg.model.checkpoint, int(self.cfg.task.seed), self.model_config)
+            self._lora_meta_cache = {**self.parts.lora.to_dict(), "base": base, "seed": int(self.cfg.task.seed)}
+        return self._lora_meta_cache
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """This rank's tensors and their slice metadata: parameters (first DP replica only) and optimizer state."""
@@ -125,6 +138,8 @@ class TrainerCheckpoints:
         with self._full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
             if self.mesh.dp_rank == 0:
                 for name, p in self.parts.model.named_parameters():
+                    if not p.requires_grad:  # a LoRA checkpoint holds the adapters; the frozen base is its identity
+                        continue
                     tensors[f"param.{name}"] = p.detach().cpu()
                     slices[f"param.{name}"] = regions[name].to_meta()
         opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)
@@ -202,12 +217,15 @@ class TrainerCheckpoints:
         return full(writeback) if full is not None else contextlib.nullcontext()
 
     @torch.no_grad()
-    def _copy_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
+    def _copy_params(self, full_named: dict[str, torch.Tensor], source: str, names: set[str]) -> None:
+        """Copy ``names`` (this rank's parameters) from ``full_named``; a missing or misshapen one is an error."""
         with self._full_parameters(writeback=True):
-            self._copy_into_params(full_named, source)
+            self._copy_into_params(full_named, source, names)
 
-    def _copy_into_params(self, full_named: dict[str, torch.Tensor], source: str) -> None:
+    def _copy_into_params(self, full_named: dict[str, torch.Tensor], source: str, names: set[str]) -> None:
         for name, p in self.parts.model.named_parameters():
+            if name not in names:
+                continue
             if name not in full_named:
                 raise CheckpointError(f"{source}: tensor for parameter {name} missing")
             value = full_named[name]
@@ -224,7 +242,8 @@ class TrainerCheckpoints:
         from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
 
         weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
-        self._copy_params(weights, hf_dir)
+        adapters = self.parts.trainable() if self.parts.lora is not None else set()
+        self._copy_params(weights, hf_dir, {n for n in self.parts.regions if n not in adapters})
         log_event(log, "loaded pretrained weights", path=hf_dir, tensors=len(weights))
 
     def load(self, step_dir: Path) -> dict[str, Any]:
@@ -234,7 +253,8 @@ class TrainerCheckpoints:
         A step that verified but does not load (a tensor of the wrong shape or type, an unreadable header) is
         marked bad (:func:`~kuangchao_core.ckpt.integrity.mark_bad`) before the error is raised, so the next
         attempt resumes from the previous intact step instead of failing on this one again."""
-        mismatch = model_mismatch(read_manifest(step_dir), self.model_config)
+        manifest = read_manifest(step_dir)
+        mismatch = model_mismatch(manifest, self.model_config) or self._lora_mismatch(manifest)
         if mismatch:  # the job is wrong, not the checkpoint: nothing is marked, the run fails without retries
             raise ConfigError([("checkpoint.resume", f"{step_dir}: {mismatch}")])
         try:
@@ -245,13 +265,40 @@ class TrainerCheckpoints:
             log_event(log, "checkpoint marked bad", checkpoint=str(step_dir), reason=reason)
             raise CheckpointError(f"{step_dir} could not be loaded and is marked bad ({reason})") from exc
 
+    def _lora_mismatch(self, manifest: dict[str, Any]) -> str | None:
+        """Why a checkpoint's adapters (or full weights) do not fit this job's ``model.lora`` and base; None if
+        they do."""
+        saved = manifest.get("lora")
+        if self.parts.lora is None:
+            if saved is not None:
+                return "the checkpoint holds LoRA adapters only; set model.lora as it was, or export it merged"
+            return None
+        if saved is None:
+            return (
+                "the checkpoint holds a fully trained model, this job trains LoRA adapters; export it "
+                "(kc checkpoint convert --format hf) and start from it with model.checkpoint"
+            )
+        mine = self._lora_meta()
+        if saved.get("base", {}).get("sha256") != mine["base"]["sha256"]:
+            return (
+                f"its adapters were trained on the base {saved.get('base', {}).get('source')} "
+                f"(sha256 {str(saved.get('base', {}).get('sha256'))[:12]}), this job's base is "
+                f"{mine['base']['source']} (sha256 {mine['base']['sha256'][:12]})"
+            )
+        for key in ("rank", "targets"):
+            if saved.get(key) != mine[key]:
+                return f"model.lora.{key} is {mine[key]}, the checkpoint's adapters have {saved.get(key)}"
+        return None
+
     def _load(self, step_dir: Path) -> dict[str, Any]:
         state = read_state(step_dir)
-        params = load_for_layout(step_dir, param_keys(self.parts.regions))
-        self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir))
+        trainable = self.parts.trainable()
+        regions = {n: r for n, r in self.parts.regions.items() if n in trainable}
+        params = load_for_layout(step_dir, param_keys(regions))
+        self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir), set(regions))
         steps = int(state.get("optimizer_steps", state["step"]))
-        optim = load_optimizer_for_layout(step_dir, self.parts.regions)
-        names = [n for n, _ in self.parts.model.named_parameters()]
+        optim = load_optimizer_for_layout(step_dir, regions)
+        names = [n for n, _ in self.parts.model.named_parameters() if n in trainable]
         if require_full_state(optim, names, str(step_dir)):
             self.sync.load_state(optim, steps)
         elif steps:

@@ -17,9 +17,14 @@ def tensor_bytes(model: torch.nn.Module, sync) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state (what ``kc plan`` estimates); ``sync``
     is the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync`."""
     report = getattr(sync, "memory_report", None)
-    if callable(report):  # ZeRO knows its flat buffers and shards
+    if callable(report):  # ZeRO knows its flat buffers and shards; a LoRA base it does not hold is frozen
         measured = report()["measured"]
-        return {"params": measured["params"], "grads": measured["grads"], "optimizer": measured["optimizer_state"]}
+        frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        return {
+            "params": measured["params"] + frozen,
+            "grads": measured["grads"],
+            "optimizer": measured["optimizer_state"],
+        }
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     optim = sum(t.numel() * t.element_size() for t in sync.state_tensors())

@@ -18,6 +18,7 @@ from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.compile import compile_layers
 from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from kuangchao_core.models.lora import LoraSettings, attach_lora, lora_regions
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
 
@@ -29,7 +30,8 @@ class ParallelModel:
     ``model``: the (pruned) module whose parameters this rank trains; ``loss_fn(logits, labels)``;
     ``executor``: the pipeline executor when pp > 1; ``regions``: parameter name -> the region of the full
     tensor it holds; ``norm_weight``: parameter name -> 1 / number of ranks of its TP group holding the same region
-    (so a global gradient norm counts every element once).
+    (so a global gradient norm counts every element once); ``lora``: the adapters' settings when the base is frozen
+    and only adapters train (``model.lora``).
     """
 
     model: nn.Module
@@ -37,6 +39,11 @@ class ParallelModel:
     executor: PipelineExecutor | None
     regions: dict[str, Region]
     norm_weight: dict[str, float]
+    lora: LoraSettings | None = None
+
+    def trainable(self) -> set[str]:
+        """Names of the parameters the optimizer updates and checkpoints hold."""
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
 
 
 def _target(mesh: Any, cfg: Any) -> TargetLayout:
@@ -85,7 +92,11 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
     model.activation_checkpointing = cfg.train.activation_checkpointing
     dtype = param_dtype(cfg.train.dtype)
     layout = _target(mesh, cfg)
-    regions = layout.param_slices(llama_cfg)
+    lora = LoraSettings.from_config(cfg.model.lora)
+    if lora is not None:  # on every layer before the pipeline prunes: the adapters' draws do not depend on pp
+        whole = TargetLayout(mesh.tp, 1, mesh.tp_rank, 0, 1).param_slices(llama_cfg)
+        attach_lora(model, lora, whole, seed)
+    regions = _with_adapters(layout.param_slices(llama_cfg), lora)
     executor = None
     if mesh.pp > 1:
         chunks = build_stage_chunks(model, mesh.pp, mesh.pp_rank, int(par.virtual_pipeline_size))
@@ -110,7 +121,12 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
             [("parallel", f"rank {mesh.rank}: parameters {sorted(names ^ set(regions))[:4]} do not match the layout")]
         )
     peers = [
-        TargetLayout(mesh.tp, mesh.pp, r, mesh.pp_rank, layout.virtual).param_slices(llama_cfg) for r in range(mesh.tp)
+        _with_adapters(TargetLayout(mesh.tp, mesh.pp, r, mesh.pp_rank, layout.virtual).param_slices(llama_cfg), lora)
+        for r in range(mesh.tp)
     ]
     norm_weight = {name: 1.0 / sum(1 for pr in peers if pr[name] == region) for name, region in regions.items()}
-    return ParallelModel(model, loss_fn, executor, regions, norm_weight)
+    return ParallelModel(model, loss_fn, executor, regions, norm_weight, lora)
+
+
+def _with_adapters(regions: dict[str, Region], lora: LoraSettings | None) -> dict[str, Region]:
+    return regions if lora is None else {**regions, **lora_regions(regions, lora)}

@@ -10,6 +10,8 @@
 
 Memory per rank (fp32 AdamW, ``/work/shared/reference/performance.md`` §2.5, Ψ = parameters this rank holds
 after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimizer m and v 8Ψ (ZeRO-1/2: 8Ψ/N).
+With ``model.lora`` the base is frozen: its 4Ψ parameters stay, gradients and optimizer state count the adapters'
+Ψ_A only (rank·(in + out) per adapted projection, split like its base).
 Activations per layer and micro-batch are the elements its backward keeps, counted from this model's operations
 (h hidden, q = heads·head_dim, kv = kv_heads·head_dim, I the MLP width, t TP; measured on CPU with
 ``hal.heap``, ``tests/test_plan_accuracy.py``): 4h + (6q + 4I)/t per token — the two norms' inputs and outputs,
@@ -265,6 +267,7 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
     ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, activations_estimate, total}}``
     (formulas in the module docstring). Raises PlanError on a bad plan."""
     from kuangchao_core.models.layout import slices_for_rank
+    from kuangchao_core.models.lora import LoraSettings, lora_regions
     from kuangchao_core.parallel.mesh import coords_of
     from kuangchao_core.parallel.pipeline import partition_layers
 
@@ -280,6 +283,7 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
     act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
     kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
     in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
+    lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
     out = []
     for rank in range(dp * tp * pp) if ranks is None else ranks:
         dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
@@ -287,9 +291,17 @@ def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, 
         psi = sum(r.numel for r in slices.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])
         last = any(c.has_head for c in chunks[pp_rank])
-        zero = 2 if par.zero_stage == 3 and pp > 1 else par.zero_stage  # the engine's ZeRO-3 under PP is ZeRO-2
-        state = state_bytes(psi, dp, zero)
-        params, grads, optim = state["params"], state["grads"], state["optimizer"]
+        # the engine's ZeRO-3 under PP or with LoRA is ZeRO-2
+        zero = 2 if par.zero_stage == 3 and (pp > 1 or lora is not None) else par.zero_stage
+        if lora is None:
+            state = state_bytes(psi, dp, zero)
+            params, grads, optim = state["params"], state["grads"], state["optimizer"]
+        else:  # a frozen base, whole on every replica; gradients and AdamW state of the adapters only
+            adapters = sum(r.numel for r in lora_regions(slices, lora).values())
+            state = state_bytes(adapters, dp, zero)
+            params = state_bytes(psi, 1, 0)["params"] + state["params"]
+            grads, optim = state["grads"], state["optimizer"]
+            psi += adapters
         # ZeRO-3 holds whole blocks while they run: the one computing and the one prefetched
         gathered = 2 * 4 * max(_unit_sizes(slices).values()) if zero == 3 else 0
         acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)

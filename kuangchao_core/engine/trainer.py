@@ -290,10 +290,11 @@ class Trainer:
         if self.rank == 0:
             log_event(log, "checkpoints", lineage=plan.lineage, resume_from=plan.step_dir, reason=plan.reason)
         step_dir = Path(plan.step_dir) if plan.step_dir else None
+        # a LoRA checkpoint holds only the adapters: the frozen base comes from model.checkpoint (or the seed) again
+        if self.cfg.model.checkpoint and (step_dir is None or self.parts.lora is not None):
+            self.checkpoints.load_pretrained(self.cfg.model.checkpoint)
         if step_dir is not None:
             self.load_checkpoint(step_dir)
-        elif self.cfg.model.checkpoint:
-            self.checkpoints.load_pretrained(self.cfg.model.checkpoint)
         total = self.cfg.train.steps
         live = LiveConfig(
             self.global_config,

@@ -72,6 +72,11 @@ class GradSync(Protocol):
         """The reduced gradient tensors this rank's optimizer will read (for loss-scale unscaling)."""
 
 
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the optimizer updates (LoRA freezes the base: only its adapters)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
     for group in groups:
         if group is not None and group.size > 1:
@@ -106,9 +111,10 @@ class ReplicatedAdamW:
         intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
         self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor if mesh.dp > 1 else None)
         self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb, reducer=self.reducer)
-        params = list(model.parameters())
+        named = _trainable(model)
+        params = [p for _, p in named]
         hyper = dict(hyper)
-        groups = param_groups(model.named_parameters(), hyper.pop("weight_decay"), exclude)
+        groups = param_groups(named, hyper.pop("weight_decay"), exclude)
         self.optimizer = torch.optim.AdamW(groups, **adamw_kernel(params), **hyper)
 
     @property
@@ -178,7 +184,7 @@ class ReplicatedAdamW:
 
     def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
         """See :meth:`GradSync.load_state`."""
-        for name, p in self.model.named_parameters():
+        for name, p in _trainable(self.model):
             self.optimizer.state[p] = {
                 "step": torch.tensor(float(steps), dtype=torch.float32),
                 "exp_avg": optim[f"optim.{name}.exp_avg"].to(p.dtype).clone(),
@@ -214,8 +220,9 @@ class ShardedAdamW:
         self.model = model
         self.mesh = mesh
         self.norm_weight = norm_weight
-        self.names = [n for n, _ in model.named_parameters()]
-        no_decay = [n for n, p in model.named_parameters() if not decays(n, p.shape, exclude)]
+        named = _trainable(model)
+        self.names = [n for n, _ in named]
+        no_decay = [n for n, p in named if not decays(n, p.shape, exclude)]
         self.optimizer: Any
         if stage == 3:
             units = block_units(model)
@@ -227,7 +234,7 @@ class ShardedAdamW:
             self.optimizer = Zero3Optimizer(model, units, mesh.dp_group, recomputed, no_decay=no_decay, **hyper)
         else:
             self.optimizer = ZeroOptimizer(
-                list(model.named_parameters()),
+                named,
                 mesh.dp_group,
                 stage=stage,
                 bucket_cap_mb=bucket_mb,
@@ -336,8 +343,10 @@ def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dic
     }
     exclude = tuple(opt.weight_decay_exclude)
     stage = int(par.zero_stage)
-    if stage == 3 and mesh.pp > 1:
-        stage = 2  # per-micro-batch gathers on every stage would multiply the traffic (torchtitan does the same)
+    if stage == 3 and (mesh.pp > 1 or cfg.model.lora is not None):
+        # pp: per-micro-batch gathers on every stage would multiply the traffic (torchtitan does the same);
+        # LoRA: the frozen base is not sharded, the adapters' state is what ZeRO partitions
+        stage = 2
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression
