@@ -41,6 +41,7 @@ from kuangchao_core.sched.recovery import RestartPolicy, supervise
 from tasks.checkpoint import checkpoint, restore_checkpoint, s3_settings_for
 from tasks.ckpt_mirror import CheckpointMirror, register_mirror
 from tasks.doctor import doctor
+from tasks.export_model import export_and_register
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
 from tasks.place_attempt import finish_cluster_probe, place_attempt, start_cluster_probe
@@ -308,6 +309,19 @@ def _run(
         if mirror is not None:
             mirror.close()  # the uploads in flight finish before the final check uploads what is left
         ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
+        exported = None
+        if cfg.tracking.log_model and ckpt["path"]:
+            exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir))
+            registered = exported["registered"]
+            logger.info(
+                "model exported to %s (%s, manifest sha256 %s)%s",
+                exported["dir"],
+                exported["format"],
+                exported["manifest_sha256"][:12],
+                f"; registered {registered['name']} version {registered['version']} ({', '.join(registered['aliases'])})"
+                if registered
+                else "",
+            )
         summary = {
             "task": cfg.task.name,
             "layout": tracking.layout_tag(cfg),
@@ -327,6 +341,8 @@ def _run(
             "checkpoint_step": ckpt["step"],
             "checkpoint_path": ckpt["path"],
             "checkpoint_uri": ckpt["uri"],
+            "model_dir": exported["dir"] if exported else None,
+            "model_version": exported["registered"]["version"] if exported and exported["registered"] else None,
             "mlflow_run_id": run_id,
             "flow_run_id": fr_id,
             "wall_s": round(time.time() - t0, 1),

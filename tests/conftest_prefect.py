@@ -130,7 +130,11 @@ def run_flow(workdir: Path, overrides: list[str], config_path: str = TINY, resum
 def reference_run(prefect_api, session_store, tmp_path_factory) -> dict:
     """An uninterrupted flow run of the short tiny job: its summary, overrides and per-step MLflow losses."""
     workdir = tmp_path_factory.mktemp("reference")
-    overrides = tiny_overrides(workdir, session_store, **{"tracking.system_metrics_interval_s": 1})
+    overrides = tiny_overrides(
+        workdir,
+        session_store,
+        **{"tracking.system_metrics_interval_s": 1, "tracking.register_model": f"kc-test-{uuid.uuid4().hex[:6]}"},
+    )
     summary = run_flow(workdir, overrides)
     uri = override_value(overrides, "tracking.uri")
     return {

@@ -45,6 +45,29 @@ def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa:
     assert meta["step"] == STEPS and len(meta["manifest_sha256"]) == 64 and meta["size_bytes"] > 0
 
 
+def test_flow_run_exports_logs_and_registers_its_model(reference_run):  # noqa: F811
+    import hashlib
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest_prefect import override_value
+
+    summary = reference_run["summary"]
+    model_dir = Path(summary["model_dir"])
+    record = json.loads((model_dir / "export.json").read_text())
+    step_manifest = Path(summary["checkpoint_path"]) / "manifest.json"
+    assert record["manifest_sha256"] == hashlib.sha256(step_manifest.read_bytes()).hexdigest()
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= set(record["files"])
+    name = override_value(reference_run["overrides"], "tracking.register_model")
+    client = MlflowClient(reference_run["tracking_uri"])
+    version = client.get_model_version_by_alias(name, "newest")
+    assert int(version.version) == summary["model_version"] and version.run_id == summary["mlflow_run_id"]
+    assert version.tags["kuangchao.manifest_sha256"] == record["manifest_sha256"]
+    logged = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "model")}
+    assert {f"model/{f}" for f in record["files"]} == logged
+
+
 def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monitor(reference_run):  # noqa: F811
     """The keys-off-disk and pinned-trust parts of issue 16 on a real flow run: no token or private key anywhere
     in the run directory, `kc audit --verify --run` passes against the pins the orchestrator recorded (in the

@@ -258,6 +258,20 @@ def test_peft_export_loads_in_peft_with_our_logits(runs, tmp_path):
     assert float((plain - ours).abs().max() / ours.abs().max()) >= NEGATIVE_MIN
 
 
+def test_job_end_export_of_a_lora_run_is_the_peft_adapters_with_the_tokenizer(runs, tmp_path):
+    from kuangchao_core.ckpt.release import export_model
+    from kuangchao_core.perm import guard_api
+
+    previous = guard_api.install_guard(guard_api.AllowAll())  # as the flow, the job's authority, exports
+    try:
+        record = export_model(_ref_step(runs), tmp_path / "model", "byte", 128)
+    finally:
+        guard_api.install_guard(previous)
+    assert record["format"] == "peft"
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(record["files"])
+    assert "model.safetensors" not in record["files"]
+
+
 def test_merged_export_is_a_plain_hf_model_with_the_adapted_logits(runs, tmp_path):
     out = tmp_path / "merged"
     result = CliRunner().invoke(app, ["checkpoint", "convert", str(_ref_step(runs)), str(out), "--format", "hf"])

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import typer
 
 
 def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list[dict[str, Any]]:
-    """One row per run of ``experiment`` (newest first): id, name, status, layout, steps, final loss, tokens/s, attempts
-    and the full per-step loss curve under ``loss_curve``."""
+    """One row per run of ``experiment`` (newest first): id, name, status, layout, steps, final loss, last eval loss,
+    tokens/s, attempts, the registered model version (``tracking.register_model``) and the full per-step loss curve
+    under ``loss_curve``."""
     from mlflow.tracking import MlflowClient
 
     from kuangchao_core.errors import KuangchaoError
@@ -24,7 +26,9 @@ def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list
     for run in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=max_runs):
         curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
         tps = [m.value for m in client.get_metric_history(run.info.run_id, "tokens_per_s")]
+        evals = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_loss"))
         tags = run.data.tags
+        registered = tags.get("kuangchao.registered_model")
         rows.append(
             {
                 "run_id": run.info.run_id,
@@ -33,11 +37,13 @@ def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list
                 "layout": tags.get("kuangchao.layout"),
                 "steps": curve[-1][0] if curve else 0,
                 "final_loss": curve[-1][1] if curve else None,
+                "eval_loss": evals[-1][1] if evals else None,
                 # the run summary's definition (tokens / step time over the run); runs logged before it: the median
                 "tokens_per_s": run.data.metrics.get("tokens_per_s_mean", sorted(tps)[len(tps) // 2] if tps else None),
                 "attempts": int(tags.get("kuangchao.attempts", tags.get("kuangchao.attempt", "0")) or 0) or None,
                 "config_hash": tags.get("kuangchao.config_hash"),
                 "flow_run_id": tags.get("prefect.flow_run_id"),
+                "model_version": f"{registered} v{tags.get('kuangchao.model_version')}" if registered else None,
                 "loss_curve": curve,
             }
         )
@@ -80,7 +86,8 @@ def register(app: typer.Typer) -> None:
         plot: str = typer.Option(None, "--plot", help="Write a PNG of loss against step for every run."),
         max_runs: int = typer.Option(50, "--max-runs", help="At most this many runs, newest first."),
     ) -> None:
-        """Show the runs of EXPERIMENT side by side: final loss, steps, tokens/s, layout, attempts, status."""
+        """Show the runs of EXPERIMENT side by side: final loss, eval loss, steps, tokens/s, layout, attempts, status
+        and the registered model version."""
         from kuangchao_core.errors import KuangchaoError
 
         try:
@@ -97,7 +104,19 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         table = Table(title=f"kc runs compare: {experiment}")
-        for col in ("run", "status", "layout", "steps", "final loss", "tokens/s", "attempts", "config"):
+        cols = (
+            "run",
+            "status",
+            "layout",
+            "steps",
+            "final loss",
+            "eval loss",
+            "tokens/s",
+            "attempts",
+            "model",
+            "config",
+        )
+        for col in cols:
             table.add_column(col)
         for r in rows:
             table.add_row(
@@ -106,10 +125,13 @@ def register(app: typer.Typer) -> None:
                 str(r["layout"]),
                 str(r["steps"]),
                 f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
+                f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-",
                 f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "-",
                 str(r["attempts"] or "-"),
+                r["model_version"] or "-",
                 (r["config_hash"] or "-")[:10],
             )
-        Console().print(table)
+        # piped or captured output has no terminal width: let the rows stay whole rather than wrap at 80 columns
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
         if plot:
             typer.echo(f"loss plot written to {plot}")

@@ -452,6 +452,11 @@ class TrackingSection(Section):
     #: CPU, memory (and GPU) of every node into the MLflow run, sampled every ``system_metrics_interval_s``
     system_metrics: bool = True
     system_metrics_interval_s: Float = Field(default=10.0, ge=0.1, le=3600)
+    #: at the end of a job, export its final checkpoint (Hugging Face model, or PEFT adapters for LoRA, with the
+    #: tokenizer files) into the run directory and log it as the MLflow run's ``model``
+    log_model: bool = True
+    #: register the logged model under this name; aliases ``newest`` and ``best`` (lowest eval loss) follow it
+    register_model: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class LoggingSection(Section):

@@ -80,6 +80,8 @@ def unused_settings(cfg: Any) -> Warnings:
                 "state are partitioned",
             )
         )
+    if cfg.tracking.register_model and not cfg.tracking.log_model:
+        out.append(("tracking.register_model", "needs tracking.log_model true: no model is logged to register"))
     if train.compile and par.zero_stage == 3:
         out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
     if data.cache_dir and (data.is_synthetic or data.format == "sft"):

@@ -1,0 +1,85 @@
+"""The exported model in MLflow: logged as the run's ``model`` artifacts, registered under ``tracking.register_model``.
+
+Each registration creates a new model version whose source is the run's ``model`` artifact directory, tagged with the
+checkpoint's manifest sha256, step, format and the run's final ``eval_loss``; two aliases follow it:
+
+- ``newest``: always the version just registered (MLflow reserves the alias name ``latest``; its own
+  ``models:/NAME/latest`` URI resolves to the newest version as well);
+- ``best``: the version with the lowest ``eval_loss`` — moved to the new version only when its eval loss is lower
+  than the current best's (a run without an eval loss never takes it).
+
+The run gets the tags ``kuangchao.registered_model`` and ``kuangchao.model_version``, which ``kc runs compare`` shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.obs.tracking import _client, tracking_uri
+
+log = logging.getLogger("kuangchao.obs.model_registry")
+
+MODEL_ARTIFACT_PATH = "model"
+ALIAS_NEWEST = "newest"
+ALIAS_BEST = "best"
+EVAL_LOSS_TAG = "eval_loss"
+
+
+def log_model_dir(cfg: Any, run_id: str, model_dir: str | Path, record: dict[str, Any]) -> str:
+    """Upload ``model_dir`` as the run's ``model`` artifacts and tag the run with the checkpoint it came from;
+    returns the artifact URI."""
+    client = _client(tracking_uri(cfg))
+    client.log_artifacts(run_id, str(model_dir), artifact_path=MODEL_ARTIFACT_PATH)
+    client.set_tag(run_id, "kuangchao.model_manifest_sha256", record["manifest_sha256"])
+    client.set_tag(run_id, "kuangchao.model_format", record["format"])
+    return f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
+
+
+def _eval_loss(version: Any) -> float | None:
+    try:
+        value = float(version.tags.get(EVAL_LOSS_TAG, "nan"))
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def register_model(
+    cfg: Any, run_id: str, name: str, source: str, record: dict[str, Any], eval_loss: float | None
+) -> dict[str, Any]:
+    """Register ``source`` (the run's model artifacts) as a new version of ``name`` and move the aliases; returns
+    ``{"name", "version", "aliases", "eval_loss"}``."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(tracking_uri(cfg))
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description=f"Kuangchao task {cfg.task.name}")
+    tags = {
+        "kuangchao.manifest_sha256": record["manifest_sha256"],
+        "kuangchao.step": str(record["step"]),
+        "kuangchao.format": record["format"],
+        "kuangchao.task": cfg.task.name,
+    }
+    if eval_loss is not None:
+        tags[EVAL_LOSS_TAG] = repr(float(eval_loss))
+    version = client.create_model_version(name, source, run_id=run_id, tags=tags)
+    aliases = [ALIAS_NEWEST]
+    client.set_registered_model_alias(name, ALIAS_NEWEST, version.version)
+    best = None
+    try:
+        best = client.get_model_version_by_alias(name, ALIAS_BEST)
+    except MlflowException:
+        pass
+    best_loss = _eval_loss(best) if best is not None else None
+    if eval_loss is not None and (best_loss is None or eval_loss < best_loss):
+        client.set_registered_model_alias(name, ALIAS_BEST, version.version)
+        aliases.append(ALIAS_BEST)
+    elif eval_loss is None:
+        log.warning("%s version %s has no eval_loss: the %r alias stays where it is", name, version.version, ALIAS_BEST)
+    client.set_tag(run_id, "kuangchao.registered_model", name)
+    client.set_tag(run_id, "kuangchao.model_version", str(version.version))
+    return {"name": name, "version": int(version.version), "aliases": aliases, "eval_loss": eval_loss}

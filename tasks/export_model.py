@@ -1,0 +1,32 @@
+"""Prefect task: the job's usable result — its final checkpoint exported with the tokenizer, logged to MLflow as the
+run's model and, with ``tracking.register_model``, registered with the aliases ``newest`` and ``best``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from kuangchao_core.ckpt.release import export_model
+from kuangchao_core.obs import tracking
+from kuangchao_core.obs.model_registry import log_model_dir, register_model
+
+
+@task(name="export-model", retries=1, retry_delay_seconds=2)
+def export_and_register(cfg: Any, run_id: str, step_dir: str, run_dir: str) -> dict[str, Any]:
+    """Export ``step_dir`` into ``<run_dir>/model`` (HF model or PEFT adapters, tokenizer files, ``export.json``),
+    log it to MLflow run ``run_id`` and register it when configured. Returns the export record with ``dir``,
+    ``artifact_uri`` and ``registered`` (name, version, aliases; None when not registered)."""
+    from kuangchao_core.models.llama import config_from_model_section
+
+    out = Path(run_dir) / "model"
+    max_length = config_from_model_section(cfg.model).max_seq_len
+    record = export_model(step_dir, out, cfg.data.tokenizer, max_length)
+    source = log_model_dir(cfg, run_id, out, record)
+    registered = None
+    if cfg.tracking.register_model:
+        evals = tracking.metric_history(cfg, run_id, "eval_loss")
+        eval_loss = evals[-1][1] if evals else None
+        registered = register_model(cfg, run_id, cfg.tracking.register_model, source, record, eval_loss)
+    return {**record, "dir": str(out), "artifact_uri": source, "registered": registered}
