@@ -33,6 +33,7 @@ from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.console import for_people
+from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX, resolve_model_uri
 from kuangchao_core.obs.prometheus import register_exporter
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.issuance import close_authority, open_authority
@@ -89,11 +90,13 @@ def train_flow(
     a step directory; default ``checkpoint.resume``. The run's checkpoints go to one lineage
     (``<checkpoint.dir>/<task>/<lineage>/``), pinned for every attempt. ``if_finished``: what to do when the resume
     checkpoint is already at or past ``train.steps``: ``error`` (default; fails with the fix, before any worker
-    starts) or ``skip`` (trains nothing; the flow run ends in a Completed state named ``Skipped`` whose summary
-    says ``trained_steps: 0``). Returns the run summary (also a Prefect artifact and an MLflow artifact).
+    starts), ``skip`` (trains nothing; the flow run ends in a Completed state named ``Skipped`` whose summary
+    says ``trained_steps: 0``) or ``restart`` (a new lineage from the start, as ``resume: never``: a scheduled
+    fine-tune resumes an interrupted run and otherwise trains anew). Returns the run summary (also a Prefect artifact
+    and an MLflow artifact).
     """
-    if if_finished not in ("error", "skip"):
-        raise ConfigError([("if_finished", f"must be 'error' or 'skip', got {if_finished!r}")])
+    if if_finished not in ("error", "skip", "restart"):
+        raise ConfigError([("if_finished", f"must be 'error', 'skip' or 'restart', got {if_finished!r}")])
     logger = get_run_logger()
     # This process is the job's authority (it issues the tokens); it verifies, downloads and uploads checkpoints
     # itself, and those calls pass the permission guard, so it runs them trusted. The previous guard is restored
@@ -173,6 +176,18 @@ def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
     return Completed(name="Skipped", message=message, data=summary)
 
 
+def _resolve_base_model(cfg: Any, logger: Any) -> dict[str, str]:
+    """``model.checkpoint: models:/NAME@ALIAS`` (or ``/VERSION``): the registered model version's files as a local
+    directory, written into the config every attempt reads; returns the MLflow run tags naming it."""
+    uri = cfg.model.checkpoint
+    if not uri or not str(uri).startswith(MODEL_URI_PREFIX):
+        return {}
+    local, info = resolve_model_uri(str(uri), tracking.tracking_uri(cfg), Path(cfg.checkpoint.dir) / ".base-models")
+    cfg.model.checkpoint = str(local)
+    logger.info("model.checkpoint %s is %s version %d at %s", uri, info["name"], info["version"], local)
+    return {"kuangchao.base_model": f"{info['name']} v{info['version']}", "kuangchao.base_model_uri": str(uri)}
+
+
 def _run(
     logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str, opened: list[Path]
 ) -> Any:
@@ -180,6 +195,7 @@ def _run(
     cfg = load_job_config(config_path, overrides, secrets)
     for path, why in unused_settings(cfg):  # from the user's config: the resolved one names every field
         logger.warning("%s: %s", path, why)
+    base_model = _resolve_base_model(cfg, logger)
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     fr_id = flow_run.get_id()
@@ -198,6 +214,11 @@ def _run(
             logger.warning("skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"])
     plan = plan_resume(cfg, resume_arg)
     logger.info("checkpoints: %s (resume from %s)", plan.reason, plan.step_dir or "scratch")
+    if plan.step >= cfg.train.steps and if_finished == "restart":
+        logger.info(
+            "%s is finished (step %d of %d): a new lineage from the start", plan.step_dir, plan.step, cfg.train.steps
+        )
+        plan = plan_resume(cfg, "never")
     if plan.step >= cfg.train.steps:
         if if_finished == "error":
             raise NothingToTrain(plan.step, cfg.train.steps, str(plan.step_dir))
@@ -221,7 +242,9 @@ def _run(
     else:  # the node agents measure every pair of candidate nodes while the data is validated
         probing = start_cluster_probe(cfg, run_dir, logger)
     run_id = tracking.open_run(
-        cfg, fr_id, extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage}
+        cfg,
+        fr_id,
+        extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage, **base_model},
     )
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     exporter = _start_exporter(cfg, run_dir, run_id, logger)

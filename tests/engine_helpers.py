@@ -93,8 +93,9 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     reductions) and ``sabotage`` (the
     name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
     own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
-    ``{"losses", "eval_loss", "params", "regions", "first_step", "first_grads", "steps_run"}``: ``eval_loss`` is
-    the held-out loss of the final model (None where the layout has none), ``regions`` maps each parameter
+    ``{"losses", "eval_loss", "samples", "params", "regions", "first_step", "first_grads", "steps_run"}``:
+    ``eval_loss`` is the held-out loss of the final model (None where the layout has none), ``samples`` its greedy
+    answers to the held-out prompts ``(exact match, text)``, ``regions`` maps each parameter
     to the slice of the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of
     the first step this process ran, ``first_grads`` the gradients after that step's reduction and clipping
     (parameters whose ``.grad`` the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran
@@ -146,6 +147,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
             if undo is not None:
                 undo()
         held_out = trainer.evaluator() if trainer.evaluator is not None else None  # collective
+        samples = trainer.samples() if trainer.samples is not None else None  # collective
         full = getattr(trainer.sync, "full_parameters", None)
         with full() if full is not None else contextlib.nullcontext():  # collective under ZeRO-3
             params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
@@ -154,6 +156,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
             {
                 "losses": list(state.losses),
                 "eval_loss": held_out,
+                "samples": samples,
                 "params": params,
                 "memory": report() if report is not None else None,
                 "zero3_trace": list(getattr(trainer.sync.optimizer, "trace", None) or []),

@@ -132,3 +132,26 @@ def test_register_without_log_model_is_said_unused(tmp_path):
     cfg = tiny_job(str(tmp_path), tracking={"log_model": False, "register_model": "x"})
     assert "tracking.register_model" in dict(unused_settings(cfg))
     np.testing.assert_equal(dict(unused_settings(tiny_job(str(tmp_path)))).get("tracking.register_model"), None)
+
+
+def test_a_registered_model_resolves_to_its_files_and_adapters_are_refused(trained, tmp_path):
+    from kuangchao_core.errors import ConfigError
+    from kuangchao_core.obs.model_registry import resolve_model_uri
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_job(str(tmp_path), task={"name": "res"}, tracking={"uri": uri})
+    client = MlflowClient(uri)
+    exp = client.create_experiment("res")
+    run_id = _run_with_eval(client, exp, 2.0)
+    source = log_model_dir(cfg, run_id, trained["out"], trained["record"])
+    register_model(cfg, run_id, "base", source, trained["record"], 2.0)
+    for ref in ("models:/base@newest", "models:/base@best", "models:/base/1"):
+        local, info = resolve_model_uri(ref, uri, tmp_path / "dl")
+        assert (local / "model.safetensors").read_bytes() == (trained["out"] / "model.safetensors").read_bytes()
+        assert info["version"] == 1 and info["manifest_sha256"] == trained["record"]["manifest_sha256"]
+    for bad, message in (("models:/base", "use models:/NAME@ALIAS"), ("models:/base@nope", "no such model version")):
+        with pytest.raises(ConfigError, match=message):
+            resolve_model_uri(bad, uri, tmp_path / "dl")
+    register_model(cfg, run_id, "base", source, {**trained["record"], "format": "peft"}, 1.0)
+    with pytest.raises(ConfigError, match="peft adapters, not a whole model"):
+        resolve_model_uri("models:/base@newest", uri, tmp_path / "dl")

@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
         if_finished: str = typer.Option(
             "error",
             "--if-finished",
-            help="When the resume checkpoint is already at train.steps: error (default) or skip (train nothing).",
+            help="When the resume checkpoint is already at train.steps: error (default), skip (train nothing) or "
+            "restart (a new lineage from the start).",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
     ) -> None:
@@ -41,8 +42,8 @@ def register(app: typer.Typer) -> None:
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
             raise typer.Exit(2) from None
-        if if_finished not in ("error", "skip"):
-            typer.echo(f"--if-finished must be error or skip, got {if_finished!r}", err=True)
+        if if_finished not in ("error", "skip", "restart"):
+            typer.echo(f"--if-finished must be error, skip or restart, got {if_finished!r}", err=True)
             raise typer.Exit(2)
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         unreachable = prefect_api_problem()

@@ -222,7 +222,8 @@ def _data_source(data: Any) -> Errors:
         return [("data.path", f"data.format {data.format} needs a path; leave format auto for the synthetic corpus")]
     if data.path is not None and data.format == "synthetic":
         return [("data.path", f"data.format synthetic takes no path, got {data.path!r}")]
-    if data.packing == "none" and data.format != "sft":
+    instructions = data.is_synthetic and data.synthetic.instructions
+    if data.packing == "none" and data.format != "sft" and not instructions:
         return [("data.packing", "none (one example per row) applies to data.format sft; text is packed with concat")]
     return []
 

@@ -154,10 +154,12 @@ class ModelSection(Section):
 class SyntheticSection(Section):
     """The corpus the project generates itself (used when ``data.path`` is empty)."""
 
-    task: str = Field(default="arithmetic", min_length=1)
+    task: Literal["arithmetic", "addition", "subtraction"] = "arithmetic"
     num_train: Int = Field(default=4096, ge=1)
     num_eval: Int = Field(default=256, ge=0)
     seed: Int = 0
+    #: problems as prompt/completion records trained on the answer only (as ``data.format: sft``), not text lines
+    instructions: bool = False
 
 
 class DataSection(Section):
@@ -180,6 +182,9 @@ class DataSection(Section):
     #: tokenize text files once into memory-mapped arrays here, shared by every rank, attempt and later run
     #: (``kc data prepare``); unset: every rank tokenizes the files at start
     cache_dir: str | None = None
+    #: held-out data in the format of ``path`` (a file or directory): ``eval_loss`` every ``train.eval_interval``
+    #: steps and, for sft data, exact-match accuracy of the answers (the synthetic corpus has its own held-out split)
+    eval_path: str | None = None
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
     prefetch: Int = Field(default=2, ge=0)
     shuffle: bool = True

@@ -86,7 +86,7 @@ def unused_settings(cfg: Any) -> Warnings:
         out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
     if data.cache_dir and (data.is_synthetic or data.format == "sft"):
         out.append(("data.cache_dir", "caches text files (txt, jsonl, parquet); this job's data is not cached"))
-    if data.format != "sft" and _given(data, "truncation"):
+    if data.format != "sft" and not (data.is_synthetic and data.synthetic.instructions) and _given(data, "truncation"):
         out.append(("data.truncation", "only used with data.format sft (text is packed across documents)"))
     if par.grad_compression != "topk":
         for key in ("topk_ratio", "topk_warmup_steps"):
@@ -105,6 +105,8 @@ def unused_settings(cfg: Any) -> Warnings:
     if data.is_synthetic:
         if _given(data, "text_field"):
             out.append(("data.text_field", "not used by the synthetic corpus (it has no records with fields)"))
+        if data.eval_path:
+            out.append(("data.eval_path", "not used: the synthetic corpus holds out its own problems (num_eval)"))
     else:
         if _given(data, "synthetic"):
             out.append(("data.synthetic", f"not used: the job reads {data.path}"))

@@ -11,7 +11,7 @@ from kuangchao_core.config.access import setting
 from kuangchao_core.data.cache import cached_corpus
 from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import document_window, num_windows, pack_documents_with_starts, window
-from kuangchao_core.data.sft import SFTDataset, build_sft_dataset
+from kuangchao_core.data.sft import SFTDataset, build_examples, build_sft_dataset
 from kuangchao_core.data.synthetic import make_corpus
 from kuangchao_core.data.tokenizer import get_tokenizer
 from kuangchao_core.errors import DataError
@@ -19,7 +19,7 @@ from kuangchao_core.perm import guard_api
 
 log = logging.getLogger("kuangchao.data")
 
-_SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500, "seed": 1234}
+_SYNTHETIC_DEFAULTS = {"task": "arithmetic", "num_train": 20000, "num_eval": 500, "seed": 1234, "instructions": False}
 
 
 class TokenDataset:
@@ -76,12 +76,19 @@ def dataset_name(data_cfg: Any) -> str:
     return str(path)
 
 
+def _with_path(data_cfg: Any, path: str) -> Any:
+    """The data section with ``path`` replaced (a pydantic section or a plain dict)."""
+    if hasattr(data_cfg, "model_copy"):
+        return data_cfg.model_copy(update={"path": path})
+    return {**data_cfg, "path": path}
+
+
 def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> TokenDataset | SFTDataset:
     """Open the dataset the ``data`` section describes (object or dict) and pack it into windows of ``seq_len``.
 
     ``path`` None or ``format: synthetic`` -> the synthetic corpus (``split`` ``train`` or ``eval``, the held-out
-    problems); else user files (only ``split="train"``): text packed into windows, or ``format: sft`` instruction
-    records (:mod:`kuangchao_core.data.sft`). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
+    problems); else user files (``split="eval"`` reads ``eval_path`` the same way): text packed into windows, or
+    ``format: sft`` instruction records (:mod:`kuangchao_core.data.sft`). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
     process's data loader module when it has one (``guard_api.guard_for("data_loader")``).
     """
     name = dataset_name(data_cfg)
@@ -92,11 +99,24 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     if name == "synthetic":
         s = synthetic_settings(data_cfg)
         corpus = make_corpus(s["task"], int(s["num_train"]), int(s["num_eval"]), int(s["seed"]), tokenizer)
-        docs = corpus.documents(split)
         label = f"synthetic:{s['task']}:{split}"
+        if s["instructions"]:
+            packing = setting(data_cfg, "packing", "auto")
+            records = ((r, f"{label}:{i + 1}") for i, r in enumerate(corpus.records(split)))
+            examples, report = build_examples(records, tokenizer, seq_len, setting(data_cfg, "truncation", "drop"))
+            ds = SFTDataset(examples, seq_len, "none" if packing == "auto" else packing, label, tokenizer, report)
+            ds.examples = list(examples) if split == "eval" else None
+            return ds
+        docs = corpus.documents(split)
     else:
-        if split != "train":
-            raise DataError(f"dataset {name!r}: user files have only a 'train' split, not {split!r}")
+        if split not in ("train", "eval"):
+            raise DataError(f"dataset {name!r}: unknown split {split!r}; use 'train' or 'eval'")
+        if split == "eval":
+            eval_path = setting(data_cfg, "eval_path")
+            if not eval_path:
+                raise DataError(f"dataset {name!r} has no held-out data: set data.eval_path")
+            data_cfg = _with_path(data_cfg, str(eval_path))
+            name = str(eval_path)
         packing = setting(data_cfg, "packing", "auto")
         if setting(data_cfg, "format", "auto") == "sft":
             ds = build_sft_dataset(
@@ -105,6 +125,7 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
                 seq_len,
                 "none" if packing == "auto" else packing,
                 setting(data_cfg, "truncation", "drop"),
+                keep_examples=split == "eval",
             )
             log.info("sft data %s: %s", name, ds.report.to_dict())
             return ds

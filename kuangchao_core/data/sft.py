@@ -231,6 +231,7 @@ class SFTDataset:
             raise DataError(f"data.packing {packing!r} is not available for sft data; use none, concat or documents")
         self.seq_len, self.name, self.tokenizer, self.report, self.packing = seq_len, name, tokenizer, report, packing
         self.corpus = None
+        self.examples: list[Example] | None = None
         width = seq_len + 1
         if packing == "none":
             n = len(examples)
@@ -277,7 +278,12 @@ class SFTDataset:
         return {"input_ids": ids[:-1], "labels": labels}
 
 
-def build_sft_dataset(path: str, tokenizer: Any, seq_len: int, packing: str, truncation: str) -> SFTDataset:
-    """The :class:`SFTDataset` of every record under ``path``."""
+def build_sft_dataset(
+    path: str, tokenizer: Any, seq_len: int, packing: str, truncation: str, keep_examples: bool = False
+) -> SFTDataset:
+    """The :class:`SFTDataset` of every record under ``path``; ``keep_examples`` keeps the encoded examples as
+    ``examples`` (held-out data: their prompts and answers are asked at each evaluation)."""
     examples, report = build_examples(iter_sft_records(path), tokenizer, seq_len, truncation)
-    return SFTDataset(examples, seq_len, packing, str(path), tokenizer, report)
+    ds = SFTDataset(examples, seq_len, packing, str(path), tokenizer, report)
+    ds.examples = list(examples) if keep_examples else None
+    return ds

@@ -1,4 +1,8 @@
-"""A corpus the project generates itself: addition problems ``"a+b=c"`` with ``0 <= a, b < max_operand``.
+"""A corpus the project generates itself: addition problems ``"a+b=c"`` (task ``arithmetic``) or subtraction
+problems ``"a-b=c"`` (task ``subtraction``) with ``0 <= a, b < max_operand``.
+
+As text (the default) every problem is one document; as instructions (``data.synthetic.instructions``) every problem
+is a prompt/completion record (``"a-b="`` → ``"c"``) trained on its answer only, as ``data.format: sft`` records are.
 
 Every (a, b) pair is a problem. A seeded permutation of all pairs puts the first ``num_eval`` aside as the held-out
 set; training lines are drawn uniformly, with replacement, from the remaining pool, so the two are disjoint. Packed
@@ -22,13 +26,17 @@ import torch
 from kuangchao_core.data.tokenizer import ByteTokenizer
 from kuangchao_core.errors import DataError
 
-TASKS = ("arithmetic", "addition")
+#: task name -> operator
+TASKS = {"arithmetic": "+", "addition": "+", "subtraction": "-"}
 
 
 class ArithmeticCorpus:
     """Deterministic addition corpus from ``seed``; see the module docstring."""
 
-    def __init__(self, num_train: int, num_eval: int, seed: int, max_operand: int = 100, tokenizer=None):
+    def __init__(self, num_train: int, num_eval: int, seed: int, max_operand: int = 100, tokenizer=None, op: str = "+"):
+        if op not in ("+", "-"):
+            raise DataError(f"synthetic operator must be + or -, got {op!r}")
+        self.op = op
         total = max_operand * max_operand
         if num_train < 1:
             raise DataError(f"data.synthetic.num_train must be >= 1, got {num_train}")
@@ -47,20 +55,33 @@ class ArithmeticCorpus:
         draws = np.random.default_rng([self.seed, 1]).integers(0, len(self.pool_pairs), size=num_train)
         self.train_pairs = [self.pool_pairs[int(i)] for i in draws]
 
-    @staticmethod
-    def line(a: int, b: int) -> str:
+    def answer(self, a: int, b: int) -> str:
+        """The answer of problem (a, b)."""
+        return str(a + b if self.op == "+" else a - b)
+
+    def prompt(self, a: int, b: int) -> str:
+        """The question of problem (a, b), up to and including ``=``."""
+        return f"{a}{self.op}{b}="
+
+    def line(self, a: int, b: int) -> str:
         """The document for one problem."""
-        return f"{a}+{b}={a + b}"
+        return self.prompt(a, b) + self.answer(a, b)
+
+    def records(self, split: str = "train") -> list[dict[str, str]]:
+        """The problems of ``split`` as prompt/completion records (instruction style)."""
+        pairs = self._pairs(split)
+        return [{"prompt": self.prompt(a, b), "completion": self.answer(a, b)} for a, b in pairs]
+
+    def _pairs(self, split: str) -> list[tuple[int, int]]:
+        if split == "train":
+            return self.train_pairs
+        if split == "eval":
+            return self.heldout_pairs
+        raise DataError(f"unknown split {split!r}; use 'train' or 'eval'")
 
     def documents(self, split: str = "train") -> list[str]:
         """The documents of ``split`` (``train`` or ``eval``) in stream order."""
-        if split == "train":
-            pairs = self.train_pairs
-        elif split == "eval":
-            pairs = self.heldout_pairs
-        else:
-            raise DataError(f"unknown split {split!r}; use 'train' or 'eval'")
-        return [self.line(a, b) for a, b in pairs]
+        return [self.line(a, b) for a, b in self._pairs(split)]
 
     def loss_floor(self) -> float:
         """Entropy rate of the training stream in nats per token (separators included)."""
@@ -73,7 +94,7 @@ class ArithmeticCorpus:
         """Share of the first ``n`` held-out problems whose answer ``model`` decodes greedily and exactly.
 
         The prompt is ``<sep>a+b=``; decoding stops at the separator or after as many tokens as the longest answer
-        plus one. ``model(input_ids) -> logits`` (batch, seq, vocab).
+        of these problems plus one. ``model(input_ids) -> logits`` (batch, seq, vocab).
         """
         pairs = self.heldout_pairs[: (len(self.heldout_pairs) if n is None else n)]
         if not pairs:
@@ -82,11 +103,11 @@ class ArithmeticCorpus:
         was_training = getattr(model, "training", False)
         if hasattr(model, "eval"):
             model.eval()
-        max_new = len(tok.encode(str(2 * (self.max_operand - 1)))) + 1
+        max_new = max(len(tok.encode(self.answer(a, b))) for a, b in pairs) + 1
         by_len: dict[int, list[tuple[list[int], str]]] = {}
         for a, b in pairs:
-            prompt = [tok.sep_id] + tok.encode(f"{a}+{b}=")
-            by_len.setdefault(len(prompt), []).append((prompt, str(a + b)))
+            prompt = [tok.sep_id] + tok.encode(self.prompt(a, b))
+            by_len.setdefault(len(prompt), []).append((prompt, self.answer(a, b)))
         correct = 0
         try:
             for group in by_len.values():
@@ -113,7 +134,7 @@ class ArithmeticCorpus:
 
 
 def make_corpus(task: str, num_train: int, num_eval: int, seed: int, tokenizer=None) -> ArithmeticCorpus:
-    """The synthetic corpus named ``task`` (``arithmetic``; ``addition`` is an alias)."""
+    """The synthetic corpus named ``task`` (``arithmetic``, alias ``addition``; ``subtraction``)."""
     if task not in TASKS:
         raise DataError(f"data.synthetic.task: unknown task {task!r}; choose one of {list(TASKS)}")
-    return ArithmeticCorpus(num_train, num_eval, seed, tokenizer=tokenizer)
+    return ArithmeticCorpus(num_train, num_eval, seed, tokenizer=tokenizer, op=TASKS[task])

@@ -1,10 +1,11 @@
 """Held-out loss during training (``train.eval_interval``), logged as ``eval_loss``.
 
-The held-out set is the data's evaluation split: the synthetic corpus' held-out problems (``data.synthetic.num_eval``).
+The held-out set is the data's evaluation split: the synthetic corpus' held-out problems (``data.synthetic.num_eval``)
+or the files of ``data.eval_path``.
 Every ``eval_interval`` steps each DP rank computes the loss of its share of the first held-out micro-batches (TP
 ranks of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so
 every layout reports the same number; a pipeline runs its stages forward only, one micro-batch after another. A job
-the held-out loss cannot be computed for says so once at start: file data has no evaluation split yet.
+without held-out data says so once at start.
 """
 
 from __future__ import annotations
@@ -95,17 +96,22 @@ class PipelinedHeldOutLoss(HeldOutLoss):
         return out
 
 
-def held_out_loss_for(cfg: Any, parts: Any, mesh: Any, vocab_size: int, device) -> tuple[HeldOutLoss | None, str]:
-    """The evaluator of this job, or None with the reason it has none (for the start-up warning)."""
-    if not cfg.data.is_synthetic:
-        return None, f"data.path {cfg.data.path} has no evaluation split yet"
-    if int(cfg.data.synthetic.num_eval) < 1:
+def eval_dataset_for(cfg: Any, vocab_size: int) -> tuple[Any, str]:
+    """The job's held-out data (the synthetic corpus' held-out problems, or ``data.eval_path``), or None with the
+    reason it has none."""
+    if cfg.data.is_synthetic and int(cfg.data.synthetic.num_eval) < 1:
         return None, "data.synthetic.num_eval is 0"
+    if not cfg.data.is_synthetic and not cfg.data.eval_path:
+        return None, f"data.path {cfg.data.path} has no held-out data: set data.eval_path"
     try:
-        dataset = build_dataset(cfg.data, vocab_size, split="eval")
+        return build_dataset(cfg.data, vocab_size, split="eval"), ""
     except DataError as exc:
-        return None, f"the held-out split cannot be used ({exc})"
+        return None, f"the held-out data cannot be used ({exc})"
+
+
+def held_out_loss_for(cfg: Any, parts: Any, mesh: Any, dataset: Any, device) -> HeldOutLoss:
+    """The held-out loss evaluator of this rank's model part over ``dataset`` (:func:`eval_dataset_for`)."""
     micro = cfg.parallel.micro_batch_size
     if parts.executor is not None:
-        return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device), ""
-    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device), ""
+        return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device)
+    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device)

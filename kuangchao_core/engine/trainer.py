@@ -26,12 +26,13 @@ from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
 from kuangchao_core.engine.anomaly import AnomalyDetector
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
-from kuangchao_core.engine.evaluation import held_out_loss_for
+from kuangchao_core.engine.evaluation import eval_dataset_for, held_out_loss_for
 from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
 from kuangchao_core.engine.grad_snapshot import write_snapshot
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import memory_bytes, memory_kind, tensor_bytes
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
+from kuangchao_core.engine.samples import sample_evaluator_for
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.llama import config_from_model_section
@@ -119,9 +120,18 @@ class Trainer:
             log_event(log, "zero memory per rank", **self.sync.memory_report())
 
         self.dataset = build_dataset(cfg.data, self.model_config.vocab_size)
-        self.evaluator, no_eval = held_out_loss_for(cfg, self.parts, mesh, self.model_config.vocab_size, device)
-        if self.evaluator is None and rank == 0:
-            log.warning("train.eval_interval %d: no held-out loss for this job: %s", cfg.train.eval_interval, no_eval)
+        eval_data, no_eval = eval_dataset_for(cfg, self.model_config.vocab_size)
+        self.evaluator = self.samples = None
+        if eval_data is None:
+            if rank == 0:
+                log.warning(
+                    "train.eval_interval %d: no held-out loss for this job: %s", cfg.train.eval_interval, no_eval
+                )
+        else:
+            self.evaluator = held_out_loss_for(cfg, self.parts, mesh, eval_data, device)
+            self.samples, no_samples = sample_evaluator_for(self.parts, mesh, eval_data, device)
+            if self.samples is None and rank == 0:
+                log.warning("no greedy samples at evaluations: %s", no_samples)
         self.sampler = ResumableBatchSampler(
             len(self.dataset),
             micro_batch_size=par.micro_batch_size,
@@ -279,6 +289,25 @@ class Trainer:
         log_event(log, "memory", **fields)
         emit_event("memory", **fields)
 
+    def _evaluate(self, step: int, metrics: dict[str, float], metric_sink: Any) -> None:
+        """Held-out loss and greedy samples (collective: every rank evaluates its share); rank 0 reports them and
+        logs the samples as the MLflow text artifact ``samples/step_<N>.txt``."""
+        metrics["eval_loss"] = self.evaluator()
+        fields = {"step": step, "eval_loss": metrics["eval_loss"]}
+        text = None
+        if self.samples is not None:
+            accuracy, text = self.samples()
+            if accuracy is not None:
+                metrics["eval_exact_match"] = fields["eval_exact_match"] = accuracy
+        if self.rank != 0:
+            return
+        log_event(log, "eval_loss", **fields)
+        emit_event("eval_loss", **fields)
+        if text is not None and metric_sink is not None and hasattr(metric_sink, "log_text"):
+            metric_sink.log_text(
+                f"step {step}: greedy answers to held-out prompts\n\n{text}", f"samples/step_{step:08d}.txt"
+            )
+
     # ------------------------------------------------------------------ the loop
     def run(
         self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None, lineage: str | None = None
@@ -315,6 +344,12 @@ class Trainer:
                 "start", total_steps=total, start_step=start_step, world_size=self.world_size, lineage=plan.lineage
             )
         snapshot_at = int(os.environ.get(GRAD_SNAPSHOT_ENV, "0") or 0) if os.environ.get("KC_RUN_DIR") else 0
+        if self.evaluator is not None and self.cfg.model.checkpoint and step_dir is None:
+            # a fine-tune from pretrained weights: its starting point, to read every later evaluation against
+            before: dict[str, float] = {}
+            self._evaluate(0, before, metric_sink)
+            if metric_sink is not None and self.rank == 0:
+                metric_sink.log_step(0, before)
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
@@ -332,10 +367,7 @@ class Trainer:
                         write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
                 if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:
-                    metrics["eval_loss"] = self.evaluator()  # collective: every rank evaluates its share
-                    if self.rank == 0:
-                        log_event(log, "eval_loss", step=result.step, eval_loss=metrics["eval_loss"])
-                        emit_event("eval_loss", step=result.step, eval_loss=metrics["eval_loss"])
+                    self._evaluate(result.step, metrics, metric_sink)
                 if metric_sink is not None and self.rank == 0:
                     metric_sink.log_step(result.step, metrics)
                 if self.rank == 0 and (result.step % settings.log_interval == 0 or result.step == stop_at):

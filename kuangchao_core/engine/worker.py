@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself
         lineage = os.environ.get("KC_CKPT_LINEAGE") or None
         state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps, lineage=lineage)
+        _final_eval(trainer, sink)  # collective: every rank answers the held-out prompts
         if rank == 0:
-            _final_eval(trainer, sink)
             final_loss = state.losses[-1] if state.losses else None
             mean = state.tokens_per_s_mean
             emit_event("done", step=state.step, final_loss=final_loss, tokens_per_s_mean=mean)
@@ -146,23 +146,21 @@ def _json_log_path(cfg, rank: int) -> str | None:
 
 
 def _final_eval(trainer, sink) -> None:
-    """Held-out accuracy on the synthetic corpus (where it has one), logged and reported."""
+    """Exact match of the final model's greedy answers to the held-out prompts (where the data has answers), logged
+    and reported by rank 0 with a few sample answers. Collective (TP ranks gather logits; ZeRO-3 gathers blocks)."""
+    if trainer.samples is None:
+        return
+    accuracy, text = trainer.samples()
+    if trainer.rank != 0:
+        return
     corpus = getattr(trainer.dataset, "corpus", None)
-    if corpus is None or not hasattr(corpus, "heldout_accuracy"):
-        return
-    if trainer.mesh.tp > 1 or trainer.mesh.pp > 1:
-        # greedy decoding needs the whole model in one process; this rank holds a TP slice or a pipeline stage
-        log_event(log, "held-out accuracy is evaluated for layouts without TP or PP only; skipped")
-        return
-    trainer.model.eval()
-    acc = float(corpus.heldout_accuracy(trainer.model, 200, trainer.device))
-    floor = float(corpus.loss_floor())
-    log_event(log, "eval", heldout_accuracy=acc, loss_floor=floor)
-    emit_event("eval", heldout_accuracy=acc, loss_floor=floor)
+    floor = float(corpus.loss_floor()) if corpus is not None and hasattr(corpus, "loss_floor") else None
+    log_event(log, "eval", heldout_accuracy=accuracy, loss_floor=floor)
+    emit_event("eval", heldout_accuracy=accuracy, loss_floor=floor, samples=text)
     if sink is not None:
-        sink.log_final(
-            {"heldout_accuracy": acc} | ({"loss_floor": floor} if floor is not None else {}), trainer.state.step
-        )
+        finals = {"heldout_accuracy": accuracy, "loss_floor": floor}
+        sink.log_final({k: v for k, v in finals.items() if v is not None}, trainer.state.step)
+        sink.log_text(f"final model: greedy answers to held-out prompts\n\n{text}", "samples/final.txt")
 
 
 if __name__ == "__main__":

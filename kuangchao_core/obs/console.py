@@ -110,7 +110,11 @@ class LiveView:
             elif kind == "eval":
                 floor = event.get("loss_floor")
                 floor_s = f"{floor:.4f}" if isinstance(floor, (int, float)) else "n/a"
-                self._print(f"held-out accuracy {event.get('heldout_accuracy'):.3f} (loss floor {floor_s} nats/token)")
+                acc = event.get("heldout_accuracy")
+                acc_s = f"{acc:.3f}" if isinstance(acc, (int, float)) else "n/a (no answers in the held-out data)"
+                self._print(f"held-out exact-match accuracy {acc_s} (loss floor {floor_s} nats/token)")
+                if event.get("samples"):
+                    self._print("sample answers of the final model:\n" + str(event["samples"]).rstrip())
             elif kind == "memory":
                 self._print(format_memory(event))
             elif kind == "eval_loss":

@@ -58,6 +58,14 @@ class MlflowMetricSink:
         """Queue end-of-run metrics (evaluation results) at ``step``, whatever was logged before."""
         self._queue.put((step, int(time.time() * 1000), dict(metrics)))
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the run's artifact ``artifact_file`` (evaluation samples); a failure is logged, never
+        raised (the run goes on)."""
+        try:
+            self._client.log_text(self.run_id, text, artifact_file)
+        except Exception as exc:
+            log.warning("mlflow log_text %s failed: %s", artifact_file, exc)
+
     def _drain(self) -> list:
         from mlflow.entities import Metric
 

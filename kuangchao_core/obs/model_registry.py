@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,73 @@ def register_model(
     client.set_tag(run_id, "kuangchao.registered_model", name)
     client.set_tag(run_id, "kuangchao.model_version", str(version.version))
     return {"name": name, "version": int(version.version), "aliases": aliases, "eval_loss": eval_loss}
+
+
+MODEL_URI_PREFIX = "models:/"
+
+
+def _parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/NAME@ALIAS`` -> (NAME, ALIAS, None); ``models:/NAME/VERSION`` -> (NAME, None, VERSION)."""
+    from kuangchao_core.errors import ConfigError
+
+    rest = uri[len(MODEL_URI_PREFIX) :]
+    if "@" in rest:
+        name, alias = rest.rsplit("@", 1)
+        if name and alias:
+            return name, alias, None
+    elif "/" in rest:
+        name, version = rest.rsplit("/", 1)
+        if name and version.isdigit():
+            return name, None, version
+    raise ConfigError([("model.checkpoint", f"{uri!r}: use models:/NAME@ALIAS or models:/NAME/VERSION")])
+
+
+def resolve_model_uri(uri: str, tracking: str, download_root: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The local directory of a registered model version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) in the
+    MLflow store ``tracking``: its source directory when the artifact store is local, else a download into
+    ``download_root/NAME-v<version>`` (reused when complete). Returns the directory and ``{"name", "version",
+    "manifest_sha256", "format"}``; a version holding LoRA adapters is refused (merge it first)."""
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+
+    from kuangchao_core.errors import ConfigError
+
+    name, alias, number = _parse_model_uri(uri)
+    client = _client(tracking)
+    try:
+        version = (
+            client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, str(number))
+        )
+    except MlflowException as exc:
+        raise ConfigError(
+            [("model.checkpoint", f"{uri}: no such model version in {tracking} ({exc.message})")]
+        ) from None
+    info = {
+        "name": name,
+        "version": int(version.version),
+        "manifest_sha256": version.tags.get("kuangchao.manifest_sha256"),
+        "format": version.tags.get("kuangchao.format", "hf"),
+    }
+    if info["format"] != "hf":
+        raise ConfigError(
+            [
+                (
+                    "model.checkpoint",
+                    f"{uri} is version {version.version}: {info['format']} adapters, not a whole model; export the "
+                    "LoRA checkpoint merged (kc checkpoint convert --format hf) to start from it",
+                )
+            ]
+        )
+    source = str(version.source)
+    local = Path(source.removeprefix("file://"))
+    if local.is_dir() and (local / "config.json").is_file():
+        return local, info
+    dst = Path(download_root) / f"{name}-v{version.version}"
+    if not (dst / "config.json").is_file():
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        got = Path(download_artifacts(artifact_uri=source, dst_path=str(tmp)))
+        os.replace(got, dst)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst, info

@@ -1,0 +1,154 @@
+"""Greedy answers to fixed held-out prompts at each evaluation: exact-match accuracy where the data has answers,
+and a few generations as text (an MLflow artifact per evaluation).
+
+The prompts come from the job's held-out data (:func:`sample_cases`): the synthetic corpus' held-out problems
+(``<sep>a+b=`` → the sum and the separator; without the leading separator when packed as documents), sft records (synthetic instructions included) (the tokens before the first trained token → the first
+trained span: the completion and its end token, or the first assistant turn), or text (the first tokens of each
+held-out window, no answer). Every rank runs the same greedy loop on the same prompts (TP ranks gather the
+vocabulary-split logits; ZeRO-3 ranks gather their blocks together), so the collectives line up and every rank
+gets the same answers; under pipeline parallelism no rank holds the whole model and no samples are taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: held-out prompts answered at each evaluation (exact match), and how many of them are shown as text
+SAMPLE_CASES = 256
+SHOWN = 4
+#: tokens generated after a prompt without an answer (text data)
+TEXT_NEW_TOKENS = 48
+TEXT_PROMPT_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Case:
+    """One held-out prompt and, where the data has it, the expected continuation (ending with the stop token)."""
+
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...] | None
+
+
+@torch.no_grad()
+def greedy_decode(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    stop_id: int,
+    device: Any = "cpu",
+) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (batched by prompt length), each up to ``max_new`` tokens and ending at
+    the first ``stop_id`` (included). ``logits_fn(ids) -> (batch, seq, vocab)`` full-vocabulary logits."""
+    out: list[list[int]] = [[] for _ in prompts]
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for length in sorted(by_len):
+        idx = by_len[length]
+        ids = torch.tensor([list(prompts[i]) for i in idx], dtype=torch.long, device=device)
+        done = [False] * len(idx)
+        for _ in range(max_new):
+            nxt = logits_fn(ids)[:, -1, :].argmax(-1)
+            for j, t in enumerate(nxt.tolist()):
+                if not done[j]:
+                    out[idx[j]].append(int(t))
+                    done[j] = t == stop_id
+            if all(done):
+                break
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    return out
+
+
+def exact_match(outputs: Sequence[Sequence[int]], cases: Sequence[Case]) -> float | None:
+    """Share of the cases with an answer whose output is exactly it (None when no case has one)."""
+    scored = [(list(o), list(c.answer)) for o, c in zip(outputs, cases, strict=True) if c.answer is not None]
+    if not scored:
+        return None
+    return sum(o == a for o, a in scored) / len(scored)
+
+
+def _sft_case(ids: Sequence[int], trained: Sequence[bool]) -> Case | None:
+    first = next((i for i, t in enumerate(trained) if t), None)
+    if first is None or first == 0:
+        return None
+    end = first
+    while end < len(trained) and trained[end]:
+        end += 1
+    return Case(tuple(int(t) for t in ids[:first]), tuple(int(t) for t in ids[first:end]))
+
+
+def sample_cases(dataset: Any, n: int = SAMPLE_CASES) -> list[Case]:
+    """Up to ``n`` held-out cases of an evaluation ``dataset`` (see the module docstring)."""
+    corpus = getattr(dataset, "corpus", None)
+    tok = dataset.tokenizer
+    if corpus is not None and hasattr(corpus, "heldout_pairs"):
+        sep = int(tok.sep_id)
+        # packed end to end, a problem follows the previous one's separator; packed as documents it starts afresh
+        lead = [] if getattr(dataset, "starts", None) is not None else [sep]
+        return [
+            Case(tuple([*lead, *tok.encode(corpus.prompt(a, b))]), tuple([*tok.encode(corpus.answer(a, b)), sep]))
+            for a, b in corpus.heldout_pairs[:n]
+        ]
+    examples = getattr(dataset, "examples", None)
+    if examples is not None:  # sft records
+        cases = [c for c in (_sft_case(ex.ids, ex.trained) for ex in examples) if c is not None]
+        return cases[:n]
+    cases = []
+    for i in range(min(n, len(dataset))):
+        ids = dataset[i]["input_ids"][:TEXT_PROMPT_TOKENS]
+        cases.append(Case(tuple(int(t) for t in ids), None))
+    return cases
+
+
+class SampleEvaluator:
+    """Answers the held-out cases greedily; ``__call__() -> (exact_match or None, text of the first answers)``.
+    Collective: call it on every rank."""
+
+    def __init__(self, logits_fn: Callable, model: torch.nn.Module, cases: list[Case], tokenizer: Any, device: Any):
+        self.logits_fn = logits_fn
+        self.model = model
+        self.cases = cases
+        self.tokenizer = tokenizer
+        self.device = device
+        answers = [len(c.answer) for c in cases if c.answer is not None]
+        self.max_new = max(answers) if answers else TEXT_NEW_TOKENS
+
+    def __call__(self) -> tuple[float | None, str]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            outputs = greedy_decode(
+                self.logits_fn, [c.prompt for c in self.cases], self.max_new, int(self.tokenizer.sep_id), self.device
+            )
+        finally:
+            self.model.train(was_training)
+        return exact_match(outputs, self.cases), self.render(outputs)
+
+    def render(self, outputs: Sequence[Sequence[int]]) -> str:
+        """The first :data:`SHOWN` prompts with their greedy output (and the expected answer where known)."""
+        dec = self.tokenizer.decode
+        lines = []
+        for i, (case, out) in enumerate(zip(self.cases[:SHOWN], outputs, strict=False)):
+            lines.append(f"[{i + 1}] prompt:   {dec(list(case.prompt))!r}")
+            lines.append(f"    output:   {dec(list(out))!r}")
+            if case.answer is not None:
+                mark = "exact" if list(out) == list(case.answer) else "wrong"
+                lines.append(f"    expected: {dec(list(case.answer))!r} ({mark})")
+        return "\n".join(lines) + "\n"
+
+
+def sample_evaluator_for(parts: Any, mesh: Any, dataset: Any, device: Any) -> tuple[SampleEvaluator | None, str]:
+    """The sample evaluator of this job's model part, or None with the reason."""
+    if parts.executor is not None:
+        return None, "greedy samples need the whole model in one rank; pipeline stages hold parts of it"
+    cases = sample_cases(dataset)
+    if not cases:
+        return None, "the held-out data has no prompts"
+    model = parts.model
+    gather = getattr(model, "gather_logits", None)
+    logits_fn = (lambda ids: gather(model(ids))) if gather is not None and mesh.tp > 1 else model
+    return SampleEvaluator(logits_fn, model, cases, dataset.tokenizer, device), ""
