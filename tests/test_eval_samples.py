@@ -75,6 +75,7 @@ def synthetic_runs(tmp_path_factory):
 
     one = run_distributed(run_trainers, 1, args=([{"cfg": job("one", {})}],), timeout=400)[0][0]
     tp2 = run_distributed(run_trainers, 2, args=([{"cfg": job("tp2", {"tensor_parallel_size": 2})}],), timeout=400)
+    tp2 = [per_rank[0] for per_rank in tp2]
     return {"one": one, "tp2": tp2, "cfg": job("one", {})}
 
 

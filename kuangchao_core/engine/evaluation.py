@@ -32,7 +32,7 @@ class HeldOutLoss:
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.device = device
-        n = min(EVAL_MICRO_BATCHES, max(1, len(dataset) // micro_batch))
+        n = min(EVAL_MICRO_BATCHES, -(-len(dataset) // micro_batch))  # the last one may be short
         mine = range(mesh.dp_rank, n, mesh.dp)
         self.batches = [
             [dataset[j] for j in range(i * micro_batch, min((i + 1) * micro_batch, len(dataset)))] for i in mine
