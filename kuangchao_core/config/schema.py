@@ -154,7 +154,7 @@ class ModelSection(Section):
 class SyntheticSection(Section):
     """The corpus the project generates itself (used when ``data.path`` is empty)."""
 
-    task: Literal["arithmetic", "addition", "subtraction"] = "arithmetic"
+    task: Literal["arithmetic", "addition", "subtraction", "addition-question"] = "arithmetic"
     num_train: Int = Field(default=4096, ge=1)
     num_eval: Int = Field(default=256, ge=0)
     seed: Int = 0

@@ -1,5 +1,5 @@
 """A corpus the project generates itself: addition problems ``"a+b=c"`` (task ``arithmetic``) or subtraction
-problems ``"a-b=c"`` (task ``subtraction``) with ``0 <= a, b < max_operand``.
+problems ``"a-b=c"`` (task ``subtraction``, negative answers included) with ``0 <= a, b < max_operand``.
 
 As text (the default) every problem is one document; as instructions (``data.synthetic.instructions``) every problem
 is a prompt/completion record (``"a-b="`` → ``"c"``) trained on its answer only, as ``data.format: sft`` records are.
@@ -26,18 +26,34 @@ import torch
 from kuangchao_core.data.tokenizer import ByteTokenizer
 from kuangchao_core.errors import DataError
 
-#: task name -> operator
-TASKS = {"arithmetic": "+", "addition": "+", "subtraction": "-"}
+#: task name -> (operator, how a problem is asked: a format of a, b and op, up to where the answer starts)
+TASKS = {
+    "arithmetic": ("+", "{a}{op}{b}="),
+    "addition": ("+", "{a}{op}{b}="),
+    "subtraction": ("-", "{a}{op}{b}="),
+    "addition-question": ("+", "What is {a} plus {b}? "),
+}
 
 
 class ArithmeticCorpus:
     """Deterministic addition corpus from ``seed``; see the module docstring."""
 
-    def __init__(self, num_train: int, num_eval: int, seed: int, max_operand: int = 100, tokenizer=None, op: str = "+"):
+    def __init__(
+        self,
+        num_train: int,
+        num_eval: int,
+        seed: int,
+        max_operand: int = 100,
+        tokenizer=None,
+        op: str = "+",
+        question: str = "{a}{op}{b}=",
+    ):
         if op not in ("+", "-"):
             raise DataError(f"synthetic operator must be + or -, got {op!r}")
         self.op = op
-        total = max_operand * max_operand
+        self.question = question
+        pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+        total = len(pairs)
         if num_train < 1:
             raise DataError(f"data.synthetic.num_train must be >= 1, got {num_train}")
         if not 0 <= num_eval < total:
@@ -50,8 +66,8 @@ class ArithmeticCorpus:
         self.max_operand = int(max_operand)
         self.tokenizer = tokenizer or ByteTokenizer()
         order = np.random.default_rng([self.seed, 0]).permutation(total)
-        self.heldout_pairs = [divmod(int(i), max_operand) for i in order[:num_eval]]
-        self.pool_pairs = [divmod(int(i), max_operand) for i in order[num_eval:]]
+        self.heldout_pairs = [pairs[int(i)] for i in order[:num_eval]]
+        self.pool_pairs = [pairs[int(i)] for i in order[num_eval:]]
         draws = np.random.default_rng([self.seed, 1]).integers(0, len(self.pool_pairs), size=num_train)
         self.train_pairs = [self.pool_pairs[int(i)] for i in draws]
 
@@ -60,8 +76,8 @@ class ArithmeticCorpus:
         return str(a + b if self.op == "+" else a - b)
 
     def prompt(self, a: int, b: int) -> str:
-        """The question of problem (a, b), up to and including ``=``."""
-        return f"{a}{self.op}{b}="
+        """The question of problem (a, b), up to where its answer starts."""
+        return self.question.format(a=a, b=b, op=self.op)
 
     def line(self, a: int, b: int) -> str:
         """The document for one problem."""
@@ -134,7 +150,9 @@ class ArithmeticCorpus:
 
 
 def make_corpus(task: str, num_train: int, num_eval: int, seed: int, tokenizer=None) -> ArithmeticCorpus:
-    """The synthetic corpus named ``task`` (``arithmetic``, alias ``addition``; ``subtraction``)."""
+    """The synthetic corpus named ``task`` (:data:`TASKS`: ``arithmetic`` (alias ``addition``), ``subtraction``,
+    ``addition-question``: the sums asked in words, ``What is a plus b?``)."""
     if task not in TASKS:
         raise DataError(f"data.synthetic.task: unknown task {task!r}; choose one of {list(TASKS)}")
-    return ArithmeticCorpus(num_train, num_eval, seed, tokenizer=tokenizer, op=TASKS[task])
+    op, question = TASKS[task]
+    return ArithmeticCorpus(num_train, num_eval, seed, tokenizer=tokenizer, op=op, question=question)
