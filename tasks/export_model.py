@@ -8,7 +8,7 @@ from typing import Any
 
 from prefect import task
 
-from kuangchao_core.ckpt.release import export_model
+from kuangchao_core.engine.release import export_model
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.model_registry import log_model_dir, register_model
 

@@ -39,6 +39,9 @@ def tiny_overrides(workdir: Path, store: Path, task: str | None = None, **extra)
         "train.log_interval": INTERVAL,
         "checkpoint.interval": INTERVAL,
         "checkpoint.keep_last": 3,
+        # the demo's 4 document-packed windows make ~15 ms steps; the lifecycle tests keep their 8 windows of text
+        "data.packing": "concat",
+        "parallel.micro_batch_size": 8,
         "checkpoint.dir": str(workdir / "ckpt"),
         "tracking.uri": f"sqlite:///{store / 'mlflow.db'}",
         "permission.audit_log": str(workdir / "audit"),

@@ -18,6 +18,38 @@ def only_lineage(task_dir) -> Path:
     return found[0].path
 
 
+def save_random_hf_llama(path, num_layers: int, seed: int = 5):
+    """A tiny random ``transformers.LlamaForCausalLM`` (vocab 256, hidden 64, grouped-query attention, fp32, eager
+    attention) saved with ``save_pretrained`` at ``path``; norms away from 1 and weights scaled up, so a mixed-up
+    slice changes the logits. Returns the model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.mul_(5.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def tiny_job(tmp_dir: str, **sections: Any):
     """A tiny job config (trusted mode, synthetic data) with ``sections`` merged over the defaults."""
     base: dict[str, Any] = {

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, load_hf_llama_config
-from tests.engine_helpers import gather_full, only_lineage, run_trainers, tiny_job
+from tests.engine_helpers import gather_full, only_lineage, run_trainers, save_random_hf_llama, tiny_job
 from tests.mp import run_distributed
 from tests.tolerances import FP32_LOSS_REL, assert_logits_match
 
@@ -35,29 +35,7 @@ TP2_PP2 = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
 
 
 def _save_hf_model(path: Path):
-    torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # norms start at 1 and weights are small: perturb so a slice mix-up changes the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.mul_(5.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_random_hf_llama(path, LAYERS)
 
 
 def _job(root: Path, hf_dir: Path, parallel: dict, steps: int):

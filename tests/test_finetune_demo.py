@@ -26,7 +26,7 @@ FT_STEPS = 8
 
 
 def _pretrain_base(tmp, uri: str) -> None:
-    from kuangchao_core.ckpt.release import export_model
+    from kuangchao_core.engine.release import export_model
 
     cfg = load_config(
         str(ROOT / "configs" / "tiny.yaml"),

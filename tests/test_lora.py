@@ -33,7 +33,7 @@ from kuangchao.cli.main import app
 from kuangchao_core.ckpt.layout import shard_name
 from kuangchao_core.ckpt.lineage import new_lineage_id
 from kuangchao_core.config.unused import unused_settings
-from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from tests.engine_helpers import gather_full, run_trainers, save_random_hf_llama, tiny_job
 from tests.mp import run_distributed
 from tests.tolerances import FP32_LOSS_REL, FP64_REL, NEGATIVE_MIN, assert_logits_match, rel_norm, worst_rel
 
@@ -47,29 +47,7 @@ PEFT_REL = 1e-5
 
 
 def _save_hf_model(path: Path, seed: int = 5):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # norms away from 1 and larger weights, so a mixed-up slice changes the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.mul_(5.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_random_hf_llama(path, 2, seed)
 
 
 def _job(root: Path, hf_dir: Path, parallel: dict, dtype: str = "fp64", interval: int = 100):
@@ -259,7 +237,7 @@ def test_peft_export_loads_in_peft_with_our_logits(runs, tmp_path):
 
 
 def test_job_end_export_of_a_lora_run_is_the_peft_adapters_with_the_tokenizer(runs, tmp_path):
-    from kuangchao_core.ckpt.release import export_model
+    from kuangchao_core.engine.release import export_model
     from kuangchao_core.perm import guard_api
 
     previous = guard_api.install_guard(guard_api.AllowAll())  # as the flow, the job's authority, exports

@@ -20,9 +20,9 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
-from kuangchao_core.ckpt.release import export_model
 from kuangchao_core.data.sft import chat_spans
 from kuangchao_core.data.tokenizer import ByteTokenizer
+from kuangchao_core.engine.release import export_model
 from kuangchao_core.obs.model_registry import ALIAS_BEST, ALIAS_NEWEST, log_model_dir, register_model
 from kuangchao_core.perm import guard_api
 from tests.engine_helpers import only_lineage, run_trainers, tiny_job

@@ -33,10 +33,15 @@ class HeldOutLoss:
         self.mesh = mesh
         self.device = device
         n = min(EVAL_MICRO_BATCHES, -(-len(dataset) // micro_batch))  # the last one may be short
+
+        def items(i: int) -> list:
+            return [dataset[j] for j in range(i * micro_batch, min((i + 1) * micro_batch, len(dataset)))]
+
         mine = range(mesh.dp_rank, n, mesh.dp)
-        self.batches = [
-            [dataset[j] for j in range(i * micro_batch, min((i + 1) * micro_batch, len(dataset)))] for i in mine
-        ]
+        rounds = -(-n // mesh.dp)
+        # every DP rank runs the same number of forwards (ZeRO-3 gathers its blocks collectively in each): a rank
+        # with fewer micro-batches repeats the first one, and its result is not counted
+        self.batches = [(items(i), True) for i in mine] + [(items(0), False)] * (rounds - len(mine))
 
     @torch.no_grad()
     def __call__(self) -> float:
@@ -45,9 +50,11 @@ class HeldOutLoss:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         try:
-            for items in self.batches:
+            for items, counted in self.batches:
                 batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
-                totals += self._loss_sum_and_count(batch)
+                value = self._loss_sum_and_count(batch)
+                if counted:
+                    totals += value
         finally:
             self.model.train(was_training)
         for group in (self.mesh.pp_group, self.mesh.dp_group):  # the loss lives on the last stage: sum over PP

@@ -184,6 +184,16 @@ def _hf_sizes(raw: dict, path: Path) -> None:
 
 def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
     """Read a local Hugging Face Llama ``config.json`` (never the hub) into a LlamaConfig."""
+    if str(directory).startswith("models:/"):
+        raise ConfigError(
+            [
+                (
+                    "model.checkpoint",
+                    f"{directory} is a registered MLflow model: `kc train` (the flow) resolves it to its files; "
+                    "elsewhere give its local directory (kc plan --set model.checkpoint=DIR)",
+                )
+            ]
+        )
     path = Path(directory)
     if path.is_dir():
         path = path / "config.json"
