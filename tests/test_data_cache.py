@@ -126,3 +126,96 @@ def test_kc_data_prepare_builds_ahead_and_says_so(tmp_path):
     refused = runner.invoke(app, ["data", "prepare", str(bare)])
     assert refused.exit_code == 2 and "data.cache_dir" in refused.output
     assert not os.environ.get("KC_TOKEN")  # nothing of a job was needed
+
+
+def _sft_records(tmp_path: Path, n: int = 60) -> Path:
+    d = tmp_path / "sft"
+    d.mkdir(exist_ok=True)
+    rows = [{"prompt": f"{i}+{i % 7}=", "completion": str(i + i % 7)} for i in range(n)]
+    rows.append({"prompt": "x" * 40, "completion": "too long for seq_len 32"})
+    rows += [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(n // 4)
+    ]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:12]), encoding="utf-8")
+    return d
+
+
+def _sft_data(tmp_path: Path, **more) -> dict:
+    d = tmp_path / "sft"
+    base = {"path": str(d / "train.jsonl"), "eval_path": str(d / "eval.jsonl"), "format": "sft", "seq_len": 32}
+    return {**base, "cache_dir": str(tmp_path / "cache"), **more}
+
+
+def _items(ds) -> list[tuple[list[int], list[int]]]:
+    return [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist()) for i in range(len(ds))]
+
+
+@pytest.mark.parametrize("packing", ["none", "documents"])
+def test_sft_records_are_cached_and_a_warm_start_reads_no_record(tmp_path, monkeypatch, packing):
+    _sft_records(tmp_path)
+    uncached = {k: v for k, v in _sft_data(tmp_path, packing=packing).items() if k != "cache_dir"}
+    plain = build_dataset(uncached, 256)
+    first = build_dataset(_sft_data(tmp_path, packing=packing), 256)
+    assert _items(first) == _items(plain)  # every row and every -100, token by token
+    assert first.report.to_dict() == plain.report.to_dict() and first.report.dropped_too_long == 1
+    held_out = build_dataset(_sft_data(tmp_path, packing=packing), 256, split="eval")  # eval_path: its own entry
+    plain_held_out = build_dataset(uncached, 256, split="eval")
+    assert [(e.ids, e.trained) for e in held_out.examples] == [(e.ids, e.trained) for e in plain_held_out.examples]
+    entries = _entries(tmp_path)
+    assert len(entries) == 2  # no lock or build directory left behind
+    from kuangchao_core.data import cache
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a raw record was read")
+
+    monkeypatch.setattr(cache, "iter_sft_records", no_reading)
+    second = build_dataset(_sft_data(tmp_path, packing=packing), 256)
+    assert any(_mapped_from(second.ids.data_ptr(), tmp_path / "cache" / e / "ids.bin") for e in entries)
+    assert _items(second) == _items(plain)
+    assert second.report.to_dict() == plain.report.to_dict()
+    again = build_dataset(_sft_data(tmp_path, packing=packing), 256, split="eval")
+    assert [(e.ids, e.trained) for e in again.examples] == [(e.ids, e.trained) for e in plain_held_out.examples]
+    assert _entries(tmp_path) == entries
+
+
+def test_sft_cache_entries_follow_the_records_the_template_and_seq_len(tmp_path):
+    d = _sft_records(tmp_path)
+    build_dataset(_sft_data(tmp_path), 256)
+    build_dataset(_sft_data(tmp_path, seq_len=64), 256)  # the too-long record now fits: another entry
+    assert len(_entries(tmp_path)) == 2
+    longer = build_dataset(_sft_data(tmp_path, seq_len=64), 256)
+    assert longer.report.dropped_too_long == 0
+    with open(d / "train.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    grown = build_dataset(_sft_data(tmp_path), 256)
+    assert len(_entries(tmp_path)) == 3 and grown.report.records == 60 + 1 + 15 + 1
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    from kuangchao_core.data.tokenizer_export import write_tokenizer_files
+
+    write_tokenizer_files("byte", tok, 64)
+    build_dataset(_sft_data(tmp_path, tokenizer=str(tok)), 256)
+    assert len(_entries(tmp_path)) == 4
+    config = json.loads((tok / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = "### " + config["chat_template"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    build_dataset(_sft_data(tmp_path, tokenizer=str(tok)), 256)  # a changed chat template: new masks, new entry
+    assert len(_entries(tmp_path)) == 5
+
+
+def test_kc_data_prepare_builds_sft_records_and_their_held_out_file(tmp_path):
+    from kuangchao.cli.main import app
+
+    _sft_records(tmp_path)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps({"task": {"name": "prep"}, "data": _sft_data(tmp_path)}), encoding="utf-8")
+    out = CliRunner().invoke(app, ["data", "prepare", str(cfg)])
+    assert out.exit_code == 0, out.output
+    assert "data.path" in out.output and "75 examples" in out.output and "1 too long, dropped" in out.output
+    assert "data.eval_path" in out.output and "12 examples" in out.output
+    assert len(_entries(tmp_path)) == 2
+    with guard_api.thread_guard(guard_api.AllowAll()):
+        ds = build_dataset(_sft_data(tmp_path), 256)  # the job finds the prepared entry
+    assert len(_entries(tmp_path)) == 2 and ds.report.examples == 60 + 15

@@ -131,7 +131,7 @@ def test_concat_packing_keeps_the_masks_across_window_cuts(tmp_path):
     tok = ByteTokenizer()
     records = [({"prompt": f"q{i}", "completion": f"a{i}"}, f"r{i}") for i in range(6)]
     examples, report = build_examples(iter(records), tok, seq_len=64, truncation="drop")
-    ds = SFTDataset(examples, 5, "concat", "x", tok, report)
+    ds = SFTDataset.from_examples(examples, 5, "concat", "x", tok, report)
     stream = torch.cat([ds[i]["labels"] for i in range(len(ds))])
     trained = tok.decode([t for t in stream.tolist() if t != -100])
     # window i covers stream tokens [5i, 5i+5]; labels are tokens 1.. of the stream: a0\n a1\n ... as far as it goes
@@ -202,7 +202,7 @@ def test_documents_packing_trains_answers_and_never_across_examples():
     tok = ByteTokenizer()
     records = [({"prompt": f"q{i}=", "completion": f"a{i}"}, f"r{i}") for i in range(5)]
     examples, report = build_examples(iter(records), tok, seq_len=64, truncation="drop")
-    ds = SFTDataset(examples, 24, "documents", "x", tok, report)
+    ds = SFTDataset.from_examples(examples, 24, "documents", "x", tok, report)
     item = ds[0]
     assert item["segment_ids"].tolist()[:6] == [0] * 6 and item["segment_ids"].tolist()[6] == 1
     assert item["position_ids"].tolist()[6] == 0  # the second example starts at position 0

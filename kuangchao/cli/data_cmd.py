@@ -1,7 +1,8 @@
-"""``kc data prepare CONFIG``: tokenize a job's text files into its ``data.cache_dir`` once, before the job.
+"""``kc data prepare CONFIG``: tokenize a job's data files (text, or sft records) into its ``data.cache_dir`` once,
+before the job.
 
 Exit 0 with the entry (built now or already there), 2 for a config without a cache directory or with data that is not
-cached (the synthetic corpus, sft records), 1 for data that cannot be read (the reader's message).
+cached (the synthetic corpus), 1 for data that cannot be read (the reader's message).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ def prepare(
     file: str = typer.Argument(..., help="Job config YAML file."),
     set_: list[str] = typer.Option([], "--set", help=_SET_HELP),
 ) -> None:
-    """Tokenize the config's data files into ``data.cache_dir`` (every rank and later run of the job reads it)."""
+    """Tokenize the config's data files into ``data.cache_dir`` (every rank and later run of the job reads it); the
+    held-out files (``data.eval_path``) too."""
     from kuangchao_core.config import load_config
-    from kuangchao_core.data.cache import cached_corpus
+    from kuangchao_core.data.cache import cached_corpus, cached_sft
     from kuangchao_core.data.tokenizer import get_tokenizer
     from kuangchao_core.errors import ConfigError, DataError
     from kuangchao_core.models.llama import config_from_model_section
@@ -36,27 +38,39 @@ def prepare(
     if not data.cache_dir:
         typer.echo(f"{file}: data.cache_dir: not set; give the directory the tokenized corpus goes to", err=True)
         raise typer.Exit(2)
-    if data.is_synthetic or data.format == "sft":
-        typer.echo(f"{file}: data: only text files (txt, jsonl, parquet) are cached; this job's are not", err=True)
+    if data.is_synthetic:
+        typer.echo(f"{file}: data: the synthetic corpus is generated, not cached; nothing to prepare", err=True)
         raise typer.Exit(2)
     # an operator's tool on local files: the filesystem's permissions apply, not a job's capability token
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
     previous = install_guard(AllowAll())
-    t0 = time.perf_counter()
+    vocab = config_from_model_section(cfg.model).vocab_size
+    tokenizer = get_tokenizer(data.tokenizer, vocab)
+    parts = [("data.path", data)] + (
+        [("data.eval_path", data.model_copy(update={"path": data.eval_path}))] if data.eval_path else []
+    )
     try:
-        vocab = config_from_model_section(cfg.model).vocab_size
-        tokens, _, meta = cached_corpus(data, get_tokenizer(data.tokenizer, vocab), vocab, data.cache_dir)
+        for field, section in parts:
+            t0 = time.perf_counter()
+            if data.format == "sft":
+                _, meta = cached_sft(section, tokenizer, vocab, data.cache_dir)
+                what = f"{meta['num_documents']:,} examples, {meta['num_tokens']:,} tokens"
+                dropped = meta["report"].get("dropped_too_long", 0)
+                what += f" ({dropped} too long, dropped)" if dropped else ""
+            else:
+                _, _, meta = cached_corpus(section, tokenizer, vocab, data.cache_dir)
+                what = f"{meta['num_tokens']:,} tokens, {meta['num_documents']:,} documents"
+            how = "built" if meta["built"] else "already there"
+            typer.echo(
+                f"OK {field}: {data.cache_dir}/{meta['key']}: {what} from {len(meta['files'])} file(s) "
+                f"({how}, {time.perf_counter() - t0:.1f} s)"
+            )
     except DataError as exc:
         typer.echo(f"{file}: {exc}", err=True)
         raise typer.Exit(1) from None
     finally:
         install_guard(previous)
-    how = "built" if meta["built"] else "already there"
-    typer.echo(
-        f"OK {data.cache_dir}/{meta['key']}: {meta['num_tokens']:,} tokens, {meta['num_documents']:,} documents "
-        f"from {len(meta['files'])} file(s) ({how}, {time.perf_counter() - t0:.1f} s)"
-    )
 
 
 def register(app: typer.Typer) -> None:

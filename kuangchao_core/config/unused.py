@@ -84,8 +84,8 @@ def unused_settings(cfg: Any) -> Warnings:
         out.append(("tracking.register_model", "needs tracking.log_model true: no model is logged to register"))
     if train.compile and par.zero_stage == 3:
         out.append(("train.compile", "not applied under zero_stage 3, whose blocks gather their parameters eagerly"))
-    if data.cache_dir and (data.is_synthetic or data.format == "sft"):
-        out.append(("data.cache_dir", "caches text files (txt, jsonl, parquet); this job's data is not cached"))
+    if data.cache_dir and data.is_synthetic:
+        out.append(("data.cache_dir", "caches data files (text or sft records); the synthetic corpus is generated"))
     if data.format != "sft" and not (data.is_synthetic and data.synthetic.instructions) and _given(data, "truncation"):
         out.append(("data.truncation", "only used with data.format sft (text is packed across documents)"))
     if par.grad_compression != "topk":

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from kuangchao_core.config.access import setting
-from kuangchao_core.data.cache import cached_corpus
+from kuangchao_core.data.cache import cached_corpus, cached_sft
 from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import document_window, num_windows, pack_documents_with_starts, window
-from kuangchao_core.data.sft import SFTDataset, build_examples, build_sft_dataset
+from kuangchao_core.data.sft import SFTDataset, SFTReport, build_examples, build_sft_dataset
 from kuangchao_core.data.synthetic import make_corpus
 from kuangchao_core.data.tokenizer import get_tokenizer
 from kuangchao_core.errors import DataError
@@ -104,7 +104,9 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
             packing = setting(data_cfg, "packing", "auto")
             records = ((r, f"{label}:{i + 1}") for i, r in enumerate(corpus.records(split)))
             examples, report = build_examples(records, tokenizer, seq_len, setting(data_cfg, "truncation", "drop"))
-            ds = SFTDataset(examples, seq_len, "none" if packing == "auto" else packing, label, tokenizer, report)
+            ds = SFTDataset.from_examples(
+                examples, seq_len, "none" if packing == "auto" else packing, label, tokenizer, report
+            )
             ds.examples = list(examples) if split == "eval" else None
             return ds
         docs = corpus.documents(split)
@@ -118,20 +120,11 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
             data_cfg = _with_path(data_cfg, str(eval_path))
             name = str(eval_path)
         packing = setting(data_cfg, "packing", "auto")
+        cache_dir = setting(data_cfg, "cache_dir")
         if setting(data_cfg, "format", "auto") == "sft":
-            ds = build_sft_dataset(
-                str(setting(data_cfg, "path")),
-                tokenizer,
-                seq_len,
-                "none" if packing == "auto" else packing,
-                setting(data_cfg, "truncation", "drop"),
-                keep_examples=split == "eval",
-            )
-            log.info("sft data %s: %s", name, ds.report.to_dict())
-            return ds
+            return _sft_dataset(data_cfg, name, tokenizer, vocab_size, "none" if packing == "auto" else packing, split)
         if packing == "none":
             raise DataError("data.packing none applies to sft data (data.format sft); text is packed with concat")
-        cache_dir = setting(data_cfg, "cache_dir")
         if cache_dir:
             tokens, starts, meta = cached_corpus(data_cfg, tokenizer, vocab_size, str(cache_dir))
             log.info(
@@ -149,3 +142,37 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     tokens, starts = pack_documents_with_starts(docs, tokenizer, vocab_size)
     keep_apart = setting(data_cfg, "packing", "auto") == "documents"
     return TokenDataset(tokens, seq_len, label, tokenizer, corpus, starts if keep_apart else None)
+
+
+def _sft_dataset(data_cfg: Any, name: str, tokenizer, vocab_size: int, packing: str, split: str) -> SFTDataset:
+    """Instruction records as an :class:`SFTDataset`, through the data cache when ``cache_dir`` is set."""
+    seq_len, truncation = int(setting(data_cfg, "seq_len", 0)), setting(data_cfg, "truncation", "drop")
+    cache_dir = setting(data_cfg, "cache_dir")
+    if not cache_dir:
+        ds = build_sft_dataset(name, tokenizer, seq_len, packing, truncation, keep_examples=split == "eval")
+        log.info("sft data %s: %s", name, ds.report.to_dict())
+        return ds
+    arrays, meta = cached_sft(data_cfg, tokenizer, vocab_size, str(cache_dir))
+    counts = dict(meta["report"])
+    first_dropped = counts.pop("first_dropped", [])
+    report = SFTReport(**counts, where_dropped=list(first_dropped))
+    ds = SFTDataset(
+        torch.from_numpy(arrays["ids"]),
+        torch.from_numpy(arrays["trained"]),
+        arrays["starts"],
+        seq_len,
+        packing,
+        name,
+        tokenizer,
+        report,
+    )
+    if split == "eval":
+        ds.examples = [ds.example(i) for i in range(len(arrays["starts"]))]
+    log.info(
+        "sft data %s: examples %s cache %s: %s",
+        name,
+        "built into" if meta["built"] else "read from",
+        meta["key"],
+        report.to_dict(),
+    )
+    return ds

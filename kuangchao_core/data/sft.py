@@ -224,36 +224,57 @@ def build_examples(
 
 # ---------------------------------------------------------------------- the dataset
 class SFTDataset:
-    """Windows of ``seq_len`` input tokens whose labels are -100 wherever the loss is not taken."""
+    """Windows of ``seq_len`` input tokens whose labels are -100 wherever the loss is not taken.
 
-    def __init__(self, examples: Sequence[Example], seq_len: int, packing: str, name: str, tokenizer, report):
+    Holds the examples end to end — ``ids`` (int32), ``trained`` (bool) and ``starts`` (where each example begins) —
+    in memory or mapped from the data cache; a ``packing: none`` row is cut and padded when it is read.
+    """
+
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        trained: torch.Tensor,
+        starts: np.ndarray,
+        seq_len: int,
+        packing: str,
+        name: str,
+        tokenizer,
+        report,
+    ):
         if packing not in ("none", "concat", "documents"):
             raise DataError(f"data.packing {packing!r} is not available for sft data; use none, concat or documents")
         self.seq_len, self.name, self.tokenizer, self.report, self.packing = seq_len, name, tokenizer, report, packing
+        self.ids, self.trained, self.starts = ids, trained, starts
         self.corpus = None
         self.examples: list[Example] | None = None
-        width = seq_len + 1
         if packing == "none":
-            n = len(examples)
-            self.ids = torch.full((n, width), int(tokenizer.sep_id), dtype=torch.int32)
-            self.trained = torch.zeros((n, width), dtype=torch.bool)
-            for i, ex in enumerate(examples):
-                self.ids[i, : len(ex.ids)] = torch.tensor(ex.ids, dtype=torch.int32)
-                self.trained[i, : len(ex.ids)] = torch.tensor(ex.trained)
-            self._n = n
+            self._n = len(starts)
         else:
-            self.ids = torch.from_numpy(np.concatenate([np.asarray(ex.ids, dtype=np.int32) for ex in examples]))
-            self.trained = torch.from_numpy(np.concatenate([np.asarray(ex.trained, dtype=bool) for ex in examples]))
-            lengths = [len(ex.ids) for ex in examples]
-            self.starts = np.cumsum([0] + lengths[:-1], dtype=np.int64) if packing == "documents" else None
             self._n = num_windows(self.ids.numel(), seq_len)
             if self._n == 0:
-                raise DataError(f"dataset {name!r}: {self.ids.numel()} tokens, fewer than one window of {width}")
+                raise DataError(f"dataset {name!r}: {self.ids.numel()} tokens, fewer than one window of {seq_len + 1}")
+
+    @classmethod
+    def from_examples(
+        cls, examples: Sequence[Example], seq_len: int, packing: str, name: str, tokenizer, report
+    ) -> SFTDataset:
+        """The dataset of encoded ``examples``."""
+        lengths = [len(ex.ids) for ex in examples]
+        ids = torch.from_numpy(np.concatenate([np.asarray(ex.ids, dtype=np.int32) for ex in examples]))
+        trained = torch.from_numpy(np.concatenate([np.asarray(ex.trained, dtype=bool) for ex in examples]))
+        starts = np.cumsum([0] + lengths[:-1], dtype=np.int64)
+        return cls(ids, trained, starts, seq_len, packing, name, tokenizer, report)
+
+    def example(self, i: int) -> Example:
+        """Example ``i`` as encoded."""
+        lo = int(self.starts[i])
+        hi = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.ids.numel()
+        return Example(self.ids[lo:hi].tolist(), self.trained[lo:hi].tolist())
 
     @property
     def num_tokens(self) -> int:
-        """Tokens held (padding included for ``packing: none``)."""
-        return int(self.ids.numel())
+        """Tokens in the rows (padding included for ``packing: none``)."""
+        return self._n * (self.seq_len + 1) if self.packing == "none" else int(self.ids.numel())
 
     def __len__(self) -> int:
         return self._n
@@ -262,18 +283,23 @@ class SFTDataset:
         if not -self._n <= index < self._n:
             raise IndexError(f"window {index} out of range for {self._n} windows")
         index %= self._n
+        width = self.seq_len + 1
         if self.packing == "none":
-            ids, trained = self.ids[index], self.trained[index]
+            lo = int(self.starts[index])
+            hi = int(self.starts[index + 1]) if index + 1 < len(self.starts) else self.ids.numel()
+            ids = torch.full((width,), int(self.tokenizer.sep_id), dtype=torch.long)
+            trained = torch.zeros(width, dtype=torch.bool)
+            ids[: hi - lo] = self.ids[lo:hi].long()
+            trained[: hi - lo] = self.trained[lo:hi]
         elif self.packing == "documents":
             out = document_window(self.ids, self.starts, index, self.seq_len)
             lo = index * self.seq_len
-            keep = self.trained[lo + 1 : lo + self.seq_len + 1]
+            keep = self.trained[lo + 1 : lo + width]
             out["labels"] = torch.where(keep, out["labels"], torch.full_like(out["labels"], -100))
             return out
         else:
             lo = index * self.seq_len
-            ids, trained = self.ids[lo : lo + self.seq_len + 1], self.trained[lo : lo + self.seq_len + 1]
-        ids = ids.long()
+            ids, trained = self.ids[lo : lo + width].long(), self.trained[lo : lo + width]
         labels = torch.where(trained[1:], ids[1:], torch.full_like(ids[1:], -100))
         return {"input_ids": ids[:-1], "labels": labels}
 
@@ -284,6 +310,6 @@ def build_sft_dataset(
     """The :class:`SFTDataset` of every record under ``path``; ``keep_examples`` keeps the encoded examples as
     ``examples`` (held-out data: their prompts and answers are asked at each evaluation)."""
     examples, report = build_examples(iter_sft_records(path), tokenizer, seq_len, truncation)
-    ds = SFTDataset(examples, seq_len, packing, str(path), tokenizer, report)
+    ds = SFTDataset.from_examples(examples, seq_len, packing, str(path), tokenizer, report)
     ds.examples = list(examples) if keep_examples else None
     return ds
