@@ -320,6 +320,13 @@ def _unsummed_lora_a(trainer):
     return undo
 
 
+def _mean_of_micro_batch_means(trainer):
+    """Every micro-batch's mean loss weighs the same (the step ignores the global labelled-token count)."""
+    step = trainer.forward_backward
+    trainer.forward_backward = lambda sync, batches, weight=None, _step=step: _step(sync, batches, None)
+    return None
+
+
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -334,6 +341,7 @@ SABOTAGE = {
     "unreduced_zero3_unit": _unreduced_zero3_unit,
     "drop_comm_state": _drop_comm_state,
     "unsummed_lora_a": _unsummed_lora_a,
+    "mean_of_micro_batch_means": _mean_of_micro_batch_means,
 }
 
 

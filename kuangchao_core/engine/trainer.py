@@ -1,8 +1,9 @@
 """The training loop of one worker process: build this rank's part, then step.
 
-One optimizer step = ``gradient_accumulation_steps`` micro-batches on every data-parallel rank. The job's
-:class:`~kuangchao_core.parallel.grad_sync.GradSync` averages gradients across the DP group and the ``1/grad_accum``
-loss scale across micro-steps, so the step equals one process training on the whole global batch. The forward and
+One optimizer step = ``gradient_accumulation_steps`` micro-batches on every data-parallel rank. Each micro-batch's
+loss is its token losses' sum over the global batch's labelled-token count (times dp,
+:mod:`~kuangchao_core.parallel.step_loss`) and the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync`
+averages gradients across the DP group, so the step equals one process training on the whole global batch. The forward and
 backward of a step is chosen once (:func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`);
 checkpoint I/O is :mod:`kuangchao_core.engine.checkpointing`, following ``kc config set`` is
 :mod:`kuangchao_core.engine.live_config`.
@@ -40,6 +41,7 @@ from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS, get_forward_backward
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
+from kuangchao_core.parallel.step_loss import step_loss_weight
 
 log = logging.getLogger("kuangchao.engine")
 
@@ -234,7 +236,9 @@ class Trainer:
             {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in BATCH_KEYS} for b in micro_batches
         ]
         tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
-        local_loss = self.forward_backward(self.sync, batches)
+        # every labelled token of the global batch weighs the same, as in one process (step_loss)
+        weight = step_loss_weight(micro_batches, self.mesh.dp_group, self.device)
+        local_loss = self.forward_backward(self.sync, batches, weight)
         # fp16: unscale and agree over every rank whether any gradient overflowed; such a step is skipped (the one
         # host sync of such a step besides the metrics)
         skip = self.precision.dynamic and self.precision.unscale_and_check(self.sync.local_grads())

@@ -1,16 +1,22 @@
 """The forward and backward of one optimizer step, chosen once per job (as Megatron's ``get_forward_backward_func``).
 
-:func:`get_forward_backward` returns a function ``(sync, micro_batches) -> local mean loss`` that runs every
+:func:`get_forward_backward` returns a function ``(sync, micro_batches, loss_weight) -> local loss`` that runs every
 micro-batch's forward and backward and completes the gradient reduction through the job's
 :class:`~kuangchao_core.parallel.grad_sync.GradSync`:
 
-- without a pipeline: micro-batch ``i`` runs ``loss / n`` backward under ``no_sync`` except the last, whose
-  backward overlaps the reduction;
+- without a pipeline: each micro-batch's loss backward under ``no_sync`` except the last, whose backward overlaps the
+  reduction;
 - with a pipeline: the executor runs the schedule's whole step under ``no_sync`` (its backwards interleave with
   forwards), then the reduction runs once.
 
+A micro-batch's loss is the *sum* over its labelled tokens times ``loss_weight`` — the trainer passes
+``dp / (labelled tokens of the whole global batch)`` (:mod:`kuangchao_core.parallel.step_loss`), so that, with the DP average of the
+gradients, the step minimises the mean over every labelled token of the global batch, as one process would. (The mean
+of per-micro-batch means differs as soon as micro-batches hold different numbers of labelled tokens: masked
+instruction data, packed documents.) ``loss_weight`` None keeps the mean of per-micro-batch means.
+
 The loss returned is this rank's, a float64 scalar tensor on the batches' device (read by the trainer once per step,
-with the gradient norm): the mean over micro-batches on the last pipeline stage, 0 on other stages.
+with the gradient norm): its share of the step's loss on the last pipeline stage, 0 on other stages.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import Any
 import torch
 
 from kuangchao_core.parallel.grad_sync import GradSync, maybe_no_sync
+from kuangchao_core.parallel.step_loss import weighted_loss
 
-ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]]], torch.Tensor]
+ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]], torch.Tensor | None], torch.Tensor]
 #: what a micro-batch may carry to the device: tokens, labels, and packed documents' positions and segments
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 MODEL_KEYS = ("position_ids", "segment_ids")
@@ -43,9 +50,11 @@ def get_forward_backward(
     autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled."""
     if executor is not None:
 
-        def pipelined(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        def pipelined(
+            sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None
+        ) -> torch.Tensor:
             with sync.no_sync():
-                loss = executor.run(batches, precision=precision)
+                loss = executor.run(batches, precision=precision, loss_weight=loss_weight)
             sync.finish(accumulated=True)
             if loss is None:
                 return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
@@ -56,13 +65,17 @@ def get_forward_backward(
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
     scale = precision.scale if precision is not None else (lambda loss: loss)
 
-    def plain(sync: GradSync, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def plain(
+        sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = len(batches)
         local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
         for i, batch in enumerate(batches):
             with maybe_no_sync(sync, last=i == n - 1):
                 with autocast():
-                    loss = loss_fn(model(batch["input_ids"], **model_inputs(batch)), batch["labels"]) / n
+                    loss = weighted_loss(
+                        loss_fn, model(batch["input_ids"], **model_inputs(batch)), batch, n, loss_weight
+                    )
                 scale(loss).backward()
             local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
         sync.finish()

@@ -37,6 +37,7 @@ from kuangchao_core.parallel.pp_schedules import (
     stage_of,
     validate_schedule,
 )
+from kuangchao_core.parallel.step_loss import weighted_loss
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,13 @@ class PipelineExecutor:
         kind, mb, stage = message_key(action, self.p, self.pp_rank)
         return (mb * self.num_stages + stage) * 2 + (kind == "grad")
 
-    def run(self, micro_batches: Sequence[dict], precision: Any = None) -> torch.Tensor | None:
+    def run(
+        self, micro_batches: Sequence[dict], precision: Any = None, loss_weight: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Run forward and backward of every micro-batch (dicts with ``input_ids`` and ``labels``), accumulating
-        parameter gradients; returns the mean loss over micro-batches on the last stage, None elsewhere.
+        parameter gradients; returns the step's loss on the last stage, None elsewhere: the mean over micro-batches
+        of their mean losses, or with ``loss_weight`` the sum over their labelled tokens times it
+        (:func:`~kuangchao_core.parallel.step_loss.weighted_loss`).
 
         ``precision``: a :class:`~kuangchao_core.parallel.mixed_precision.MixedPrecision` whose autocast the
         forwards run under and whose scaled loss the last stage's backward starts from (the loss returned is
@@ -155,7 +160,7 @@ class PipelineExecutor:
                 with autocast():
                     out = self.chunks[a.chunk](x)
                     if self.is_last_stage(a.chunk):
-                        out = self.loss_fn(out, micro_batches[a.mb]["labels"].to(self.device)) / m
+                        out = weighted_loss(self.loss_fn, out, micro_batches[a.mb], m, loss_weight)
                 if self.is_last_stage(a.chunk):
                     total = out.detach() if total is None else total + out.detach()
                     out = scale(out)

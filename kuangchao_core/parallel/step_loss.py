@@ -1,0 +1,43 @@
+"""The loss of one optimizer step as one process would compute it: the mean over every labelled token of the global
+batch, whatever the layout.
+
+Each micro-batch contributes ``sum of its token losses × loss_weight`` with ``loss_weight = dp / N`` (N the labelled
+tokens of the whole global batch, counted on every DP rank and summed); the DP average of the gradients then gives
+``∇ (Σ token losses) / N``. Averaging per-micro-batch means instead weighs a token by ``1 / (tokens of its
+micro-batch)``, which differs from one process as soon as micro-batches hold different numbers of labelled tokens
+(masked instruction data, packed documents' boundaries) — under data parallelism and gradient accumulation alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kuangchao_core.comm import primitives as P
+
+IGNORE_INDEX = -100
+
+
+def weighted_loss(
+    loss_fn: Callable, output: torch.Tensor, batch: dict[str, torch.Tensor], n: int, loss_weight: torch.Tensor | None
+) -> torch.Tensor:
+    """One micro-batch's share of the step loss: ``sum × loss_weight``, or ``mean / n`` without a weight."""
+    labels = batch["labels"].to(output.device)
+    if loss_weight is None:
+        return loss_fn(output, labels) / n
+    return loss_fn(output, labels, reduction="sum") * loss_weight.to(output.dtype)
+
+
+def step_loss_weight(micro_batches: list[dict[str, torch.Tensor]], dp_group: Any, device: Any) -> torch.Tensor:
+    """``dp / N`` as a float64 tensor on ``device``, N the labelled tokens (labels not ``IGNORE_INDEX``) of the step's global
+    batch: this rank's micro-batches counted on the host, summed over the DP group (one scalar all-reduce; it stays
+    on the device, no host sync). A global batch without a labelled token weighs 0."""
+    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    count = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    dp = 1
+    if dp_group is not None and dp_group.size > 1:
+        dp = dp_group.size
+        P.all_reduce(count, group=dp_group, op="sum")
+    return torch.where(count[0] > 0, dp / count[0].clamp(min=1.0), torch.zeros((), dtype=torch.float64, device=device))
