@@ -327,6 +327,19 @@ def _mean_of_micro_batch_means(trainer):
     return None
 
 
+def _stages_without_documents(trainer):
+    """PP: every stage's layers run without the packed documents' positions and segments."""
+    from kuangchao_core.parallel import pp_executor
+
+    real = pp_executor.stage_inputs
+    pp_executor.stage_inputs = lambda batch, device: {}
+
+    def undo():
+        pp_executor.stage_inputs = real
+
+    return undo
+
+
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -342,6 +355,7 @@ SABOTAGE = {
     "drop_comm_state": _drop_comm_state,
     "unsummed_lora_a": _unsummed_lora_a,
     "mean_of_micro_batch_means": _mean_of_micro_batch_means,
+    "stages_without_documents": _stages_without_documents,
 }
 
 

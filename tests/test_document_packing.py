@@ -67,23 +67,39 @@ def test_packed_loss_equals_the_documents_run_one_by_one():
     assert abs(across - alone) >= NEGATIVE_MIN * abs(alone), (across, alone)
 
 
-def test_the_engine_trains_packed_documents_alike_at_tp2_and_in_one_process(tmp_path):
+def test_the_engine_trains_packed_documents_alike_at_tp2_pp2_and_in_one_process(tmp_path):
     from tests.engine_helpers import run_trainers, tiny_job
     from tests.mp import run_distributed
     from tests.tolerances import max_rel_diff
 
-    def job(name, packing, **parallel):
+    def job(name, packing, sabotage=None, **parallel):
         return {
             "cfg": tiny_job(
                 str(tmp_path / name),
                 data={"seq_len": 32, "packing": packing},
-                parallel={"micro_batch_size": 2, **parallel},
+                parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2, **parallel},
                 train={"steps": 3, "dtype": "fp64"},
-            )
+            ),
+            "sabotage": sabotage,
         }
 
     one = run_distributed(run_trainers, 1, args=([job("ref", "documents"), job("concat", "concat")],))[0]
-    tp2 = run_distributed(run_trainers, 2, args=([job("tp2", "documents", tensor_parallel_size=2)],))
-    ref, concat = one[0]["losses"], one[1]["losses"]
-    assert max(max_rel_diff(r[0]["losses"], ref) for r in tp2) <= FP64_REL
-    assert max_rel_diff(concat, ref) >= NEGATIVE_MIN  # the packing really changed what the model saw
+    two = run_distributed(
+        run_trainers,
+        2,
+        args=(
+            [
+                job("tp2", "documents", tensor_parallel_size=2),
+                job("pp2", "documents", pipeline_parallel_size=2),
+                job("pp2_blind", "documents", "stages_without_documents", pipeline_parallel_size=2),
+            ],
+        ),
+    )
+    ref, concat = one[0], one[1]["losses"]
+    assert max(max_rel_diff(r[0]["losses"], ref["losses"]) for r in two) <= FP64_REL
+    pp2 = two[1][1]  # the last stage holds the loss and the held-out loss
+    assert max_rel_diff(pp2["losses"], ref["losses"]) <= FP64_REL
+    assert max_rel_diff([pp2["eval_loss"]], [ref["eval_loss"]]) <= FP64_REL
+    assert max_rel_diff(concat, ref["losses"]) >= NEGATIVE_MIN  # the packing really changed what the model saw
+    # negative control: pipeline stages that drop the documents' positions and segments
+    assert max_rel_diff(two[1][2]["losses"], ref["losses"]) >= NEGATIVE_MIN

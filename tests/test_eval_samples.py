@@ -3,8 +3,8 @@ prompts with their exact-match accuracy, the same in every layout.
 
 - ``greedy_decode`` stops each prompt at its end token or after ``max_new`` tokens, whatever its batch-mates do;
 - sft held-out cases are the prompt's tokens and the completion with its end token, token by token;
-- a synthetic-corpus model trained at tp1 and at tp2 (fp64) gives the same held-out loss, the same greedy answers
-  and the same exact match, and that exact match equals the corpus' own, independently written accuracy
+- a synthetic-corpus model trained at tp1, at tp2 and at pp2 (fp64; the pipeline stages decode together) gives the
+  same held-out loss, the same greedy answers and the same exact match, and that exact match equals the corpus' own, independently written accuracy
   (``ArithmeticCorpus.heldout_accuracy``) of the one-process model — nonzero, so the comparison bites;
 - an sft job with ``data.eval_path`` evaluates the held-out records: its ``eval_loss`` equals the loss of those
   records computed directly from the trained parameters.
@@ -74,15 +74,17 @@ def synthetic_runs(tmp_path_factory):
         )
 
     one = run_distributed(run_trainers, 1, args=([{"cfg": job("one", {})}],), timeout=400)[0][0]
-    tp2 = run_distributed(run_trainers, 2, args=([{"cfg": job("tp2", {"tensor_parallel_size": 2})}],), timeout=400)
-    tp2 = [per_rank[0] for per_rank in tp2]
-    return {"one": one, "tp2": tp2, "cfg": job("one", {})}
+    pp2 = {"pipeline_parallel_size": 2, "micro_batch_size": 4, "gradient_accumulation_steps": 2}
+    jobs = [{"cfg": job("tp2", {"tensor_parallel_size": 2})}, {"cfg": job("pp2", pp2)}]
+    two = run_distributed(run_trainers, 2, args=(jobs,), timeout=400)
+    return {"one": one, "tp2": [r[0] for r in two], "pp2": [r[1] for r in two], "cfg": job("one", {})}
 
 
-def test_greedy_answers_and_exact_match_are_the_same_at_tp1_and_tp2(synthetic_runs):
-    one, tp2 = synthetic_runs["one"], synthetic_runs["tp2"]
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_greedy_answers_and_exact_match_are_the_same_in_every_layout(synthetic_runs, layout):
+    one = synthetic_runs["one"]
     acc, text = one["samples"]
-    for res in tp2:
+    for res in synthetic_runs[layout]:  # every rank: each pipeline stage gets the last stage's answers
         assert abs(res["eval_loss"] - one["eval_loss"]) <= FP64_REL * one["eval_loss"]
         assert res["samples"] == (acc, text)
     assert "[1] prompt:" in text and "expected:" in text

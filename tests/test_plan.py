@@ -19,7 +19,7 @@ RUN = CliRunner()
 
 
 def _sets(**kw) -> list[str]:
-    out = ["--set", "data.packing=concat"]  # the demo packs documents, which pipeline stages cannot pass yet
+    out: list[str] = []
     for k, v in kw.items():
         out += ["--set", f"{k.replace('__', '.')}={v}"]
     return out
@@ -125,9 +125,7 @@ def test_bad_plans_refused_with_numbers(overrides, expected):
 
 
 def test_check_plan_direct():
-    cfg = load_config(
-        TINY, ["parallel.pipeline_parallel_size=2", "parallel.data_parallel_size=1", "data.packing=concat"]
-    )
+    cfg = load_config(TINY, ["parallel.pipeline_parallel_size=2", "parallel.data_parallel_size=1"])
     errors = check_plan(cfg)
     assert [p for p, _ in errors] == ["parallel.gradient_accumulation_steps"]
     assert "m=1 < p=2" in errors[0][1]

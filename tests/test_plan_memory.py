@@ -94,7 +94,6 @@ def test_the_hint_follows_the_layout_and_the_largest_rank_is_named():
             "parallel.gradient_accumulation_steps=2",
             "parallel.zero_stage=2",
             "cluster.nproc_per_node=2",
-            "data.packing=concat",
         ],
     )
     ranks = rank_memory(cfg)

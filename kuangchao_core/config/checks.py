@@ -229,19 +229,6 @@ def _data_source(data: Any) -> Errors:
 
 
 @_check("data", "parallel")
-def _documents_need_one_stage(data: Any, parallel: Any) -> Errors:
-    if data.packing == "documents" and parallel.pipeline_parallel_size > 1:
-        return [
-            (
-                "data.packing",
-                "documents is not available with pipeline_parallel_size > 1 yet (the stages pass hidden states "
-                "only); use concat, or pipeline_parallel_size 1",
-            )
-        ]
-    return []
-
-
-@_check("data", "parallel")
 def _enough_samples(data: Any, parallel: Any) -> Errors:
     if not data.is_synthetic:
         return []

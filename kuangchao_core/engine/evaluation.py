@@ -19,6 +19,7 @@ from kuangchao_core.data import build_dataset
 from kuangchao_core.errors import DataError
 from kuangchao_core.models.llama import IGNORE_INDEX
 from kuangchao_core.parallel.forward_backward import model_inputs
+from kuangchao_core.parallel.pp_executor import stage_inputs
 
 #: Held-out micro-batches per evaluation, over all DP ranks (a fixed set, so values compare across steps and runs).
 EVAL_MICRO_BATCHES = 8
@@ -95,7 +96,7 @@ class PipelinedHeldOutLoss(HeldOutLoss):
             else:
                 x = torch.empty(*ids.shape, ex.hidden_size, dtype=ex.dtype, device=self.device)
                 P.recv(x, src=ranks[(stage - 1) % p], group=ex.group)
-            y = ex.chunks[stage // p](x)
+            y = ex.chunks[stage // p](x, **stage_inputs(batch, self.device))
             if stage == ex.num_stages - 1:
                 out = self._token_weighted(y, batch["labels"])
             else:

@@ -6,7 +6,9 @@ The prompts come from the job's held-out data (:func:`sample_cases`): the synthe
 trained span: the completion and its end token, or the first assistant turn), or text (the first tokens of each
 held-out window, no answer). Every rank runs the same greedy loop on the same prompts (TP ranks gather the
 vocabulary-split logits; ZeRO-3 ranks gather their blocks together), so the collectives line up and every rank
-gets the same answers; under pipeline parallelism no rank holds the whole model and no samples are taken.
+gets the same answers. Under pipeline parallelism each decoding step runs the virtual stages in order (activations
+sent stage to stage, as the held-out loss does) and the last stage's choice of the next tokens is broadcast to every
+stage.
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ def greedy_decode(
     max_new: int,
     stop_id: int,
     device: Any = "cpu",
+    next_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (batched by prompt length), each up to ``max_new`` tokens and ending at
-    the first ``stop_id`` (included). ``logits_fn(ids) -> (batch, seq, vocab)`` full-vocabulary logits."""
+    the first ``stop_id`` (included). ``logits_fn(ids) -> (batch, seq, vocab)`` full-vocabulary logits; or
+    ``next_fn(ids) -> (batch,)`` the next tokens themselves (pipeline stages)."""
+    if next_fn is None:
+        next_fn = lambda ids: logits_fn(ids)[:, -1, :].argmax(-1)  # noqa: E731
     out: list[list[int]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -52,7 +58,7 @@ def greedy_decode(
         ids = torch.tensor([list(prompts[i]) for i in idx], dtype=torch.long, device=device)
         done = [False] * len(idx)
         for _ in range(max_new):
-            nxt = logits_fn(ids)[:, -1, :].argmax(-1)
+            nxt = next_fn(ids)
             for j, t in enumerate(nxt.tolist()):
                 if not done[j]:
                     out[idx[j]].append(int(t))
@@ -108,8 +114,17 @@ class SampleEvaluator:
     """Answers the held-out cases greedily; ``__call__() -> (exact_match or None, text of the first answers)``.
     Collective: call it on every rank."""
 
-    def __init__(self, logits_fn: Callable, model: torch.nn.Module, cases: list[Case], tokenizer: Any, device: Any):
+    def __init__(
+        self,
+        logits_fn: Callable | None,
+        model: torch.nn.Module,
+        cases: list[Case],
+        tokenizer: Any,
+        device: Any,
+        next_fn: Callable | None = None,
+    ):
         self.logits_fn = logits_fn
+        self.next_fn = next_fn
         self.model = model
         self.cases = cases
         self.tokenizer = tokenizer
@@ -121,9 +136,9 @@ class SampleEvaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            outputs = greedy_decode(
-                self.logits_fn, [c.prompt for c in self.cases], self.max_new, int(self.tokenizer.sep_id), self.device
-            )
+            prompts = [c.prompt for c in self.cases]
+            stop = int(self.tokenizer.sep_id)
+            outputs = greedy_decode(self.logits_fn, prompts, self.max_new, stop, self.device, self.next_fn)
         finally:
             self.model.train(was_training)
         return exact_match(outputs, self.cases), self.render(outputs)
@@ -143,12 +158,48 @@ class SampleEvaluator:
 
 def sample_evaluator_for(parts: Any, mesh: Any, dataset: Any, device: Any) -> tuple[SampleEvaluator | None, str]:
     """The sample evaluator of this job's model part, or None with the reason."""
-    if parts.executor is not None:
-        return None, "greedy samples need the whole model in one rank; pipeline stages hold parts of it"
     cases = sample_cases(dataset)
     if not cases:
         return None, "the held-out data has no prompts"
     model = parts.model
     gather = getattr(model, "gather_logits", None)
     logits_fn = (lambda ids: gather(model(ids))) if gather is not None and mesh.tp > 1 else model
+    if parts.executor is not None:
+        head = gather if gather is not None and mesh.tp > 1 else (lambda logits: logits)
+        return SampleEvaluator(
+            None, model, cases, dataset.tokenizer, device, PipelinedNextTokens(parts.executor, head)
+        ), ""
     return SampleEvaluator(logits_fn, model, cases, dataset.tokenizer, device), ""
+
+
+class PipelinedNextTokens:
+    """``(ids) -> next tokens`` through the pipeline: the virtual stages in order, each on its rank, activations sent
+    to the next stage's rank; the last stage picks the greedy tokens from its (TP-gathered, by ``head``) logits and
+    broadcasts them over the pipeline group, so every stage continues the same sequences. Collective over PP."""
+
+    def __init__(self, executor: Any, head: Callable[[torch.Tensor], torch.Tensor]):
+        self.executor = executor
+        self.head = head
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        from kuangchao_core.comm import primitives as P
+
+        ex = self.executor
+        ranks, p = ex.group.ranks, ex.p
+        nxt = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+        x: torch.Tensor | None = None
+        for stage in range(ex.num_stages):
+            if stage % p != ex.pp_rank:
+                continue
+            if stage == 0:
+                x = ids
+            else:
+                x = torch.empty(*ids.shape, ex.hidden_size, dtype=ex.dtype, device=ids.device)
+                P.recv(x, src=ranks[(stage - 1) % p], group=ex.group)
+            y = ex.chunks[stage // p](x)
+            if stage == ex.num_stages - 1:
+                nxt = self.head(y)[:, -1, :].argmax(-1)
+            else:
+                P.send(y.contiguous(), dst=ranks[(stage + 1) % p], group=ex.group)
+        P.broadcast(nxt, src=ranks[(ex.num_stages - 1) % p], group=ex.group)
+        return nxt

@@ -54,7 +54,9 @@ class PipelineExecutor:
     """Run one pipeline rank's schedule for a step.
 
     ``group``: the pipeline group (global ranks ordered by pipeline rank; this process is a member).
-    ``chunks``: forward function of each local chunk, ``chunks[c]`` being virtual stage ``c * p + pp_rank``.
+    ``chunks``: forward function of each local chunk, ``chunks[c]`` being virtual stage ``c * p + pp_rank``;
+    called ``chunk(x, **stage_inputs(micro_batch))`` (packed documents' ``position_ids``/``segment_ids`` when the
+    micro-batch has them: every stage holds the step's micro-batches).
     ``loss_fn(output, labels) -> scalar mean loss``: used on the last virtual stage.
     ``hidden_size``: the activation is ``(micro_batch, seq_len, hidden_size)`` in ``dtype``.
     """
@@ -158,7 +160,7 @@ class PipelineExecutor:
                 else:
                     inputs[key] = x
                 with autocast():
-                    out = self.chunks[a.chunk](x)
+                    out = self.chunks[a.chunk](x, **stage_inputs(micro_batches[a.mb], self.device))
                     if self.is_last_stage(a.chunk):
                         out = weighted_loss(self.loss_fn, out, micro_batches[a.mb], m, loss_weight)
                 if self.is_last_stage(a.chunk):
@@ -202,3 +204,12 @@ class PipelineExecutor:
                 [("pipeline", f"schedule {self.schedule_name!r} left work unfinished on rank {self.pp_rank}")]
             )
         return total
+
+
+#: a micro-batch's inputs every stage's layers need besides the activations (packed documents)
+STAGE_KEYS = ("position_ids", "segment_ids")
+
+
+def stage_inputs(batch: dict, device: Any) -> dict[str, torch.Tensor]:
+    """The keyword inputs of a stage chunk that ``batch`` carries, on ``device``."""
+    return {k: batch[k].to(device) for k in STAGE_KEYS if k in batch}

@@ -77,8 +77,9 @@ def partition_layers(num_layers: int, pp: int, virtual: int = 1) -> list[list[Ch
 class StageChunk(nn.Module):
     """One model chunk of a built causal LM (``embed``, ``run_layers``, ``head``, ``layers`` building blocks).
 
-    ``forward(x)``: token ids -> hidden states on the first stage, hidden -> hidden in the middle, and
-    hidden -> logits on the last (a single-stage chunk maps ids -> logits).
+    ``forward(x, position_ids=None, segment_ids=None)``: token ids -> hidden states on the first stage, hidden ->
+    hidden in the middle, and hidden -> logits on the last (a single-stage chunk maps ids -> logits); packed documents'
+    positions and segments (every stage reads them from its copy of the micro-batch) reach each layer's attention.
     """
 
     def __init__(self, model: nn.Module, spec: ChunkSpec):
@@ -91,11 +92,13 @@ class StageChunk(nn.Module):
         """The wrapped model."""
         return self._model[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run this chunk's part of the model on ``x``."""
         m = self.model
         h = m.embed(x) if self.spec.has_embedding else x
-        h = m.run_layers(h, self.spec.start, self.spec.end)
+        h = m.run_layers(h, self.spec.start, self.spec.end, position_ids=position_ids, segment_ids=segment_ids)
         return m.head(h) if self.spec.has_head else h
 
     def parameter_names(self) -> list[str]:
