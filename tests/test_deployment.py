@@ -1,9 +1,20 @@
-"""Issue 5 deployments: a real Prefect server and process worker run the ``on-demand`` deployment.
+"""Deployments (issue 5) and pretrain → fine-tune (issue 14 §7): a real Prefect server and process worker run the
+``nightly-finetune`` deployment — ``configs/finetune-demo.yaml`` unchanged but for where it writes — on the model
+``make demo`` registers, and it raises the held-out exact match on subtraction from 0 to ≥ 80 %.
 
 Everything is a subprocess of the real CLI against the session's Prefect server (a real server process;
 ``prefect server start`` itself runs in ``tests/test_cluster.py``): ``prefect work-pool create``,
 ``prefect deploy --all`` from ``deployments/prefect.yaml``, ``prefect worker start`` and
 ``prefect deployment run … --watch``, which returns when the flow run reaches a final state.
+
+The base is ``tests/data/kc-tiny-demo/``: the model ``make demo`` exported (``configs/tiny.yaml``, 3500 steps, 91 %
+exact match on held-out sums), shipped so the suite does not spend three minutes pretraining it (how to regenerate
+it: ``tests/data/README.md``). The test registers it in its MLflow store as ``kc-tiny-demo`` (what ``make demo``
+does); the run resolves ``models:/kc-tiny-demo@newest`` to that version, two Gloo workers train LoRA adapters on the
+subtraction instructions for the config's 2000 steps, evaluating before the first step and every 500 steps, and the
+PEFT adapters are exported and registered as ``kc-finetune-demo``. The threshold is the issue's (≥ 0.8 of 256
+held-out problems); the recipe was measured on this base at 0.95 through the flow and 0.94–1.00 with five seeds in one
+process (README), and before its first step the same run scores 0 (the control: the base does not subtract).
 """
 
 from __future__ import annotations
@@ -11,17 +22,34 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
-from tests.conftest_prefect import session_store  # noqa: F401
+from kuangchao_core.config import load_config
+from kuangchao_core.obs.model_registry import log_model_dir, register_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
+BASE = ROOT / "tests" / "data" / "kc-tiny-demo"
+FINETUNE = ROOT / "configs" / "finetune-demo.yaml"
+
+
+def _register_base(tmp: Path, uri: str) -> None:
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"tracking.uri={uri}"])
+    shutil.copytree(BASE, tmp / "base")
+    record = json.loads((tmp / "base" / "export.json").read_text(encoding="utf-8"))
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("kc-tiny-demo", artifact_location=(tmp / "artifacts").as_uri())
+    run_id = client.create_run(exp_id, tags={"mlflow.runName": "pretrained-base"}).info.run_id
+    source = log_model_dir(cfg, run_id, tmp / "base", record)
+    register_model(cfg, run_id, "kc-tiny-demo", source, record, None)
+    client.set_terminated(run_id)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -43,8 +71,10 @@ def _cli(args: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subpro
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_on_demand_deployment_runs_to_completion(prefect_api, tmp_path, session_store):  # noqa: F811
+@pytest.mark.timeout(600)
+def test_nightly_finetune_deployment_learns_subtraction_on_the_registered_demo_model(prefect_api, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _register_base(tmp_path, uri)
     env = {
         **os.environ,
         "PREFECT_API_URL": prefect_api,
@@ -69,35 +99,47 @@ def test_on_demand_deployment_runs_to_completion(prefect_api, tmp_path, session_
             start_new_session=True,
         )
         overrides = [
-            "task.name=kc-deploy-test",
-            "train.steps=8",
-            "train.warmup_steps=2",
-            "checkpoint.interval=4",
             f"checkpoint.dir={tmp_path / 'ckpt'}",
-            f"tracking.uri=sqlite:///{session_store / 'mlflow.db'}",  # the session's store: migrated once
+            f"tracking.uri={uri}",
             f"permission.audit_log={tmp_path / 'audit'}",
+            "tracking.system_metrics=false",
         ]
         run = _cli(
             [
                 "deployment",
                 "run",
-                "kuangchao-train/on-demand",
-                "--param",
-                f"config_path={ROOT / 'configs' / 'tiny.yaml'}",
+                "kuangchao-train/nightly-finetune",
                 "--param",
                 f"overrides={json.dumps(overrides)}",
                 "--watch",
                 "--watch-interval",
-                "1",
+                "2",
                 "--watch-timeout",
-                "300",
+                "500",
             ],
             env,
-            330,
+            530,
         )
         assert "Completed" in run.stdout, run.stdout[-3000:]
-        assert glob.glob(str(tmp_path / "ckpt" / "kc-deploy-test" / "run-*" / "step_00000008" / "manifest.json"))
-        assert list((tmp_path / "runs" / "kc-deploy-test").glob("*/attempt_0"))
     finally:
         if worker is not None:
             _stop(worker)
+    cfg = load_config(str(FINETUNE))
+    steps, every = cfg.train.steps, cfg.train.eval_interval
+    assert glob.glob(str(tmp_path / "ckpt" / cfg.task.name / "run-*" / f"step_{steps:08d}" / "manifest.json"))
+    client = MlflowClient(uri)
+    version = client.get_model_version_by_alias("kc-finetune-demo", "newest")
+    assert version.tags["kuangchao.format"] == "peft"
+    run_ = client.get_run(version.run_id)
+    assert run_.data.tags["kuangchao.base_model"] == "kc-tiny-demo v1"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_.info.run_id, "eval_exact_match"))
+    assert [s for s, _ in history] == list(range(0, steps + 1, every)), history  # before the first step, then each
+    before, after = history[0][1], history[-1][1]
+    print(f"fine-tune demo: held-out exact match {before:.3f} -> {after:.3f} ({history})")
+    assert before <= 0.02, history  # the addition model does not subtract
+    assert after >= 0.8, history
+    assert run_.data.metrics["heldout_accuracy"] == pytest.approx(after)
+    samples = {a.path for a in client.list_artifacts(run_.info.run_id, "samples")}
+    assert {"samples/step_00000000.txt", f"samples/step_{steps:08d}.txt", "samples/final.txt"} <= samples
+    files = {a.path for a in client.list_artifacts(run_.info.run_id, "model")}
+    assert {"model/adapter_model.safetensors", "model/adapter_config.json", "model/tokenizer.json"} <= files
