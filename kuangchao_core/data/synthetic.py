@@ -99,11 +99,21 @@ class ArithmeticCorpus:
         """The documents of ``split`` (``train`` or ``eval``) in stream order."""
         return [self.line(a, b) for a, b in self._pairs(split)]
 
-    def loss_floor(self) -> float:
-        """Entropy rate of the training stream in nats per token (separators included)."""
+    def loss_floor(self, documents: bool = False) -> float:
+        """Entropy rate of the training stream in nats per counted label (separators included): the pair's entropy
+        over the tokens of its line. With ``documents`` packing no label predicts a document's first token (it is
+        an input only), so the floor is the pair's entropy given that token over the remaining tokens."""
         tok = self.tokenizer
-        mean_len = sum(len(tok.encode(self.line(a, b))) + 1 for a, b in self.pool_pairs) / len(self.pool_pairs)
-        return math.log(len(self.pool_pairs)) / mean_len
+        lines = [tok.encode(self.line(a, b)) for a, b in self.pool_pairs]
+        mean_len = sum(len(t) + 1 for t in lines) / len(lines)
+        if not documents:
+            return math.log(len(self.pool_pairs)) / mean_len
+        firsts: dict[int, int] = {}
+        for t in lines:
+            firsts[t[0]] = firsts.get(t[0], 0) + 1
+        n = len(lines)
+        first_entropy = -sum(c / n * math.log(c / n) for c in firsts.values())
+        return (math.log(n) - first_entropy) / (mean_len - 1)
 
     @torch.no_grad()
     def heldout_accuracy(self, model, n: int | None = None, device: str | torch.device = "cpu") -> float:

@@ -154,7 +154,8 @@ def _final_eval(trainer, sink) -> None:
     if trainer.rank != 0:
         return
     corpus = getattr(trainer.dataset, "corpus", None)
-    floor = float(corpus.loss_floor()) if corpus is not None and hasattr(corpus, "loss_floor") else None
+    documents = trainer.cfg.data.packing == "documents"
+    floor = float(corpus.loss_floor(documents)) if corpus is not None and hasattr(corpus, "loss_floor") else None
     log_event(log, "eval", heldout_accuracy=accuracy, loss_floor=floor)
     emit_event("eval", heldout_accuracy=accuracy, loss_floor=floor, samples=text)
     if sink is not None:
