@@ -185,21 +185,10 @@ class PipelinedNextTokens:
         from kuangchao_core.comm import primitives as P
 
         ex = self.executor
-        ranks, p = ex.group.ranks, ex.p
-        nxt = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
-        x: torch.Tensor | None = None
-        for stage in range(ex.num_stages):
-            if stage % p != ex.pp_rank:
-                continue
-            if stage == 0:
-                x = ids
-            else:
-                x = torch.empty(*ids.shape, ex.hidden_size, dtype=ex.dtype, device=ids.device)
-                P.recv(x, src=ranks[(stage - 1) % p], group=ex.group)
-            y = ex.chunks[stage // p](x)
-            if stage == ex.num_stages - 1:
-                nxt = self.head(y)[:, -1, :].argmax(-1)
-            else:
-                P.send(y.contiguous(), dst=ranks[(stage + 1) % p], group=ex.group)
-        P.broadcast(nxt, src=ranks[(ex.num_stages - 1) % p], group=ex.group)
+        y = ex.forward_only(ids)
+        if y is not None:
+            nxt = self.head(y)[:, -1, :].argmax(-1)
+        else:
+            nxt = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+        P.broadcast(nxt, src=ex.group.ranks[(ex.num_stages - 1) % ex.p], group=ex.group)
         return nxt

@@ -94,6 +94,28 @@ class PipelineExecutor:
         """Whether local ``chunk`` is the last virtual stage."""
         return stage_of(self.p, self.pp_rank, chunk) == self.num_stages - 1
 
+    def forward_only(self, ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One batch through every virtual stage in order, forward only (evaluation, decoding): each rank runs its
+        chunks, activations sent to the next stage's rank; returns the last stage's output on the rank that holds it,
+        None on the others. ``inputs``: the chunks' keyword inputs (:func:`stage_inputs`). Collective over PP."""
+        ranks, p = self.group.ranks, self.p
+        x: torch.Tensor | None = None
+        out = None
+        for stage in range(self.num_stages):
+            if stage % p != self.pp_rank:
+                continue
+            if stage == 0:
+                x = ids
+            else:
+                x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype, device=ids.device)
+                comm.recv(x, src=ranks[(stage - 1) % p], group=self.group)
+            y = self.chunks[stage // p](x, **(inputs or {}))
+            if stage == self.num_stages - 1:
+                out = y
+            else:
+                comm.send(y.contiguous(), dst=ranks[(stage + 1) % p], group=self.group)
+        return out
+
     def actions(self, m: int) -> list[Action]:
         """This rank's action list for ``m`` micro-batches (the schedule's definition)."""
         return self.schedule(self.p, self.pp_rank, m, self.v)
