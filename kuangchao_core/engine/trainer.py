@@ -3,8 +3,8 @@
 One optimizer step = ``gradient_accumulation_steps`` micro-batches on every data-parallel rank. Each micro-batch's
 loss is its token losses' sum over the global batch's labelled-token count (times dp,
 :mod:`~kuangchao_core.parallel.step_loss`) and the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync`
-averages gradients across the DP group, so the step equals one process training on the whole global batch. The forward and
-backward of a step is chosen once (:func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`);
+averages gradients across the DP group, so the step equals one process training on the whole global batch. The
+forward and backward of a step is chosen once (:func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`);
 checkpoint I/O is :mod:`kuangchao_core.engine.checkpointing`, following ``kc config set`` is
 :mod:`kuangchao_core.engine.live_config`.
 """

@@ -10,10 +10,10 @@ micro-batch's forward and backward and completes the gradient reduction through 
   forwards), then the reduction runs once.
 
 A micro-batch's loss is the *sum* over its labelled tokens times ``loss_weight`` — the trainer passes
-``dp / (labelled tokens of the whole global batch)`` (:mod:`kuangchao_core.parallel.step_loss`), so that, with the DP average of the
-gradients, the step minimises the mean over every labelled token of the global batch, as one process would. (The mean
-of per-micro-batch means differs as soon as micro-batches hold different numbers of labelled tokens: masked
-instruction data, packed documents.) ``loss_weight`` None keeps the mean of per-micro-batch means.
+``dp / (labelled tokens of the whole global batch)`` (:mod:`kuangchao_core.parallel.step_loss`), so that, with the DP
+average of the gradients, the step minimises the mean over every labelled token of the global batch, as one process
+would. (The mean of per-micro-batch means differs as soon as micro-batches hold different numbers of labelled tokens:
+masked instruction data, packed documents.) ``loss_weight`` None keeps the mean of per-micro-batch means.
 
 The loss returned is this rank's, a float64 scalar tensor on the batches' device (read by the trainer once per step,
 with the gradient norm): its share of the step's loss on the last pipeline stage, 0 on other stages.

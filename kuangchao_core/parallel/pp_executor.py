@@ -57,7 +57,7 @@ class PipelineExecutor:
     ``chunks``: forward function of each local chunk, ``chunks[c]`` being virtual stage ``c * p + pp_rank``;
     called ``chunk(x, **stage_inputs(micro_batch))`` (packed documents' ``position_ids``/``segment_ids`` when the
     micro-batch has them: every stage holds the step's micro-batches).
-    ``loss_fn(output, labels) -> scalar mean loss``: used on the last virtual stage.
+    ``loss_fn(output, labels, reduction="mean"|"sum") -> scalar loss``: used on the last virtual stage.
     ``hidden_size``: the activation is ``(micro_batch, seq_len, hidden_size)`` in ``dtype``.
     """
 
