@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import uuid
 
 import pytest
 import torch
@@ -60,7 +61,8 @@ def settings(moto_endpoint, monkeypatch):
         max_concurrency=2,
     )
     client = make_client(s)
-    bucket = f"{BUCKET}-{_free_port()}"
+    # a fresh bucket per test: a free port number can repeat, and us-east-1 answers a re-create with success
+    bucket = f"{BUCKET}-{uuid.uuid4().hex[:16]}"
     client.create_bucket(Bucket=bucket)
     return s, client, f"s3://{bucket}/runs"
 
