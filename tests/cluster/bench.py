@@ -89,6 +89,8 @@ class Host:
     netns: str
     address: str
     ifname: str = "eth0"
+    #: the root-namespace end of the host's veth, on the bridge
+    outer: str = ""
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside this host's namespace."""
@@ -129,7 +131,7 @@ class Bench:
 
     def _add_host(self, i: int) -> Host:
         ns, outer, inner = f"{PREFIX}h{i}", f"{PREFIX}v{i}", f"{PREFIX}p{i}"
-        host = Host(i, ns, f"{SUBNET}.{10 + i}")
+        host = Host(i, ns, f"{SUBNET}.{10 + i}", outer=outer)
         _ip("netns", "add", ns)
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
@@ -176,6 +178,10 @@ class Bench:
             _kill_namespace_processes(host.netns)
         time.sleep(0.05)
         for host in self.hosts:
+            # deleting one end of a veth removes both at once; a namespace's own links go in the kernel's deferred
+            # namespace cleanup, which can leave the root end behind for a while after `ip netns del` returns
+            if host.outer:
+                _ip("link", "del", host.outer, check=False)
             _ip("netns", "del", host.netns, check=False)
         self.hosts.clear()
         _ip("link", "del", self.bridge, check=False)
