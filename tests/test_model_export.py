@@ -155,3 +155,20 @@ def test_a_registered_model_resolves_to_its_files_and_adapters_are_refused(train
     register_model(cfg, run_id, "base", source, {**trained["record"], "format": "peft"}, 1.0)
     with pytest.raises(ConfigError, match="peft adapters, not a whole model"):
         resolve_model_uri("models:/base@newest", uri, tmp_path / "dl")
+
+
+def test_kc_train_hands_a_registered_base_to_the_flow(monkeypatch):
+    """`kc train --config configs/finetune-demo.yaml` (base `models:/kc-tiny-demo@newest`) gets past its pre-flight
+    checks to the launch: the flow resolves the base and checks the plan then. Control: a local base that cannot be
+    read is still refused before any launch."""
+    from pathlib import Path
+
+    from kuangchao.cli.main import app
+
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "finetune-demo.yaml")
+    launched = []
+    monkeypatch.setattr("kuangchao.cli.train.prefect_api_problem", lambda *a, **k: launched.append(1) or "stop")
+    out = CliRunner().invoke(app, ["train", "--config", config])
+    assert out.exit_code == 1 and launched == [1], out.output  # stopped at the Prefect check, after the pre-flight
+    missing = CliRunner().invoke(app, ["train", "--config", config, "--set", "model.checkpoint=/nonexistent/base"])
+    assert missing.exit_code == 2 and launched == [1] and "model.checkpoint" in missing.output, missing.output

@@ -35,9 +35,13 @@ def register(app: typer.Typer) -> None:
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
         from kuangchao_core.config import load_config
         from kuangchao_core.engine.plan import raise_for_plan
+        from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX
 
         try:
-            raise_for_plan(load_config(config, set_))
+            cfg = load_config(config, set_)
+            # a registered base (models:/NAME@ALIAS) has no local files yet: the flow resolves it, then checks the plan
+            if not str(cfg.model.checkpoint or "").startswith(MODEL_URI_PREFIX):
+                raise_for_plan(cfg)
         except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
