@@ -39,7 +39,7 @@ def tiny_overrides(workdir: Path, store: Path, task: str | None = None, **extra)
         "train.log_interval": INTERVAL,
         "checkpoint.interval": INTERVAL,
         "checkpoint.keep_last": 3,
-        # the demo's 4 document-packed windows make ~15 ms steps; the lifecycle tests keep their 8 windows of text
+        # the lifecycle tests keep their workload: 8 windows of text packed across documents
         "data.packing": "concat",
         "parallel.micro_batch_size": 8,
         "checkpoint.dir": str(workdir / "ckpt"),

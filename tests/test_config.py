@@ -85,9 +85,9 @@ def test_tiny_demo_config():
     assert cfg.task.name == "kc-tiny-demo"
     assert cfg.model.preset == "tiny" and cfg.model.hidden_size == 64 and cfg.model.vocab_size == 256
     assert cfg.data.is_synthetic and cfg.data.synthetic.task == "arithmetic" and cfg.data.seq_len == 64
-    assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.micro_batch_size == 4
+    assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.micro_batch_size == 8
     assert cfg.parallel.gradient_accumulation_steps == 1
-    assert cfg.optimizer.lr == 2e-3  # written `2e-3` in YAML, which safe_load reads as a string
+    assert cfg.optimizer.lr == 3e-3  # written `3e-3` in YAML, which safe_load reads as a string
     assert cfg.data.packing == "documents" and cfg.tracking.register_model == "kc-tiny-demo"
     assert 0 < cfg.train.warmup_steps < cfg.train.steps
     # checkpoints during the run and at its end, the last ones kept

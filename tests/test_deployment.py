@@ -7,14 +7,14 @@ Everything is a subprocess of the real CLI against the session's Prefect server 
 ``prefect deploy --all`` from ``deployments/prefect.yaml``, ``prefect worker start`` and
 ``prefect deployment run … --watch``, which returns when the flow run reaches a final state.
 
-The base is ``tests/data/kc-tiny-demo/``: the model ``make demo`` exported (``configs/tiny.yaml``, 3500 steps, 97.7 %
-exact match on held-out sums), shipped so the suite does not spend three minutes pretraining it (how to regenerate
-it: ``tests/data/README.md``). The test registers it in its MLflow store as ``kc-tiny-demo`` (what ``make demo``
-does); the run resolves ``models:/kc-tiny-demo@newest`` to that version, two Gloo workers train LoRA adapters on the
-subtraction instructions for the config's 1500 steps, evaluating before the first step and every 500 steps, and the
-PEFT adapters are exported and registered as ``kc-finetune-demo``. The threshold is the issue's (≥ 0.8 of 256
-held-out problems); every measured run of the recipe reached ≥ 0.99 (README: four seeds in one process and this
-deployment run), and before its first step the same run scores 0 (the control: the base does not subtract).
+The base is ``tests/data/kc-tiny-demo/``: the model ``make demo`` exported (``configs/tiny.yaml``, 3000 steps, 99.2 %
+exact match on held-out sums), shipped so the suite does not spend minutes pretraining it (how to regenerate it:
+``tests/data/README.md``). The test registers it in its MLflow store as ``kc-tiny-demo`` (what ``make demo`` does);
+the run resolves ``models:/kc-tiny-demo@newest`` to that version, two Gloo workers train LoRA adapters on the
+subtraction instructions for the config's steps, evaluating before the first step and every ``eval_interval`` steps,
+and the PEFT adapters are exported and registered as ``kc-finetune-demo``. The threshold is the issue's (≥ 0.8 of 256
+held-out problems; the measured runs of the recipe: README), and before its first step the same run scores 0 (the
+control: the base does not subtract).
 """
 
 from __future__ import annotations

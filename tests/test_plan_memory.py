@@ -70,7 +70,7 @@ HUGE = {"vocab_size": 4_000_000, "hidden_size": 16384, "intermediate_size": 5324
 
 
 def test_a_plan_larger_than_the_given_memory_is_refused_with_its_numbers():
-    cfg = load_config(TINY)  # dp 2, micro batch 4, ZeRO 0
+    cfg = load_config(TINY)  # dp 2, micro batch 8, ZeRO 0
     need = _largest(cfg)
     with pytest.raises(PlanError) as err:
         raise_for_plan(cfg, device_memory=DeviceMemory(need / 2, "cpu", "test figure"))
@@ -80,7 +80,7 @@ def test_a_plan_larger_than_the_given_memory_is_refused_with_its_numbers():
     assert _number(r"cpu has ([\d.]+) GiB per rank \(test figure\)", msg) == pytest.approx(need / 2 / GIB, rel=1e-3)
     for hint in ("tensor_parallel_size (now 1)", "pipeline_parallel_size (now 1)", "zero_stage 2 (now 0)"):
         assert hint in msg
-    assert "micro_batch_size (now 4)" in msg
+    assert "micro_batch_size (now 8)" in msg
     raise_for_plan(cfg, device_memory=need)  # the controls: exactly enough, and more, are accepted
     raise_for_plan(cfg, device_memory=2 * need)
 
