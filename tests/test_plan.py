@@ -55,7 +55,7 @@ def test_plan_json_3d_layout():
     layers = {(s["pp_rank"], c["chunk"]): c["layers"] for s in plan["stages"] for c in s["chunks"]}
     assert layers == {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3]}
     assert plan["bubble_fraction"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1))
-    assert plan["batch"]["global_batch_size"] == 4 * 4 * 2  # the demo's micro-batch 4, m = 4, dp = 2
+    assert plan["batch"]["global_batch_size"] == 8 * 4 * 2  # the demo's micro-batch 8, m = 4, dp = 2
     # ZeRO-1: optimizer bytes = 8 Psi / N with Psi the elements this rank holds after TP and PP
     mcfg = config_from_model_section(load_config(TINY, _sets(**LAYOUT_3D)[1::2]).model)
     total = sum(r["parameters"] for r in plan["ranks"] if r["coords"]["dp"] == 0)
