@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from kuangchao_core.data.files import read_documents
 from kuangchao_core.data.packing import document_window, num_windows, pack_documents_with_starts, window
 from kuangchao_core.data.sft import SFTDataset, SFTReport, build_examples, build_sft_dataset
 from kuangchao_core.data.synthetic import make_corpus
-from kuangchao_core.data.tokenizer import get_tokenizer
+from kuangchao_core.data.tokenizer import get_tokenizer, vocab_padding_note
 from kuangchao_core.errors import DataError
 from kuangchao_core.perm import guard_api
 
@@ -76,6 +77,15 @@ def dataset_name(data_cfg: Any) -> str:
     return str(path)
 
 
+def _process_rank() -> int:
+    """This process's rank: in the default process group when there is one, else ``RANK`` (0 when unset)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def _with_path(data_cfg: Any, path: str) -> Any:
     """The data section with ``path`` replaced (a pydantic section or a plain dict)."""
     if hasattr(data_cfg, "model_copy"):
@@ -90,11 +100,18 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
     problems); else user files (``split="eval"`` reads ``eval_path`` the same way): text packed into windows, or
     ``format: sft`` instruction records (:mod:`kuangchao_core.data.sft`). Checks ``dataset_read`` on ``dataset:<name>`` once, as the
     process's data loader module when it has one (``guard_api.guard_for("data_loader")``).
+
+    A ``vocab_size`` larger than the tokenizer's is said once per job: a warning on rank 0 when the ``train`` split
+    is built (:func:`~kuangchao_core.data.tokenizer.vocab_padding_note`).
     """
     name = dataset_name(data_cfg)
     guard_api.check_as("data_loader", "dataset_read", f"dataset:{name}")  # the rank's data loader token
     seq_len = int(setting(data_cfg, "seq_len", 0))
     tokenizer = get_tokenizer(setting(data_cfg, "tokenizer", "byte"), vocab_size)
+    note = vocab_padding_note(tokenizer, vocab_size) if split == "train" else None
+    if note is not None and _process_rank() == 0:
+        fields = {"model_vocab_size": int(vocab_size), "tokenizer_vocab_size": tokenizer.vocab_size}
+        log.warning(note, extra={"fields": fields})
     corpus = None
     if name == "synthetic":
         s = synthetic_settings(data_cfg)

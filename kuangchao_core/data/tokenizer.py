@@ -4,6 +4,11 @@
 Document separator: for :class:`ByteTokenizer` it is byte 10 (``"\\n"``); a ``tokenizers`` file uses its
 end-of-text special token when it has one (``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``), else
 the id of ``"\\n"``.
+
+Ids outside a tokenizer's vocabulary: a model's vocabulary may be padded beyond its tokenizer's (``model.vocab_size``
+320 with the byte tokenizer's 256, an embedding rounded up past a Hugging Face tokenizer's size), and greedy decoding
+can then produce an id the tokenizer does not know. ``decode`` never raises on one and never drops it silently: it
+shows it as ``<unk:ID>`` (:data:`UNKNOWN_ID`) between the text of the known ids around it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,28 @@ from pathlib import Path
 from kuangchao_core.errors import DataError
 
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+#: how ``decode`` shows an id outside the tokenizer's vocabulary (formatted with the id)
+UNKNOWN_ID = "<unk:{}>"
+
+
+def _decode_known(ids, vocab_size: int, decode_run) -> str:
+    """Text of ``ids``: each run of ids in ``[0, vocab_size)`` through ``decode_run(list)``, every other id as
+    :data:`UNKNOWN_ID`."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        i = int(i)
+        if 0 <= i < vocab_size:
+            run.append(i)
+            continue
+        if run:
+            parts.append(decode_run(run))
+            run = []
+        parts.append(UNKNOWN_ID.format(i))
+    if run:
+        parts.append(decode_run(run))
+    return "".join(parts)
 
 
 class ByteTokenizer:
@@ -27,8 +54,8 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``; invalid UTF-8 sequences become U+FFFD."""
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        """Text of ``ids``; invalid UTF-8 sequences become U+FFFD, an id outside 0..255 ``<unk:ID>`` (never raises)."""
+        return _decode_known(ids, self.vocab_size, lambda run: bytes(run).decode("utf-8", errors="replace"))
 
 
 def _token_text(value) -> str | None:
@@ -104,8 +131,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        """Text of ``ids`` (special tokens included); an id outside the vocabulary shows as ``<unk:ID>`` (the
+        ``tokenizers`` library would drop it silently, or raise for a negative one)."""
+        return _decode_known(ids, self.vocab_size, lambda run: self._tok.decode(run, skip_special_tokens=False))
 
 
 def get_tokenizer(spec: str | None, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
@@ -118,3 +146,16 @@ def get_tokenizer(spec: str | None, vocab_size: int | None = None) -> ByteTokeni
             "raise model.vocab_size or use a smaller tokenizer"
         )
     return tok
+
+
+def vocab_padding_note(tokenizer, vocab_size: int | None) -> str | None:
+    """The warning to give once for a model vocabulary larger than ``tokenizer``'s (None when it is not larger):
+    both sizes, that the extra ids are never produced by the data, and how a greedy sample shows one."""
+    if vocab_size is None or int(vocab_size) <= tokenizer.vocab_size:
+        return None
+    return (
+        f"model.vocab_size {int(vocab_size)} is larger than the tokenizer's vocabulary ({tokenizer.name}: "
+        f"{tokenizer.vocab_size} tokens): ids {tokenizer.vocab_size}..{int(vocab_size) - 1} are never produced by "
+        f"the data (padding of the model's embedding and output layer); a greedy sample that predicts one shows it "
+        f"as {UNKNOWN_ID.format('ID')}"
+    )

@@ -9,15 +9,22 @@ vocabulary-split logits; ZeRO-3 ranks gather their blocks together), so the coll
 gets the same answers. Under pipeline parallelism each decoding step runs the virtual stages in order (activations
 sent stage to stage, as the held-out loss does) and the last stage's choice of the next tokens is broadcast to every
 stage.
+
+Rendering the answers as text never ends a job: the tokenizer shows an id outside its vocabulary as ``<unk:ID>``
+(a model vocabulary padded beyond the tokenizer's), and should decoding fail all the same, the sample's text says it
+could not be rendered and a warning names the ids and the error. Exact match is computed on the ids.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger("kuangchao.engine.samples")
 
 #: held-out prompts answered at each evaluation (exact match), and how many of them are shown as text
 SAMPLE_CASES = 256
@@ -144,16 +151,25 @@ class SampleEvaluator:
         return exact_match(outputs, self.cases), self.render(outputs)
 
     def render(self, outputs: Sequence[Sequence[int]]) -> str:
-        """The first :data:`SHOWN` prompts with their greedy output (and the expected answer where known)."""
-        dec = self.tokenizer.decode
+        """The first :data:`SHOWN` prompts with their greedy output (and the expected answer where known); a text the
+        tokenizer cannot decode is shown as not rendered (with a warning), never raised."""
+        dec = self._text
         lines = []
         for i, (case, out) in enumerate(zip(self.cases[:SHOWN], outputs, strict=False)):
-            lines.append(f"[{i + 1}] prompt:   {dec(list(case.prompt))!r}")
-            lines.append(f"    output:   {dec(list(out))!r}")
+            lines.append(f"[{i + 1}] prompt:   {dec(list(case.prompt))}")
+            lines.append(f"    output:   {dec(list(out))}")
             if case.answer is not None:
                 mark = "exact" if list(out) == list(case.answer) else "wrong"
-                lines.append(f"    expected: {dec(list(case.answer))!r} ({mark})")
+                lines.append(f"    expected: {dec(list(case.answer))} ({mark})")
         return "\n".join(lines) + "\n"
+
+    def _text(self, ids: list[int]) -> str:
+        """``repr`` of the decoded ``ids``, or a note that they could not be rendered (logged as a warning)."""
+        try:
+            return repr(self.tokenizer.decode(ids))
+        except Exception as exc:  # a tokenizer's own failure: the sample is lost, never the job
+            log.warning("greedy sample: cannot render ids %s as text: %s: %s", ids, type(exc).__name__, exc)
+            return f"<could not be rendered: ids {ids} ({type(exc).__name__}: {exc})>"
 
 
 def sample_evaluator_for(parts: Any, mesh: Any, dataset: Any, device: Any) -> tuple[SampleEvaluator | None, str]:

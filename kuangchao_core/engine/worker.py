@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     setup_logging(f"worker-{rank}", rank, cfg.logging.level, json_file=_json_log_path(cfg, rank))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg.train.deterministic:  # before device_init: cuBLAS reads its workspace setting at its first handle
+        from kuangchao_core.hal.determinism import enable_determinism
+
+        enable_determinism(cfg.train.device, os.environ)
 
     if os.environ.get("KC_RUN_DIR"):  # SIGUSR1 / a collective timeout: state dumps for `kc debug comm|memory`
         from kuangchao_core.engine.debug_dumps import dump_on_signal
