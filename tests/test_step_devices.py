@@ -118,7 +118,9 @@ def test_an_nccl_group_refuses_a_cpu_tensor_with_its_name_before_any_op(op):
     from kuangchao_core.comm import primitives as P
     from kuangchao_core.errors import CommError
 
-    group = SimpleNamespace(backend="nccl", name="dp[0,1]", ranks=[0, 1], size=2, global_rank=0, pg=None)
+    group = SimpleNamespace(
+        backend="nccl", kind="device", rules="nccl", name="dp[0,1]", ranks=[0, 1], size=2, global_rank=0, pg=None
+    )
     t = torch.zeros(4)
     calls = {
         "all_reduce": lambda: P.all_reduce(t, group=group),

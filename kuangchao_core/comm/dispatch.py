@@ -71,16 +71,18 @@ def _fail(op: str, group, seq: int, peer: int | None, elapsed_s: float, exc: Bas
 def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int | None = None):
     """Run one blocking op: ``issue(async_op)`` calls torch and returns its work handle when async.
 
-    NCCL ops are issued async and waited with the group timeout (so a hang raises instead of aborting the
-    process); Gloo ops run synchronously under the process group's own timeout.
+    Groups under NCCL's rules issue the op async and wait without a host timeout: on NCCL that wait only orders
+    the device's compute stream after the op (the host goes on queueing work), and a hang surfaces through the
+    process group's own timeout; on Gloo under ``KC_COMM_RULES=nccl`` the same path runs, blocking as Gloo does.
+    Other Gloo ops run synchronously under the process group's own timeout.
     """
     seq = _enter(op, group, peer)
     t0 = _perf()
     try:
-        if group.backend == "nccl":
+        if group.rules == "nccl":
             work = issue(True)
             if work is not None:
-                work.wait(group.timeout)
+                work.wait()
         else:
             issue(False)
     except CommError:
@@ -119,10 +121,7 @@ class CommHandle:
         t0 = _perf()
         try:
             if self._work is not None:
-                if self.group.backend == "nccl":
-                    self._work.wait(self.group.timeout)
-                else:
-                    self._work.wait()
+                self._work.wait()
             if self._finish is not None:
                 self._finish()
         except CommError:

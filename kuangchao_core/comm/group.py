@@ -3,6 +3,12 @@
 ``CommGroup`` wraps a ``torch.distributed`` process group and keeps the state that the dispatch point, the
 timeout diagnosis and the state dump need: the ranks in the order the caller gave, the backend, the
 timeout, and per-rank progress counters (collective sequence number, point-to-point counts per peer).
+
+Two kinds of group (DESIGN §2): **device groups** carry the job's device tensors (NCCL on GPUs; every group the
+mesh builds, and the world group), and the **host group** (:func:`host_group`, Gloo over every rank) carries the
+small host-side agreements — resume plan, barriers, config versions. Each group records the backend torch was
+given exactly (``backend_spec``), the backend that carries its tensors (``backend``) and the rules it enforces
+(``rules``: ``nccl`` on NCCL, and on Gloo device groups under ``KC_COMM_RULES=nccl``; see ``comm.rules``).
 """
 
 from __future__ import annotations
@@ -13,14 +19,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import diag, registry
+from kuangchao_core.comm import diag, registry, rules
 from kuangchao_core.errors import CommError
+from kuangchao_core.hal import stand_in
 
 DEFAULT_TIMEOUT_MS = 30000
 _BACKENDS = ("auto", "gloo", "nccl")
 
 _world: CommGroup | None = None
+_host: CommGroup | None = None
 _world_timeout_ms: int | None = None
+_world_spec: str | None = None  # the backend string this process gave init_process_group
 
 
 def _device_is_cuda() -> bool:
@@ -50,7 +59,7 @@ def _world_backend_timeout_ms() -> int | None:
         return _world_timeout_ms
     try:
         pg = dist.distributed_c10d._get_default_group()
-        dev = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        dev = torch.device("cuda") if _device_backend(str(dist.get_backend())) == "nccl" else torch.device("cpu")
         return int(pg._get_backend(dev).options._timeout.total_seconds() * 1000)
     except Exception:
         return None
@@ -62,7 +71,7 @@ def init_distributed(backend: str = "auto", timeout_ms: int = 300000) -> CommGro
     If the default group is already initialised (by torchrun tooling or a test harness), it is adopted as is.
     With ``backend="auto"`` on a CUDA device the group carries NCCL for CUDA tensors and Gloo for CPU tensors.
     """
-    global _world_timeout_ms
+    global _world_timeout_ms, _world_spec
     if not dist.is_available():
         raise CommError("torch.distributed is not available in this torch build; install a build with it")
     if not dist.is_initialized():
@@ -81,7 +90,18 @@ def init_distributed(backend: str = "auto", timeout_ms: int = 300000) -> CommGro
             timeout=timedelta(milliseconds=timeout_ms),
         )
         _world_timeout_ms = timeout_ms
+        _world_spec = torch_backend
     return world_group()
+
+
+def _device_backend(spec: str) -> str:
+    """The backend that carries device tensors in a torch backend string: ``gloo``, ``nccl``, or the one named for
+    ``cuda`` in a per-device string such as ``cpu:gloo,cuda:nccl`` (read exactly, never by substring)."""
+    spec = spec.strip().lower()
+    if ":" not in spec:
+        return spec
+    per_device = dict(part.split(":", 1) for part in spec.split(",") if ":" in part)
+    return per_device.get("cuda", per_device.get("cpu", spec))
 
 
 def world_group() -> CommGroup:
@@ -90,10 +110,30 @@ def world_group() -> CommGroup:
     if _world is None:
         if not dist.is_initialized():
             raise CommError("the default process group is not initialised; call init_distributed() first")
-        backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        spec = _world_spec or str(dist.get_backend())
         timeout = _world_backend_timeout_ms() or DEFAULT_TIMEOUT_MS
-        _world = CommGroup._wrap(list(range(dist.get_world_size())), backend, timeout, "world", dist.group.WORLD)
+        ranks = list(range(dist.get_world_size()))
+        _world = CommGroup._wrap(ranks, _device_backend(spec), timeout, "world", dist.group.WORLD, spec=spec)
     return _world
+
+
+def host_group() -> CommGroup:
+    """The group of all ranks for host-side coordination (Gloo, CPU tensors only; built on first use).
+
+    Collective on first use: every rank calls it at the same point (the trainer builds it with its groups). A job
+    whose world is Gloo shares the world's process group; on NCCL it is a Gloo group of its own, so a host tensor
+    never travels on an NCCL group.
+    """
+    global _host
+    if _host is None:
+        world = world_group()
+        pg = (
+            world.pg
+            if world.backend == "gloo"
+            else dist.new_group(ranks=world.ranks, timeout=world.timeout, backend="gloo")
+        )
+        _host = CommGroup._wrap(world.ranks, "gloo", world.timeout_ms, "host", pg, kind="host")
+    return _host
 
 
 class CommGroup:
@@ -129,19 +169,23 @@ class CommGroup:
         self._setup(ranks, chosen, timeout_ms, name, pg)
 
     @classmethod
-    def _wrap(cls, ranks, backend, timeout_ms, name, pg) -> CommGroup:
+    def _wrap(cls, ranks, backend, timeout_ms, name, pg, kind: str = "device", spec: str | None = None) -> CommGroup:
         self = cls.__new__(cls)
-        self._setup(ranks, backend, timeout_ms, name, pg)
+        self._setup(ranks, backend, timeout_ms, name, pg, kind=kind, spec=spec)
         return self
 
-    def _setup(self, ranks, backend, timeout_ms, name, pg) -> None:
+    def _setup(self, ranks, backend, timeout_ms, name, pg, kind: str = "device", spec: str | None = None) -> None:
         self.ranks: list[int] = list(ranks)
         self.size = len(self.ranks)
         me = dist.get_rank()
         self.global_rank = me
         self.rank: int | None = self.ranks.index(me) if me in self.ranks else None
         self.name: str = name
-        self.backend: str = backend
+        self.backend: str = backend  # the backend that carries this group's tensors
+        self.backend_spec: str = spec or backend  # exactly what torch was given
+        self.kind: str = kind  # "device": the job's device tensors; "host": CPU tensors for coordination
+        self.rules: str = "nccl" if kind == "device" and (backend == "nccl" or stand_in.active()) else backend
+        self.order = rules.OrderLog()  # what was issued, in order (filled where rules are enforced)
         self.timeout_ms: int = int(timeout_ms)
         self.timeout = timedelta(milliseconds=self.timeout_ms)
         self.pg = pg
@@ -160,13 +204,14 @@ class CommGroup:
 
     def __repr__(self) -> str:
         return (
-            f"CommGroup(name={self.name!r}, ranks={self.ranks}, backend={self.backend!r}, timeout_ms={self.timeout_ms})"
+            f"CommGroup(name={self.name!r}, ranks={self.ranks}, backend={self.backend!r}, kind={self.kind!r}, "
+            f"timeout_ms={self.timeout_ms})"
         )
 
 
 def _reset_for_tests() -> None:
     """Forget every group (for a process that re-initialises torch.distributed)."""
-    global _world, _world_timeout_ms
+    global _world, _host, _world_timeout_ms, _world_spec
     registry.clear()
-    _world = None
-    _world_timeout_ms = None
+    _world = _host = None
+    _world_timeout_ms = _world_spec = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch
+from kuangchao_core.comm import dispatch, rules
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup, world_group
 from kuangchao_core.errors import CommError
@@ -41,18 +41,6 @@ def _reduce_op(op: str, group: CommGroup):
     return rop, False
 
 
-def _on_group_device(op: str, g: CommGroup, *tensors: torch.Tensor) -> None:
-    """NCCL reduces CUDA tensors only: say which tensor is elsewhere instead of NCCL's own error deep in the op."""
-    if g.backend != "nccl":
-        return
-    for t in tensors:
-        if t.device.type != "cuda":
-            raise CommError(
-                f"{op} on NCCL group {g.name!r}: a {tuple(t.shape)} {t.dtype} tensor is on {t.device}; NCCL "
-                "communicates CUDA tensors only (create it on the job's device)"
-            )
-
-
 def _divide(tensor: torch.Tensor, n: int) -> None:
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.div_(n)
@@ -65,7 +53,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: CommGroup | None = None) ->
     g = _group(group)
     if src not in g.ranks:
         raise CommError(f"broadcast on group {g.name!r}: src rank {src} is not in {g.ranks}")
-    _on_group_device("broadcast", g, tensor)
+    rules.admit("broadcast", g, tensor)
     dispatch.run("broadcast", g, tensor.nbytes, lambda a: dist.broadcast(tensor, src, group=g.pg, async_op=a))
     return tensor
 
@@ -74,7 +62,7 @@ def all_reduce(tensor: torch.Tensor, group: CommGroup | None = None, op: str = "
     """Reduce ``tensor`` across ``group`` in place; returns ``tensor``, or a ``CommHandle`` if ``async_op``."""
     g = _group(group)
     rop, divide = _reduce_op(op, g)
-    _on_group_device("all_reduce", g, tensor)
+    rules.admit("all_reduce", g, tensor)
 
     def issue(a):
         return dist.all_reduce(tensor, op=rop, group=g.pg, async_op=a)
@@ -95,7 +83,7 @@ def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, gro
         tensor_list = [torch.empty_like(tensor) for _ in range(g.size)]
     elif len(tensor_list) != g.size:
         raise CommError(f"all_gather on group {g.name!r}: tensor_list has {len(tensor_list)} entries, need {g.size}")
-    _on_group_device("all_gather", g, tensor, *tensor_list)
+    rules.admit("all_gather", g, tensor, *tensor_list)
     order = _group_order(g)
     if order is None:
         dispatch.run(
@@ -124,7 +112,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup
             f"all_gather_into on group {g.name!r}: output must be contiguous with {n * g.size} elements "
             f"(group size {g.size} x {n}), got {output.numel()}"
         )
-    _on_group_device("all_gather", g, tensor, output)
+    rules.admit("all_gather", g, tensor, output)
     parts = list(output.view(g.size, n).unbind(0))
     order = _group_order(g)
     src = tensor.reshape(-1)
@@ -183,10 +171,14 @@ def reduce_scatter(
             by_sorted[j] = chunks[i]
         chunks = by_sorted
     rop, divide = _reduce_op(op, g)
-    _on_group_device("reduce_scatter", g, *chunks, output)
+    rules.admit("reduce_scatter", g, *chunks, output)
     flat = torch.cat([c.reshape(-1) for c in chunks])
     nbytes = flat.nbytes
-    out_flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype)
+    out_flat = (
+        output.view(-1)
+        if output.is_contiguous()
+        else torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+    )
     native = _rs_native_ok.get(g.backend, True)
 
     def issue_native(a):
@@ -221,6 +213,7 @@ def send(tensor: torch.Tensor, dst: int, group: CommGroup | None = None) -> None
     g = _group(group)
     if dst not in g.ranks:
         raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
+    rules.admit("send", g, tensor, peer=dst)
     dispatch.run("send", g, tensor.nbytes, lambda a: _p2p(dist.isend, tensor, dst, g, a), peer=dst)
 
 
@@ -229,6 +222,7 @@ def recv(tensor: torch.Tensor, src: int, group: CommGroup | None = None) -> torc
     g = _group(group)
     if src not in g.ranks:
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
+    rules.admit("recv", g, tensor, peer=src)
     dispatch.run("recv", g, tensor.nbytes, lambda a: _p2p(dist.irecv, tensor, src, g, a), peer=src)
     return tensor
 
@@ -239,6 +233,7 @@ def isend(tensor: torch.Tensor, dst: int, group: CommGroup | None = None, tag: i
     g = _group(group)
     if dst not in g.ranks:
         raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
+    rules.admit("send", g, tensor, peer=dst)
     return dispatch.run_async(
         "send", g, tensor.nbytes, lambda _a: dist.isend(tensor, dst, group=g.pg, tag=tag), peer=dst
     )
@@ -250,6 +245,7 @@ def irecv(tensor: torch.Tensor, src: int, group: CommGroup | None = None, tag: i
     g = _group(group)
     if src not in g.ranks:
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
+    rules.admit("recv", g, tensor, peer=src)
     return dispatch.run_async(
         "recv", g, tensor.nbytes, lambda _a: dist.irecv(tensor, src, group=g.pg, tag=tag), peer=src
     )

@@ -52,8 +52,8 @@ def model_mismatch(manifest: dict[str, Any], model_config: Any) -> str | None:
 
 class TrainerCheckpoints:
     """Checkpoint I/O of one rank. ``parts``: the rank's :class:`~kuangchao_core.engine.parallel_model.ParallelModel`;
-    ``layout``: its resharding view (:func:`~kuangchao_core.engine.parallel_model.target_layout`); ``barrier``:
-    a barrier over every rank."""
+    ``layout``: its resharding view (:func:`~kuangchao_core.engine.parallel_model.target_layout`); ``host_group``:
+    every rank, for host-side agreement (the resume plan); ``barrier``: a barrier over every rank."""
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class TrainerCheckpoints:
         mesh: Any,
         parts: Any,
         sync: GradSync,
-        world_group: Any,
+        host_group: Any,
         model_config: Any,
         layout: Any,
         barrier: Any,
@@ -74,7 +74,7 @@ class TrainerCheckpoints:
         self.mesh = mesh
         self.parts = parts
         self.sync = sync
-        self.world_group = world_group
+        self.host_group = host_group
         self.model_config = model_config
         self.layout = layout
         self.barrier = barrier
@@ -97,11 +97,11 @@ class TrainerCheckpoints:
             payload = json.dumps(plan.to_dict()).encode("utf-8")
         if self.world_size > 1:
             size = torch.tensor([len(payload)], dtype=torch.int64)
-            P.broadcast(size, src=0, group=self.world_group)
+            P.broadcast(size, src=0, group=self.host_group)
             buf = torch.zeros(int(size.item()), dtype=torch.uint8)
             if self.rank == 0:
                 buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-            P.broadcast(buf, src=0, group=self.world_group)
+            P.broadcast(buf, src=0, group=self.host_group)
             payload = bytes(buf.tolist())
         self.plan = ResumePlan(**json.loads(payload.decode("utf-8")))
         self.writer.lineage = None if self.plan.lineage == LEGACY else self.plan.lineage

@@ -1,10 +1,10 @@
 """Following the job's global configuration while it trains (``kc config set``: lr scale, log/checkpoint interval).
 
-Ranks may see the file change at different moments, so only rank 0 reads it (a stat-cached read, no lock), on
+Ranks may see the file change at different moments, so only rank 0 reads it (a stat-cached read, no lock), before
 the first step of an attempt and then every ``log_interval`` steps, and broadcasts ``[version, lr_scale,
-log_interval, checkpoint_interval]`` over the world group; every rank applies what it received at the same step.
-There is no per-step collective: one small broadcast every ``log_interval`` steps, and a change waits at most that
-many steps. Each applied change is logged on every rank and emitted as a ``config_applied`` event by rank 0.
+log_interval, checkpoint_interval]`` over the host group (a CPU tensor: host coordination); every rank applies
+what it received at the same step. There is no per-step collective: one small broadcast every ``log_interval``
+steps, and a change waits at most that many steps. Each applied change is logged on every rank and emitted as a ``config_applied`` event by rank 0.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ class LiveConfig:
     """Applies changes of ``global_config`` (a :class:`~kuangchao_core.perm.global_config.GlobalConfig`, or None
     for nothing to follow) to :attr:`settings` at step boundaries every rank agrees on."""
 
-    def __init__(self, global_config: Any, rank: int, world_size: int, world_group: Any, settings: LiveSettings):
+    def __init__(self, global_config: Any, rank: int, world_size: int, host_group: Any, settings: LiveSettings):
         self.global_config = global_config
         self.rank = rank
         self.world_size = world_size
-        self.world_group = world_group
+        self.host_group = host_group
         self.settings = settings
         self._version = -1
 
     def follow(self, step: int, first: bool) -> LiveSettings:
-        """Check for a change after ``step`` (always on the ``first`` step of an attempt); returns the settings."""
+        """Check for a change after ``step`` (always when ``first``: before an attempt's first step); returns the
+        settings."""
         gc = self.global_config
         current = self.settings
         if gc is None or (not first and step % current.log_interval):
@@ -61,7 +62,7 @@ class LiveConfig:
                 packet[0] = -1
                 log.warning("global config %s not readable at step %d (%s); settings unchanged", gc.path, step, exc)
         if self.world_size > 1:
-            P.broadcast(packet, src=0, group=self.world_group)
+            P.broadcast(packet, src=0, group=self.host_group)
         version = int(packet[0])
         if version < 0 or version == self._version:
             return current

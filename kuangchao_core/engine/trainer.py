@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from kuangchao_core.comm import primitives as P
+from kuangchao_core.comm.group import host_group
+from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
@@ -95,7 +97,9 @@ class AnomalyStop(KuangchaoError):
 class Trainer:
     """Builds this rank's model part, data and optimizer for a dp×tp×pp mesh and runs the step loop.
 
-    ``mesh``: a :class:`~kuangchao_core.parallel.mesh.ParallelMesh` (groups built once, passed explicitly).
+    ``mesh``: a :class:`~kuangchao_core.parallel.mesh.ParallelMesh` (groups built once, passed explicitly);
+    ``world_group``: every rank, for device tensors. Host-side agreements (resume plan, barriers, followed config)
+    travel on the host group, which the trainer builds (collectively) beside them.
     """
 
     def __init__(self, cfg: Any, rank: int, world_size: int, device: torch.device, world_group: Any, mesh: Any):
@@ -104,6 +108,7 @@ class Trainer:
         self.world_size = world_size
         self.device = device
         self.world_group = world_group
+        self.host_group = host_group()
         self.mesh = mesh
         self.state = TrainState()
         par = cfg.parallel
@@ -154,7 +159,7 @@ class Trainer:
             mesh,
             self.parts,
             self.sync,
-            world_group,
+            self.host_group,
             self.model_config,
             target_layout(mesh, cfg),
             self.barrier,
@@ -170,8 +175,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
-        """A barrier over every rank, through the communication layer (so the guard sees it)."""
-        P.all_reduce(torch.zeros(1), group=self.world_group, op="sum")
+        """A barrier over every rank, on the host group, through the communication layer (so the guard sees it)."""
+        P.all_reduce(torch.zeros(1), group=self.host_group, op="sum")
 
     def _anomalies(self, step: int, metrics: dict[str, float]) -> str | None:
         """Flag this step's anomalies (log, event for the orchestrator, MLflow counts in ``metrics``), run their
@@ -333,9 +338,11 @@ class Trainer:
             self.global_config,
             self.rank,
             self.world_size,
-            self.world_group,
+            self.host_group,
             LiveSettings(self.lr_scale, max(1, self.cfg.train.log_interval), self.cfg.checkpoint.interval),
         )
+        # a change made before this attempt (or before a resume) applies from its first step
+        self.lr_scale = live.follow(self.state.step, first=True).lr_scale
         # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
         pin = self.device.type == "cuda"
         self.loader = PrefetchLoader(self.dataset, self.sampler, depth=self.cfg.data.prefetch, pin_memory=pin)
@@ -357,12 +364,13 @@ class Trainer:
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
+                verify_order(self.host_group)  # CI's NCCL rules: the same ops on every rank (else a no-op)
                 self.state.trained_tokens += round(result.tokens_per_s * result.step_time_s)
                 self.state.train_seconds += result.step_time_s
                 first = result.step == start_step + 1
                 if first and self.rank == 0:
                     self._report_memory(result)
-                settings = live.follow(result.step, first=first)
+                settings = live.follow(result.step, first=False)
                 self.lr_scale = settings.lr_scale
                 metrics = result.metrics()
                 if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step

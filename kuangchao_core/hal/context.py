@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.hal import stand_in
 from kuangchao_core.hal.adapters import Adapter, get_adapter
 from kuangchao_core.perm import guard_api
 
@@ -87,9 +88,11 @@ def device_init(kind: str = "auto", local_rank: int = 0) -> DeviceContext:
                 )
             adapter.activate(index)
             facts = adapter.describe(index)
-            ctx = DeviceContext(
-                kind=resolved, index=index, device=adapter.torch_device(index), adapter=adapter, **facts
-            )
+            device = adapter.torch_device(index)
+            if resolved == "cpu" and stand_in.requested():  # CI's NCCL rules: the job's tensors on a stand-in device
+                stand_in.install()
+                device = stand_in.DEVICE
+            ctx = DeviceContext(kind=resolved, index=index, device=device, adapter=adapter, **facts)
             _cache[key] = ctx
         _current = ctx
     return ctx
