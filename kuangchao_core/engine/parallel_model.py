@@ -114,7 +114,7 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
     else:
         model = model.to(device=device, dtype=dtype)
     if cfg.train.compile and int(par.zero_stage) != 3:  # ZeRO-3 wraps each block's forward to gather it
-        compile_layers(model)
+        compile_layers(model, report=mesh.rank == 0)  # rank 0 logs the compile time once
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):
         raise PlanError(
