@@ -124,7 +124,7 @@ def test_token_group_layout_matches_the_mesh():
 
     for dp, tp, pp in [(2, 2, 2), (1, 4, 2), (2, 1, 4), (4, 2, 1)]:
         layout = mesh_layout(dp, tp, pp)
-        expected = {"world": list(range(dp * tp * pp))}
+        expected = {"world": list(range(dp * tp * pp)), "host": list(range(dp * tp * pp))}
         for kind, groups in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
             expected.update({group_name(kind, g): sorted(g) for g in groups})
         assert {k: sorted(v) for k, v in group_layout(dp, tp, pp).items()} == expected

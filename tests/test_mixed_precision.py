@@ -29,16 +29,14 @@ def test_an_overflow_skips_halves_the_scale_and_clean_steps_grow_it():
     mp = MixedPrecision("fp16", "cpu", LossScaling(initial_scale=1024.0, growth_interval=2))
     assert float(mp.scale(torch.tensor(2.0))) == 2048.0
     grads = [torch.full((3,), 1024.0), torch.full((2,), 2048.0)]
-    assert not mp.unscale_and_check(grads)
+    mp.unscale(grads)
     assert grads[0].tolist() == [1.0] * 3 and grads[1].tolist() == [2.0] * 2  # divided by the scale
     mp.update(False)
     assert mp.loss_scale == 1024.0
     mp.update(False)  # second clean step in a row: growth
     assert mp.loss_scale == 2048.0 and mp.growth_tracker == 0
-    assert mp.unscale_and_check([torch.tensor([1.0, math.inf])])
-    mp.update(True)
-    assert mp.loss_scale == 1024.0 and mp.skipped_steps == 1
-    assert mp.unscale_and_check([torch.tensor([math.nan])])
+    mp.update(True)  # an overflowing step (the trainer saw a non-finite gradient norm)
+    assert mp.loss_scale == 1024.0 and mp.skipped_steps == 1 and not mp.at_min_scale
     assert mp.metrics() == {"loss_scale": 1024.0, "skipped_steps": 1.0}
 
 
@@ -54,8 +52,12 @@ def test_fp32_and_bf16_never_scale_nor_sync():
     for dtype in ("fp32", "bf16"):
         mp = MixedPrecision(dtype, "cpu")
         loss = torch.tensor(3.0)
-        assert mp.scale(loss) is loss and not mp.unscale_and_check([torch.tensor([math.inf])])
-        assert mp.metrics() == {}
+        grads = [torch.tensor([math.inf, 2.0])]
+        mp.unscale(grads)
+        assert mp.scale(loss) is loss and grads[0].tolist() == [math.inf, 2.0] and mp.at_min_scale
+        assert mp.metrics() == {"skipped_steps": 0.0}
+        mp.update(True)  # a non-finite step is counted in every dtype, with no scale to move
+        assert mp.skipped_steps == 1 and mp.loss_scale == 1.0
     assert MixedPrecision("fp32", "cpu").enabled is False and MixedPrecision("bf16", "cpu").enabled
 
 

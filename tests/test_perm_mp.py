@@ -68,7 +68,7 @@ def _scope_body(rank, world_size, tokens, trust, audit, forged_dl):
     groups = {
         name: kc.CommGroup(ranks=ranks, backend="gloo", name=name)
         for name, ranks in group_layout(2, 2).items()
-        if name != "world"
+        if name not in ("world", "host")
     }
     mine_tp = groups["tp[0,1]"] if rank < 2 else groups["tp[2,3]"]
     other_tp = groups["tp[2,3]"] if rank < 2 else groups["tp[0,1]"]

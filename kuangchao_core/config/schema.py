@@ -314,6 +314,9 @@ class TrainSection(Section):
     compile: bool = False
     loss_scaling: LossScalingSection = Field(default_factory=LossScalingSection)
     deterministic: bool = False
+    #: a step whose loss or gradient norm is not finite is skipped on every rank; this many in a row stop the run
+    #: at its last good checkpoint (fp16 counts them only once the loss scale is at its minimum)
+    max_bad_steps: Int = Field(default=10, ge=1)
     anomaly: AnomalySection = Field(default_factory=AnomalySection)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class StepResult:
     mem_bytes: int
     comm_share: float
     step_time_s: float
-    precision: dict[str, float] = field(default_factory=dict)  # loss_scale, skipped_steps under fp16
+    precision: dict[str, float] = field(default_factory=dict)  # skipped_steps; loss_scale under fp16
 
     def metrics(self) -> dict[str, float]:
         """The MLflow metric dict (contract names)."""
@@ -83,6 +84,7 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     trained_tokens: int = 0  # global tokens of the steps this run trained (not of resumed ones)
     train_seconds: float = 0.0  # wall time of those steps
+    bad_in_a_row: int = 0  # consecutive skipped steps that count towards train.max_bad_steps
 
     @property
     def tokens_per_s_mean(self) -> float | None:
@@ -92,6 +94,15 @@ class TrainState:
 
 class AnomalyStop(KuangchaoError):
     """The run was stopped by an anomaly whose action is ``stop`` (never retried)."""
+
+
+class BadStepsStop(KuangchaoError):
+    """``train.max_bad_steps`` steps in a row were not finite and skipped; the run stopped (never retried)."""
+
+
+def step_is_finite(loss: float, grad_norm: float) -> bool:
+    """Whether a step may be applied: its loss and its global gradient norm are both finite."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
 
 
 class Trainer:
@@ -119,7 +130,7 @@ class Trainer:
         self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
         self.model = self.parts.model
         self.sync = make_grad_sync(cfg, self.model, mesh, self.parts.norm_weight)
-        self.precision = mixed_precision_for(cfg, device, world_group)
+        self.precision = mixed_precision_for(cfg, device)
         self.forward_backward = get_forward_backward(
             self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
         )
@@ -244,22 +255,20 @@ class Trainer:
         # every labelled token of the global batch weighs the same, as in one process (step_loss)
         weight = step_loss_weight(micro_batches, self.mesh.dp_group, self.device)
         local_loss = self.forward_backward(self.sync, batches, weight)
-        # fp16: unscale and agree over every rank whether any gradient overflowed; such a step is skipped (the one
-        # host sync of such a step besides the metrics)
-        skip = self.precision.dynamic and self.precision.unscale_and_check(self.sync.local_grads())
-        if skip:
-            norm_t = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
-        else:
-            norm_t = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
-            self.sync.step()
-        self.precision.update(skip)
+        self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
+        # the global norm (equal on every rank) is not finite when any rank's gradients are not
+        norm_t = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
         loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
         for group in (self.mesh.pp_group, self.mesh.dp_group):
             if group is not None and group.size > 1:
                 P.all_reduce(loss_t, group=group, op="sum")
-        # the step's one read of device values: the loss and the gradient norm together
+        # the step's one read of device values, before the optimizer runs: loss and gradient norm together
         loss_sum, grad_norm = torch.stack([loss_t[0], norm_t.to(torch.float64).reshape(())]).tolist()
+        bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
+        if not bad:
+            self.sync.step()
+        self._count_bad_step(bad, loss_sum / self.mesh.dp, grad_norm)
         loss = loss_sum / self.mesh.dp
         self.state.step += 1
         self.state.losses.append(loss)
@@ -276,6 +285,35 @@ class Trainer:
             step_time_s=dt,
             precision=self.precision.metrics(),
         )
+
+    def _count_bad_step(self, bad: bool, loss: float, grad_norm: float) -> None:
+        """Count a skipped step (``skipped_steps``, the reason logged); ``train.max_bad_steps`` in a row end the run
+        with :class:`BadStepsStop` (fp16 counts them once its loss scale cannot back off any further)."""
+        counts = bad and self.precision.at_min_scale
+        self.precision.update(bad)
+        self.state.bad_in_a_row = self.state.bad_in_a_row + 1 if counts else 0
+        if not bad:
+            return
+        step, limit = self.state.step + 1, int(self.cfg.train.max_bad_steps)
+        log.warning(
+            "step %d skipped on every rank: loss %s, gradient norm %s (not finite; %d skipped in all, %d in a row "
+            "of train.max_bad_steps %d)",
+            step,
+            loss,
+            grad_norm,
+            self.precision.skipped_steps,
+            self.state.bad_in_a_row,
+            limit,
+        )
+        if self.rank == 0:
+            emit_event("skipped_step", step=step, loss=loss, grad_norm=grad_norm, in_a_row=self.state.bad_in_a_row)
+        if self.state.bad_in_a_row >= limit:
+            self.checkpoints.finish()  # a save in flight is the last good state: let it land
+            raise BadStepsStop(
+                f"stopped at step {step}: {limit} steps in a row had a non-finite loss or gradient norm and were "
+                f"skipped (train.max_bad_steps {limit}); the weights are those of step {step - limit}, and the last "
+                "checkpoint is intact: look at the data and the learning rate before resuming"
+            )
 
     def _report_memory(self, result: StepResult) -> None:
         """Once, after the first step: rank 0's measured tensor bytes beside ``kc plan``'s estimate of them, and

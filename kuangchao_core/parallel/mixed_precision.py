@@ -7,12 +7,13 @@
   master weights, so the gradients reduced over data parallelism are fp32 (``parallel.grad_reduce_dtype: bf16``
   sums them in 16 bits instead).
 - ``fp16``: the same in float16, with dynamic loss scaling: the loss is multiplied by the scale before backward,
-  the gradients are divided by it before clipping; a step whose gradients hold inf or nan on any rank is skipped
-  by every rank (the parameters and AdamW's state stay as they were), counted, and the scale multiplied by
+  the gradients are divided by it before clipping; after a skipped step (below) the scale is multiplied by
   ``backoff_factor`` (after ``hysteresis`` such steps); after ``growth_interval`` clean steps in a row it is
   multiplied by ``growth_factor``. Its state travels in checkpoints, so a resumed run continues bitwise.
 
-The collective that agrees on skipping runs over every rank of the job, on the device of the gradients.
+In every dtype a step whose loss or global gradient norm is not finite is skipped by every rank (the trainer reads
+both, equal on every rank, before the optimizer runs; the parameters and AdamW's state stay as they were) and
+counted here (``skipped_steps``, checkpointed).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-from kuangchao_core.comm import primitives as P
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,14 +41,13 @@ class LossScaling:
 
 
 class MixedPrecision:
-    """The step's precision policy for one rank; ``group``: every rank of the job (skips are agreed over it)."""
+    """The step's precision policy for one rank."""
 
-    def __init__(self, dtype: str, device_type: str, scaling: LossScaling | None = None, group: Any = None):
+    def __init__(self, dtype: str, device_type: str, scaling: LossScaling | None = None):
         self.compute_dtype = HALF_DTYPES.get(dtype)
         self.device_type = device_type
         self.dynamic = dtype == "fp16"
         self.scaling = scaling or LossScaling()
-        self.group = group
         self.loss_scale = float(self.scaling.initial_scale) if self.dynamic else 1.0
         self.growth_tracker = 0
         self.hysteresis_left = int(self.scaling.hysteresis)
@@ -69,29 +68,30 @@ class MixedPrecision:
         """The loss to call backward on: multiplied by the loss scale under fp16, else ``loss`` itself."""
         return loss * self.loss_scale if self.dynamic else loss
 
-    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Divide ``grads`` (this rank's, after their reduction) by the loss scale; True when any rank's gradients
-        hold inf or nan, so that every rank skips the step. Always False without loss scaling (no sync)."""
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Divide ``grads`` (this rank's, after their reduction) by the loss scale (fp16; nothing otherwise). An
+        overflow shows as a non-finite global gradient norm, which the trainer checks before the optimizer runs."""
         if not self.dynamic:
-            return False
+            return
         inv = 1.0 / self.loss_scale
-        device = grads[0].device if grads else torch.device("cpu")
-        bad = torch.zeros(1, device=device)
         for g in grads:
             g.mul_(inv)
-            bad += (~torch.isfinite(g)).any().to(bad.dtype)
-        if self.group is not None and self.group.size > 1:
-            P.all_reduce(bad, group=self.group, op="max")
-        return bool(bad.item() > 0)
+
+    @property
+    def at_min_scale(self) -> bool:
+        """Whether backing off can no longer help (always True without loss scaling): only then does a
+        non-finite step count towards ``train.max_bad_steps``."""
+        return not self.dynamic or self.loss_scale <= self.scaling.min_scale
 
     def update(self, found_inf: bool) -> None:
-        """Count the step and move the scale (fp16 only): back off after ``hysteresis`` overflowing steps, grow
-        after ``growth_interval`` clean ones in a row."""
+        """Count a skipped step (every dtype) and move the scale (fp16 only): back off after ``hysteresis``
+        overflowing steps, grow after ``growth_interval`` clean ones in a row."""
+        if found_inf:
+            self.skipped_steps += 1
         if not self.dynamic:
             return
         s = self.scaling
         if found_inf:
-            self.skipped_steps += 1
             self.growth_tracker = 0
             self.hysteresis_left -= 1
             if self.hysteresis_left <= 0:
@@ -104,9 +104,10 @@ class MixedPrecision:
             self.loss_scale *= s.growth_factor
 
     def metrics(self) -> dict[str, float]:
-        """Per-step metrics: ``loss_scale`` and ``skipped_steps`` under fp16, nothing otherwise."""
+        """Per-step metrics: ``skipped_steps`` (steps not applied because their loss or gradients were not
+        finite), and ``loss_scale`` under fp16."""
         if not self.dynamic:
-            return {}
+            return {"skipped_steps": float(self.skipped_steps)}
         return {"loss_scale": self.loss_scale, "skipped_steps": float(self.skipped_steps)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -120,15 +121,17 @@ class MixedPrecision:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (a checkpoint without one leaves the initial state)."""
-        if not state or not self.dynamic:
+        if not state:
+            return
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if not self.dynamic:
             return
         self.loss_scale = float(state["loss_scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_left = int(state["hysteresis_left"])
-        self.skipped_steps = int(state["skipped_steps"])
 
 
-def mixed_precision_for(cfg: Any, device: torch.device, group: Any) -> MixedPrecision:
+def mixed_precision_for(cfg: Any, device: torch.device) -> MixedPrecision:
     """The job's policy from ``train.dtype`` and ``train.loss_scaling``."""
     ls = cfg.train.loss_scaling
     scaling = LossScaling(
@@ -136,4 +139,4 @@ def mixed_precision_for(cfg: Any, device: torch.device, group: Any) -> MixedPrec
         growth_interval=int(ls.growth_interval),
         hysteresis=int(ls.hysteresis),
     )
-    return MixedPrecision(cfg.train.dtype, device.type, scaling, group)
+    return MixedPrecision(cfg.train.dtype, device.type, scaling)

@@ -22,10 +22,12 @@ __all__ = ["DEFAULT_REGIONS", "dataset_resource_name", "group_layout", "group_na
 def group_layout(
     dp: int, tp: int = 1, pp: int = 1, node_of_rank: list[int] | None = None, hierarchical: str = "off"
 ) -> dict[str, list[int]]:
-    """Every group of a dp×tp×pp job: name -> global ranks (``world`` plus the tp, dp and pp groups, and the DP
-    groups' node-local ``dpn`` / cross-node ``dpx`` subgroups when the hierarchical all-reduce applies)."""
+    """Every group of a dp×tp×pp job: name -> global ranks (``world`` and ``host`` — every rank, for device tensors
+    and for host coordination — plus the tp, dp and pp groups, and the DP groups' node-local ``dpn`` / cross-node
+    ``dpx`` subgroups when the hierarchical all-reduce applies)."""
     mesh = MeshLayout(dp, tp, pp)
-    groups: dict[str, list[int]] = {"world": list(range(mesh.world_size))}
+    every = list(range(mesh.world_size))
+    groups: dict[str, list[int]] = {"world": every, "host": list(every)}
     for kind, lists in (("tp", mesh.tp_groups()), ("dp", mesh.dp_groups()), ("pp", mesh.pp_groups())):
         for ranks in lists:
             groups[group_name(kind, ranks)] = list(ranks)
