@@ -232,3 +232,44 @@ def test_host_coordination_on_the_world_group_fails_under_the_rules(tmp_path):
     with pytest.raises(RuntimeError) as info:
         run_distributed(_job, 2, args=(config, str(gc), True), init_pg=False, env=RULES, timeout=300)
     assert "broadcast on NCCL group 'world': a (1,) torch.int64 tensor is on cpu" in str(info.value)
+
+
+# ---------------------------------------------------------------------- a hang named without a host wait
+def _hang(rank: int, world_size: int) -> dict:
+    import time
+
+    import torch
+
+    from kuangchao_core.comm import primitives as P
+    from kuangchao_core.comm import watchdog
+    from kuangchao_core.comm.group import CommGroup, init_distributed
+    from kuangchao_core.errors import CommTimeout
+    from kuangchao_core.hal import device_init
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    dev = device_init("cpu").device
+    init_distributed(backend="gloo", timeout_ms=60_000)
+    group = CommGroup([0, 1], backend="gloo", timeout_ms=2000, name="dp[0,1]")
+    P.all_reduce(torch.ones(2, device=dev), group=group, async_op=True).wait()  # both arrive: nothing to name
+    time.sleep(2.5)
+    out = {"after_clean_op": [str(e) for e in watchdog.noticed()]}
+    if rank == 0:  # rank 1 never joins the second one; rank 0 issues it and goes on without waiting
+        handle = P.all_reduce(torch.ones(2, device=dev), group=group, async_op=True)
+        time.sleep(2.5)
+        out["noticed"] = [(e.group, e.op, e.seq, e.missing_ranks) for e in watchdog.noticed()]
+        try:
+            handle.wait()
+            out["wait"] = "returned"
+        except CommTimeout as exc:
+            out["wait"] = (exc.group, exc.op, exc.seq, exc.missing_ranks)
+    else:
+        time.sleep(4.0)  # alive, its counters answering the diagnosis
+    return out
+
+
+def test_the_watchdog_names_a_hang_that_no_host_wait_sees():
+    got = run_distributed(_hang, 2, init_pg=False, env=RULES, timeout=120)
+    assert got[0]["after_clean_op"] == [] and got[1]["after_clean_op"] == []
+    assert got[0]["noticed"] == [("dp[0,1]", "all_reduce", 2, [1])]
+    assert got[0]["wait"] == ("dp[0,1]", "all_reduce", 2, [1])  # the wait raises what the watchdog named

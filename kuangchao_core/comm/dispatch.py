@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kuangchao_core.comm import watchdog
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommError, CommTimeout
 from kuangchao_core.perm import guard_api
@@ -53,6 +54,9 @@ def _looks_like_timeout(exc: BaseException, elapsed_s: float, timeout_ms: int) -
 def _fail(op: str, group, seq: int, peer: int | None, elapsed_s: float, exc: BaseException) -> None:
     from kuangchao_core.comm import diag
 
+    noticed = getattr(group, "timed_out", None)
+    if noticed is not None and noticed[:2] == (op, seq):  # the watchdog named it already (and ran the dumps)
+        raise noticed[2] from exc
     if _looks_like_timeout(exc, elapsed_s, group.timeout_ms):
         missing = diag.find_missing(group, op, seq, peer=peer)
         group.broken = f"{op} seq {seq} timed out"
@@ -72,17 +76,20 @@ def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int 
     """Run one blocking op: ``issue(async_op)`` calls torch and returns its work handle when async.
 
     Groups under NCCL's rules issue the op async and wait without a host timeout: on NCCL that wait only orders
-    the device's compute stream after the op (the host goes on queueing work), and a hang surfaces through the
-    process group's own timeout; on Gloo under ``KC_COMM_RULES=nccl`` the same path runs, blocking as Gloo does.
+    the device's compute stream after the op (the host goes on queueing work), and a hang is named by
+    ``comm.watchdog`` before the process group's own timeout; on Gloo under ``KC_COMM_RULES=nccl`` the same path
+    runs, blocking as Gloo does.
     Other Gloo ops run synchronously under the process group's own timeout.
     """
     seq = _enter(op, group, peer)
     t0 = _perf()
     try:
         if group.rules == "nccl":
+            started = watchdog.start(group)
             work = issue(True)
             if work is not None:
                 work.wait()
+            watchdog.track(op, group, seq, peer, nbytes, t0, started=started)
         else:
             issue(False)
     except CommError:
@@ -97,7 +104,7 @@ def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int 
 class CommHandle:
     """The handle of an async op. ``wait()`` blocks until done; its blocking time is added to ``COMM_STATS``."""
 
-    __slots__ = ("_work", "op", "group", "seq", "_nbytes", "_issue_s", "_finish", "_done", "peer")
+    __slots__ = ("_work", "op", "group", "seq", "_nbytes", "_issue_s", "_finish", "_done", "peer", "_started")
 
     def __init__(self, work, op, group, seq, nbytes, issue_s, finish, peer=None) -> None:
         self._work = work
@@ -109,6 +116,7 @@ class CommHandle:
         self._finish = finish
         self._done = False
         self.peer = peer
+        self._started = (None, 0.0)  # NCCL: the CUDA event before the op, and when it was issued
 
     def is_completed(self) -> bool:
         """Whether the op has finished (never blocks)."""
@@ -122,6 +130,9 @@ class CommHandle:
         try:
             if self._work is not None:
                 self._work.wait()
+            started, issued_at = self._started
+            if started is not None:  # NCCL: watched from here (the compute stream now waits for the op)
+                watchdog.track(self.op, self.group, self.seq, self.peer, self._nbytes, issued_at, started=started)
             if self._finish is not None:
                 self._finish()
         except CommError:
@@ -144,10 +155,15 @@ def run_async(
     """Issue one op asynchronously and return its ``CommHandle`` (``finish`` runs after the wait)."""
     seq = _enter(op, group, peer)
     t0 = _perf()
+    started = watchdog.start(group) if group.rules == "nccl" else None
     try:
         work = issue(True)
     except CommError:
         raise
     except Exception as exc:
         _fail(op, group, seq, peer, _perf() - t0, exc)
-    return CommHandle(work, op, group, seq, nbytes, _perf() - t0, finish, peer)
+    if group.rules == "nccl" and started is None:  # Gloo under NCCL's rules: watched until waited
+        watchdog.track(op, group, seq, peer, nbytes, t0, work=work)
+    handle = CommHandle(work, op, group, seq, nbytes, _perf() - t0, finish, peer)
+    handle._started = (started, t0)
+    return handle

@@ -194,6 +194,7 @@ class CommGroup:
         self.p2p: dict[int, int] = {}  # point-to-point ops entered with each peer (global rank)
         self.ops: dict[str, int] = {}
         self.broken: str | None = None  # set after a timeout: the group's state is undefined from then on
+        self.timed_out: tuple | None = None  # (op, seq, CommTimeout) the watchdog noticed
         registry.register(self)
         diag.ensure_responder()
 

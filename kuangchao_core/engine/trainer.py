@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kuangchao_core.comm import primitives as P
+from kuangchao_core.comm import watchdog as comm_watchdog
 from kuangchao_core.comm.group import host_group
 from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.comm.timing import COMM_STATS
@@ -265,6 +266,7 @@ class Trainer:
                 P.all_reduce(loss_t, group=group, op="sum")
         # the step's one read of device values, before the optimizer runs: loss and gradient norm together
         loss_sum, grad_norm = torch.stack([loss_t[0], norm_t.to(torch.float64).reshape(())]).tolist()
+        comm_watchdog.settle()  # the step's NCCL ops are done: their device time into COMM_STATS
         bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
         if not bad:
             self.sync.step()

@@ -124,10 +124,11 @@ class _Dispatch(TorchDispatchMode):
             return out
         if getattr(_state, "host", False):
             return out
-        if "device" in kwargs and kwargs["device"] is not None:
-            if _is_stand_in(kwargs["device"]):
-                _mark(out)
+        if _is_stand_in(kwargs.get("device")):
+            _mark(out)
             return out
+        # a plain ``cpu`` device argument is what torch's own code passes for a tensor's C++ device
+        # (``new_empty_strided`` when autograd accumulates a gradient): such an op stays where its inputs are
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
             # element i of a multi-tensor op comes from element i of each list argument

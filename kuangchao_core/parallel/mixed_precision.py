@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
