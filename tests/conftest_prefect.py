@@ -114,31 +114,38 @@ def committed(ckpt_task_dir: Path, step: int) -> bool:
     return bool(glob.glob(str(ckpt_task_dir / "*" / f"step_{step:08d}" / "manifest.json")))
 
 
-def run_flow(workdir: Path, overrides: list[str], config_path: str = TINY, resume: str | None = None) -> dict:
-    """Run ``train_flow`` in-process with runs under ``workdir/runs`` (restores ``KC_RUNS_DIR`` afterwards)."""
+def run_flow(
+    workdir: Path, overrides: list[str], config_path: str = TINY, resume: str | None = None, env: dict | None = None
+) -> dict:
+    """Run ``train_flow`` in-process with runs under ``workdir/runs`` and ``env`` set for its workers (restores the
+    environment afterwards)."""
     from flows.train import train_flow
 
-    old = os.environ.get("KC_RUNS_DIR")
-    os.environ["KC_RUNS_DIR"] = str(workdir / "runs")
+    changes = {"KC_RUNS_DIR": str(workdir / "runs"), **(env or {})}
+    old = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
     try:
         return train_flow(config_path=config_path, overrides=overrides, resume=resume)
     finally:
-        if old is None:
-            os.environ.pop("KC_RUNS_DIR", None)
-        else:
-            os.environ["KC_RUNS_DIR"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
 def reference_run(prefect_api, session_store, tmp_path_factory) -> dict:
-    """An uninterrupted flow run of the short tiny job: its summary, overrides and per-step MLflow losses."""
+    """An uninterrupted flow run of the short tiny job: its summary, overrides and per-step MLflow losses. Its
+    workers run under NCCL's rules (``KC_COMM_RULES=nccl``: a stand-in device, host tensors refused on device
+    groups), so every test of this run is also a test of the GPU path's contract."""
     workdir = tmp_path_factory.mktemp("reference")
     overrides = tiny_overrides(
         workdir,
         session_store,
         **{"tracking.system_metrics_interval_s": 1, "tracking.register_model": f"kc-test-{uuid.uuid4().hex[:6]}"},
     )
-    summary = run_flow(workdir, overrides)
+    summary = run_flow(workdir, overrides, env={"KC_COMM_RULES": "nccl"})
     uri = override_value(overrides, "tracking.uri")
     return {
         "workdir": workdir,

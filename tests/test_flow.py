@@ -1,4 +1,5 @@
-"""Issue 2 "Flow": a real flow run of the tiny config completes and MLflow holds its losses and manifest."""
+"""Issue 2 "Flow": a real flow run of the tiny config completes and MLflow holds its losses and manifest. The run's
+workers keep NCCL's rules (issue 25): start to export on the stand-in device, no host tensor on a device group."""
 
 from __future__ import annotations
 
@@ -115,3 +116,12 @@ def _artifacts(key: str, flow_run_id: str) -> list:
             return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
     return [a for a in asyncio.run(read()) if str(a.flow_run_id) == str(flow_run_id)]
+
+
+def test_flow_run_workers_kept_nccl_rules_on_the_stand_in_device(reference_run):  # noqa: F811
+    from pathlib import Path
+
+    logs = sorted(Path(reference_run["workdir"], "runs").rglob("worker-*.jsonl"))
+    ready = [json.loads(line) for f in logs for line in f.read_text().splitlines() if '"worker ready"' in line]
+    assert len(ready) == 2 and {r["device"] for r in ready} == {"cpu:0"}, ready  # the stand-in, not the plain CPU
+    assert reference_run["summary"]["steps"] == STEPS  # ... and the whole job ran under the rules to its export
