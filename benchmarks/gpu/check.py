@@ -13,6 +13,16 @@ fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
     Reported per side: step time, tokens/s, MFU (6·N·tokens per step ÷ time ÷ the device's bf16 dense peak;
     attention FLOPs not counted), peak memory.
 
+(c)-(e) **the engine end to end** (``engine_check.py``, under ``engine`` in the RESULT): a real ``kc train`` through
+    the Prefect flow of a Llama-3.2-1B-shaped model (bf16, ``train.compile``, fused AdamW, flash attention, 40
+    steps; its job file ``kc_train_job.yaml`` is written into ``--out``) with tokens/s, MFU, the compile time and
+    peak memory against ``kc plan``'s estimate; its loss against an fp32 run of the same job; a 2-process Gloo job
+    on CUDA tensors (both ranks on the one GPU) against one process.
+
+Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (c)-(e) ~6 min (itemised in
+``engine_check.py``); ``--budget-s`` (600) bounds the engine sections, which skip what no longer fits and say so.
+``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache.
+
 Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
 """
 
@@ -27,6 +37,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 
@@ -239,6 +250,16 @@ def step_timing(device: torch.device, smoke: bool, steps: int, blocks: int, batc
     return out
 
 
+def _release(device: torch.device) -> None:
+    """Free what (a) and (b) left on the device (their models, compiled graphs) before the engine's jobs start."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
@@ -248,7 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--recompute", default="selective", choices=("none", "full", "selective"))
     ap.add_argument("--skip-tracking", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true", help="leave out (c)-(e): kc train, fp32, 2 ranks")
+    ap.add_argument("--kc-train-steps", type=int, default=None, help="steps of the kc train run (40; --smoke 3)")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds for the whole check")
     args = ap.parse_args(argv)
+    from engine_check import Budget, engine_checks
+
+    budget = Budget(args.budget_s)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device here: run with --smoke for the CPU code paths", file=sys.stderr)
         return 2
@@ -270,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak memory {mem}"
         )
     out = Path(args.out)
+    if not args.skip_engine:
+        _release(device)
+        result["engine"] = engine_checks(device, args.smoke, out, steps=args.kc_train_steps, budget=budget)
+    result["wall_s"] = round(args.budget_s - budget.left(), 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
     print("RESULT " + json.dumps(result, default=str))
