@@ -256,7 +256,9 @@ def _hang(rank: int, world_size: int) -> dict:
     out = {"after_clean_op": [str(e) for e in watchdog.noticed()]}
     if rank == 0:  # rank 1 never joins the second one; rank 0 issues it and goes on without waiting
         handle = P.all_reduce(torch.ones(2, device=dev), group=group, async_op=True)
-        time.sleep(2.5)
+        deadline = time.monotonic() + 8.0  # noticed at 0.9 x 2 s, then the diagnosis asks rank 1 (<= 1 s)
+        while not watchdog.noticed() and time.monotonic() < deadline:
+            time.sleep(0.1)
         out["noticed"] = [(e.group, e.op, e.seq, e.missing_ranks) for e in watchdog.noticed()]
         try:
             handle.wait()
@@ -264,7 +266,7 @@ def _hang(rank: int, world_size: int) -> dict:
         except CommTimeout as exc:
             out["wait"] = (exc.group, exc.op, exc.seq, exc.missing_ranks)
     else:
-        time.sleep(4.0)  # alive, its counters answering the diagnosis
+        time.sleep(10.0)  # alive, its counters answering the diagnosis
     return out
 
 

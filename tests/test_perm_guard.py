@@ -234,7 +234,7 @@ def test_issue_tokens_keeps_tokens_in_memory_and_writes_only_signed_public_files
     v = Verifier(trust, job_id=job, min_attempt=1)
     w3 = v.verify(tokens["worker-3"], subject="worker-3")
     # dp=2, tp=2: rank 3 = (dp 1, tp 1) -> tp[2,3], dp[1,3]
-    assert set(w3.groups) == {"world", "tp[2,3]", "dp[1,3]", "pp[3]"} and w3.devices == ["cpu"]
+    assert set(w3.groups) == {"world", "host", "tp[2,3]", "dp[1,3]", "pp[3]"} and w3.devices == ["cpu"]
     assert "checkpoint:tok" in w3.objects and "dataset:synthetic" not in w3.objects  # datasets: the data loader's
     assert "dataset:synthetic" in v.verify(tokens["data_loader-3"], subject="data_loader-3").objects
     mon = v.verify(tokens["monitor"], subject="monitor")

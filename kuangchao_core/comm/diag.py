@@ -24,6 +24,19 @@ from kuangchao_core.comm.registry import all_groups
 
 _PREFIX = "kc_comm_diag"
 
+#: called (no arguments) when an op times out, before ``CommTimeout`` is raised or logged (state dumps)
+TIMEOUT_HOOKS: list = []
+
+
+def run_timeout_hooks() -> None:
+    """Run every :data:`TIMEOUT_HOOKS` entry; a hook that fails must not hide the timeout."""
+    for hook in list(TIMEOUT_HOOKS):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 _BELL_WAIT = timedelta(days=7)
 
 _responder: threading.Thread | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kuangchao_core.comm import watchdog
+from kuangchao_core.comm import diag, watchdog
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommError, CommTimeout
 from kuangchao_core.perm import guard_api
@@ -42,29 +42,19 @@ def _enter(op: str, group, peer: int | None) -> int:
     return n
 
 
-#: called (no arguments) when a collective times out, before ``CommTimeout`` is raised
-TIMEOUT_HOOKS: list = []
-
-
 def _looks_like_timeout(exc: BaseException, elapsed_s: float, timeout_ms: int) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text or elapsed_s * 1000 >= 0.95 * timeout_ms
 
 
 def _fail(op: str, group, seq: int, peer: int | None, elapsed_s: float, exc: BaseException) -> None:
-    from kuangchao_core.comm import diag
-
     noticed = getattr(group, "timed_out", None)
     if noticed is not None and noticed[:2] == (op, seq):  # the watchdog named it already (and ran the dumps)
         raise noticed[2] from exc
     if _looks_like_timeout(exc, elapsed_s, group.timeout_ms):
         missing = diag.find_missing(group, op, seq, peer=peer)
         group.broken = f"{op} seq {seq} timed out"
-        for hook in list(TIMEOUT_HOOKS):  # e.g. the worker's state dumps for `kc debug comm`
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - a dump that fails must not hide the timeout
-                pass
+        diag.run_timeout_hooks()  # e.g. the worker's state dumps for `kc debug comm`
         raise CommTimeout(group.name, op, seq, missing, group.timeout_ms) from exc
     group.broken = f"{op} seq {seq} failed: {exc}"
     raise CommError(

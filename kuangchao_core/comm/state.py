@@ -10,8 +10,9 @@ from kuangchao_core.comm.registry import all_groups
 
 
 def dump_groups() -> list[dict]:
-    """This process's groups: ``name``, ``ranks`` (in the caller's order), ``backend``, ``timeout_ms``,
-    ``member``, ``ops`` (issued per op kind), ``ops_issued`` (total), ``last_seq`` (collectives), ``p2p``, ``broken``.
+    """This process's groups: ``name``, ``ranks`` (in the caller's order), ``backend``, ``kind`` (device or host),
+    ``timeout_ms``, ``member``, ``ops`` (issued per op kind), ``ops_issued`` (total), ``last_seq`` (collectives),
+    ``p2p``, ``broken``.
     """
     out = []
     for g in all_groups():
@@ -20,6 +21,7 @@ def dump_groups() -> list[dict]:
                 "name": g.name,
                 "ranks": list(g.ranks),
                 "backend": g.backend,
+                "kind": g.kind,
                 "timeout_ms": g.timeout_ms,
                 "member": g.is_member,
                 "ops": dict(g.ops),

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 
+from kuangchao_core.comm import diag
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommTimeout
 
@@ -95,7 +96,13 @@ def _safe(fn, default):
 
 
 def _completed(work) -> bool:
-    return bool(work.is_completed())
+    """Done and successful: a Gloo op that failed on its own timeout is still a hang to name."""
+    if not work.is_completed():
+        return False
+    try:
+        return bool(work.is_success())
+    except Exception:  # noqa: BLE001 - a backend that cannot say: completed counts as done
+        return True
 
 
 def _forget(entries: list) -> None:
@@ -138,8 +145,6 @@ def _watch() -> None:
 
 
 def _notice(entry) -> None:
-    from kuangchao_core.comm import diag, dispatch
-
     op, group, seq, peer = entry[2:6]
     missing = diag.find_missing(group, op, seq, peer=peer)
     error = CommTimeout(group.name, op, seq, missing, group.timeout_ms)
@@ -148,8 +153,4 @@ def _notice(entry) -> None:
     with _lock:
         _noticed.append(error)
     log.error("%s", error)
-    for hook in list(dispatch.TIMEOUT_HOOKS):
-        try:
-            hook()
-        except Exception:  # noqa: BLE001 - a dump that fails must not hide the timeout
-            pass
+    diag.run_timeout_hooks()

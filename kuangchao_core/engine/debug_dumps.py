@@ -40,7 +40,7 @@ def write_state_dumps(run_dir: str | os.PathLike, rank: int, reason: str) -> lis
 def dump_on_signal(run_dir: str | os.PathLike, rank: int, signum: int = signal.SIGUSR1) -> threading.Thread:
     """Answer ``signum`` with :func:`write_state_dumps` from a daemon thread; call before starting other threads.
     Also writes them when a collective times out."""
-    from kuangchao_core.comm import dispatch
+    from kuangchao_core.comm import diag
 
     def answer(reason: str) -> None:
         try:
@@ -59,5 +59,5 @@ def dump_on_signal(run_dir: str | os.PathLike, rank: int, signum: int = signal.S
 
     thread = threading.Thread(target=wait, name="kc-state-dumps", daemon=True)
     thread.start()
-    dispatch.TIMEOUT_HOOKS.append(lambda: write_state_dumps(run_dir, rank, "collective timeout"))
+    diag.TIMEOUT_HOOKS.append(lambda: write_state_dumps(run_dir, rank, "collective timeout"))
     return thread
