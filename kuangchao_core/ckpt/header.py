@@ -14,11 +14,11 @@ its dtype and shape as safetensors names them (``{"dtype": "F32", "shape": [64, 
 
 from __future__ import annotations
 
-import json
 import struct
 from typing import Any
 
 from kuangchao_core.ckpt.storage import Storage
+from kuangchao_core.config.bounded_json import BoundedJSONError, loads_bounded
 
 #: the largest header length accepted; real shards have headers of kilobytes
 MAX_HEADER_BYTES = 100 << 20
@@ -45,6 +45,7 @@ DTYPE_BYTES = {
 }
 
 _METADATA = "__metadata__"
+_KC_META = "kuangchao."  # prefix of the metadata entries kuangchao writes as JSON (ckpt.layout META_*)
 
 #: differences reported per shard before the rest are summed up in one line
 MAX_PROBLEMS_PER_FILE = 20
@@ -73,18 +74,34 @@ def parse_header(prefix: bytes, file_size: int) -> dict[str, dict[str, Any]]:
     if len(prefix) < 8 + n:
         raise HeaderError(f"header length {n} but only {len(prefix) - 8} header bytes could be read")
     try:
-        header = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise HeaderError(f"header is not valid JSON ({str(exc)[:120]})") from None
+        header = loads_bounded(prefix[8 : 8 + n], max_bytes=MAX_HEADER_BYTES)
+    except BoundedJSONError as exc:
+        raise HeaderError(f"header refused: {exc.reason[:160]}") from None
     if not isinstance(header, dict):
         raise HeaderError(f"header is a JSON {type(header).__name__}, not an object")
     data_size = file_size - 8 - n
     entries: dict[str, dict[str, Any]] = {}
     for name, entry in header.items():
         if name == _METADATA:
+            _check_metadata(entry)
             continue
         entries[name] = _check_entry(name, entry, data_size)
     return entries
+
+
+def _check_metadata(meta: Any) -> None:
+    """``__metadata__``: an object of strings; kuangchao's own entries (``kuangchao.*``) must be JSON that the
+    bounded reader accepts, since the readers parse them (``ckpt.reader``)."""
+    if not isinstance(meta, dict):
+        raise HeaderError("__metadata__ is not an object")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise HeaderError(f"__metadata__ entry {key!r} is not a string")
+        if key.startswith(_KC_META):
+            try:
+                loads_bounded(value, max_bytes=MAX_HEADER_BYTES)
+            except BoundedJSONError as exc:
+                raise HeaderError(f"__metadata__ entry {key!r} refused: {exc.reason[:160]}") from None
 
 
 def _check_entry(name: str, entry: Any, data_size: int) -> dict[str, Any]:

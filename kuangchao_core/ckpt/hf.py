@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.models.layout import Region, TargetLayout
 
@@ -39,8 +40,8 @@ def hf_weight_files(hf_dir: str | os.PathLike[str]) -> dict[str, Path]:
     index = d / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
+            weight_map = read_json_file(index)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: cannot read its weight_map ({exc})") from None
         return {name: d / fname for name, fname in weight_map.items()}
     files = [d / SINGLE_FILE] if (d / SINGLE_FILE).is_file() else sorted(d.glob("*.safetensors"))

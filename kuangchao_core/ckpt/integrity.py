@@ -3,8 +3,9 @@
 A step directory is intact when its ``manifest.json`` exists, parses, has a format version this kuangchao reads,
 names the step of its directory, lists a shard and an RNG file for every rank, every file it lists exists with the
 recorded size and sha256, and (format version 2) every shard's safetensors header holds exactly the tensors, dtypes
-and shapes of the manifest's ``tensor_table`` with data offsets inside the file (``ckpt.header``). Version 1 steps
-have no table and verify by hash only. Anything else is reported as a problem; :func:`find_latest_intact` skips
+and shapes of the manifest's ``tensor_table`` with data offsets inside the file (``ckpt.header``), and every JSON file
+it lists (state, RNG) and the manifest itself parse within the limits of the bounded JSON reader
+(``config.bounded_json``: size, nesting depth). Version 1 steps have no table and verify by hash and JSON only. Anything else is reported as a problem; :func:`find_latest_intact` skips
 such directories and logs why.
 """
 
@@ -28,6 +29,12 @@ from kuangchao_core.ckpt.layout import (
     shard_name,
 )
 from kuangchao_core.ckpt.storage import LocalStorage, Storage
+from kuangchao_core.config.bounded_json import (
+    DEFAULT_MAX_BYTES,
+    MANIFEST_MAX_BYTES,
+    BoundedJSONError,
+    loads_bounded,
+)
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -57,10 +64,13 @@ def _load_manifest(storage: Storage, key: str, where: str) -> dict[str, Any]:
         raise corrupt(where, "step directory does not exist")
     if not storage.exists(mkey):
         raise corrupt(where, f"{MANIFEST} is missing (the save did not finish)")
+    size = storage.size(mkey)
+    if size > MANIFEST_MAX_BYTES:
+        raise corrupt(where, f"{MANIFEST} is {size} bytes, more than the limit of {MANIFEST_MAX_BYTES}")
     try:
-        manifest = json.loads(storage.read_bytes(mkey).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise corrupt(where, f"{MANIFEST} is not valid JSON ({exc})") from None
+        manifest = loads_bounded(storage.read_bytes(mkey), max_bytes=MANIFEST_MAX_BYTES)
+    except BoundedJSONError as exc:
+        raise corrupt(where, f"{MANIFEST} refused: {exc.reason}") from None
     if not isinstance(manifest, dict):
         raise corrupt(where, f"{MANIFEST} is not a JSON object")
     version = manifest.get("format_version")
@@ -142,7 +152,7 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
     problems: list[str] = [f"{link}: is a symbolic link (refused)" for link in _symlinks(st, key)]
     if st.exists(f"{key}/{BAD_MARK}"):
         try:
-            why = json.loads(st.read_bytes(f"{key}/{BAD_MARK}").decode("utf-8")).get("reason", "?")
+            why = _read_small_json(st, f"{key}/{BAD_MARK}").get("reason", "?")
         except (OSError, ValueError, AttributeError):
             why = "unreadable mark"
         problems.append(f"marked bad after a failed load: {why}")
@@ -187,6 +197,8 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
             problems.append(f"{rel}: sha256 {digest[:16]}… does not match the manifest ({str(entry['sha256'])[:16]}…)")
         if has_table:
             problems.extend(_header_problems(st, fkey, rel, manifest[TENSOR_TABLE]))
+        if rel.endswith(".json"):
+            problems.extend(_json_problems(st, fkey, rel))
     if has_table:
         problems.extend(
             f"{str(rel)[:80]!r}: in the manifest's tensor_table but not among its files"
@@ -194,6 +206,25 @@ def verify_checkpoint(step_dir: str | os.PathLike[str], storage: Storage | None 
             if rel not in files
         )
     return problems
+
+
+def _read_small_json(st: Storage, fkey: str) -> Any:
+    """A JSON file of a step read with the bounded reader (raises BoundedJSONError, OSError)."""
+    size = st.size(fkey)
+    if size > DEFAULT_MAX_BYTES:
+        raise BoundedJSONError(f"{size} bytes, more than the limit of {DEFAULT_MAX_BYTES}")
+    return loads_bounded(st.read_bytes(fkey))
+
+
+def _json_problems(st: Storage, fkey: str, rel: str) -> list[str]:
+    """A listed JSON file (state, RNG) that the bounded reader refuses is a problem: loading it would fail."""
+    try:
+        _read_small_json(st, fkey)
+    except BoundedJSONError as exc:
+        return [f"{rel}: refused ({exc.reason})"]
+    except (CheckpointError, OSError) as exc:
+        return [f"{rel}: unreadable ({exc})"]
+    return []
 
 
 def _is_shard(rel: str) -> bool:

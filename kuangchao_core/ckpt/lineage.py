@@ -35,6 +35,7 @@ from typing import Any
 
 from kuangchao_core.ckpt.integrity import find_latest_intact
 from kuangchao_core.ckpt.layout import LINEAGE_FILE, is_lineage_name, parse_step_dir
+from kuangchao_core.config.bounded_json import read_json_object
 from kuangchao_core.errors import CheckpointError
 
 LEGACY = "legacy"
@@ -66,7 +67,7 @@ class Lineage:
     def info(self) -> dict[str, Any]:
         """The contents of ``lineage.json`` ({} for ``legacy`` or when unreadable)."""
         try:
-            return json.loads((self.path / LINEAGE_FILE).read_text(encoding="utf-8"))
+            return read_json_object(self.path / LINEAGE_FILE)
         except (OSError, ValueError):
             return {}
 

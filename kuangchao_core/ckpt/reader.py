@@ -7,7 +7,6 @@ Tensor and state reads pass the permission guard as ``checkpoint_read`` on ``che
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -29,6 +28,7 @@ from kuangchao_core.ckpt.layout import (
     task_of_step_dir,
 )
 from kuangchao_core.ckpt.storage import Storage
+from kuangchao_core.config.bounded_json import DEFAULT_MAX_BYTES, BoundedJSONError, loads_bounded
 from kuangchao_core.perm import guard_api
 
 __all__ = [
@@ -69,10 +69,13 @@ def _checked_file(st: Storage, key: str, rel: str, where: str, verify: bool) -> 
 
 
 def _read_json(st: Storage, fkey: str, where: str, rel: str) -> Any:
+    size = st.size(fkey)
+    if size > DEFAULT_MAX_BYTES:
+        raise corrupt(where, f"{rel} is {size} bytes, more than the limit of {DEFAULT_MAX_BYTES}")
     try:
-        return json.loads(st.read_bytes(fkey).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise corrupt(where, f"{rel} is not valid JSON ({exc})") from None
+        return loads_bounded(st.read_bytes(fkey))
+    except BoundedJSONError as exc:
+        raise corrupt(where, f"{rel} refused: {exc.reason}") from None
 
 
 def load_shard(
@@ -104,9 +107,11 @@ def read_safetensors_metadata(st: Storage, fkey: str, where: str, rel: str | Non
             raise corrupt(where, f"{rel} declares a {n}-byte header (limit {_MAX_HEADER})")
         head = f.read(n)
     try:
-        header = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise corrupt(where, f"{rel} has an unreadable safetensors header ({exc})") from None
+        header = loads_bounded(head, max_bytes=_MAX_HEADER)
+    except BoundedJSONError as exc:
+        raise corrupt(where, f"{rel} has an unreadable safetensors header ({exc.reason})") from None
+    if not isinstance(header, dict):
+        raise corrupt(where, f"{rel}: the safetensors header is not a JSON object")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
         raise corrupt(where, f"{rel}: safetensors __metadata__ is not an object")
@@ -121,9 +126,9 @@ def _shard_meta(step_dir: str | os.PathLike[str], rank: int, storage: Storage | 
     if META_FORMAT not in meta:
         raise corrupt(where, f"{rel} lacks the {META_FORMAT} metadata entry (not written by kuangchao)")
     try:
-        return json.loads(meta.get(field, "null"))
-    except json.JSONDecodeError as exc:
-        raise corrupt(where, f"{rel}: metadata entry {field} is not JSON ({exc})") from None
+        return loads_bounded(meta.get(field, "null"), max_bytes=_MAX_HEADER)
+    except BoundedJSONError as exc:
+        raise corrupt(where, f"{rel}: metadata entry {field} refused ({exc.reason})") from None
 
 
 def read_shard_slices(

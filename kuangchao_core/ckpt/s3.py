@@ -12,7 +12,6 @@ implementations, accept a wrong client checksum), by the local verifier of ``ckp
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import posixpath
@@ -25,6 +24,7 @@ from typing import Any
 
 from kuangchao_core.ckpt.integrity import read_manifest, verify_checkpoint
 from kuangchao_core.ckpt.layout import LOGGER_NAME, MANIFEST, parse_step_dir, task_of_step_dir
+from kuangchao_core.config.bounded_json import MANIFEST_MAX_BYTES, BoundedJSONError, loads_bounded
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 from kuangchao_core.perm import guard_api
 
@@ -269,9 +269,9 @@ def _get_manifest(s3, bucket: str, base: str, where: str) -> tuple[bytes, dict[s
             ) from None
         raise CheckpointError(f"reading {where}/{MANIFEST} failed: {code or status} {exc}") from exc
     try:
-        manifest = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorrupt(f"checkpoint {where} is not usable: {MANIFEST} is not valid JSON ({exc})") from None
+        manifest = loads_bounded(body, max_bytes=MANIFEST_MAX_BYTES)
+    except BoundedJSONError as exc:
+        raise CheckpointCorrupt(f"checkpoint {where} is not usable: {MANIFEST} refused ({exc.reason})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointCorrupt(f"checkpoint {where} is not usable: {MANIFEST} has no 'files' table")
     return body, manifest

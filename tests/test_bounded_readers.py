@@ -1,0 +1,219 @@
+"""Bounded readers (issue 26 item 4): no file or record an outsider can place breaks a reader.
+
+- Deeply nested JSON (100 000 ``[``) in any checkpoint file — manifest, state, RNG, safetensors header or its
+  kuangchao metadata, ``BAD.json``, ``lineage.json`` — makes that step "not intact" with a reason, and the resume
+  planner uses the previous step; it used to raise ``RecursionError`` out of ``plan_resume`` (stopping
+  ``--resume auto`` for the whole task) or pass verification and fail at load. ``kc debug checkpoint`` and
+  ``kc checkpoint convert`` say what is wrong instead of printing a traceback.
+- The bounded JSON reader itself: depth and size limits, strings and escapes skipped, never a RecursionError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kuangchao.cli.main import app
+from kuangchao_core.ckpt.integrity import verify_checkpoint
+from kuangchao_core.ckpt.layout import LINEAGE_FILE, MANIFEST, META_SLICES, STATE, rng_name, shard_name
+from kuangchao_core.ckpt.lineage import create_lineage, plan_resume
+from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.config.bounded_json import (
+    BoundedJSONError,
+    loads_bounded,
+    max_nesting,
+    read_json_file,
+    read_json_object,
+)
+from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.perm import guard_api
+from tests.engine_helpers import tiny_job
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.fixture(autouse=True)
+def _trusted():
+    """Checkpoints are written in-process, as the storage layer's own tests do (trusted: no token)."""
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    yield
+    guard_api.install_guard(previous)
+
+
+# ------------------------------------------------------------------------------------------ the reader itself
+
+
+def test_the_reader_refuses_deep_nesting_without_recursion_and_keeps_strings_apart():
+    assert loads_bounded("[" * 64 + "]" * 64, max_depth=64) is not None
+    with pytest.raises(BoundedJSONError, match="65 levels deep"):
+        loads_bounded("[" * 65 + "]" * 65, max_depth=64)
+    for hostile in (DEEP, "[" * 100_000, '{"a":' * 100_000):
+        with pytest.raises(BoundedJSONError) as exc:
+            loads_bounded(hostile)
+        assert isinstance(exc.value, KuangchaoError) and isinstance(exc.value, ValueError)
+        assert "levels deep" in exc.value.reason
+    # brackets inside strings, escaped quotes and escaped backslashes are not nesting
+    value = {"a": '[[[[\\"{{{{', "b": ["x\\"], "c": '"]]]]'}
+    assert loads_bounded(json.dumps(value), max_depth=2) == value
+    assert max_nesting(json.dumps(value)) == 2
+    assert max_nesting(b"[" * (1 << 23)) == 1 << 23  # the long-input path (chunked) counts across chunks
+
+
+def test_the_reader_refuses_size_bad_utf8_and_bad_json_with_one_error_type(tmp_path):
+    with pytest.raises(BoundedJSONError, match="more than the limit of 10"):
+        loads_bounded("[" + "1," * 10 + "1]", max_bytes=10)
+    with pytest.raises(BoundedJSONError, match="not UTF-8"):
+        loads_bounded(b'{"a": "\xff"}')
+    with pytest.raises(BoundedJSONError, match="not valid JSON"):
+        loads_bounded("{'a': 1}")
+    big = tmp_path / "big.json"
+    big.write_bytes(b"[" + b"1," * 1000 + b"1]")
+    with pytest.raises(BoundedJSONError, match="larger than the limit of 100 bytes") as exc:
+        read_json_file(big, max_bytes=100)
+    assert str(big) in str(exc.value)
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(BoundedJSONError, match="not an object"):
+        read_json_object(tmp_path / "list.json")
+    with pytest.raises(FileNotFoundError):
+        read_json_file(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def _cfg(tmp_path: Path):
+    return tiny_job(str(tmp_path), task={"name": "deep", "seed": 7})
+
+
+def _save(cfg, lineage: str, step: int) -> Path:
+    writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, 0, 1, barrier=lambda: None, lineage=lineage)
+    return writer.save(
+        step,
+        {"param.w": torch.full((4, 4), float(step))},
+        rng_state={"seed": step},
+        state={"step": step},
+        slices={"param.w": {"full_shape": [4, 4], "offsets": [0, 0], "shape": [4, 4]}},
+    )
+
+
+def _replace_listed(step_dir: Path, rel: str, data: bytes) -> None:
+    """Replace a listed file and fix its sha256 and size in the manifest, as an attacker with the directory can."""
+    (step_dir / rel).write_bytes(data)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["files"][rel].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _shard_with_header(step_dir: Path, header: bytes) -> bytes:
+    """The rank-0 shard with its header JSON replaced by ``header`` (the tensor bytes kept)."""
+    raw = (step_dir / shard_name(0)).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return struct.pack("<Q", len(header)) + header + raw[8 + n :]
+
+
+def _deep_manifest(step_dir: Path) -> None:
+    (step_dir / MANIFEST).write_text(DEEP)
+
+
+def _deep_state(step_dir: Path) -> None:
+    _replace_listed(step_dir, STATE, DEEP.encode())
+
+
+def _deep_rng(step_dir: Path) -> None:
+    _replace_listed(step_dir, rng_name(0), ('{"seed": ' + DEEP + "}").encode())
+
+
+def _deep_header(step_dir: Path) -> None:
+    _replace_listed(step_dir, shard_name(0), _shard_with_header(step_dir, DEEP.encode()))
+
+
+def _deep_slices_metadata(step_dir: Path) -> None:
+    raw = (step_dir / shard_name(0)).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"][META_SLICES] = DEEP  # a string in the header, JSON the reader parses later
+    _replace_listed(step_dir, shard_name(0), _shard_with_header(step_dir, json.dumps(header).encode()))
+
+
+def _deep_bad_mark(step_dir: Path) -> None:
+    (step_dir / "BAD.json").write_text(DEEP)
+
+
+ATTACKS = {
+    "manifest": (_deep_manifest, "manifest.json refused"),
+    "state": (_deep_state, "state.json: refused"),
+    "rng": (_deep_rng, f"{rng_name(0)}: refused"),
+    "header": (_deep_header, "bad safetensors header (header refused"),
+    "slices-metadata": (_deep_slices_metadata, "'kuangchao.slices' refused"),
+    "bad-mark": (_deep_bad_mark, "marked bad"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_deep_json_in_any_checkpoint_file_skips_that_step_and_resume_uses_the_previous(tmp_path, attack, caplog):
+    cfg = _cfg(tmp_path)
+    lineage = plan_resume(cfg, "never").lineage
+    create_lineage(cfg, lineage)
+    good = _save(cfg, lineage, 2)
+    bad = _save(cfg, lineage, 4)
+    assert plan_resume(cfg, "auto").step == 4  # the control: the newest step is used before the attack
+    change, reason = ATTACKS[attack]
+    change(bad)
+    problems = verify_checkpoint(bad)
+    assert any(reason in p for p in problems), problems
+    assert any("levels deep" in p for p in problems) or attack == "bad-mark", problems
+    with caplog.at_level(logging.WARNING, logger="kuangchao.ckpt"):
+        plan = plan_resume(cfg, "auto")
+    assert (plan.lineage, plan.step, plan.step_dir, plan.new) == (lineage, 2, str(good), False)
+    assert any("step_00000004" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_deep_json_in_lineage_json_does_not_stop_the_planner(tmp_path):
+    cfg = _cfg(tmp_path)
+    older = plan_resume(cfg, "never").lineage
+    create_lineage(cfg, older)
+    _save(cfg, older, 2)
+    newer = plan_resume(cfg, "never").lineage
+    create_lineage(cfg, newer)
+    _save(cfg, newer, 6)
+    lineage_file = Path(cfg.checkpoint.dir) / cfg.task.name / newer / LINEAGE_FILE
+    lineage_file.write_text(DEEP)  # it used to raise RecursionError out of plan_resume for the whole task
+    plan = plan_resume(cfg, "auto")
+    assert plan.step in (2, 6) and plan.step_dir is not None
+    lineage_file.write_text("[1, 2]")  # valid JSON that is not an object: unreadable, not an AttributeError
+    assert plan_resume(cfg, "auto").step_dir is not None
+
+
+def _cli(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+def _no_traceback(res) -> None:
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output and "RecursionError" not in res.output
+
+
+@pytest.mark.parametrize("attack", ["manifest", "state", "slices-metadata"])
+def test_kc_debug_checkpoint_and_convert_report_deep_json_without_a_traceback(tmp_path, attack):
+    cfg = _cfg(tmp_path)
+    lineage = plan_resume(cfg, "never").lineage
+    create_lineage(cfg, lineage)
+    step = _save(cfg, lineage, 2)
+    change, reason = ATTACKS[attack]
+    change(step)
+    res = _cli(["debug", "checkpoint", str(step)])
+    _no_traceback(res)
+    assert res.exit_code == 1 and reason in res.output, res.output
+    res = _cli(["checkpoint", "convert", str(step), str(tmp_path / "out"), "--parallel", "tp=1,pp=1"])
+    _no_traceback(res)
+    assert res.exit_code == 1 and reason in res.output, res.output
+    res = _cli(["checkpoint", "list", str(Path(cfg.checkpoint.dir) / cfg.task.name)])
+    _no_traceback(res)
+    assert "corrupt" in res.output
