@@ -23,6 +23,7 @@ from kuangchao_core.obs.tracking import tracking_uri
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.audit_pins import record_audit_pin_or_log
+from kuangchao_core.perm.audit_seal import register_seal
 from kuangchao_core.perm.global_config import GlobalConfig
 from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env, token_env
 from kuangchao_core.perm.runtime import RenewalServer
@@ -163,6 +164,7 @@ def launch_workers(
                     mode=str(cfg.permission.mode),
                 )
                 pin()  # before the workers start: this process's audit key
+                register_seal(run_dir, pin)  # issue 26: the job's end (close_authority) seals the log with it
                 stack.callback(pin)  # runs after the server's stop (entered below) and its final checkpoint
             worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
         stack.callback(view.close)

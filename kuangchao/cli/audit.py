@@ -2,15 +2,18 @@
 
     kc audit --task NAME [--since DATE] [--action deny|allow|all] [--module M] [--json] [--verify] [--log PATH]
     kc audit --verify --run RUN_DIR [--job-id ID] [--mode enforcing|trusted] [--pins FILE] [--log PATH]
+             [--tracking-uri URI] [--allow-unsealed]
 
 Lines look like ``2024-01-15 10:23:45 | worker-3 | memory_alloc | DENIED | token expired (memory:params)``
 (UTC). Logs are found under ``--log`` (a file, or a directory holding ``<task>/*.jsonl``), else the ones the run's
 pins name (``--run``), else under the ``permission.audit_log`` of ``--config``, else ``audit/<task>/``. ``--verify``
-checks the hash chain and the signed checkpoints and names the first bad record. With ``--run`` the trust comes from
-outside the log's directory (:mod:`kuangchao_core.perm.audit_trust`): the run's job id, the authority's trust store
-and audit pins; an enforcing job fails without them. Without ``--run`` it is ``<log>.trust.json`` (or
-``--trust-store``) and said to be unpinned. Pins or anchors whose log is gone fail too. Exit code 1 if any log
-fails, 2 for bad arguments.
+checks the hash chain and the signed checkpoints and names the first bad record. Every verifying form reads the
+audit pins kept outside the run directory (:mod:`kuangchao_core.perm.audit_external`: the MLflow store of
+``--tracking-uri`` / ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``, the configured Prefect API, and ``--pins``);
+the job, mode and audit key come from them (:mod:`kuangchao_core.perm.audit_trust`), the run's own files are only
+compared with them. An enforcing job fails without them, and fails unless its log ends at the pin the job sealed it
+with (``--allow-unsealed`` for a job still running). Pins or anchors whose log is gone fail too. Exit code 1 if any
+log fails, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import typer
 from kuangchao_core.perm.audit_trust import (
     MODES,
     AuditTrust,
+    ExternalPins,
     missing_log_report,
     orphaned_logs,
     run_log_paths,
@@ -124,6 +128,12 @@ def audit(
         None, "--mode", help="enforcing | trusted; enforcing fails without trust store, checkpoints and pins."
     ),
     pins: Path = typer.Option(None, "--pins", help="Audit pins to check too (e.g. MLflow's audit/pins.json)."),
+    tracking_uri: str = typer.Option(
+        None, "--tracking-uri", help="The MLflow store holding the job's pins (default $KC_TRACKING_URI)."
+    ),
+    allow_unsealed: bool = typer.Option(
+        False, "--allow-unsealed", help="Accept a log its job has not sealed yet (a job still running)."
+    ),
 ) -> None:
     """Print or verify a task's permission decisions."""
     if action not in ("deny", "allow", "all"):
@@ -140,6 +150,11 @@ def audit(
     except ValueError:
         typer.echo(f"error: --since {since!r} is not a date (2024-01-15, 2024-01-15T10:00:00Z) or age (2h)", err=True)
         raise typer.Exit(2) from None
+    external = None
+    if verify:
+        from kuangchao_core.perm.audit_external import collect_external_pins
+
+        external = collect_external_pins(tracking_uri)
     run_trust = None
     if run is not None:
         if not run.is_dir():
@@ -148,7 +163,15 @@ def audit(
             )
             raise typer.Exit(2)
         try:
-            run_trust = trust_for_run(run, job_id=job_id, mode=mode, trust_store=trust_store, pins_file=pins)
+            run_trust = trust_for_run(
+                run,
+                job_id=job_id,
+                mode=mode,
+                trust_store=trust_store,
+                pins_file=pins,
+                external=external,
+                allow_unsealed=allow_unsealed,
+            )
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
@@ -159,6 +182,8 @@ def audit(
         logs = find_logs(task, log, config)
         candidates = _anchored_logs(task, log, config) if verify else []
     missing = _missing_logs(candidates, run_trust) if verify else []
+    if verify and run_trust is None:  # logs of the task that pins outside the run name, deleted since
+        missing += [p for p in _pinned_logs(external, task, logs) if all(p != m.resolve() for m in missing)]
     if not logs and not missing:
         if run_trust is not None and log is None:
             typer.echo(
@@ -175,7 +200,15 @@ def audit(
         def trust_of(path: Path) -> AuditTrust:
             if run_trust is not None:
                 return run_trust
-            return trust_for_log(path, job_id=job_id, mode=mode, trust_store=trust_store, pins_file=pins)
+            return trust_for_log(
+                path,
+                job_id=job_id,
+                mode=mode,
+                trust_store=trust_store,
+                pins_file=pins,
+                external=external,
+                allow_unsealed=allow_unsealed,
+            )
 
         raise typer.Exit(_verify(logs, missing, trust_of, as_json))
     shown = 0
@@ -194,6 +227,19 @@ def audit(
     if not as_json:  # JSON lines stay pure records; people get the count, "0 denials" included
         what = {"deny": "denials", "allow": "allowed decisions", "all": "records"}[action]
         typer.echo(f"{shown} {what} in {len(logs)} audit log{'s' if len(logs) != 1 else ''}")
+
+
+def _pinned_logs(external: ExternalPins | None, task: str | None, logs: list[Path]) -> list[Path]:
+    """The logs of ``task`` that pins outside the run name but that are not among ``logs`` (deleted ones)."""
+    if external is None or not task:
+        return []
+    have = {p.resolve() for p in logs}
+    out: list[Path] = []
+    for pin, _ in external.for_task(task):
+        path = Path(pin.log_path)
+        if not path.exists() and path.resolve() not in have and path not in out:
+            out.append(path)
+    return out
 
 
 def _missing_logs(candidates: list[Path], trust: AuditTrust | None) -> list[Path]:

@@ -9,6 +9,12 @@ those can vouch for the others against someone with the workers' uid; pins are k
 - the job's MLflow run: tag ``kuangchao.audit_pin`` (the latest pin) and artifact ``audit/pins.json`` (all);
 - a Prefect artifact ``kc-audit-pin`` of the flow run.
 
+A pin carries the raw public audit key, so checkpoints verify against the pin and never against a trust store in
+the run directory; ``run_dir`` names the run it belongs to, so ``kc audit --run`` finds it outside the run
+(:mod:`~kuangchao_core.perm.audit_external`); ``sealed`` marks the job's last pin, after which no record may follow
+(:mod:`~kuangchao_core.perm.audit_seal`). Only the MLflow and Prefect copies count as trust: the authority file is
+in the run directory, which a worker's uid can rewrite, and is only compared with them.
+
 :func:`record_audit_pin` writes all three (the orchestrator calls it when a launch starts and after the final
 signed checkpoint; :func:`record_audit_pin_or_log` on shutdown paths); :func:`verify_against_pins` says how a
 verified log disagrees with them.
@@ -28,7 +34,7 @@ from typing import NamedTuple
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.perm.audit_chain import genesis_hash, utc_now_iso
 from kuangchao_core.perm.audit_verify import VerifyReport, read_head, verify_log
-from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustStore
+from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustStore, b64d, b64e
 
 log = logging.getLogger("kuangchao.perm.audit_pins")
 
@@ -62,6 +68,9 @@ class AuditPin:
     mode: str | None = None
     pinned_at: str = ""
     v: int = PIN_VERSION
+    run_dir: str = ""  # the run directory (resolved): how `kc audit --run` finds the pins kept outside it
+    audit_key: str = ""  # the raw public audit key (base64url): checkpoints verify against the pin, not the run
+    sealed: bool = False  # the job's last act: no record may follow ``seq``
 
     def to_json(self) -> dict:
         """The pin as a JSON-ready dict."""
@@ -80,13 +89,37 @@ class AuditPin:
             raise ValueError("pin field 'seq' is not a non-negative integer")
         if data.get("mode") not in (None, "enforcing", "trusted"):
             raise ValueError("pin field 'mode' is not enforcing or trusted")
+        for name in ("run_dir", "audit_key"):
+            if not isinstance(data.get(name, ""), str):
+                raise ValueError(f"pin field {name!r} is not a string")
+        if not isinstance(data.get("sealed", False), bool):
+            raise ValueError("pin field 'sealed' is not a boolean")
+        if data.get("audit_key") and key_fingerprint(_public_of(data["audit_key"])) != data["audit_key_fp"]:
+            raise ValueError("pin field 'audit_key' does not have the pinned fingerprint")
         return cls(
             **{n: data[n] for n in strings},
             seq=data["seq"],
             mode=data.get("mode"),
             pinned_at=str(data.get("pinned_at", "")),
             v=int(data.get("v", PIN_VERSION)),
+            run_dir=data.get("run_dir", ""),
+            audit_key=data.get("audit_key", ""),
+            sealed=data.get("sealed", False),
         )
+
+    def public_key(self) -> bytes | None:
+        """The pinned raw public audit key (None for a pin that names only its fingerprint)."""
+        return _public_of(self.audit_key) if self.audit_key else None
+
+
+def _public_of(text: str) -> bytes:
+    try:
+        raw = b64d(text)
+    except (ValueError, TypeError):
+        raise ValueError("pin field 'audit_key' is not base64url") from None
+    if len(raw) != 32:
+        raise ValueError("pin field 'audit_key' is not a 32-byte Ed25519 public key")
+    return raw
 
 
 def pin_of(
@@ -96,10 +129,13 @@ def pin_of(
     public_key_raw: bytes,
     *,
     mode: str | None = None,
+    run_dir: str | os.PathLike | None = None,
+    sealed: bool = False,
 ) -> AuditPin:
     """The pin of ``log_path`` as it is now: its head (last complete record) and the audit key that signs it.
 
-    Raises :class:`AuditPinError` if the log is missing, its last record unreadable, or it belongs to another job.
+    ``run_dir``: the job's run directory (named in the pin); ``sealed``: this is the job's last pin (see
+    :mod:`~kuangchao_core.perm.audit_seal`). Raises :class:`AuditPinError` if the log is missing, its last record unreadable, or it belongs to another job.
     """
     path = Path(log_path)
     try:
@@ -120,6 +156,9 @@ def pin_of(
         audit_key_fp=key_fingerprint(public_key_raw),
         mode=mode,
         pinned_at=utc_now_iso(),
+        run_dir=str(Path(run_dir).resolve()) if run_dir else "",
+        audit_key=b64e(bytes(public_key_raw)),
+        sealed=sealed,
     )
 
 
@@ -196,13 +235,14 @@ def save_pin(authority_dir: str | os.PathLike, pin: AuditPin) -> Path:
 
 
 def _same_state(a: AuditPin, b: AuditPin) -> bool:
-    return (a.log_id, a.seq, a.head_hash, a.audit_kid, a.audit_key_fp, a.mode) == (
+    return (a.log_id, a.seq, a.head_hash, a.audit_kid, a.audit_key_fp, a.mode, a.sealed) == (
         b.log_id,
         b.seq,
         b.head_hash,
         b.audit_kid,
         b.audit_key_fp,
         b.mode,
+        b.sealed,
     )
 
 
@@ -219,6 +259,7 @@ def record_audit_pin(
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
     mode: str | None = None,
+    sealed: bool = False,
 ) -> AuditPin:
     """Pin the job's audit log now: into ``<run_dir>/authority/audit_pins.json``, the MLflow run ``mlflow_run_id``
     (at ``tracking_uri``, else ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``) and the current Prefect flow run.
@@ -226,7 +267,7 @@ def record_audit_pin(
     MLflow or Prefect being unavailable costs a warning, never the pin in the authority file. Raises
     :class:`AuditPinError` (nothing written) if the log cannot be pinned (missing, unreadable, another job's).
     """
-    pin = pin_of(log_path, job_id, audit_kid, public_key_raw, mode=mode)
+    pin = pin_of(log_path, job_id, audit_kid, public_key_raw, mode=mode, run_dir=run_dir, sealed=sealed)
     authority_dir = Path(run_dir) / "authority"
     save_pin(authority_dir, pin)
     if mlflow_run_id:
@@ -306,8 +347,9 @@ def verify_against_pins(
 
     ``report_or_log``: a :func:`verify_log` report made with ``hash_at`` = the pins' seqs, or a log path (verified
     here). Checked: every pin names the expected job; the log is that job's; the chain reaches every pinned head
-    with the pinned hash (fewer records = truncated); every checkpoint is signed by a pinned audit key; and the
-    trust store's copy of each pinned key has the pinned fingerprint (a key swapped in beside the log is not).
+    with the pinned hash (fewer records = truncated); no record follows a sealed pin (the job's last act); every
+    checkpoint is signed by a pinned audit key; and the trust store's copy of each pinned key has the pinned
+    fingerprint (a key swapped in beside the log is not).
     """
     if isinstance(report_or_log, VerifyReport):
         report = report_or_log
@@ -343,6 +385,15 @@ def verify_against_pins(
                     f"seq {p.seq} differs from the head pinned at {p.pinned_at}: records up to it were rewritten",
                 )
             )
+    sealed = [p.seq for p in pins if p.sealed]
+    if sealed and report.records > min(sealed):
+        problems.append(
+            PinProblem(
+                "after_seal",
+                f"the job sealed its log at seq {min(sealed)} as its last act, but it holds {report.records} records: "
+                f"{report.records - min(sealed)} were appended afterwards",
+            )
+        )
     pinned: dict[str, set[str]] = {}
     for p in pins:
         pinned.setdefault(p.audit_kid, set()).add(p.audit_key_fp)

@@ -1,13 +1,17 @@
-"""What ``kc audit --verify`` trusts for a job's audit log, and the verification that uses it (issue 16).
+"""What ``kc audit --verify`` trusts for a job's audit log, and the verification that uses it (issues 16, 26).
 
-With a run directory (:func:`trust_for_run`) the expected job is ``<run>/job_id``, the trust store
-``<run>/authority/trust_store.json`` and the pins ``<run>/authority/audit_pins.json``; the mode is the pins'
-(``enforcing`` if any pin says so), else the run's ``config.yaml`` ``permission.mode``, else ``enforcing``. Without
-one (:func:`trust_for_log`) the trust store is ``<log>.trust.json`` beside the log — the log's writer can replace it,
-so the trust is *unpinned* unless pins are given — and the mode is unknown unless asked for.
+Trust comes from the pins kept outside the run directory (:mod:`~kuangchao_core.perm.audit_external`: the MLflow
+run, the Prefect artifact, or a file given with ``--pins``): the expected job, the mode and the audit key (its public
+key and fingerprint) are the pins'. The run's own files — ``job_id``, ``config.yaml``,
+``authority/trust_store.json``, ``authority/audit_pins.json``, ``<log>.trust.json`` — are only compared with them: a
+worker's uid can rewrite every one of them. Without external pins the mode is ``--mode``, else ``enforcing`` for a
+run (:func:`trust_for_run`) and for a log that shows an authority's hand (signed checkpoints, a trust file beside it,
+records naming a token), else unknown (:func:`trust_for_log`).
 
-:func:`verify_with_trust` fails an enforcing job's log without a trust store, signed checkpoints, an expected job or
-pins, and any log that disagrees with its pins; :func:`missing_log_report` reports pins or anchors without a log.
+:func:`verify_with_trust` fails an enforcing job's log without external pins, without signed checkpoints, with a
+record after its sealed pin or — unless ``allow_unsealed`` (a job still running) — without a sealed pin at all, so
+no record after the last signed checkpoint goes unvouched; :func:`missing_log_report` reports pins or anchors
+without a log.
 """
 
 from __future__ import annotations
@@ -17,30 +21,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.perm.audit_chain import anchors_path_for
+from kuangchao_core.perm.audit_external import ExternalPins
 from kuangchao_core.perm.audit_pins import AuditPin, AuditPinError, load_pins_file, pins_path, verify_against_pins
-from kuangchao_core.perm.audit_verify import VerifyReport, verify_log
-from kuangchao_core.perm.tokens import TrustStore
+from kuangchao_core.perm.audit_verify import VerifyReport, read_records, verify_log
+from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustedKey, TrustStore
 
 MODES = ("enforcing", "trusted")
 
 
 @dataclass
 class AuditTrust:
-    """The expected job, mode, trust store and pins one log is checked against, and where each came from."""
+    """The expected job, mode, keys and pins one log is checked against, and where each came from.
+
+    ``external``: the pins found outside the run directory (they decide); ``pins``: every pin the log is checked
+    against (the run's own ``audit_pins.json`` too); ``pinned_store``: the audit keys the external pins carry.
+    """
 
     job_id: str | None = None
     mode: str | None = None
     trust_store: TrustStore | None = None
     trust_source: Path | None = None
     pins: list[AuditPin] = field(default_factory=list)
-    pins_sources: list[Path] = field(default_factory=list)
+    pins_sources: list[str] = field(default_factory=list)
+    external: list[AuditPin] = field(default_factory=list)
+    external_sources: list[str] = field(default_factory=list)
+    pinned_store: TrustStore | None = None
+    allow_unsealed: bool = False
     notes: list[str] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def pinned(self) -> bool:
-        """Whether the log is checked against pins kept outside its directory."""
-        return bool(self.pins)
+        """Whether the log is checked against pins kept outside the run directory."""
+        return bool(self.external)
 
 
 def _load_trust_store(trust: AuditTrust, path: Path) -> None:
@@ -53,30 +66,47 @@ def _load_trust_store(trust: AuditTrust, path: Path) -> None:
         trust.problems.append(("bad_trust_store", f"trust store {path} is unreadable: {exc}"))
 
 
-def _add_pins(trust: AuditTrust, path: Path) -> None:
+def _file_pins(path: Path, trust: AuditTrust) -> list[AuditPin]:
     try:
-        trust.pins.extend(load_pins_file(path))
+        return load_pins_file(path)
     except AuditPinError as exc:
         trust.problems.append(("bad_pins", str(exc)))
-    trust.pins_sources.append(path)
+        return []
 
 
-def _job_from_pins(trust: AuditTrust) -> None:
-    jobs = {p.job_id for p in trust.pins}
-    if trust.job_id is None and len(jobs) == 1:
-        trust.job_id = jobs.pop()
-        trust.notes.append(f"expected job {trust.job_id!r} taken from the pins")
+def _add_external(trust: AuditTrust, found: list[tuple[AuditPin, str]]) -> None:
+    for pin, source in found:
+        if pin not in trust.external:
+            trust.external.append(pin)
+            trust.pins.append(pin)
+        if source not in trust.external_sources:
+            trust.external_sources.append(source)
 
 
-def _config_mode(run_dir: Path) -> str | None:
-    import yaml
-
-    try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-        mode = data["permission"]["mode"]
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    return mode if mode in MODES else None
+def _settle(trust: AuditTrust, job_id: str | None, mode: str | None, fallback_mode: str | None) -> None:
+    """The expected job, the mode and the pinned keys, from the external pins; ``job_id``/``mode``: as asked."""
+    jobs = sorted({p.job_id for p in trust.external})
+    if job_id and jobs and jobs != [job_id]:
+        trust.problems.append(
+            ("pin_wrong_job", f"the job is {job_id!r}, but the pins outside the run name {', '.join(jobs)}")
+        )
+    trust.job_id = job_id or (jobs[0] if len(jobs) == 1 else None)
+    if jobs and not job_id:
+        trust.notes.append(f"expected job {trust.job_id!r} taken from the pins outside the run")
+    pin_modes = {p.mode for p in trust.external if p.mode}
+    if mode:
+        trust.mode = mode
+        if mode == "trusted" and "enforcing" in pin_modes:
+            trust.notes.append("the pins say the job was enforcing; checked as trusted, as asked (--mode)")
+    elif pin_modes:
+        trust.mode = "enforcing" if "enforcing" in pin_modes else "trusted"
+    elif trust.external:
+        trust.mode = "enforcing"
+    else:
+        trust.mode = fallback_mode
+    keys = {p.audit_kid: p.public_key() for p in trust.external if p.audit_key}
+    if keys:
+        trust.pinned_store = TrustStore(keys={k: TrustedKey(k, PURPOSE_AUDIT, raw) for k, raw in keys.items()})
 
 
 def trust_for_run(
@@ -86,33 +116,49 @@ def trust_for_run(
     mode: str | None = None,
     trust_store: str | os.PathLike | None = None,
     pins_file: str | os.PathLike | None = None,
+    external: ExternalPins | None = None,
+    allow_unsealed: bool = False,
 ) -> AuditTrust:
-    """The trust of the run in ``run_dir`` (see module docstring); ``ValueError`` if ``job_id`` contradicts it.
-
-    ``trust_store`` replaces the run's trust store; ``pins_file`` (e.g. the MLflow ``audit/pins.json``) adds pins.
-    """
+    """The trust of the run in ``run_dir`` (see module docstring); ``ValueError`` if ``job_id`` contradicts the
+    run's ``job_id`` file. ``external``: the pins found outside (``None``: none looked for); ``pins_file``: more
+    external pins (e.g. MLflow's ``audit/pins.json`` saved by hand); ``trust_store`` replaces the run's."""
     run = Path(run_dir)
-    trust = AuditTrust()
+    trust = AuditTrust(allow_unsealed=allow_unsealed)
     id_file = run / "job_id"
     run_job = id_file.read_text(encoding="utf-8").strip() if id_file.exists() else None
     if job_id and run_job and job_id != run_job:
         raise ValueError(f"--job-id {job_id!r} is not the job of {run} ({run_job!r} in {id_file})")
-    trust.job_id = job_id or run_job
-    _add_pins(trust, pins_path(run / "authority"))
+    if external is not None:
+        _add_external(trust, external.for_run(run, job_id or run_job))
+        trust.external_sources.extend(s for s in external.sources if s not in trust.external_sources)
+        trust.notes.extend(external.notes)
     if pins_file:
-        _add_pins(trust, Path(pins_file))
-    _job_from_pins(trust)
+        _add_external(trust, [(p, str(pins_file)) for p in _file_pins(Path(pins_file), trust)])
+    local = pins_path(run / "authority")
+    trust.pins.extend(p for p in _file_pins(local, trust) if p not in trust.pins)
+    trust.pins_sources.append(str(local))
+    _settle(trust, job_id, mode, "enforcing")
+    if trust.external and run_job and trust.job_id and run_job != trust.job_id:
+        trust.problems.append(
+            ("job_id_mismatch", f"{id_file} says {run_job!r}, the pins outside the run say {trust.job_id!r}")
+        )
+    if not trust.external and trust.job_id is None:
+        trust.job_id = run_job
+    if not trust.external and run_job:
+        trust.notes.append(f"expected job {run_job!r} read from {id_file} (no pins outside the run)")
     _load_trust_store(trust, Path(trust_store) if trust_store else run / "authority" / "trust_store.json")
-    pin_modes = {p.mode for p in trust.pins if p.mode}
-    if mode:
-        trust.mode = mode
-        if mode == "trusted" and "enforcing" in pin_modes:
-            trust.notes.append("the pins say the job was enforcing; checked as trusted, as asked (--mode)")
-    elif "enforcing" in pin_modes or pin_modes == {"trusted"}:
-        trust.mode = "enforcing" if "enforcing" in pin_modes else "trusted"
-    else:
-        trust.mode = _config_mode(run) or "enforcing"
     return trust
+
+
+def _looks_enforcing(log_path: Path) -> bool:
+    """Whether a log shows an authority's hand: signed checkpoints or a trust file beside it, or records naming a
+    token (only an enforcing job's modules hold tokens)."""
+    if anchors_path_for(log_path).exists() or Path(f"{log_path}.trust.json").exists():
+        return True
+    try:
+        return any(r.get("jti") or str(r.get("resource", "")).startswith("token:") for r in read_records(log_path))
+    except OSError:
+        return False
 
 
 def trust_for_log(
@@ -122,21 +168,31 @@ def trust_for_log(
     mode: str | None = None,
     trust_store: str | os.PathLike | None = None,
     pins_file: str | os.PathLike | None = None,
+    external: ExternalPins | None = None,
+    allow_unsealed: bool = False,
 ) -> AuditTrust:
-    """The trust of a log verified without its run: ``trust_store`` or ``<log>.trust.json``, pins only from
-    ``pins_file``, the mode only as asked (``None``: unknown, missing checkpoints only warn)."""
-    trust = AuditTrust(job_id=job_id, mode=mode)
+    """The trust of a log verified without its run: the external pins that name the log (and ``pins_file``);
+    the keys, job and mode are theirs. Without any: ``--mode``, else enforcing when the log looks like an enforcing
+    job's (see :func:`_looks_enforcing`), else unknown (missing evidence only warns). The trust store is
+    ``trust_store`` or ``<log>.trust.json``, compared with the pins."""
+    trust = AuditTrust(allow_unsealed=allow_unsealed)
+    if external is not None:
+        _add_external(trust, external.for_log(log_path))
+        trust.external_sources.extend(s for s in external.sources if s not in trust.external_sources)
+        trust.notes.extend(external.notes)
     if pins_file:
-        _add_pins(trust, Path(pins_file))
-    _job_from_pins(trust)
+        _add_external(trust, [(p, str(pins_file)) for p in _file_pins(Path(pins_file), trust)])
+    fallback = "enforcing" if _looks_enforcing(Path(log_path)) else None
+    _settle(trust, job_id, mode, fallback)
     _load_trust_store(trust, Path(trust_store) if trust_store else Path(f"{log_path}.trust.json"))
     return trust
 
 
 def run_log_paths(run_dir: str | os.PathLike, trust: AuditTrust) -> list[Path]:
-    """The job's log files: those the pins name, else the one the run's ``config.yaml`` puts it at (existing or not)."""
+    """The job's log files: those the external pins name (else the run's own pins), else the one the run's
+    ``config.yaml`` puts it at (existing or not)."""
     paths: list[Path] = []
-    for p in trust.pins:
+    for p in trust.external or trust.pins:
         if Path(p.log_path) not in paths:
             paths.append(Path(p.log_path))
     if paths or trust.job_id is None:
@@ -154,22 +210,24 @@ def run_log_paths(run_dir: str | os.PathLike, trust: AuditTrust) -> list[Path]:
 
 
 def verify_with_trust(path: str | os.PathLike, trust: AuditTrust) -> VerifyReport:
-    """:func:`verify_log` of ``path`` against ``trust``: chain, checkpoints, the expected job, pins and the mode's
-    requirements; every shortfall of an enforcing job's evidence is a failure, of an unknown mode a warning."""
+    """:func:`verify_log` of ``path`` against ``trust``: chain, checkpoints (signed by a pinned key), the expected
+    job, pins, the seal and the mode's requirements; every shortfall of an enforcing job's evidence is a failure, of
+    an unknown mode a warning."""
     enforcing = trust.mode == "enforcing"
     report = verify_log(
         path,
         log_id=trust.job_id,
-        trust_store=trust.trust_store,
+        trust_store=trust.pinned_store or trust.trust_store,
         hash_at=[p.seq for p in trust.pins],
         require_anchors=enforcing,
     )
     for problem, detail in trust.problems:
         report.add_problem(problem, detail)
-    if enforcing and trust.trust_store is None:
+    if enforcing and trust.pinned_store is None and trust.trust_store is None:
         report.add_problem(
             "no_trust_store",
-            f"enforcing job: no trust store at {trust.trust_source}, so the checkpoints' signatures cannot be checked",
+            f"enforcing job: no pinned audit key and no trust store at {trust.trust_source}, so the checkpoints' "
+            "signatures cannot be checked",
         )
     if trust.job_id is None:
         if enforcing:
@@ -182,20 +240,36 @@ def verify_with_trust(path: str | os.PathLike, trust: AuditTrust) -> VerifyRepor
         expected = trust.job_id or report.log_id or ""
         for problem in verify_against_pins(report, trust.pins, expected, trust_store=trust.trust_store):
             report.add_problem(problem.problem, problem.detail)
-    elif enforcing:
-        where = ", ".join(str(s) for s in trust.pins_sources) or "none given"
+    if not trust.external and enforcing:
+        where = "; ".join(trust.external_sources) or "none reachable"
         report.add_problem(
             "no_pins",
-            f"enforcing job: no audit pins ({where}), so a log rewritten with a new key cannot be told apart; "
-            "pass --run RUN_DIR (or --pins FILE)",
+            f"enforcing job: no audit pins outside the run directory (looked in: {where}), so a log rewritten and "
+            "re-anchored with a new key, its trust store and pins replaced beside it, cannot be told apart; pass "
+            "--tracking-uri (the job's MLflow store) or --pins FILE",
         )
-    if not trust.pins:
+    elif trust.external and enforcing and not any(p.sealed for p in trust.external):
+        _unsealed(report, trust)
+    if not trust.external:
         report.warnings.append(
-            f"trust unpinned: the trust store ({trust.trust_source}) is not checked against pins kept outside the "
-            "log's directory; pass --run RUN_DIR"
+            "trust unpinned: nothing outside the run directory vouches for this log (its job, mode and key); "
+            "pass --tracking-uri or --pins FILE"
         )
     report.warnings.extend(trust.notes)
     return report
+
+
+def _unsealed(report: VerifyReport, trust: AuditTrust) -> None:
+    last = max(p.seq for p in trust.external)
+    tail = max(0, report.records - last)
+    detail = (
+        f"the job never sealed its log (still running, or its orchestrator was killed): the pins outside the run end "
+        f"at seq {last}, and the {tail} records after it are vouched for by no pin"
+    )
+    if trust.allow_unsealed:
+        report.warnings.append(f"unsealed: {detail} (accepted: --allow-unsealed)")
+    else:
+        report.add_problem("unsealed", detail + "; pass --allow-unsealed for a job still running")
 
 
 def missing_log_report(path: str | os.PathLike, trust: AuditTrust) -> VerifyReport:

@@ -92,6 +92,7 @@ class Authority:
         self.clock = clock
         self._lock = threading.Lock()
         self._latest: dict[str, str] = {}  # session id -> the newest token id of that session
+        self._session_of: dict[str, str] = {}  # every token id issued here -> its session id (revocation by any)
         self._revocations_stamp: tuple | None = None
         self.key_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.key_dir, 0o700)
@@ -194,6 +195,7 @@ class Authority:
         with self._lock:
             if jti:
                 self.trust.revoked_jti.add(jti)
+                self.trust.revoked_jti.add(self._session_of.get(jti, jti))  # and its session: renewals too
             if subject:
                 self.trust.revoked_sub.add(subject)
             if kid:
@@ -222,8 +224,14 @@ class Authority:
             changed = False
             for e in entries:
                 target = self.trust.revoked_jti if e["kind"] == "jti" else self.trust.revoked_sub
-                if e["target"] not in target:
-                    target.add(e["target"])
+                # a token id revokes its whole session: any id the audit log shows, also one renewed since
+                values = (
+                    {e["target"], self._session_of.get(e["target"], e["target"])}
+                    if e["kind"] == "jti"
+                    else {e["target"]}
+                )
+                if not values <= target:
+                    target.update(values)
                     changed = True
             if changed:
                 self._save()
@@ -283,6 +291,7 @@ class Authority:
             )
         with self._lock:
             self._latest[jti] = jti
+            self._session_of[jti] = jti
             return sign_token(claims, self._private[self.active_kid], self.active_kid)
 
     def verifier(self, job_id: str, min_attempt: int = 0) -> Verifier:
@@ -361,4 +370,5 @@ class Authority:
         )
         with self._lock:
             self._latest[old.sid] = data["jti"]
+            self._session_of[data["jti"]] = old.sid
             return sign_token(data, self._private[self.active_kid], self.active_kid)

@@ -99,8 +99,13 @@ def authority_for(cfg: Any, run_dir: str | os.PathLike) -> Authority:
 
 
 def close_authority(run_dir: str | os.PathLike) -> None:
-    """Forget the run's authority and its tokens in this process (the job is over)."""
+    """Seal the job's audit log if a launch registered it (:mod:`~kuangchao_core.perm.audit_seal`: the job's last
+    act, with the audit key still in memory), then forget the run's authority and its tokens (the job is over)."""
+    from kuangchao_core.perm.audit_seal import seal_registered
+
     key = _key(run_dir)
+    authority = _AUTHORITIES.get(key)
+    seal_registered(run_dir, authority.audit_signing_key() if authority else None)
     _AUTHORITIES.pop(key, None)
     for k in [k for k in _TOKENS if k[0] == key]:
         del _TOKENS[k]

@@ -1,0 +1,172 @@
+"""The audit pins kept outside the run directory, read back for ``kc audit --verify`` (issue 26).
+
+The orchestrator publishes every pin (:mod:`~kuangchao_core.perm.audit_pins`) to the job's MLflow run (tag
+``kuangchao.audit_pin``, artifact ``audit/pins.json``) and as a Prefect artifact ``kc-audit-pin`` of the flow run.
+:func:`collect_external_pins` reads them back from the tracking store (``--tracking-uri``, ``$KC_TRACKING_URI``,
+``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; never the run's own ``config.yaml``, which a worker's uid can
+point at a forged store) and from the Prefect API this shell is configured for (only when ``PREFECT_API_URL`` is
+set: an ephemeral server would know nothing). :class:`ExternalPins` then picks those of one run (by the run
+directory each pin names), one log (by its resolved path) or one task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kuangchao_core.perm.audit_pins import (
+    MLFLOW_PIN_TAG,
+    MLFLOW_PINS_ARTIFACT,
+    PREFECT_PIN_KEY,
+    AuditPin,
+    AuditPinError,
+    load_pins_file,
+)
+
+log = logging.getLogger("kuangchao.perm.audit_external")
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+MAX_RUNS = 5000
+MAX_ARTIFACTS = 5000
+_NO_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
+@dataclass
+class ExternalPins:
+    """Pins found outside every run directory, each with where it was found; ``notes``: sources not reachable."""
+
+    found: list[tuple[AuditPin, str]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, pin: AuditPin, source: str) -> None:
+        """Keep ``pin`` (found at ``source``) unless the same pin is already kept."""
+        if all(p != pin for p, _ in self.found):
+            self.found.append((pin, source))
+
+    def for_run(self, run_dir: str | os.PathLike, job_id: str | None = None) -> list[tuple[AuditPin, str]]:
+        """The pins of the run in ``run_dir``: those naming it, and pins of an older format (no ``run_dir``) of
+        ``job_id``."""
+        run = str(Path(run_dir).resolve())
+        return [(p, s) for p, s in self.found if p.run_dir == run or (not p.run_dir and job_id and p.job_id == job_id)]
+
+    def for_log(self, log_path: str | os.PathLike) -> list[tuple[AuditPin, str]]:
+        """The pins of the log at ``log_path`` (matched by its resolved path)."""
+        path = str(Path(log_path).resolve())
+        return [(p, s) for p, s in self.found if p.log_path == path]
+
+    def for_task(self, task: str) -> list[tuple[AuditPin, str]]:
+        """The pins of every job of ``task`` (job ids ``<task>@<run>``)."""
+        return [(p, s) for p, s in self.found if p.job_id.startswith(f"{task}@")]
+
+
+def collect_external_pins(tracking_uri: str | None = None, *, prefect: bool = True) -> ExternalPins:
+    """Every pin in the MLflow store at ``tracking_uri`` (see module docstring) and, with ``prefect``, in the
+    configured Prefect API. Never raises: an unreachable source is a note."""
+    found = ExternalPins()
+    uri = tracking_uri or os.environ.get("KC_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = uri or DEFAULT_TRACKING_URI
+    try:
+        _from_mlflow(found, uri)
+    except Exception as exc:  # an unreachable store only loses its pins; the verdict says pins are missing
+        found.notes.append(f"MLflow store {uri} not read: {exc}")
+    if prefect:
+        try:
+            _from_prefect(found)
+        except Exception as exc:
+            found.notes.append(f"Prefect artifacts not read: {exc}")
+    return found
+
+
+def _from_mlflow(found: ExternalPins, uri: str) -> None:
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
+        found.notes.append(f"no MLflow store at {uri} (pass --tracking-uri or set KC_TRACKING_URI)")
+        return
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found.sources.append(f"MLflow {uri}")
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    token, seen = None, 0
+    while experiments and seen < MAX_RUNS:
+        page = client.search_runs(
+            experiments,
+            filter_string=f"tags.`{MLFLOW_PIN_TAG}` LIKE '%'",
+            run_view_type=ViewType.ALL,
+            max_results=500,
+            page_token=token,
+        )
+        for run in page:
+            seen += 1
+            where = f"MLflow run {run.info.run_id}"
+            try:
+                found.add(AuditPin.from_json(json.loads(run.data.tags[MLFLOW_PIN_TAG])), f"{where} tag")
+            except (ValueError, KeyError) as exc:
+                found.notes.append(f"{where}: tag {MLFLOW_PIN_TAG} unreadable ({exc})")
+            for pin in _artifact_pins(client, run.info.run_id, found):
+                found.add(pin, f"{where} {MLFLOW_PINS_ARTIFACT}")
+        token = page.token
+        if not token:
+            break
+
+
+def _artifact_pins(client, run_id: str, found: ExternalPins) -> list[AuditPin]:
+    with tempfile.TemporaryDirectory(prefix="kc-audit-pins-") as tmp:
+        bar = os.environ.get(_NO_BAR)
+        os.environ[_NO_BAR] = "false"  # no progress bar on the verdict's stdout
+        try:
+            path = client.download_artifacts(run_id, MLFLOW_PINS_ARTIFACT, tmp)
+        except Exception:  # a run that has only the tag (its artifact upload failed)
+            return []
+        finally:
+            if bar is None:
+                os.environ.pop(_NO_BAR, None)
+            else:
+                os.environ[_NO_BAR] = bar
+        try:
+            return load_pins_file(path)
+        except AuditPinError as exc:
+            found.notes.append(f"MLflow run {run_id}: {exc}")
+            return []
+
+
+def _from_prefect(found: ExternalPins) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        found.notes.append("no Prefect API configured (PREFECT_API_URL): its kc-audit-pin artifacts not read")
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    found.sources.append(f"Prefect {api}")
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while offset < MAX_ARTIFACTS:
+            page = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PREFECT_PIN_KEY])), limit=200, offset=offset
+            )
+            for art in page:
+                pin = pin_from_markdown(str(art.data or ""))
+                if pin is not None:
+                    found.add(pin, f"Prefect artifact {art.id} (flow run {art.flow_run_id})")
+            if len(page) < 200:
+                break
+            offset += len(page)
+
+
+def pin_from_markdown(text: str) -> AuditPin | None:
+    """The pin in a ``kc-audit-pin`` artifact's markdown (its JSON block); None when there is none or it is bad."""
+    start = text.find("```json\n")
+    end = text.find("\n```", start + 8)
+    if start < 0 or end < 0:
+        return None
+    try:
+        return AuditPin.from_json(json.loads(text[start + 8 : end]))
+    except ValueError:
+        return None
