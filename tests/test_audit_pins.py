@@ -87,13 +87,26 @@ def job(tmp_path):
     authority.export_trust_store(f"{path}.trust.json")
     kid, key = authority.audit_signing_key()
     pin = record_audit_pin(run, path, JOB, kid, public_raw(key), mode="enforcing")
+    outside = tmp_path / "outside-pins.json"  # the copy kept outside the run (as MLflow's audit/pins.json)
+    shutil.copy(pins_path(run / "authority"), outside)
+    _OUTSIDE["pins"] = outside
     return SimpleNamespace(authority=authority, run=run, log=path, kid=kid, key=key, pin=pin, tmp=tmp_path)
 
 
+_OUTSIDE: dict = {}
+
+
 def _cli(*args):
+    """`kc audit --verify`; with --run, the job's pins kept outside the run are given (issue 26: the run's own
+    audit_pins.json is no trust) and the unsealed log (these jobs never end) is accepted."""
     from kuangchao.cli.main import app
 
-    return CliRunner().invoke(app, ["audit", "--verify", *map(str, args)])
+    extra = []
+    if "--run" in args and "--pins" not in args and _OUTSIDE.get("pins") and _OUTSIDE["pins"].exists():
+        extra = ["--pins", _OUTSIDE["pins"], "--allow-unsealed"]
+    return CliRunner().invoke(
+        app, ["audit", "--verify", "--tracking-uri", "sqlite:///nowhere.db", *map(str, args), *map(str, extra)]
+    )
 
 
 def _rewrite_with(path, signer, n=6, log_id=JOB):
@@ -151,7 +164,7 @@ def test_clean_run_verifies_pinned_and_plain_log_says_unpinned(job):
     assert res.exit_code == 0, res.output
     assert res.output.startswith(f"OK {job.log.resolve()}: 6 records") and "pinned head seq 6" in res.output
     assert "unpinned" not in res.output
-    plain = _cli("--log", job.log)  # the old command keeps working, and says what it trusted
+    plain = _cli("--log", job.log, "--mode", "trusted")  # the old command keeps working, and says what it trusted
     assert plain.exit_code == 0 and plain.output.startswith("OK") and "trust unpinned" in plain.output
     as_json = json.loads(_cli("--run", job.run, "--json").output)
     assert as_json["ok"] and as_json["pinned"] and as_json["mode"] == "enforcing" and as_json["head_seq"] == 6
@@ -166,7 +179,9 @@ def test_1_log_resigned_with_a_new_key_beside_the_log(job):
     TrustStore(keys={"aud-attacker": TrustedKey("aud-attacker", PURPOSE_AUDIT, public_raw(attacker))}).save(
         f"{job.log}.trust.json"
     )
-    assert _cli("--log", job.log).exit_code == 0  # control: the trust store beside the log vouches for the forgery
+    assert (
+        _cli("--log", job.log, "--mode", "trusted").exit_code == 0
+    )  # control: the trust store beside the log vouches for the forgery
     res = _cli("--run", job.run)
     assert res.exit_code == 1 and "pin_mismatch" in res.output and "unpinned_key" in res.output, res.output
     res = _cli("--log", job.log, "--pins", pins_path(job.run / "authority"))  # the pins alone catch it too
@@ -179,7 +194,7 @@ def test_1b_new_key_under_the_pinned_kid_in_every_trust_store(job):
     forged = TrustStore(keys={job.kid: TrustedKey(job.kid, PURPOSE_AUDIT, public_raw(attacker))})
     forged.save(f"{job.log}.trust.json")
     forged.save(job.run / "authority" / "trust_store.json")
-    assert _cli("--log", job.log).exit_code == 0  # control
+    assert _cli("--log", job.log, "--mode", "trusted").exit_code == 0  # control
     res = _cli("--run", job.run)
     assert res.exit_code == 1 and "pin_key_mismatch" in res.output and "trust store was replaced" in res.output
     assert "pin_mismatch" in res.output, res.output
@@ -189,7 +204,7 @@ def test_2_truncated_with_anchors_deleted(job):
     lines = job.log.read_text().splitlines(keepends=True)
     job.log.write_text("".join(lines[:3]))
     anchors_path_for(job.log).unlink()
-    plain = _cli("--log", job.log)
+    plain = _cli("--log", job.log, "--mode", "trusted")
     assert plain.exit_code == 0 and "no signed checkpoints" in plain.output  # control: only a warning
     res = _cli("--run", job.run)
     assert res.exit_code == 1, res.output
@@ -203,7 +218,7 @@ def test_2b_truncated_and_regrown_without_the_key(job):
     worker = AuditLog(job.log, JOB)  # a worker's log continues the cut chain; it holds no audit key
     _append(worker, 5)
     worker.close()
-    assert _cli("--log", job.log).exit_code == 0  # control
+    assert _cli("--log", job.log, "--mode", "trusted").exit_code == 0  # control
     res = _cli("--run", job.run, "--mode", "trusted")  # even without the enforcing requirements: the pin binds
     assert res.exit_code == 1 and "pin_mismatch" in res.output and "seq 6 differs" in res.output, res.output
 
@@ -217,7 +232,7 @@ def test_3_log_swapped_for_another_jobs(job, tmp_path):
     shutil.copy(other, job.log)
     shutil.copy(anchors_path_for(other), anchors_path_for(job.log))
     other_auth.export_trust_store(f"{job.log}.trust.json")
-    assert _cli("--log", job.log).exit_code == 0  # control: the log id is read from the log itself
+    assert _cli("--log", job.log, "--mode", "trusted").exit_code == 0  # control: the log id is read from the log itself
     res = _cli("--run", job.run)
     assert res.exit_code == 1 and "first bad record seq 1" in res.output and "wrong_log_id" in res.output
     res = _cli("--log", job.log, "--job-id", JOB)  # the expected job alone, without the run, catches it
@@ -226,28 +241,27 @@ def test_3_log_swapped_for_another_jobs(job, tmp_path):
 
 
 def test_4_enforcing_job_without_trust_store(job):
+    """Issue 26: the pins carry the audit key, so deleting every trust store costs nothing; the run dir saying
+    trusted does not change the pins' mode; without pins an enforcing log fails."""
     (job.run / "authority" / "trust_store.json").unlink()
     job.log.with_name(job.log.name + ".trust.json").unlink()
-    plain = _cli("--log", job.log)
+    plain = _cli("--log", job.log, "--mode", "trusted")
     assert plain.exit_code == 0 and "signatures not checked" in plain.output  # control: silently unchecked
     res = _cli("--run", job.run)
-    assert res.exit_code == 1 and "no_trust_store" in res.output, res.output
-    (job.run / "config.yaml").write_text("permission:\n  mode: trusted\n")  # the run dir says trusted: the pins win
-    assert _cli("--run", job.run).exit_code == 1
+    assert res.exit_code == 0 and "3 signed checkpoints" not in res.output, res.output
     res = _cli("--log", job.log, "--mode", "enforcing")
     assert res.exit_code == 1 and "no_trust_store" in res.output and "no_pins" in res.output, res.output
-    ok = _cli("--run", job.run, "--mode", "trusted")  # asked for explicitly: the chain and pins still hold
-    assert ok.exit_code == 0 and "the pins say the job was enforcing" in ok.output, ok.output
 
 
-def test_4b_mode_comes_from_pins_then_config_then_enforcing(job):
+def test_4b_mode_comes_from_pins_outside_the_run_never_its_config(job):
+    from kuangchao_core.perm.audit_external import ExternalPins
+
     (job.run / "config.yaml").write_text("permission:\n  mode: trusted\n")
-    assert trust_for_run(job.run).mode == "enforcing"  # the pin says enforcing
-    pins_path(job.run / "authority").unlink()
-    assert trust_for_run(job.run).mode == "trusted"
-    (job.run / "config.yaml").unlink()
-    assert trust_for_run(job.run).mode == "enforcing"
-    res = _cli("--run", job.run, "--log", job.log)  # enforcing without pins fails, naming them
+    outside = ExternalPins()
+    outside.add(job.pin, "test")
+    assert trust_for_run(job.run, external=outside).mode == "enforcing"  # the pin says enforcing
+    assert trust_for_run(job.run).mode == "enforcing"  # no pins outside: enforcing, not the run's config
+    res = _cli("--log", job.log)  # enforcing without pins outside the run fails, naming them
     assert res.exit_code == 1 and "no_pins" in res.output, res.output
 
 

@@ -256,7 +256,9 @@ def test_kc_audit_lines_filters_and_verify(tmp_path, authority):
     none = _cli(["--task", "mytask", "--action", "deny", "--since", "2999-01-01", "--log", str(p)])
     assert none.output.strip() == "0 denials in 1 audit log"  # said, not an empty screen
     assert len(_cli(["--task", "mytask", "--since", "1h", "--log", str(p)]).output.strip().splitlines()) == 4
-    res = _cli(["--task", "mytask", "--verify", "--log", str(p)])
+    res = _cli(["--task", "mytask", "--verify", "--log", str(p)])  # issue 26: signed, yet no pins outside: fails
+    assert res.exit_code == 1 and "no_pins" in res.output and "1 signed checkpoints" not in res.output
+    res = _cli(["--task", "mytask", "--verify", "--mode", "trusted", "--log", str(p)])
     assert res.exit_code == 0 and res.output.startswith("OK") and "1 signed checkpoints" in res.output
     ls = lines(p)
     ls[1] = ls[1].replace("worker-0", "worker-1")
