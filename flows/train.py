@@ -334,7 +334,7 @@ def _run(
         ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
         exported = None
         if cfg.tracking.log_model and ckpt["path"]:
-            exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir))
+            exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir), result["final_loss"])
             registered = exported["registered"]
             logger.info(
                 "model exported to %s (%s, manifest sha256 %s)%s",

@@ -1,5 +1,8 @@
 """Prefect task: the job's usable result — its final checkpoint exported with the tokenizer, logged to MLflow as the
-run's model and, with ``tracking.register_model``, registered with the aliases ``newest`` and ``best``."""
+run's model and, with ``tracking.register_model``, registered with the aliases ``newest`` and ``best``.
+
+A diverged model (a non-finite weight or final loss) is refused before anything is exported, logged or registered
+(``NotPublishable``, :mod:`kuangchao_core.obs.publish_gate`); the refusal is not retried."""
 
 from __future__ import annotations
 
@@ -11,22 +14,39 @@ from prefect import task
 from kuangchao_core.engine.release import export_model
 from kuangchao_core.obs import tracking
 from kuangchao_core.obs.model_registry import log_model_dir, register_model
+from kuangchao_core.obs.publish_gate import NotPublishable
 
 
-@task(name="export-model", retries=1, retry_delay_seconds=2)
-def export_and_register(cfg: Any, run_id: str, step_dir: str, run_dir: str) -> dict[str, Any]:
+def _retry_unless_refused(_task: Any, _run: Any, state: Any) -> bool:
+    """Retry an export that failed, except one the publishing gate refused (it would be refused again)."""
+    try:
+        state.result()
+    except NotPublishable:
+        return False
+    except BaseException:  # noqa: BLE001 - any other failure may be transient
+        return True
+    return True
+
+
+@task(name="export-model", retries=1, retry_delay_seconds=2, retry_condition_fn=_retry_unless_refused)
+def export_and_register(
+    cfg: Any, run_id: str, step_dir: str, run_dir: str, final_loss: float | None = None
+) -> dict[str, Any]:
     """Export ``step_dir`` into ``<run_dir>/model`` (HF model or PEFT adapters, tokenizer files, ``export.json``),
     log it to MLflow run ``run_id`` and register it when configured. Returns the export record with ``dir``,
-    ``artifact_uri`` and ``registered`` (name, version, aliases; None when not registered)."""
+    ``artifact_uri`` and ``registered`` (name, version, aliases; None when not registered). ``final_loss``: the
+    run's final training loss; a non-finite one, or a non-finite weight, raises ``NotPublishable`` first."""
     from kuangchao_core.models.llama import config_from_model_section
 
     out = Path(run_dir) / "model"
     max_length = config_from_model_section(cfg.model).max_seq_len
-    record = export_model(step_dir, out, cfg.data.tokenizer, max_length)
+    record = export_model(step_dir, out, cfg.data.tokenizer, max_length, final_loss=final_loss)
     source = log_model_dir(cfg, run_id, out, record)
     registered = None
     if cfg.tracking.register_model:
         evals = tracking.metric_history(cfg, run_id, "eval_loss")
         eval_loss = evals[-1][1] if evals else None
-        registered = register_model(cfg, run_id, cfg.tracking.register_model, source, record, eval_loss)
+        registered = register_model(
+            cfg, run_id, cfg.tracking.register_model, source, record, eval_loss, final_loss=final_loss, model_dir=out
+        )
     return {**record, "dir": str(out), "artifact_uri": source, "registered": registered}

@@ -4,7 +4,9 @@ rank, counted, and ``train.max_bad_steps`` of them in a row stop the run at its 
 The NaN is real: a forward hook on one rank's embedding turns that rank's activations of one step into NaN, which
 flows through the loss, the backward and the data-parallel reduction. The poisoned run's weights must equal — bit
 for bit, the same operations in the same order — a clean run whose optimizer was not called at that step.
-Negative control: the same poisoned run with the finiteness check disabled ends with NaN weights.
+Negative control: the same poisoned run with the finiteness check disabled ends with NaN weights (and, since issue 26,
+is stopped before it can save them). These runs keep training past a NaN loss: ``loss_nan: warn`` or ``checkpoint``
+(the default action, ``stop``, ends the run at the first one: tests/test_diverged_run.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ BAD_AT = 3  # the poisoned step (1-based)
 
 
 def _job(tmp_path, name: str, dtype: str, **train):
+    train = {"anomaly": {"actions": {"loss_nan": "warn"}}, **train}  # train on past a NaN loss (skipping it)
     return tiny_job(
         str(tmp_path / name),
         task={"name": name, "seed": 7},
@@ -67,7 +70,7 @@ def _run(rank: int, world_size: int, jobs: list[tuple[str, object, set[int]]]) -
         try:
             state = trainer.run(resume="never")
             result["stopped"] = None
-        except trainer_mod.BadStepsStop as exc:
+        except (trainer_mod.BadStepsStop, trainer_mod.AnomalyStop) as exc:  # AnomalyStop: NaN weights never saved
             state, result["stopped"] = trainer.state, str(exc)
         finally:
             trainer_mod.step_is_finite = honest
@@ -118,7 +121,7 @@ def test_max_bad_steps_in_a_row_stop_the_run_at_its_last_good_checkpoint(tmp_pat
         str(tmp_path / "diverged"),
         task={"name": "diverged", "seed": 7},
         parallel={"data_parallel_size": 2, "micro_batch_size": 2},
-        train={"steps": 8, "max_bad_steps": 2},
+        train={"steps": 8, "max_bad_steps": 2, "anomaly": {"actions": {"loss_nan": "warn"}}},
         checkpoint={"interval": 2},
     )
     ranks = run_distributed(_run, 2, args=([("stop", cfg, {3, 4, 5, 6, 7, 8})],), timeout=300)

@@ -256,6 +256,8 @@ class OptimizerSection(Section):
 
 
 AnomalyAction = Literal["warn", "checkpoint", "stop"]
+#: the action of an anomaly kind that ``train.anomaly.actions`` does not name (any other kind: ``warn``)
+ANOMALY_DEFAULT_ACTIONS: dict[str, str] = {"loss_nan": "stop"}
 
 
 class AnomalySection(Section):
@@ -265,8 +267,11 @@ class AnomalySection(Section):
     ``grad_norm_factor``: a gradient norm above this multiple of the median of the last ``window`` steps;
     ``loss_spike_factor``: a loss above this multiple of that median (a NaN or infinite loss is always one);
     ``memory_growth_mb``: memory in use growing by more than this between two steps. ``actions``: per kind
-    (``comm_share``, ``grad_norm``, ``loss_nan``, ``loss_spike``, ``memory_growth``) ``warn`` (default),
-    ``checkpoint`` or ``stop``; ``comm_share`` and ``memory_growth`` are measured per rank, so they only warn."""
+    (``comm_share``, ``grad_norm``, ``loss_nan``, ``loss_spike``, ``memory_growth``) ``warn``, ``checkpoint`` or
+    ``stop``; the default is ``stop`` for ``loss_nan`` (a diverged run ends with an error and publishes nothing) and
+    ``warn`` for every other kind (:data:`ANOMALY_DEFAULT_ACTIONS`); ``comm_share`` and ``memory_growth`` are
+    measured per rank, so they only warn. ``loss_nan: warn`` keeps training past a non-finite loss: the step is
+    skipped and ``train.max_bad_steps`` of them in a row stop the run."""
 
     comm_share: Float = Field(default=0.30, gt=0, le=1)
     comm_share_steps: Int = Field(default=5, ge=1)

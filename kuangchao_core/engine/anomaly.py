@@ -2,7 +2,8 @@
 exploding gradient norm, a NaN/infinite or spiking loss, memory growing between steps.
 
 :class:`AnomalyDetector` looks at each step's metrics and returns the anomalies it raises, each with the action
-configured for its kind (``train.anomaly.actions``: ``warn``, ``checkpoint`` or ``stop``). Loss and gradient norm
+configured for its kind (``train.anomaly.actions``: ``warn``, ``checkpoint`` or ``stop``; by default ``stop`` for a
+non-finite loss and ``warn`` for the rest, ``config.schema.ANOMALY_DEFAULT_ACTIONS``). Loss and gradient norm
 are the same on every rank (reduced over the job), so every rank flags them at the same step and can act on them
 together; communication share and memory are measured per rank and only warn. A kind that stays anomalous is
 flagged when it starts and again after ``window`` steps, not at every step.
@@ -16,7 +17,15 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kuangchao_core.config.schema import ANOMALY_DEFAULT_ACTIONS
+from kuangchao_core.errors import KuangchaoError
+
 KINDS = ("comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth")
+
+
+class AnomalyStop(KuangchaoError):
+    """The run was stopped by an anomaly whose action is ``stop``, or because its parameters or optimizer state are
+    no longer finite (nothing more is saved then; the last good checkpoint stays the newest). Never retried."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,8 @@ class AnomalyDetector:
 
     def __init__(self, settings: Any):
         self.s = settings
-        self.actions = {k: str((getattr(settings, "actions", None) or {}).get(k, "warn")) for k in KINDS}
+        chosen = getattr(settings, "actions", None) or {}
+        self.actions = {k: str(chosen.get(k, ANOMALY_DEFAULT_ACTIONS.get(k, "warn"))) for k in KINDS}
         self._losses: deque[float] = deque(maxlen=int(settings.window))
         self._norms: deque[float] = deque(maxlen=int(settings.window))
         self._comm_run = 0

@@ -28,8 +28,10 @@ from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.comm import primitives as P
+from kuangchao_core.engine.anomaly import AnomalyStop
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.obs.jsonlog import log_event
+from kuangchao_core.obs.publish_gate import nonfinite_names
 from kuangchao_core.parallel.grad_sync import GradSync, require_full_state
 
 log = logging.getLogger("kuangchao.engine")
@@ -175,6 +177,7 @@ class TrainerCheckpoints:
         snapshotted and written in the background (``ckpt.async_save``) and None is returned. ``extra``: more
         ``state.json`` entries (``optimizer_steps`` when steps were skipped, the loss scaler's ``precision``)."""
         tensors, slices = self._tensors()
+        self._refuse_nonfinite(step, tensors)
         state = {
             "step": step,
             "optimizer_steps": step,
@@ -200,6 +203,42 @@ class TrainerCheckpoints:
         published(path)
         self.barrier()
         return path
+
+    def _refuse_nonfinite(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Collective: raise :class:`~kuangchao_core.engine.anomaly.AnomalyStop` on every rank, before anything of
+        ``step`` is written, when any rank's parameters or optimizer state hold a NaN or an infinity (a diverged run
+        never saves; its newest checkpoint stays the last good one). Every rank's message names the same tensors."""
+        bad = nonfinite_names(tensors)
+        count = torch.tensor([float(len(bad))], dtype=torch.float64)
+        if self.world_size > 1:
+            P.all_reduce(count, group=self.host_group, op="sum")
+        total = int(count.item())
+        if total == 0:
+            return
+        named = self._gather_names([f"rank {self.rank}: {n}" for n in bad[:3]])
+        self.finish()  # a save in flight holds the last good state: let it land
+        more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+        raise AnomalyStop(
+            f"stopped at step {step}: the run diverged — {total} parameter or optimizer tensor(s) are not finite "
+            f"({', '.join(named[:3])}{more}); step {step} was not saved and the newest checkpoint is the last good "
+            "one: look at the data, the learning rate and the starting weights before resuming"
+        )
+
+    def _gather_names(self, names: list[str]) -> list[str]:
+        """Every rank's ``names``, in rank order, on every rank (host group; two small all-reduces)."""
+        if self.world_size == 1:
+            return names
+        mine = "".join(f"{n}\n" for n in names).encode("utf-8")
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        sizes[self.rank] = len(mine)
+        P.all_reduce(sizes, group=self.host_group, op="sum")
+        buf = torch.zeros(int(sizes.sum()), dtype=torch.int32)
+        start = int(sizes[: self.rank].sum())
+        if mine:
+            buf[start : start + len(mine)] = torch.tensor(list(mine), dtype=torch.int32)
+        P.all_reduce(buf, group=self.host_group, op="sum")
+        text = bytes(buf.tolist()).decode("utf-8", errors="replace")
+        return [line for line in text.split("\n") if line]
 
     def check(self) -> None:
         """Raise the error of a failed background save (no-op for synchronous saves)."""

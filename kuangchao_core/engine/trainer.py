@@ -29,7 +29,7 @@ from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
-from kuangchao_core.engine.anomaly import AnomalyDetector
+from kuangchao_core.engine.anomaly import AnomalyDetector, AnomalyStop
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.evaluation import eval_dataset_for, held_out_loss_for
 from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
@@ -91,10 +91,6 @@ class TrainState:
     def tokens_per_s_mean(self) -> float | None:
         """Mean global throughput of this run's steps (total tokens / total step time); None before any step."""
         return self.trained_tokens / self.train_seconds if self.train_seconds > 0 else None
-
-
-class AnomalyStop(KuangchaoError):
-    """The run was stopped by an anomaly whose action is ``stop`` (never retried)."""
 
 
 class BadStepsStop(KuangchaoError):

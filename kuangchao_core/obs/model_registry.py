@@ -9,6 +9,11 @@ checkpoint's manifest sha256, step, format and the run's final ``eval_loss``; tw
   than the current best's (a run without an eval loss never takes it).
 
 The run gets the tags ``kuangchao.registered_model`` and ``kuangchao.model_version``, which ``kc runs compare`` shows.
+
+Nothing diverged is registered: before the registered model, the version or any alias is touched, the model's files
+(the local directory, or a download of ``source``) and the run's final training loss pass
+:func:`~kuangchao_core.obs.publish_gate.check_publishable`; a refusal raises
+:class:`~kuangchao_core.obs.publish_gate.NotPublishable` and leaves the registry as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.obs.publish_gate import check_publishable
 from kuangchao_core.obs.tracking import _client, tracking_uri
 
 log = logging.getLogger("kuangchao.obs.model_registry")
@@ -48,13 +54,66 @@ def _eval_loss(version: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
+def run_final_loss(client: Any, run_id: str) -> float | None:
+    """The run's final training loss as MLflow holds it: its ``final_loss`` metric, else its last ``loss``; None when
+    it logged neither."""
+    for key in ("final_loss", "loss"):
+        history = client.get_metric_history(run_id, key)
+        if history:
+            last = max(history, key=lambda m: (m.step, m.timestamp))
+            return float(last.value)
+    return None
+
+
+def _local_model_dir(source: str) -> Path | None:
+    local = Path(source.removeprefix("file://"))
+    return local if local.is_dir() else None
+
+
+def check_registrable(
+    cfg: Any,
+    run_id: str,
+    name: str,
+    source: str,
+    final_loss: float | None = None,
+    model_dir: str | Path | None = None,
+) -> None:
+    """Raise :class:`~kuangchao_core.obs.publish_gate.NotPublishable` when the model at ``source`` (read from
+    ``model_dir`` when given, else from the local artifact directory or a download) or the run's final training loss
+    (``final_loss``, else the run's own metrics) is not finite. Registration and any alias move call it first."""
+    import tempfile
+
+    client = _client(tracking_uri(cfg))
+    loss = final_loss if final_loss is not None else run_final_loss(client, run_id)
+    what = f"registration of {name} from run {run_id}"
+    local = Path(model_dir) if model_dir is not None else _local_model_dir(source)
+    if local is not None:
+        check_publishable(local, loss, what=what)
+        return
+    from mlflow.artifacts import download_artifacts
+
+    with tempfile.TemporaryDirectory(prefix="kc-gate-") as tmp:
+        got = download_artifacts(artifact_uri=source, dst_path=tmp)
+        check_publishable(got, loss, what=what)
+
+
 def register_model(
-    cfg: Any, run_id: str, name: str, source: str, record: dict[str, Any], eval_loss: float | None
+    cfg: Any,
+    run_id: str,
+    name: str,
+    source: str,
+    record: dict[str, Any],
+    eval_loss: float | None,
+    final_loss: float | None = None,
+    model_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Register ``source`` (the run's model artifacts) as a new version of ``name`` and move the aliases; returns
-    ``{"name", "version", "aliases", "eval_loss"}``."""
+    ``{"name", "version", "aliases", "eval_loss"}``. ``final_loss`` / ``model_dir``: the run's final training loss
+    and the model's local files, when the caller has them (else read from MLflow). A model with a non-finite weight
+    or final loss is refused first (:func:`check_registrable`): nothing is registered, no alias moves."""
     from mlflow.exceptions import MlflowException
 
+    check_registrable(cfg, run_id, name, source, final_loss, model_dir)
     client = _client(tracking_uri(cfg))
     try:
         client.get_registered_model(name)
