@@ -27,6 +27,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
+from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, LeaseKeeper, hold_lineage
 from kuangchao_core.config import load_config
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
@@ -248,7 +249,7 @@ def _run(
     )
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     exporter = _start_exporter(cfg, run_dir, run_id, logger)
-    mirror = None
+    mirror = keeper = None
     t0 = time.time()
     attempts = 0
     causes: list[str] = []
@@ -262,6 +263,12 @@ def _run(
             tracking.log_json_artifact(cfg, run_id, topology.to_dict(), "topology", "topology.json")
         if plan.new:  # only once the data passed: a refused job leaves no checkpoint directory behind
             create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
+        lineage_before = plan.lineage
+        plan, lease = hold_lineage(cfg, plan, str(fr_id), logger.warning)  # one writer per lineage
+        keeper = LeaseKeeper(lease)
+        keeper.start()
+        if plan.lineage != lineage_before:
+            tracking.set_tags(cfg, run_id, {"kuangchao.lineage": plan.lineage})
         if cfg.checkpoint.uri:  # every checkpoint to S3 while the job runs (the orchestrator holds the credentials)
             mirror = CheckpointMirror(cfg, plan.lineage, s3_settings)
             register_mirror(str(run_dir), mirror)
@@ -294,7 +301,7 @@ def _run(
                     "; ".join(f"{row['node']}: ranks {row['ranks']}" for row in placed["links"]),
                 )
             tokens = issue_tokens(job, str(run_dir), attempt, placed.get("placement"))
-            env = {**tokens, "KC_CKPT_LINEAGE": plan.lineage}
+            env = {**tokens, "KC_CKPT_LINEAGE": plan.lineage, ENV_GENERATION: str(lease.generation)}
             return launch(
                 job,
                 str(job_file),
@@ -386,6 +393,8 @@ def _run(
         tracking.close_run(cfg, run_id, "FAILED")
         raise
     finally:
+        if keeper is not None:
+            keeper.stop()
         if exporter is not None:
             register_exporter(str(run_dir), None)
             exporter.stop()

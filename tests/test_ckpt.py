@@ -250,14 +250,23 @@ def test_files_are_only_safetensors_and_json(tmp_path):
     assert "torch.load" not in src and "import pickle" not in src
 
 
-def test_existing_step_moved_aside_or_refused(tmp_path):
+def test_existing_step_refused_when_intact_moved_aside_when_corrupt(tmp_path):
     first = _save_simple(tmp_path, 3, 1.0)
+    # an intact step is another writer's: refused, not moved aside (issue 26: two writers on one lineage)
+    with pytest.raises(CheckpointError, match="already exists and is intact"):
+        _save_simple(tmp_path, 3, 5.0)
+    assert verify_checkpoint(first) == []
+    assert torch.equal(load_shard(first, 0)["param.b"], torch.arange(10.0) + 1.0)
+    assert not [p for p in (tmp_path / TASK).iterdir() if ".replaced-" in p.name]
+    # a corrupt one (a resume from an older step finds it) is kept aside for inspection and replaced
+    shard = next((first / "shards").iterdir())
+    shard.write_bytes(shard.read_bytes()[:-4] + b"XXXX")
+    assert verify_checkpoint(first) != []
     _save_simple(tmp_path, 3, 5.0)
     assert verify_checkpoint(first) == []
     assert torch.equal(load_shard(first, 0)["param.b"], torch.arange(10.0) + 5.0)
     aside = [p for p in (tmp_path / TASK).iterdir() if ".replaced-" in p.name]
-    assert len(aside) == 1 and verify_checkpoint(aside[0]) == []
-    assert torch.equal(load_shard(aside[0], 0)["param.b"], torch.arange(10.0) + 1.0)
+    assert len(aside) == 1 and verify_checkpoint(aside[0]) != []
     with pytest.raises(CheckpointError, match="already exists"):
         _save_simple(tmp_path, 3, 7.0, on_existing="error")
     assert torch.equal(load_shard(first, 0)["param.b"], torch.arange(10.0) + 5.0)

@@ -104,7 +104,7 @@ def set_cmd(
 
     from kuangchao_core.errors import KuangchaoError, PermissionDenied
     from kuangchao_core.perm.audit import AuditLog
-    from kuangchao_core.perm.global_config import GlobalConfig
+    from kuangchao_core.perm.global_config import GlobalConfig, newest_recorded_version
     from kuangchao_core.perm.issuance import audit_log_path, job_id_for
 
     run_dir = Path(run)
@@ -135,7 +135,14 @@ def set_cmd(
         except PermissionDenied as exc:
             typer.echo(f"{run}: refused: {exc}", err=True)
             raise typer.Exit(1) from None
-        gc = GlobalConfig(run_dir / "global_config.json", cfg.task.name, audit=audit, trust=trust, job_id=job_id)
+        gc = GlobalConfig(
+            run_dir / "global_config.json",
+            cfg.task.name,
+            audit=audit,
+            trust=trust,
+            job_id=job_id,
+            min_version=newest_recorded_version(audit.path, cfg.task.name),  # never on top of a rolled-back file
+        )
         try:
             version = None
             for key, value in parsed:

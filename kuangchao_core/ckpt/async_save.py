@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.ckpt.layout import step_dir_name
+from kuangchao_core.ckpt.lineage_lease import StaleWriter
+from kuangchao_core.ckpt.storage import DiskFull
 from kuangchao_core.ckpt.writer import CheckpointWriter, SavePlan
 from kuangchao_core.errors import CheckpointError
 
@@ -78,12 +80,16 @@ class AsyncSaver:
                 on_commit(w.task_dir / step_dir_name(plan.step))
         except BaseException as exc:  # raised in the training thread at its next check
             log.error("background checkpoint of step %d failed: %s", plan.step, exc)
+            if isinstance(exc, DiskFull):
+                w.abandon(plan)
             self._error = exc
 
     def check(self) -> None:
         """Raise the error of a failed background save (call once per step)."""
         if self._error is not None:
             exc, self._error = self._error, None
+            if isinstance(exc, (DiskFull, StaleWriter)):  # their kind decides that the job is not retried
+                raise exc
             raise CheckpointError(f"background checkpoint failed: {exc}") from exc
 
     def wait(self) -> None:

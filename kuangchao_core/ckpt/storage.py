@@ -8,6 +8,7 @@ and is then renamed over its final key, so a reader never sees half a file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -107,6 +108,24 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+class DiskFull(CheckpointError):
+    """A checkpoint write found no space (ENOSPC) or no quota (EDQUOT) left: deterministic, never retried."""
+
+
+def _full_disk(exc: BaseException, path: Path) -> DiskFull | None:
+    """``DiskFull`` for an OSError with ENOSPC/EDQUOT, or a serializer's error wrapping one (safetensors reports
+    ``IoError(Os { code: 28, kind: StorageFull, .. })``); None otherwise."""
+    if isinstance(exc, OSError):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+    elif not any(s in str(exc) for s in ("StorageFull", "QuotaExceeded", "No space left on device")):
+        return None
+    return DiskFull(
+        f"{path}: {getattr(exc, 'strerror', None) or 'no space left on device'}; free space there or point checkpoint.dir at a larger "
+        "file system (the last published checkpoint is kept)"
+    )
+
+
 class LocalStorage(Storage):
     """Files on a local (or shared, POSIX) file system below ``root``."""
 
@@ -146,6 +165,12 @@ class LocalStorage(Storage):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            full = _full_disk(exc, final)
+            if full is not None:
+                raise full from None
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -158,6 +183,12 @@ class LocalStorage(Storage):
         try:
             fill(tmp)
             self._commit_file(tmp, final)
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            full = _full_disk(exc, final)
+            if full is not None:
+                raise full from None
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -16,9 +16,15 @@ explicitly, or it is taken from ``KC_CKPT_ATTEMPT``, else from torchrun's ``TORC
 directory. A tmp dir left by a crashed attempt either has another nonce (and is removed by retention once a newer
 checkpoint is intact) or the same one (and rank 0 clears it in step 1).
 
-**An existing final ``step_<N>``** (for example a corrupt one, after resuming from an older step) is never
-overwritten: with ``on_existing="move_aside"`` (default) rank 0 renames it to ``step_<N>.replaced-<time>`` (kept,
-ignored by discovery and retention) and logs a warning; with ``on_existing="error"`` the save fails.
+**An existing final ``step_<N>``** is never overwritten: an intact one is another writer's step and the save fails;
+a corrupt one (for example after resuming from an older step) is, with ``on_existing="move_aside"`` (default),
+renamed to ``step_<N>.replaced-<time>`` (kept, ignored by discovery and retention) with a warning; with
+``on_existing="error"`` the save fails.
+
+**One writer per lineage**: a writer started with a lineage ``generation`` (from ``KC_CKPT_LINEAGE_GENERATION``,
+set by the flow that holds the lineage's lease, see ``ckpt.lineage_lease``) checks the lease before it opens,
+publishes or prunes a step, and is refused (:class:`~kuangchao_core.ckpt.lineage_lease.StaleWriter`) once another
+generation holds the lineage.
 
 A crash at any point leaves no ``step_<N>`` for the new step (only a tmp dir), and older checkpoints untouched.
 """
@@ -55,7 +61,8 @@ from kuangchao_core.ckpt.layout import (
     step_dir_name,
     tmp_dir_name,
 )
-from kuangchao_core.ckpt.storage import LocalStorage, Storage
+from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, check_writer
+from kuangchao_core.ckpt.storage import DiskFull, LocalStorage, Storage
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.perm import guard_api
 
@@ -190,6 +197,7 @@ class CheckpointWriter:
         keep_last: int | None = None,
         on_existing: str = "move_aside",
         lineage: str | None = None,
+        generation: int | None = None,
     ):
         if not task_name or "/" in task_name or task_name in (".", ".."):
             raise CheckpointError(f"task name {task_name!r} cannot name a checkpoint directory; set task.name")
@@ -209,6 +217,9 @@ class CheckpointWriter:
         self.keep_last = keep_last
         self.on_existing = on_existing
         self.lineage = lineage
+        if generation is None and os.environ.get(ENV_GENERATION):
+            generation = int(os.environ[ENV_GENERATION])
+        self.generation = generation
 
     @property
     def task_dir(self) -> Path:
@@ -237,10 +248,14 @@ class CheckpointWriter:
         plan = self.plan_save(step, tensors, rng_state, state, meta, slices, shard_meta)
         self.open_step(plan)
         self.barrier()
-        self.write_files(plan)
-        self.barrier()
-        if self.rank == 0:
-            self._commit(plan.step, plan.tmp_key, plan.final_key, plan.meta)
+        try:
+            self.write_files(plan)
+            self.barrier()
+            if self.rank == 0:
+                self._commit(plan.step, plan.tmp_key, plan.final_key, plan.meta)
+        except DiskFull:
+            self.abandon(plan)
+            raise
         self.barrier()
         if not self.storage.exists(plan.final_key):
             raise CheckpointError(
@@ -304,10 +319,20 @@ class CheckpointWriter:
             meta,
         )
 
+    def check_lease(self, what: str) -> None:
+        """Raise ``StaleWriter`` when this writer's lineage generation no longer holds the lineage (no check for a
+        writer without a lineage generation, or on storage without a local path)."""
+        if self.generation is None or not self.lineage:
+            return
+        local = self.storage.local_path(f"{self.task_name}/{self.lineage}")
+        if local is not None:
+            check_writer(local, self.generation, what)
+
     def open_step(self, plan: SavePlan) -> None:
         """Rank 0 creates the step's temporary directory (follow with a barrier)."""
         st = self.storage
         if self.rank == 0:
+            self.check_lease(f"writing {step_dir_name(plan.step)}")
             if st.exists(plan.tmp_key):
                 logger.warning("removing leftover %s from an earlier attempt", plan.tmp_key)
                 st.remove_tree(plan.tmp_key)
@@ -325,6 +350,15 @@ class CheckpointWriter:
         if plan.state_bytes is not None:
             st.write_bytes(f"{plan.tmp_key}/{STATE}", plan.state_bytes)
 
+    def abandon(self, plan: SavePlan) -> None:
+        """Remove the step's temporary directory after a failed write (best effort: the disk may be full)."""
+        try:
+            if self.storage.exists(plan.tmp_key):
+                self.storage.remove_tree(plan.tmp_key)
+                logger.warning("removed the unfinished %s", plan.tmp_key)
+        except (OSError, CheckpointError) as exc:
+            logger.warning("could not remove the unfinished %s: %s", plan.tmp_key, exc)
+
     def commit(self, plan: SavePlan) -> None:
         """Rank 0: verify every rank's files are there, write the manifest, publish the step (atomic rename)."""
         self._commit(plan.step, plan.tmp_key, plan.final_key, plan.meta)
@@ -333,6 +367,8 @@ class CheckpointWriter:
         """Rank 0: apply ``keep_last`` to the lineage, never touching the step just written."""
         if self.rank == 0 and self.keep_last:
             from kuangchao_core.ckpt.retention import apply_retention
+
+            self.check_lease("retention")
 
             apply_retention(plan.task, self.keep_last, storage=self.storage, protect=step_dir_name(plan.step))
 
@@ -371,10 +407,18 @@ class CheckpointWriter:
         st.write_bytes(f"{tmp_key}/{MANIFEST}", _json_bytes(manifest, "manifest"))
         for sub in ("shards", "rng", ""):
             st.sync_dir(f"{tmp_key}/{sub}".rstrip("/"))
+        self.check_lease(f"publishing {step_dir_name(step)}")
         if st.exists(final_key):
+            from kuangchao_core.ckpt.integrity import verify_checkpoint
+
             if self.on_existing == "error":
                 raise CheckpointError(
                     f"{self.task_dir / step_dir_name(step)} already exists; remove it or use on_existing='move_aside'"
+                )
+            if not verify_checkpoint(final_key, storage=st):
+                raise CheckpointError(
+                    f"{self.task_dir / step_dir_name(step)} already exists and is intact: another writer published "
+                    f"it; this writer's step {step} is refused (its files stay in {tmp_key})"
                 )
             aside = f"{final_key}.replaced-{time.strftime('%Y%m%dT%H%M%S')}-{self.nonce}"
             logger.warning("checkpoint %s already exists; moving it to %s", final_key, aside)

@@ -191,6 +191,7 @@ class TrainerCheckpoints:
 
         def published(path: Path) -> None:
             if self.rank == 0 and keep:
+                self.writer.check_lease("retention")
                 apply_retention(self.writer.task_dir, keep, protect=path.name)  # this lineage only, never this step
             if on_commit is not None:
                 on_commit(path)

@@ -5,11 +5,17 @@ the first step of an attempt and then every ``log_interval`` steps, and broadcas
 log_interval, checkpoint_interval]`` over the host group (a CPU tensor: host coordination); every rank applies
 what it received at the same step. There is no per-step collective: one small broadcast every ``log_interval``
 steps, and a change waits at most that many steps. Each applied change is logged on every rank and emitted as a ``config_applied`` event by rank 0.
+
+:func:`worker_global_config` is how a worker opens the job's file: verified against the job's trust store, for this
+job only, and never older than the newest version the job's audit log records — a worker of a new attempt refuses a
+correctly signed older version copied back over the file (a rollback across attempts) and keeps its settings.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,28 @@ from kuangchao_core.comm import primitives as P
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 
 log = logging.getLogger("kuangchao.engine")
+
+
+def worker_global_config(cfg: Any, path: str, env: Mapping[str, str] | None = None) -> Any:
+    """The :class:`~kuangchao_core.perm.global_config.GlobalConfig` a worker follows, from its environment ``env``
+    (default ``os.environ``): outside trusted mode, verified against the trust store ``KC_TRUST_STORE`` (signed by
+    ``KC_TRUST_ROOT``, roles from ``KC_POLICY_FILE``), for job ``KC_JOB_ID`` only, and accepting no version older
+    than the newest one the job's audit log (``KC_AUDIT_LOG``, else ``permission.audit_log``) records."""
+    from kuangchao_core.perm.global_config import GlobalConfig, newest_recorded_version
+
+    env = os.environ if env is None else env
+    trust = None
+    if cfg.permission.mode != "trusted" and env.get("KC_TRUST_STORE"):
+        from kuangchao_core.perm.runtime import load_trust
+
+        trust, _ = load_trust(env["KC_TRUST_STORE"], env.get("KC_TRUST_ROOT"), env.get("KC_POLICY_FILE"))
+    if trust is None:
+        return GlobalConfig(path, cfg.task.name)
+    audit_log = env.get("KC_AUDIT_LOG") or cfg.permission.audit_log
+    floor = newest_recorded_version(audit_log, cfg.task.name) if audit_log else 0
+    if floor:
+        log_event(log, "global config floor", version=floor, audit_log=str(audit_log))
+    return GlobalConfig(path, cfg.task.name, trust=trust, job_id=env.get("KC_JOB_ID"), min_version=floor)
 
 
 @dataclass

@@ -4,7 +4,8 @@
 
 Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional ``KC_MLFLOW_RUN_ID`` +
 ``KC_TRACKING_URI`` (rank 0 logs metrics), ``KC_HEARTBEAT_DIR`` (heartbeats for the launcher),
-``KC_TOKENS`` (this node's tokens; the worker keeps its own two and removes the variable), ``KC_TRUST_STORE`` +
+``KC_LIFELINE`` (the launcher's socket: this rank's own two tokens, and the rank ends when the launcher dies; see
+``sched.lifeline``) or ``KC_TOKENS`` (the worker keeps its own two and removes the variable), ``KC_TRUST_STORE`` +
 ``KC_TRUST_ROOT`` (the signed trust store and its signer), ``KC_JOB_ID``/``KC_ATTEMPT``,
 ``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer); ``KC_RANK_MAP`` /
 ``KC_NODE_OF_RANK`` (the placement: which mesh rank each torch rank plays, and the node of every mesh rank).
@@ -106,17 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
     global_config = os.environ.get("KC_GLOBAL_CONFIG")
     if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
-        from kuangchao_core.perm.global_config import GlobalConfig
+        from kuangchao_core.engine.live_config import worker_global_config
 
-        trust = None
-        if cfg.permission.mode != "trusted" and os.environ.get("KC_TRUST_STORE"):
-            from kuangchao_core.perm.runtime import load_trust
-
-            trust, _ = load_trust(
-                os.environ["KC_TRUST_STORE"], os.environ.get("KC_TRUST_ROOT"), os.environ.get("KC_POLICY_FILE")
-            )
-        job_id = os.environ.get("KC_JOB_ID") if trust is not None else None
-        trainer.global_config = GlobalConfig(global_config, cfg.task.name, trust=trust, job_id=job_id)
+        # verified, this job's, and never older than the newest version the job recorded (no rollback)
+        trainer.global_config = worker_global_config(cfg, global_config)
     resume = args.resume or cfg.checkpoint.resume
     try:
         # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself

@@ -19,7 +19,9 @@ Permissions and signatures:
   signed by a trusted operator or the job's authority, names this job, is not older than the last version they
   accepted, and every value passes its validator; anything else — a direct write of the file, a copy of another
   job's file, a replayed old version, ``lr_scale: 1e12`` — is refused (``ConfigRefused``) and audited once per
-  file version, and the job keeps its settings.
+  file version, and the job keeps its settings. A reader that starts late (a worker of a new attempt) starts from
+  ``min_version``: the newest version the job's audit log records (:func:`newest_recorded_version`), so an older,
+  correctly signed file copied back between attempts is a replay too.
 * ``get`` / ``snapshot`` need a live capability token of any role (or ``permission.mode: trusted``). There is no
   read interface for the configuration, and every module must be able to follow the settings it runs under, so
   holding a verified, unexpired token of the job is the least privilege that still lets workers read; a process
@@ -131,13 +133,33 @@ class Snapshot:
     updated: dict[str, Any] = field(default_factory=dict)
 
 
+def newest_recorded_version(audit_log: str | os.PathLike, task: str) -> int:
+    """The newest version of task ``task``'s global configuration that the job's audit log ``audit_log`` records as
+    accepted (``config_change`` records with decision ``allow`` on ``config:<task>``); 0 when it records none or the
+    log does not exist."""
+    from kuangchao_core.perm.audit_verify import read_records
+
+    resource, newest = f"config:{task}", 0
+    try:
+        for rec in read_records(audit_log):
+            if rec.get("action") != "config_change" or rec.get("decision") != "allow":
+                continue
+            version = rec.get("version")
+            if rec.get("resource") == resource and isinstance(version, int) and not isinstance(version, bool):
+                newest = max(newest, version)
+    except FileNotFoundError:
+        return 0
+    return newest
+
+
 class GlobalConfig:
     """The global configuration of job task ``task``, stored in ``path``.
 
     ``audit``: the job's audit log; defaults to the one the installed guard writes to. ``extra_keys``: more allowed
     keys (name -> validator, for example :func:`integer` or :func:`scalar`). ``trust``: verify every version read
     against it (see the module docstring); ``job_id``: the job the file must name (checked with ``trust``, written
-    by ``set``).
+    by ``set``). ``min_version``: the oldest version this reader may accept (a newer reader of a job that already
+    recorded version N refuses anything older, see :func:`newest_recorded_version`).
     """
 
     def __init__(
@@ -149,12 +171,13 @@ class GlobalConfig:
         extra_keys: Mapping[str, Validator] | None = None,
         trust: TrustStore | None = None,
         job_id: str | None = None,
+        min_version: int = 0,
     ):
         self.path = Path(path)
         self.task = task
         self.trust = trust
         self.job_id = job_id
-        self._accepted = 0  # the newest version this reader accepted (an older one is a replay)
+        self._accepted = int(min_version)  # the newest version this reader accepted (an older one is a replay)
         self._refused_stamp: tuple | None = None
         self.resource = f"config:{task}"
         self.audit = audit
@@ -268,7 +291,11 @@ class GlobalConfig:
             if self.job_id is not None and body.get("job_id") != self.job_id:
                 raise DocumentRejected(str(self.path), f"written for job {body.get('job_id')!r}, not {self.job_id!r}")
             if snap.version < self._accepted:
-                raise DocumentRejected(str(self.path), f"version {snap.version} is older than {self._accepted}")
+                raise DocumentRejected(
+                    str(self.path),
+                    f"version {snap.version} is older than {self._accepted}, the newest this job has accepted or "
+                    "recorded (a rolled-back file)",
+                )
             for key, value in snap.values.items():
                 if key not in self.keys:
                     raise DocumentRejected(str(self.path), f"{key!r} is not a changeable setting")

@@ -198,9 +198,16 @@ HOW_TO_RUN = (
 
 
 def take_environment_tokens() -> dict[str, str]:
-    """This process's tokens from ``KC_TOKENS`` (module -> token), removed from the environment at once so no
-    process started from here inherits them; ``{}`` when there are none."""
+    """This process's tokens (module -> token): from its launcher's lifeline (``KC_LIFELINE``, which hands this rank
+    its own tokens and nobody else's, and ends the process when the launcher dies), else from ``KC_TOKENS``; both
+    variables are removed from the environment at once so no process started from here inherits them; ``{}`` when
+    there are none."""
+    from kuangchao_core.sched.lifeline import connect
+
     raw = os.environ.pop(ENV_TOKENS, None)
+    handed = connect()
+    if handed:
+        return handed
     if not raw:
         return {}
     try:

@@ -10,6 +10,11 @@
   the error file's message, else the signal name (``SIGKILL``), else the rank's last output line, is the cause;
 * a worker that stops beating for longer than ``heartbeat_timeout_s``: the whole process tree is SIGKILLed
   (SIGTERM would stay pending on a stopped process) and the cause is ``heartbeat lost for X s``.
+
+The ranks never see the job's tokens in their environment: ``KC_TOKENS`` is taken out of it and each rank receives
+its own tokens over the launcher's lifeline (:mod:`kuangchao_core.sched.lifeline`), which also ends the ranks when
+the launcher's process dies. A node agent's launcher also watches its orchestrator's beat (``owner_beat``) and
+stops its ranks when the orchestrator goes silent.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
+from kuangchao_core.sched.lifeline import Lifeline
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -160,6 +166,29 @@ def _signal_name(exit_code: int) -> str:
         return f"signal {-exit_code}"
 
 
+class _OwnerWatch:
+    """Whether the orchestrator's beat file (``{"counter": n}``) stopped changing for ``lost_after_s``: it died, and
+    this node's ranks must not outlive it. Measured on this process's monotonic clock, so no clocks are compared."""
+
+    def __init__(self, path: Path, lost_after_s: float):
+        self.path, self.lost_after_s = Path(path), lost_after_s
+        self.counter: object = None
+        self.changed_at = time.monotonic()
+
+    def lost(self) -> str | None:
+        """None while the beat moves; else why it counts as lost."""
+        try:
+            counter = json.loads(self.path.read_text(encoding="utf-8")[:4096]).get("counter")
+        except (OSError, ValueError, AttributeError):
+            counter = None
+        now = time.monotonic()
+        if counter is not None and counter != self.counter:
+            self.counter, self.changed_at = counter, now
+            return None
+        silent = now - self.changed_at
+        return f"no beat in {silent:.1f} s (limit {self.lost_after_s:g} s)" if silent > self.lost_after_s else None
+
+
 def run_workers(
     module: str,
     args: list[str],
@@ -186,6 +215,8 @@ def run_workers(
     timeout_s: float | None = None,
     cwd: Path | None = None,
     python: str = sys.executable,
+    owner_beat: Path | None = None,
+    owner_lost_after_s: float = 10.0,
 ) -> LaunchResult:
     """Run ``python -m module *args`` on ``nproc`` local workers (one attempt) and wait for the group to finish.
 
@@ -199,7 +230,9 @@ def run_workers(
     agent announces (the c10d rendezvous orders nodes by it) and ``rdzv_is_host`` says whether this node hosts the
     rendezvous store (hosts that share a hostname, e.g. network namespaces, cannot tell by themselves).
     ``out_dir`` (default ``run_dir/attempt_<n>``) receives this node's logs; the heartbeat directory stays shared.
-    A ``stop_file`` that appears makes the launcher SIGKILL the group (the orchestrator stopping a node's share).
+    A ``stop_file`` that appears makes the launcher SIGKILL the group (the orchestrator stopping a node's share);
+    so does an ``owner_beat`` file (the orchestrator's ``{"counter": n}``) that stops changing for
+    ``owner_lost_after_s`` (the orchestrator died). ``KC_TOKENS`` in ``env`` is handed out per rank over the lifeline.
 
     Returns a ``LaunchResult`` when every worker exits 0; raises ``WorkerFailed(rank, cause, exit_code)`` otherwise.
     """
@@ -226,6 +259,11 @@ def run_workers(
     full_env[ENV_INTERVAL] = str(heartbeat_interval_s)
     full_env[ENV_ATTEMPT] = str(attempt)
     full_env.pop("TORCHELASTIC_ERROR_FILE", None)
+    tokens = json.loads(full_env.pop("KC_TOKENS", "") or "{}")
+    # a placement may give this node's slots other mesh ranks (KC_RANK_MAP, applied by the workers themselves)
+    rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
+    lifeline = Lifeline(tokens, rank_map)
+    full_env.update(lifeline.env())
 
     cmd = [
         python,
@@ -284,23 +322,27 @@ def run_workers(
         stream.close()
 
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        env=full_env,
-        cwd=str(cwd) if cwd else None,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            cwd=str(cwd) if cwd else None,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+    except BaseException:
+        lifeline.close()
+        launcher_log.close()
+        raise
+    lifeline.watch(proc.pid)
     readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
     for t in readers:
         t.start()
 
-    # a placement may give this node's slots other mesh ranks (KC_RANK_MAP, applied by the workers themselves)
-    rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
     local_ranks = [node_rank * nproc + i for i in range(nproc)]
     if rank_map is not None:
         local_ranks = [rank_map[s] for s in local_ranks]
@@ -312,6 +354,7 @@ def run_workers(
     period = 0.2 if monitor is None else max(0.02, min(0.25, heartbeat_interval_s / 4, heartbeat_timeout_s / 8))
 
     failure: WorkerFailed | None = None
+    owner = _OwnerWatch(owner_beat, owner_lost_after_s) if owner_beat is not None else None
     try:
         while proc.poll() is None:
             time.sleep(period)
@@ -330,6 +373,10 @@ def run_workers(
                 kill_tree(proc)
                 failure = WorkerFailed(None, f"stopped by the orchestrator ({stop_file.read_text().strip()})")
                 break
+            if owner is not None and owner.lost() and proc.poll() is None:
+                kill_tree(proc)
+                failure = WorkerFailed(None, f"stopped: the orchestrator went silent ({owner.lost()})")
+                break
             if timeout_s is not None and time.monotonic() - t0 > timeout_s and proc.poll() is None:
                 kill_tree(proc)
                 failure = WorkerFailed(None, f"attempt {attempt} exceeded its time limit of {timeout_s:g} s")
@@ -338,6 +385,7 @@ def run_workers(
         kill_tree(proc)
         raise
     finally:
+        lifeline.close()
         for t in readers:
             t.join(timeout=5)
         launcher_log.close()

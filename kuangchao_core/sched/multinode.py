@@ -26,7 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import WorkerFailed
-from kuangchao_core.sched.node_share import AGENT_BEAT, RESULT, NodeShare, node_dir, read_json, stop_path
+from kuangchao_core.sched.node_share import (
+    AGENT_BEAT,
+    RESULT,
+    Beat,
+    NodeShare,
+    node_dir,
+    owner_beat_path,
+    read_json,
+    stop_path,
+)
 from kuangchao_core.sched.placement import NodeAssignment
 
 #: rendezvous ports are drawn from this range (the orchestrator cannot probe a port on another machine)
@@ -131,6 +140,8 @@ def launch_on_nodes(
     watches: dict[str, _Watch] = {}
     tails: list[_Tail] = []
     t0 = time.monotonic()
+    owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the agents stop their ranks when this goes silent
+    owner.start()
     try:
         for a in assignments:
             share = NodeShare(
@@ -150,6 +161,7 @@ def launch_on_nodes(
                 env=env_for(a),
                 heartbeat_timeout_s=heartbeat_timeout_s,
                 heartbeat_interval_s=heartbeat_interval_s,
+                owner_lost_after_s=max(10.0, lost_after),
             )
             out = node_dir(run_dir, attempt, a.name)
             out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +171,7 @@ def launch_on_nodes(
             watches[a.name] = _Watch(share, _start_flow_run(deployment, share), changed_at=time.monotonic())
         _watch(watches, run_dir, attempt, stop, lost_after, start_timeout_s, t0, poll_s)
     finally:
+        owner.halt.set()
         for tail in tails:
             tail.halt.set()
         for tail in tails:

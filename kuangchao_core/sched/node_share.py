@@ -12,7 +12,9 @@ checkpoints are). Under ``attempt_<n>/nodes/<node>/`` the share leaves:
 - ``launcher.log`` and ``logs/``: the node's torchrun output, which the orchestrator tails into the live view.
 
 Rank heartbeats go to the attempt's shared ``heartbeat/`` directory, as on one node. An ``attempt_<n>/stop`` file
-makes every node stop its ranks (the orchestrator gave up on the attempt).
+makes every node stop its ranks (the orchestrator gave up on the attempt); so does ``attempt_<n>/orchestrator.json``,
+the orchestrator's own beat, when it stops changing for ``owner_lost_after_s`` (the orchestrator died: its ranks
+must not go on writing the lineage).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kuangchao_core.sched.launcher import run_workers
 ENV_TOKENS = "KC_TOKENS"
 ENV_TOKEN_BUNDLE = "KC_TOKEN_BUNDLE"
 AGENT_BEAT = "agent.json"
+OWNER_BEAT = "orchestrator.json"
 RESULT = "result.json"
 STOP = "stop"
 
@@ -55,6 +58,7 @@ class NodeShare:
     heartbeat_timeout_s: float | None = None
     heartbeat_interval_s: float = 1.0
     beat_interval_s: float = 0.5
+    owner_lost_after_s: float | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -69,6 +73,11 @@ class NodeShare:
 def node_dir(run_dir: str | os.PathLike, attempt: int, node: str) -> Path:
     """``attempt_<n>/nodes/<node>/`` of a run."""
     return Path(run_dir) / f"attempt_{attempt}" / "nodes" / node
+
+
+def owner_beat_path(run_dir: str | os.PathLike, attempt: int) -> Path:
+    """The orchestrator's beat file of an attempt (its agents stop their ranks when it goes silent)."""
+    return Path(run_dir) / f"attempt_{attempt}" / OWNER_BEAT
 
 
 def stop_path(run_dir: str | os.PathLike, attempt: int) -> Path:
@@ -90,7 +99,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-class _AgentBeat(threading.Thread):
+class Beat(threading.Thread):
+    """Rewrites ``{"pid", "counter"}`` to ``path`` every ``interval_s`` until ``halt`` is set: a process's sign of
+    life that a reader on any node compares with its own earlier reading (no clocks compared)."""
+
     def __init__(self, path: Path, interval_s: float):
         super().__init__(daemon=True, name="kc-node-agent-beat")
         self.path, self.interval_s = path, interval_s
@@ -121,7 +133,7 @@ def run_node_share(share: NodeShare) -> dict[str, Any]:
     """Run this node's ranks to the end; writes ``result.json`` and re-raises a failure as ``WorkerFailed``."""
     out = node_dir(share.run_dir, share.attempt, share.node)
     out.mkdir(parents=True, exist_ok=True)
-    beat = _AgentBeat(out / AGENT_BEAT, share.beat_interval_s)
+    beat = Beat(out / AGENT_BEAT, share.beat_interval_s)
     beat.start()
     env = take_token_bundle({**os.environ, **share.env, "KC_NODE": share.node})  # tokens: file -> env, file gone
     if share.ifname:
@@ -146,6 +158,8 @@ def run_node_share(share: NodeShare) -> dict[str, Any]:
             rdzv_is_host=share.node_rank == 0,
             out_dir=out,
             stop_file=stop_path(share.run_dir, share.attempt),
+            owner_beat=owner_beat_path(share.run_dir, share.attempt) if share.owner_lost_after_s else None,
+            owner_lost_after_s=share.owner_lost_after_s or 10.0,
         )
     except WorkerFailed as exc:
         _write_json(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})

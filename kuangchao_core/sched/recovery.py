@@ -38,8 +38,12 @@ class RestartPolicy:
     def retryable(self, exc: BaseException) -> bool:
         """Whether ``exc`` may be answered with a restart."""
         cause = str(getattr(exc, "cause", "")) if isinstance(exc, WorkerFailed) else ""
-        if any(f"{kind}:" in cause for kind in ("PermissionDenied", "ConfigError", "AnomalyStop", "BadStepsStop")):
-            # denied by its token, given a job that cannot run, stopped on purpose or diverged: never again
+        if any(
+            f"{kind}:" in cause
+            for kind in ("PermissionDenied", "ConfigError", "AnomalyStop", "BadStepsStop", "DiskFull", "StaleWriter")
+        ):
+            # denied by its token, given a job that cannot run, stopped on purpose, diverged, out of disk or
+            # replaced by another writer of its lineage: never again
             return False
         return not isinstance(exc, NEVER_RETRY) and isinstance(exc, self.retry_on)
 
