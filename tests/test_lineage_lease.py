@@ -1,0 +1,174 @@
+"""One writer per lineage (issue 26, item 1) and a full disk that ends a save cleanly (item 5).
+
+Attacks stopped:
+- after ``kill -9`` of ``kc train`` its workers kept writing the lineage that ``kc train --resume auto`` then chose:
+  ``step_N`` beside ``step_N.replaced-…`` and each one's retention deleting the other's steps. Now the resumed run
+  takes the lineage's lease with a new generation, and the stale writer's publish and retention are refused; a run
+  that finds a live holder waits for it, or forks, and says so.
+- a deterministic ENOSPC was retried twice and left three temporary step directories. Now it is ``DiskFull``: the
+  temporary step is removed, the last good checkpoint stays, and the restart policy does not retry it.
+
+The writers are the engine's real ``CheckpointWriter`` (one process); the lease file is the one the flow takes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kuangchao_core.ckpt.integrity import find_latest_intact, verify_checkpoint
+from kuangchao_core.ckpt.lineage import create_lineage, lineage_dir, plan_resume
+from kuangchao_core.ckpt.lineage_lease import (
+    LeaseHeld,
+    LeaseKeeper,
+    StaleWriter,
+    hold_lineage,
+    read_lease,
+    take_lease,
+)
+from kuangchao_core.ckpt.storage import DiskFull, LocalStorage
+from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.perm import guard_api
+from kuangchao_core.sched.recovery import RestartPolicy
+from tests.engine_helpers import tiny_job
+
+
+@pytest.fixture(autouse=True)
+def _trusted():
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    yield
+    guard_api.install_guard(previous)
+
+
+def _cfg(tmp_path: Path):
+    return tiny_job(str(tmp_path), task={"name": "lease", "seed": 7})
+
+
+def _writer(cfg, lineage: str, generation: int | None, keep_last: int | None = None, storage=None):
+    return CheckpointWriter(
+        cfg.checkpoint.dir,
+        cfg.task.name,
+        0,
+        1,
+        barrier=lambda: None,
+        lineage=lineage,
+        generation=generation,
+        keep_last=keep_last,
+        storage=storage,
+        attempt_id=f"g{generation}",
+    )
+
+
+def _save(writer: CheckpointWriter, step: int, size: int = 4) -> Path:
+    return writer.save(step, {"param.w": torch.full((size,), float(step))}, rng_state={}, state={"step": step})
+
+
+def test_a_resumed_run_fences_the_stale_writer_of_its_lineage(tmp_path):
+    cfg = _cfg(tmp_path)
+    plan = plan_resume(cfg, "never")
+    create_lineage(cfg, plan.lineage)
+    path = lineage_dir(cfg, plan.lineage)
+    first = take_lease(path, "run-A")
+    stale = _writer(cfg, plan.lineage, first.generation, keep_last=1)
+    _save(stale, 10)  # run A writes while it holds the lineage
+
+    # run A's orchestrator dies (no renewal); run B resumes the same lineage once the lease is stale
+    time.sleep(0.3)
+    resumed = plan_resume(cfg, "auto")
+    assert (resumed.lineage, resumed.step) == (plan.lineage, 10)
+    second = take_lease(path, "run-B", stale_after_s=0.2)
+    assert second.generation == first.generation + 1
+    fresh = _writer(cfg, plan.lineage, second.generation, keep_last=1)
+    _save(fresh, 20)
+
+    # A's ranks are still running: their next step is refused, nothing of B's is moved aside or deleted
+    with pytest.raises(StaleWriter, match=r"generation 1 .* run run-B holds it at generation 2"):
+        _save(stale, 20)
+    with pytest.raises(StaleWriter):
+        _save(stale, 30)
+    with pytest.raises(StaleWriter, match="retention refused"):
+        stale.check_lease("retention")
+    steps = sorted(p.name for p in path.iterdir() if p.name.startswith("step_"))
+    assert [s for s in steps if ".tmp-" not in s] == ["step_00000020"], steps
+    assert verify_checkpoint(path / "step_00000020") == []
+    assert (read_lease(path)["owner"], read_lease(path)["generation"]) == ("run-B", 2)  # B's lease stands
+
+    # negative control: a writer without a generation (no lease checked) would have overwritten the lineage
+    unfenced = _writer(cfg, plan.lineage, None)
+    _save(unfenced, 30)
+    assert (path / "step_00000030").is_dir()
+
+
+def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
+    cfg = _cfg(tmp_path)
+    plan = plan_resume(cfg, "never")
+    create_lineage(cfg, plan.lineage)
+    _save(_writer(cfg, plan.lineage, None), 5)
+    path = lineage_dir(cfg, plan.lineage)
+    holder = take_lease(path, "run-A")
+    keeper = LeaseKeeper(holder, interval_s=0.1)
+    keeper.start()
+    said: list[str] = []
+    try:
+        with pytest.raises(LeaseHeld, match="being written by run run-A"):
+            take_lease(path, "run-B", stale_after_s=1.0, wait_s=1.5, say=said.append)
+        assert said and "waiting up to 1.5 s" in said[0]
+        resumed = plan_resume(cfg, "auto")
+        forked, lease = hold_lineage(cfg, resumed, "run-B", said.append, stale_after_s=1.0, wait_s=0.5)
+    finally:
+        keeper.stop()
+    assert forked.lineage != plan.lineage and forked.new
+    assert forked.step_dir == resumed.step_dir and forked.step == 5
+    assert any("forks a new lineage" in s for s in said)
+    assert lease.path == lineage_dir(cfg, forked.lineage) and read_lease(lease.path)["owner"] == "run-B"
+    assert read_lease(path)["owner"] == "run-A"
+    # the holder released at its end: the next run takes the lineage at once, with the next generation
+    assert take_lease(path, "run-C", wait_s=0).generation == holder.generation + 1
+
+
+def _small_tmpfs(where: Path, size: str) -> Path:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    return where
+
+
+def test_a_full_disk_fails_once_removes_the_temporary_step_and_keeps_the_last_good(tmp_path):
+    disk = _small_tmpfs(tmp_path / "disk", "256k")
+    try:
+        storage = LocalStorage(disk)
+        writer = CheckpointWriter(disk, "task", 0, 1, barrier=lambda: None, storage=storage, attempt_id="a")
+        good = _save(writer, 1, size=1024)  # 4 KiB of weights
+        with pytest.raises(DiskFull, match="free space there") as caught:
+            _save(writer, 2, size=512 * 1024)  # 2 MiB: a real ENOSPC from the kernel
+        assert verify_checkpoint(good) == []
+        leftovers = [p.name for p in (disk / "task").iterdir() if p.name != good.name]
+        assert leftovers == [], f"the failed save left {leftovers}"
+        assert find_latest_intact(disk / "task") == good
+        # the worker's failure as the launcher reports it is not retried (it was retried twice before)
+        failed = WorkerFailed(0, f"{type(caught.value).__name__}: {caught.value}", 1)
+        assert not RestartPolicy(max_restarts=2).retryable(failed)
+        assert RestartPolicy(max_restarts=2).retryable(WorkerFailed(0, "killed by SIGKILL", -9))  # control
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_the_storage_names_only_space_errors_disk_full(tmp_path):
+    storage = LocalStorage(tmp_path)
+
+    def fill(path, code):
+        raise OSError(code, os.strerror(code))
+
+    with pytest.raises(DiskFull):
+        storage.write_with("a/b", lambda p: fill(p, errno.EDQUOT))
+    with pytest.raises(PermissionError):
+        storage.write_with("a/c", lambda p: fill(p, errno.EACCES))
+    assert not list((tmp_path / "a").iterdir())
