@@ -53,10 +53,16 @@ def validate_data(
     max_epochs: float = DEFAULT_MAX_EPOCHS,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     max_duplicate_share: float = DEFAULT_MAX_DUPLICATE_SHARE,
+    allow_control_chars: bool = False,
 ) -> dict:
-    """Validate ``cfg.data`` against the job's planned tokens; raise ``DataError`` with the summary on failure."""
+    """Validate ``cfg.data`` against the job's planned tokens; raise ``DataError`` with the summary on failure.
+    NUL and control characters in text fail it unless ``allow_control_chars``."""
     report = validate_dataset(
-        cfg, max_epochs=max_epochs, max_record_bytes=max_record_bytes, max_duplicate_share=max_duplicate_share
+        cfg,
+        max_epochs=max_epochs,
+        max_record_bytes=max_record_bytes,
+        max_duplicate_share=max_duplicate_share,
+        allow_control_chars=allow_control_chars,
     )
     _publish_artifact(report)
     if mlflow_run_id:

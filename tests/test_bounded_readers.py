@@ -32,7 +32,7 @@ from kuangchao_core.config.bounded_json import (
     read_json_file,
     read_json_object,
 )
-from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.errors import DataError, KuangchaoError
 from kuangchao_core.perm import guard_api
 from tests.engine_helpers import tiny_job
 
@@ -217,3 +217,150 @@ def test_kc_debug_checkpoint_and_convert_report_deep_json_without_a_traceback(tm
     res = _cli(["checkpoint", "list", str(Path(cfg.checkpoint.dir) / cfg.task.name)])
     _no_traceback(res)
     assert "corrupt" in res.output
+
+
+# ------------------------------------------------------------------------------------------ data records
+
+
+def _data_cfg(tmp_path: Path, path: Path, fmt: str = "auto"):
+    from kuangchao_core.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "task": {"name": "gate"},
+            "model": {"preset": "tiny"},
+            "data": {"path": str(path), "seq_len": 16, "format": fmt},
+            "train": {"steps": 1},
+            "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        }
+    )
+
+
+@pytest.mark.parametrize("fmt", ["auto", "sft"])
+def test_a_deeply_nested_json_lines_record_is_refused_by_the_gate_naming_file_and_line(tmp_path, fmt):
+    from kuangchao_core.data import validation as V
+
+    path = tmp_path / "d.jsonl"
+    good = {"text": "a fine record"} if fmt == "auto" else {"prompt": "2+2?", "completion": "4"}
+    deep = '{"text": "x", "meta": ' + DEEP + "}"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + deep + "\n")
+    with pytest.raises(DataError) as exc:  # it used to raise RecursionError out of the gate
+        V.validate_dataset(_data_cfg(tmp_path, path, fmt))
+    assert "d.jsonl:3" in str(exc.value) and "levels deep" in str(exc.value)
+
+
+def test_text_documents_are_split_as_before_and_named_by_file_and_line(tmp_path):
+    import re
+
+    from kuangchao_core.data.files import read_documents, read_txt
+
+    def reference(data: bytes) -> list[bytes]:  # the splitting read_txt always had, on the whole file
+        blocks = (b.strip(b"\r\n") for b in re.split(rb"\r?\n(?:[ \t]*\r?\n)+", data))
+        return [b for b in blocks if b.strip()]
+
+    samples = [
+        b"first doc\nline two\n\n  \nsecond doc\n",
+        b"\n\nlead\r\n\r\n\t \r\nafter crlf\r\n",
+        b"  \nleading spaces line\n\n\n",
+        b"A\r\r\n\nB",
+        b"one\n \n",
+        b"no newline at all",
+        b"doc\n   ",
+        b"x" * 3_000_000 + b"\n\n" + b"y",
+    ]
+    for i, data in enumerate(samples):
+        path = tmp_path / f"s{i}.txt"
+        path.write_bytes(data)
+        assert [raw for raw, _ in read_txt(path)] == reference(data), data[:40]
+    path = tmp_path / "named.txt"
+    path.write_bytes(b"one\n\ntwo\nlines\n\n\n" + b"z" * 5000 + b"\n\nlast\n")
+    assert [where for _, where in read_txt(path)] == [f"{path}:1", f"{path}:3", f"{path}:7", f"{path}:9"]
+    with pytest.raises(DataError, match=r"named\.txt:7: a record of 5000 bytes, more than the limit of 4096"):
+        list(read_documents(path, max_record_bytes=4096))
+    jl = tmp_path / "big.jsonl"
+    jl.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": "q" * 100_000}) + "\n")
+    with pytest.raises(DataError, match=r"big\.jsonl:2: a record of"):
+        list(read_documents(jl, max_record_bytes=1000))
+
+
+_GATE_READ = """
+import json, resource, sys, time
+from kuangchao_core.config import config_from_dict
+from kuangchao_core.data import validation as V
+cfg = config_from_dict({"task": {"name": "big"}, "model": {"preset": "tiny"},
+                        "data": {"path": sys.argv[1], "seq_len": 16}, "train": {"steps": 1}})
+start = time.monotonic()
+records, _ = V.load_records(cfg.data)  # the gate's reader, with the gate's max_record_bytes
+elapsed = time.monotonic() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"seconds": elapsed, "peak_bytes": peak, "records": [repr(r)[:80] for r in records]}))
+"""
+
+
+def test_a_1_gib_single_line_text_file_is_refused_fast_with_bounded_memory(tmp_path):
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.txt"  # one 1 GiB line: 64 MiB of text at each end, a sparse hole (NUL bytes) between
+    chunk = b"a" * (64 << 20)
+    with open(big, "wb") as f:
+        f.write(chunk)
+        f.seek((1 << 30) - len(chunk))
+        f.write(chunk)
+    del chunk
+    assert big.stat().st_size == 1 << 30
+    out = subprocess.run(
+        [sys.executable, "-c", _GATE_READ, str(big)], capture_output=True, text=True, timeout=120, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # it used to read the file whole and split it: 6.8 GB and 116 s before the size check
+    assert got["records"] == [f"Oversize(n_bytes={1 << 30}, limit={1 << 20})"]
+    assert got["peak_bytes"] < 500 << 20, got
+    assert got["seconds"] < 10, got
+    print(f"1 GiB one-line file refused in {got['seconds']:.2f} s, peak RSS {got['peak_bytes'] / 2**20:.0f} MiB")
+
+
+def test_the_gate_refuses_nul_escape_sequences_and_oversize_records_naming_file_and_line(tmp_path):
+    from kuangchao_core.data import validation as V
+
+    words = ["tide", "river", "stone", "wind", "lamp", "cloud", "field", "ember", "shore", "quartz"]
+    docs = [" ".join(words[(i + j) % 10] for j in range(12)) + f" #{i}" for i in range(60)]
+    data = tmp_path / "corpus"
+    data.mkdir()
+    text = "\n\n".join(docs[:20]) + "\n\nplain start\nred \x1b[31malert\x1b[0m here\n\n" + "\r\n\r\n".join(docs[20:30])
+    (data / "a.txt").write_bytes(text.encode())  # the ESC document starts on line 41, the ESC is on line 42
+    rows = [json.dumps({"text": d}) for d in docs[30:59]] + [json.dumps({"text": "nul \u0000 inside"})]
+    (data / "b.jsonl").write_text("\n".join(rows) + "\n")
+    (data / "c.txt").write_text(docs[59] + "\n\n" + "o" * 5000 + "\n")
+    cfg = _data_cfg(tmp_path, data)
+    report = V.validate_dataset(cfg, max_record_bytes=4096)
+    assert {r.name for r in report.failed} == {"no_control_chars", "no_oversize_records"}, report.summary
+    control = report.result("no_control_chars").detail
+    assert f"{data / 'a.txt'}:42: U+001B" in control and f"{data / 'b.jsonl'}:30: U+0000" in control, control
+    assert report.result("no_control_chars").observed == 2
+    assert f"{data / 'c.txt'}:3" in report.result("no_oversize_records").detail
+    # CRLF line ends are not control characters; the switch lets data that needs them through
+    allowed = V.validate_dataset(cfg, max_record_bytes=1 << 20, allow_control_chars=True)
+    assert allowed.success, allowed.summary
+
+
+# ------------------------------------------------------------------------------------------ other readers
+
+
+def test_tokens_heartbeats_trust_and_debug_reports_refuse_deep_json_without_recursion_error(tmp_path):
+    from kuangchao_core.perm.tokens import TrustStore, strict_json_loads
+    from kuangchao_core.sched.heartbeat import read_beat
+
+    with pytest.raises(ValueError):  # a token footer is parsed before its signature is checked
+        strict_json_loads(DEEP.encode())
+    hostile = tmp_path / "rank_0.json"
+    hostile.write_text(DEEP)
+    assert read_beat(hostile) is None  # unreadable beat, as a torn one
+    with pytest.raises(BoundedJSONError):
+        TrustStore.load(hostile)
+    res = _cli(["debug", "memory", str(hostile)])
+    _no_traceback(res)
+    assert res.exit_code == 2 and "levels deep" in res.output, res.output
+    res = _cli(["debug", "comm", str(hostile)])
+    _no_traceback(res)
+    assert res.exit_code == 2 and "levels deep" in res.output, res.output

@@ -21,6 +21,7 @@ import typer
 from kuangchao_core.ckpt.integrity import verify_checkpoint
 from kuangchao_core.ckpt.layout import MANIFEST, is_lineage_name, parse_step_dir, parse_tmp_dir
 from kuangchao_core.ckpt.lineage import Lineage, list_lineages
+from kuangchao_core.config.bounded_json import MANIFEST_MAX_BYTES, read_json_object
 
 checkpoint_app = typer.Typer(
     help="Verify, list and convert checkpoints (other parallel layouts, Hugging Face format).", no_args_is_help=True
@@ -33,7 +34,7 @@ def _dir_size(p: Path) -> int:
 
 def _manifest_field(step_dir: Path, key: str):
     try:
-        return json.loads((step_dir / MANIFEST).read_text()).get(key)
+        return read_json_object(step_dir / MANIFEST, max_bytes=MANIFEST_MAX_BYTES).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from kuangchao_core.config.bounded_json import read_json_file, read_json_object
+
 debug_app = typer.Typer(help="Inspect state dumps written by workers (communication groups, memory records).")
 
 
@@ -39,8 +41,10 @@ def comm(
         typer.echo(f"kc debug comm: no such dump file(s): {missing or [str(p) for p in paths]}", err=True)
         raise typer.Exit(2)
     try:
+        for f in files:  # comm may import only errors: the bounded reader refuses a hostile dump first
+            read_json_file(f)
         dumps = load_dumps(files)
-    except (ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         typer.echo(f"kc debug comm: not a comm state dump ({exc}); write dumps with comm.state.write_dump", err=True)
         raise typer.Exit(2) from None
     problems = check_consistency(dumps)
@@ -68,7 +72,11 @@ def memory(
     if not files or not all(f.is_file() for f in files):
         typer.echo(f"kc debug memory: no memory report at {path} (SIGUSR1 the workers to write them)", err=True)
         raise typer.Exit(2)
-    reports = {f.stem: json.loads(f.read_text()) for f in files}
+    try:
+        reports = {f.stem: read_json_object(f) for f in files}
+    except (OSError, ValueError) as exc:
+        typer.echo(f"kc debug memory: not a memory report ({exc})", err=True)
+        raise typer.Exit(2) from None
     if as_json:
         typer.echo(json.dumps(reports if len(reports) > 1 else next(iter(reports.values())), indent=1))
         return
@@ -194,7 +202,9 @@ def checkpoint(
         problems.append(f"manifest unreadable: {exc}")
     bad = step_dir / "BAD.json"
     if bad.exists():
-        problems.append(f"marked bad by a job that could not load it: {bad.read_text(errors='replace')[:300]}")
+        with open(bad, "rb") as f:  # its first bytes only: the file may be anything
+            head = f.read(300).decode("utf-8", "replace")
+        problems.append(f"marked bad by a job that could not load it: {head}")
     report = {
         "step": manifest.get("step"),
         "format_version": manifest.get("format_version"),

@@ -26,7 +26,6 @@ document_window`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kuangchao_core.config.bounded_json import BoundedJSONError, loads_bounded
 from kuangchao_core.data.files import resolve_files
 from kuangchao_core.data.packing import document_window, num_windows
+from kuangchao_core.data.stream import Oversize, lines, open_binary
 from kuangchao_core.errors import DataError
 
 ROLES = ("system", "user", "assistant")
@@ -70,18 +71,23 @@ class SFTReport:
 
 
 # ---------------------------------------------------------------------- records
-def iter_sft_records(path: str | Path) -> Iterator[tuple[dict[str, Any], str]]:
-    """Every record under ``path`` (``.jsonl`` or ``.parquet`` files) as a dict, with where it came from."""
+def iter_sft_records(path: str | Path, max_line_bytes: int | None = None) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every record under ``path`` (``.jsonl`` or ``.parquet`` files) as a dict, with where it came from. JSON lines
+    are streamed and parsed with the bounded JSON reader; a line over ``max_line_bytes`` raises DataError."""
     for f, kind in resolve_files(path, "auto"):
         if kind == "jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
+            with open_binary(f) as fh:
+                for lineno, line in lines(fh, max_line_bytes):
+                    if isinstance(line, Oversize):
+                        raise DataError(
+                            f"{f}:{lineno}: a line of {line.n_bytes} bytes, more than the limit of {line.limit}"
+                        )
                     if not line.strip():
                         continue
                     try:
-                        obj = json.loads(line)
-                    except ValueError as exc:
-                        raise DataError(f"{f}:{lineno}: not valid JSON ({exc})") from None
+                        obj = loads_bounded(line, max_bytes=len(line))
+                    except BoundedJSONError as exc:
+                        raise DataError(f"{f}:{lineno}: refused, {exc.reason}") from None
                     if not isinstance(obj, dict):
                         raise DataError(f"{f}:{lineno}: a record must be a JSON object, got {type(obj).__name__}")
                     yield obj, f"{f}:{lineno}"

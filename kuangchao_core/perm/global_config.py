@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import ConfigError, KuangchaoError, PermissionDenied
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm import reasons as R
@@ -248,7 +249,7 @@ class GlobalConfig:
 
     def _load(self) -> Snapshot:
         try:
-            data = json.loads(self.path.read_text())
+            data = read_json_file(self.path)
         except FileNotFoundError:
             return Snapshot(0)
         except (OSError, ValueError) as exc:

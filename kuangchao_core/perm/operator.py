@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import ConfigError, KuangchaoError
 from kuangchao_core.perm.tokens import b64d, b64e, private_raw, public_raw
 
@@ -126,7 +127,7 @@ def load_operator_key(path: str | os.PathLike | None = None) -> OperatorKey:
     if path.stat().st_mode & 0o077:
         raise KuangchaoError(f"operator key {path} is readable by others; run `chmod 600 {path}`")
     try:
-        data = json.loads(path.read_text())
+        data = read_json_file(path)
         return OperatorKey(str(data["name"]), Ed25519PrivateKey.from_private_bytes(b64d(data["private_key"])))
     except (ValueError, KeyError, TypeError) as exc:
         raise KuangchaoError(f"operator key {path} is not a Kuangchao operator key ({exc})") from None

@@ -10,13 +10,13 @@ allowing anything from then on — so a revocation takes effect within one renew
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
 import time
 from pathlib import Path
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.perm.signed_doc import DocumentRejected, sign_document, verify_document, write_document
 
 REVOCATION_TYP = "kuangchao/revocation"
@@ -45,7 +45,7 @@ def append_revocation(path: str | os.PathLike, doc: dict) -> int:
     with open(path.with_name(path.name + ".lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            entries = json.loads(path.read_text()) if path.exists() else []
+            entries = read_json_file(path) if path.exists() else []
             if not isinstance(entries, list):
                 entries = []
             entries.append(doc)
@@ -59,7 +59,7 @@ def read_revocations(path: str | os.PathLike, trust, job_id: str) -> list[dict]:
     """The verified revocations of ``job_id`` in ``path``: each signed by an operator ``trust`` (a
     :class:`~kuangchao_core.perm.tokens.TrustStore`) names; any other entry is skipped with a warning."""
     try:
-        entries = json.loads(Path(path).read_text())
+        entries = read_json_file(path)
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as exc:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.perm.names import INTERFACE_KINDS, INTERFACES, KINDS, is_canonical_resource
 
@@ -212,7 +213,7 @@ class Policy:
         """Load a policy file written by :meth:`save` or signed by the authority (its signature is checked by
         ``runtime.load_trust`` with a trust root, not here); ConfigError if it is malformed or names unknown rights."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = read_json_file(path)
         except (OSError, ValueError) as exc:
             raise ConfigError([("policy", f"cannot read policy: {exc}")], str(path)) from None
         if isinstance(data, dict) and data.get("typ") == "kuangchao/policy" and isinstance(data.get("body"), dict):

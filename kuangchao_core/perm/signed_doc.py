@@ -15,6 +15,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kuangchao_core.config.bounded_json import loads_bounded
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.perm.encoding import b64d, b64e, canonical_json, pae
 
@@ -72,7 +73,7 @@ def read_document(path: str | os.PathLike) -> object:
             raise DocumentRejected(str(p), "missing or not a regular file")
         if p.stat().st_size > MAX_DOC_BYTES:
             raise DocumentRejected(str(p), "too large")
-        return json.loads(p.read_text(encoding="utf-8"))
+        return loads_bounded(p.read_bytes(), max_bytes=MAX_DOC_BYTES)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise DocumentRejected(str(p), f"unreadable ({exc})") from None
 

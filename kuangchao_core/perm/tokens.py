@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kuangchao_core.config.bounded_json import loads_bounded, read_json_file
 from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.encoding import b64d, b64e, canonical_json, pae  # noqa: F401 (re-exported)
 from kuangchao_core.perm.names import CLAIM_KINDS, INTERFACES, OBJECT_KINDS, is_canonical_value
@@ -66,7 +67,9 @@ def strict_json_loads(raw: bytes):
     def bad_constant(name):
         raise ValueError(f"non-finite number {name}")
 
-    obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=bad_constant)
+    obj = loads_bounded(
+        raw, max_depth=MAX_JSON_DEPTH + 1, object_pairs_hook=_no_duplicates, parse_constant=bad_constant
+    )
     _check_depth(obj, 0)
     return obj
 
@@ -236,7 +239,7 @@ class TrustStore:
     def load(cls, path: str | os.PathLike) -> TrustStore:
         """Read a trust store file: a signed one (the authority's, see :meth:`load_verified`) is read without checking
         its signature — only for tools that hold no trust root; workers use :meth:`load_verified`."""
-        data = json.loads(Path(path).read_text())
+        data = read_json_file(path)
         if isinstance(data, dict) and data.get("typ") == TRUST_STORE_TYP and isinstance(data.get("body"), dict):
             data = data["body"]
         return cls.from_json(data)

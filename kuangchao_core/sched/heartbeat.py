@@ -17,6 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kuangchao_core.config.bounded_json import read_json_object
+
+#: a beat file is a few hundred bytes; a larger one is not ours
+MAX_BEAT_BYTES = 1 << 16
+
 ENV_DIR = "KC_HEARTBEAT_DIR"
 ENV_INTERVAL = "KC_HEARTBEAT_INTERVAL_S"
 ENV_ATTEMPT = "KC_ATTEMPT"
@@ -43,8 +48,7 @@ class Beat:
 def read_beat(path: str | os.PathLike) -> Beat | None:
     """Read a beat file; ``None`` if it does not exist (yet) or cannot be parsed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        d = read_json_object(path, max_bytes=MAX_BEAT_BYTES)
         return Beat(
             rank=int(d["rank"]),
             pid=int(d["pid"]),
