@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.config import load_config
+from kuangchao_core.sched.heartbeat import read_beat
+from kuangchao_core.sched.lifeline import is_alive, wait_gone
 from tests.cluster.bench import Bench, bench_unavailable, remove_leftovers
 from tests.conftest_prefect import TINY, loss_history
 from tests.engine_helpers import run_trainers
@@ -281,6 +283,32 @@ def test_static_node_without_agent_fails_before_any_rank(cluster, tmp_path, stor
     assert result.returncode != 0
     assert "h9" in result.stdout + result.stderr and "no node agent" in result.stdout + result.stderr
     assert not list((tmp_path / "runs").glob("*/*/attempt_*")), "a rank was started"
+
+
+def test_kill_9_of_the_orchestrator_stops_every_nodes_ranks(cluster, tmp_path, store):
+    """Issue 26: the ranks of a static dp2×tp2 job on h0 and h1 (run by those hosts' agents) stop within 10 s of a
+    ``kill -9`` of ``kc train`` on the orchestrator's machine: each agent's launcher sees the orchestrator's beat
+    go silent and ends its ranks, so no rank goes on writing the lineage."""
+    overrides = _overrides(tmp_path, "kc-cluster-orphan", store, **{"train.steps": 5000, **_static("h0", "h1")})
+    proc = _start_train(cluster, tmp_path, overrides)
+    try:
+        beats = _wait(
+            lambda: (found if len(found := list((tmp_path / "runs").glob("**/attempt_0/heartbeat/rank_*.hb"))) == 4
+                     else None),
+            300,
+            "the four ranks beating",
+        )  # fmt: skip
+        time.sleep(2.0)  # past the start: the ranks train
+        pids = [b.pid for f in beats if (b := read_beat(f)) is not None]
+        assert len(pids) == 4 and all(is_alive(p) for p in pids)
+        proc.kill()
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        alive = wait_gone(pids, 10.0)
+        assert alive == [], f"ranks alive {time.monotonic() - killed:.1f} s after kill -9 of the orchestrator: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_dynamic_picks_two_of_three_probed_nodes_and_shrinks_when_one_is_lost(

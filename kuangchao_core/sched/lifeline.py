@@ -237,13 +237,14 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
+        alive = [p for p in alive if is_alive(p)]
         if alive:
             time.sleep(0.1)
     return alive
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
             return f.read().split(") ", 1)[1][:1] not in ("Z", "X")

@@ -40,6 +40,8 @@ from kuangchao_core.sched.placement import NodeAssignment
 
 #: rendezvous ports are drawn from this range (the orchestrator cannot probe a port on another machine)
 RDZV_PORTS = (29500, 29999)
+#: how long the agents wait for a silent orchestrator (it beats every 0.5 s) before they stop its ranks
+OWNER_LOST_AFTER_S = 5.0
 
 
 @dataclass
@@ -161,7 +163,7 @@ def launch_on_nodes(
                 env=env_for(a),
                 heartbeat_timeout_s=heartbeat_timeout_s,
                 heartbeat_interval_s=heartbeat_interval_s,
-                owner_lost_after_s=max(10.0, lost_after),
+                owner_lost_after_s=OWNER_LOST_AFTER_S,
             )
             out = node_dir(run_dir, attempt, a.name)
             out.mkdir(parents=True, exist_ok=True)
