@@ -71,8 +71,10 @@ def test_flow_run_exports_logs_and_registers_its_model(reference_run):  # noqa: 
 
 def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monitor(reference_run):  # noqa: F811
     """The keys-off-disk and pinned-trust parts of issue 16 on a real flow run: no token or private key anywhere
-    in the run directory, `kc audit --verify --run` passes against the pins the orchestrator recorded (in the
-    authority's state and the MLflow run), and the summary's metric read-back ran under the monitor's own token."""
+    in the run directory, `kc audit --verify --run` passes against the pins the orchestrator recorded outside the run
+    (issue 26: with no --tracking-uri it reads them from the Prefect API this session's server configures; the
+    config's MLflow store, which --tracking-uri reads, holds the same sealed pin), the log ends with the job's seal,
+    and the summary's metric read-back ran under the monitor's own token."""
     from pathlib import Path
 
     from mlflow.tracking import MlflowClient
@@ -90,6 +92,15 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     assert {"audit_pins.json", "policy.json", "trust_store.json"} <= {p.name for p in (run_dir / "authority").iterdir()}
     res = CliRunner().invoke(app, ["audit", "--verify", "--run", str(run_dir)])
     assert res.exit_code == 0, res.output
+    from kuangchao_core.perm.audit_external import collect_external_pins
+
+    in_mlflow = collect_external_pins(reference_run["tracking_uri"], prefect=False).for_run(run_dir)
+    in_prefect = collect_external_pins(f"sqlite:///{run_dir}/no-store.db").for_run(run_dir)  # Prefect only
+    assert any(p.sealed for p, _ in in_mlflow) and any(p.sealed for p, _ in in_prefect), (in_mlflow, in_prefect)
+    res = CliRunner().invoke(
+        app, ["audit", "--verify", "--run", str(run_dir), "--tracking-uri", reference_run["tracking_uri"]]
+    )
+    assert res.exit_code == 0, res.output
     tags = MlflowClient(reference_run["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
     assert "kuangchao.audit_pin" in tags
     assert _artifacts("kc-audit-pin", summary["flow_run_id"]), "the pin is also a Prefect artifact of the flow run"
@@ -98,6 +109,7 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     pins = load_pins(run_dir / "authority")
     assert pins and {p.job_id for p in pins} == {job_id}
     records = list(read_records(pins[-1].log_path))
+    assert records[-1]["action"] == "audit_seal" and pins[-1].sealed, "the job sealed its log as its last act"
     reads = [r for r in records if r["action"] == "metrics_read" and r["decision"] == "allow"]
     assert reads and {r["actor"] for r in reads} == {"monitor"}
     datasets = [r for r in records if r["action"] == "dataset_read"]

@@ -1,5 +1,12 @@
 """``kc launch``: run your own script under Kuangchao — one capability token per rank, the renewal endpoint and the
-audit log as ``kc train`` has them, and torchrun to start the ranks."""
+audit log as ``kc train`` has them, and torchrun to start the ranks.
+
+An enforcing launch opens an MLflow run of its own in the config's ``tracking.uri`` (default ``sqlite:///mlflow.db``
+in the working directory; tags ``kuangchao.job_id``, ``kuangchao.launch``) and records the job's audit pins there as
+well as in the run directory, and seals the log as its last act (:mod:`kuangchao_core.perm.audit_seal`), so
+``kc audit --verify --run RUN_DIR`` (with ``--tracking-uri`` for another store) finds the pins outside the run
+without ``--pins``. Without a reachable store it says so: the pins are then only in the run directory, which vouches
+for nothing, and verification fails ``no_pins``."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -74,7 +82,9 @@ def register(app: typer.Typer) -> None:
 
 
 def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, node_rank: int, addr, port, role):
+    from kuangchao_core.obs.tracking import tracking_uri
     from kuangchao_core.perm.audit_pins import record_audit_pin_or_log
+    from kuangchao_core.perm.audit_seal import register_seal
     from kuangchao_core.perm.issuance import close_authority, issue_script_tokens
     from kuangchao_core.perm.runtime import RenewalServer
     from kuangchao_core.perm.tokens import public_raw
@@ -93,8 +103,26 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
         )
         env["KC_AUTHORITY_ADDR"] = server.start()
         kid, key = authority.audit_signing_key()
-        pin = (run, env["KC_AUDIT_LOG"], env["KC_JOB_ID"], kid, public_raw(key))
-        record_audit_pin_or_log(*pin, mode="enforcing")
+        pin_run = _pin_run(cfg, env["KC_JOB_ID"], node_rank)  # the pins' place outside the run directory
+        pin = partial(
+            record_audit_pin_or_log,
+            run,
+            env["KC_AUDIT_LOG"],
+            env["KC_JOB_ID"],
+            kid,
+            public_raw(key),
+            mlflow_run_id=pin_run,
+            tracking_uri=tracking_uri(cfg),
+            mode="enforcing",
+        )
+        pin()
+        register_seal(run, pin)  # close_authority (below) seals the log with it: the job's last act
+        if pin_run:
+            uri = tracking_uri(cfg)
+            store = "" if uri == "sqlite:///mlflow.db" else f" --tracking-uri {uri}"
+            typer.echo(
+                f"kc launch: audit pins in MLflow run {pin_run}; check with kc audit --verify --run {run}{store}"
+            )
         typer.echo(
             f"kc launch: job {env['KC_JOB_ID']}, {len(ranks)} rank(s) here, run dir {run}, audit log {env['KC_AUDIT_LOG']}"
         )
@@ -106,10 +134,41 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
         else ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc), script, *args]
+    code = None
     try:
-        return subprocess.run(cmd, env=env).returncode
+        code = subprocess.run(cmd, env=env).returncode
+        return code
     finally:
         if server is not None:
             server.stop()
-            record_audit_pin_or_log(*pin, mode="enforcing")
+            pin()
         close_authority(run)
+        if server is not None and pin_run:
+            _close_pin_run(cfg, pin_run, code)
+
+
+def _pin_run(cfg, job_id: str, node_rank: int) -> str | None:
+    """The MLflow run this launch records its audit pins in (created in the config's ``tracking.uri``, where
+    ``kc audit --verify`` looks by default); None, said on stderr, when the store cannot be reached."""
+    from kuangchao_core.obs.tracking import open_run, tracking_uri
+
+    tags = {"kuangchao.job_id": job_id, "kuangchao.launch": "kc launch", "mlflow.runName": f"{job_id}-node{node_rank}"}
+    try:
+        return open_run(cfg, extra_tags=tags)
+    except Exception as exc:  # no store: the job still runs, but nothing outside its run directory vouches for its log
+        typer.echo(
+            f"kc launch: no MLflow run in {tracking_uri(cfg)} ({exc}); the audit pins stay in the run directory "
+            "only, which vouches for nothing: `kc audit --verify` will fail no_pins",
+            err=True,
+        )
+        return None
+
+
+def _close_pin_run(cfg, run_id: str, code: int | None) -> None:
+    """Mark the pins' MLflow run FINISHED (the script exited 0) or FAILED; a store gone by now costs a warning."""
+    from kuangchao_core.obs.tracking import close_run
+
+    try:
+        close_run(cfg, run_id, "FINISHED" if code == 0 else "FAILED")
+    except Exception as exc:
+        typer.echo(f"kc launch: MLflow run {run_id} not closed: {exc}", err=True)
