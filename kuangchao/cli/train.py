@@ -55,18 +55,19 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"kc train: {unreachable}", err=True)
             raise typer.Exit(1)
         from flows.train import train_flow
+        from kuangchao.cli.failure_lines import failure_lines, quiet_expected_failures
 
         try:
-            state = train_flow(
-                config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
-            )
-            summary = state.result()
-        except ConfigError as exc:
-            typer.echo(str(exc), err=True)
-            raise typer.Exit(2) from None
-        except KuangchaoError as exc:
-            typer.echo(f"kc train failed: {exc}", err=True)
-            raise typer.Exit(1) from None
+            with quiet_expected_failures():  # one line per failure: Prefect's tracebacks of it stay in its API log
+                state = train_flow(
+                    config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
+                )
+                summary = state.result()
+        except KuangchaoError as exc:  # ConfigError, NothingToTrain, PlanError: exit 2; the others: exit 1
+            lines, code = failure_lines(exc, config)
+            for line in lines:
+                typer.echo(line, err=True)
+            raise typer.Exit(code) from None
         if state.name == "Skipped":
             typer.echo(f"kc train: {state.message}", err=True)
         if as_json:

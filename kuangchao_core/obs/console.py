@@ -1,12 +1,16 @@
 """The live console view of a training job, fed by the workers' ``KC_EVENT`` lines.
 
 On a terminal it draws a progress bar with the latest metrics and ETA (rich); elsewhere (CI, pipes) it prints one
-plain line per logged step. Worker lines that are not events are shown when they look like warnings or errors.
+plain line per logged step. Worker lines that are not events are shown when they look like warnings or errors —
+but not torchrun's failure reports (its ``ChildFailedError`` traceback and ``====`` block, its elastic agent's
+log lines) nor the ranks' Python tracebacks (:class:`FailureNoise`): the cause of a failed attempt is said once
+by the orchestrator, and the full output stays in the attempt's ``launcher.log`` and ``logs/``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any, TextIO
 
@@ -65,6 +69,60 @@ def _is_noteworthy(line: str) -> bool:
     return isinstance(record, dict) and record.get("level") in ("WARNING", "ERROR", "CRITICAL")
 
 
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+#: torchrun's elastic agent's own log lines (glog style: ``E1203 00:41:11.000000 123 torch/distributed/...] ...``)
+_ELASTIC_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/(csrc/)?distributed/")
+#: a rank's own c10d error lines (``[E1203 ... ProcessGroupGloo.cpp:...] ... Connection closed by peer``)
+_C10D_ERROR = re.compile(r"^\[?[EF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/csrc/distributed/")
+_BANNER = re.compile(r"^\s*={20,}\s*$")
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+class FailureNoise:
+    """Tells the lines of a failure's reports apart from what the workers say: Python tracebacks (of any rank, or
+    torchrun's own ``ChildFailedError``), torchrun's ``====`` failure block and its elastic agent's log lines.
+
+    Stateful per source (each rank, and torchrun itself): a ``Traceback (most recent call last):`` line starts a
+    traceback, which runs through its indented frames, chained-exception headers, the exception's line and that
+    message's indented continuation lines; a ``====`` banner opens a report that the next banner closes."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, str] = {}  # source -> "frames" | "message"
+        self._in_report = False
+
+    def __call__(self, line: str) -> bool:
+        """Whether ``line`` is part of a failure report (to be left out of the console view)."""
+        m = _RANK_PREFIX.match(line)
+        source, body = (m.group(1), line[m.end() :]) if m else ("torchrun", line)
+        text = body.rstrip()
+        bare = text.strip()
+        if not m and _BANNER.match(text):
+            self._in_report = not self._in_report
+            return True
+        if not m and (self._in_report or _ELASTIC_LOG.match(text)):
+            return True
+        if m and _C10D_ERROR.match(bare):
+            return True
+        if bare == "Traceback (most recent call last):":
+            self._state[source] = "frames"
+            return True
+        if bare in _CHAINED:
+            return True
+        state = self._state.get(source)
+        if state is None:
+            return False
+        if not bare or text.startswith((" ", "\t")):
+            return True  # a frame, or the exception message's next line
+        if state == "frames":
+            self._state[source] = "message"  # the exception's own line
+            return True
+        del self._state[source]  # the worker speaks again
+        return False
+
+
 class LiveView:
     """Consumes launcher output lines; keeps the latest step event for the run summary."""
 
@@ -79,6 +137,7 @@ class LiveView:
         self.events: list[dict[str, Any]] = []
         self._progress = None
         self._task_id = None
+        self._noise = FailureNoise()
         #: called with every event of the ranks (the Prometheus metrics, anomaly reactions of the orchestrator)
         self.listeners: list = []
 
@@ -89,6 +148,8 @@ class LiveView:
         """Render one line of worker/launcher output."""
         event = parse_event(line)
         if event is None:
+            if self._noise(line):
+                return  # a failure report: in launcher.log, and its cause is said once by the orchestrator
             if _is_noteworthy(line):
                 self._print(line.rstrip(), always=True)  # warnings and errors even without the console view
             return
