@@ -373,6 +373,7 @@ def _run(
             "checkpoint_uri": ckpt["uri"],
             "model_dir": exported["dir"] if exported else None,
             "model_version": exported["registered"]["version"] if exported and exported["registered"] else None,
+            "registry": exported["registry"] if exported else None,  # which alias moved, and why
             "mlflow_run_id": run_id,
             "flow_run_id": fr_id,
             "wall_s": round(time.time() - t0, 1),

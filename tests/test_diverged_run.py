@@ -165,7 +165,7 @@ def _nan_copy(model_dir: Path, dst: Path) -> Path:
 
 def test_registration_refuses_a_diverged_model_and_moves_no_alias(runs, tmp_path, as_the_flow):
     from kuangchao_core.engine.release import export_model
-    from kuangchao_core.obs.model_registry import ALIAS_BEST, ALIAS_NEWEST, log_model_dir, register_model
+    from kuangchao_core.obs.model_registry import ALIAS_CHAMPION, ALIAS_NEWEST, log_model_dir, register_model
 
     clean = Path(runs["ranks"][0]["clean"]["paths"][-1])
     good_dir = tmp_path / "good"
@@ -176,9 +176,14 @@ def test_registration_refuses_a_diverged_model_and_moves_no_alias(runs, tmp_path
     client = MlflowClient(uri)
     exp = client.create_experiment("gate", artifact_location=str(tmp_path / "artifacts"))
 
-    def run_with(loss: float, model_dir: Path) -> tuple[str, str]:
+    def run_with(loss: float, model_dir: Path, accuracy: float = 0.5) -> tuple[str, str]:
         run_id = client.create_run(exp).info.run_id
-        client.log_batch(run_id, metrics=[Metric("loss", loss, 0, 6), Metric("eval_loss", 1.0, 0, 6)])
+        metrics = [
+            Metric("loss", loss, 0, 6),
+            Metric("eval_loss", 1.0, 0, 6),
+            Metric("heldout_accuracy", accuracy, 0, 6),
+        ]
+        client.log_batch(run_id, metrics=metrics)
         return run_id, log_model_dir(cfg, run_id, model_dir, record)
 
     run_id, source = run_with(2.0, good_dir)
@@ -188,13 +193,13 @@ def test_registration_refuses_a_diverged_model_and_moves_no_alias(runs, tmp_path
         (2.0, bad_dir, r"2 weight tensor\(s\) are not finite: model\.safetensors:lm_head\.weight"),
         (float("nan"), good_dir, "the final training loss is nan"),
     ):
-        run_id, source = run_with(loss, model_dir)
+        run_id, source = run_with(loss, model_dir, accuracy=1.0)
         with pytest.raises(NotPublishable, match=why) as err:
-            register_model(cfg, run_id, "gate", source, record, 0.5)  # a lower eval loss would have taken best
+            register_model(cfg, run_id, "gate", source, record, 0.5)  # its accuracy would have taken champion
         assert "registration of gate" in str(err.value) and "not published" in str(err.value)
         assert [int(v.version) for v in client.search_model_versions("name='gate'")] == [1]
         assert int(client.get_model_version_by_alias("gate", ALIAS_NEWEST).version) == 1
-        assert int(client.get_model_version_by_alias("gate", ALIAS_BEST).version) == 1
+        assert int(client.get_model_version_by_alias("gate", ALIAS_CHAMPION).version) == 1
         assert "kuangchao.model_version" not in client.get_run(run_id).data.tags
     # the gate itself, as any later alias mover calls it
     assert publish_refusal(good_dir, 1.5) is None
@@ -222,7 +227,7 @@ def test_kc_train_of_a_diverging_job_exits_nonzero_registers_nothing_and_moves_n
     run_id = client.create_run(exp).info.run_id
     good = ROOT / "tests" / "data" / "kc-tiny-demo"
     record = json.loads((good / "export.json").read_text(encoding="utf-8"))
-    register_model(cfg, run_id, name, str(good), record, None)  # what the consumers of `newest` use today
+    register_model(cfg, run_id, name, str(good), record, None)  # moves `newest`, which a diverged run must not
     monkeypatch.setenv("KC_RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     overrides = {

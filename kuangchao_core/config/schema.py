@@ -468,8 +468,19 @@ class TrackingSection(Section):
     #: at the end of a job, export its final checkpoint (Hugging Face model, or PEFT adapters for LoRA, with the
     #: tokenizer files) into the run directory and log it as the MLflow run's ``model``
     log_model: bool = True
-    #: register the logged model under this name; aliases ``newest`` and ``best`` (lowest eval loss) follow it
+    #: register the logged model under this name; alias ``newest`` follows every registered version, ``champion``
+    #: only a version whose ``champion_metric`` beats the champion's on the same held-out evaluation
+    #: (``kuangchao_core.obs.champion``); fine-tunes start from ``models:/NAME@champion``
     register_model: str | None = Field(default=None, min_length=1, max_length=256)
+    #: which runs become a model version: ``publishable`` — every run whose model passes the publish gate (finite
+    #: weights and final loss), moving ``newest``; ``champion`` — only a run that takes ``champion`` (the others'
+    #: models stay logged on their runs)
+    register_if: Literal["publishable", "champion"] = "publishable"
+    #: the held-out metric that decides ``champion``, higher is better: ``heldout_accuracy`` (the final model's
+    #: exact match on the held-out prompts) or ``eval_exact_match`` (the last periodic evaluation's)
+    champion_metric: Literal["heldout_accuracy", "eval_exact_match"] = "heldout_accuracy"
+    #: a version takes ``champion`` only with ``champion_metric`` at least this (the first one too); null: no floor
+    champion_min: Float | None = Field(default=None, ge=0, le=1)
 
 
 class LoggingSection(Section):

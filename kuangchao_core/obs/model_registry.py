@@ -1,12 +1,17 @@
 """The exported model in MLflow: logged as the run's ``model`` artifacts, registered under ``tracking.register_model``.
 
 Each registration creates a new model version whose source is the run's ``model`` artifact directory, tagged with the
-checkpoint's manifest sha256, step, format and the run's final ``eval_loss``; two aliases follow it:
+checkpoint's manifest sha256, step, format, the run's final ``eval_loss`` and its held-out evaluation (which set,
+which metric, what value: :mod:`kuangchao_core.obs.champion`); two aliases follow it:
 
 - ``newest``: always the version just registered (MLflow reserves the alias name ``latest``; its own
   ``models:/NAME/latest`` URI resolves to the newest version as well);
-- ``best``: the version with the lowest ``eval_loss`` — moved to the new version only when its eval loss is lower
-  than the current best's (a run without an eval loss never takes it).
+- ``champion``: moved to the new version only when its ``tracking.champion_metric`` beats the current champion's on
+  the same held-out evaluation (ties keep the incumbent; the first version with the metric takes it). Fine-tunes
+  start from ``models:/NAME@champion``, so a short or weak run never becomes their base.
+
+``tracking.register_if: champion`` registers only a run that takes ``champion``. The result names the aliases that
+moved and, in ``decision``, why ``champion`` moved or stayed (the run summary shows it).
 
 The run gets the tags ``kuangchao.registered_model`` and ``kuangchao.model_version``, which ``kc runs compare`` shows.
 
@@ -19,20 +24,18 @@ Nothing diverged is registered: before the registered model, the version or any 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.obs.champion import ALIAS_CHAMPION, ALIAS_NEWEST, Candidate, decide, evaluation_identity
 from kuangchao_core.obs.publish_gate import check_publishable
 from kuangchao_core.obs.tracking import _client, tracking_uri
 
 log = logging.getLogger("kuangchao.obs.model_registry")
 
 MODEL_ARTIFACT_PATH = "model"
-ALIAS_NEWEST = "newest"
-ALIAS_BEST = "best"
 EVAL_LOSS_TAG = "eval_loss"
 
 
@@ -44,14 +47,6 @@ def log_model_dir(cfg: Any, run_id: str, model_dir: str | Path, record: dict[str
     client.set_tag(run_id, "kuangchao.model_manifest_sha256", record["manifest_sha256"])
     client.set_tag(run_id, "kuangchao.model_format", record["format"])
     return f"{client.get_run(run_id).info.artifact_uri}/{MODEL_ARTIFACT_PATH}"
-
-
-def _eval_loss(version: Any) -> float | None:
-    try:
-        value = float(version.tags.get(EVAL_LOSS_TAG, "nan"))
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(value) else value
 
 
 def run_final_loss(client: Any, run_id: str) -> float | None:
@@ -97,6 +92,24 @@ def check_registrable(
         check_publishable(got, loss, what=what)
 
 
+def candidate_of(cfg: Any, client: Any, run_id: str) -> Candidate:
+    """The run as the champion rule sees it: its ``tracking.champion_metric`` (the run's last value; None when it
+    logged none) and the identity of its held-out evaluation (:func:`~kuangchao_core.obs.champion.evaluation_identity`)."""
+    metric = cfg.tracking.champion_metric
+    value = client.get_run(run_id).data.metrics.get(metric)
+    eval_set, about = evaluation_identity(cfg)
+    return Candidate(metric, None if value is None else float(value), eval_set, about)
+
+
+def _current(client: Any, name: str, alias: str) -> Any | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
 def register_model(
     cfg: Any,
     run_id: str,
@@ -108,13 +121,22 @@ def register_model(
     model_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Register ``source`` (the run's model artifacts) as a new version of ``name`` and move the aliases; returns
-    ``{"name", "version", "aliases", "eval_loss"}``. ``final_loss`` / ``model_dir``: the run's final training loss
-    and the model's local files, when the caller has them (else read from MLflow). A model with a non-finite weight
-    or final loss is refused first (:func:`check_registrable`): nothing is registered, no alias moves."""
+    ``{"name", "version", "aliases", "eval_loss", "decision"}`` (``version`` None and ``aliases`` empty when
+    ``tracking.register_if: champion`` registered nothing; ``decision``: which aliases moved and why).
+    ``final_loss`` / ``model_dir``: the run's final training loss and the model's local files, when the caller has
+    them (else read from MLflow). A model with a non-finite weight or final loss is refused first
+    (:func:`check_registrable`): nothing is registered, no alias moves."""
     from mlflow.exceptions import MlflowException
 
     check_registrable(cfg, run_id, name, source, final_loss, model_dir)
     client = _client(tracking_uri(cfg))
+    candidate = candidate_of(cfg, client, run_id)
+    champion = _current(client, name, ALIAS_CHAMPION)
+    verdict = decide(candidate, champion, cfg.tracking.champion_min)
+    if cfg.tracking.register_if == "champion" and not verdict.takes_champion:
+        decision = f"not registered (tracking.register_if: champion); {verdict.why}"
+        log.info("%s: %s", name, decision)
+        return {"name": name, "version": None, "aliases": [], "eval_loss": eval_loss, "decision": decision}
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -124,26 +146,28 @@ def register_model(
         "kuangchao.step": str(record["step"]),
         "kuangchao.format": record["format"],
         "kuangchao.task": cfg.task.name,
+        **candidate.tags(),
     }
     if eval_loss is not None:
         tags[EVAL_LOSS_TAG] = repr(float(eval_loss))
     version = client.create_model_version(name, source, run_id=run_id, tags=tags)
     aliases = [ALIAS_NEWEST]
     client.set_registered_model_alias(name, ALIAS_NEWEST, version.version)
-    best = None
-    try:
-        best = client.get_model_version_by_alias(name, ALIAS_BEST)
-    except MlflowException:
-        pass
-    best_loss = _eval_loss(best) if best is not None else None
-    if eval_loss is not None and (best_loss is None or eval_loss < best_loss):
-        client.set_registered_model_alias(name, ALIAS_BEST, version.version)
-        aliases.append(ALIAS_BEST)
-    elif eval_loss is None:
-        log.warning("%s version %s has no eval_loss: the %r alias stays where it is", name, version.version, ALIAS_BEST)
+    if verdict.takes_champion:
+        client.set_registered_model_alias(name, ALIAS_CHAMPION, version.version)
+        aliases.append(ALIAS_CHAMPION)
+    decision = f"{name} v{version.version}: {' and '.join(aliases)} moved; {verdict.why}"
+    log.info("%s", decision)
     client.set_tag(run_id, "kuangchao.registered_model", name)
     client.set_tag(run_id, "kuangchao.model_version", str(version.version))
-    return {"name": name, "version": int(version.version), "aliases": aliases, "eval_loss": eval_loss}
+    client.set_tag(run_id, "kuangchao.registry_decision", decision[:5000])
+    return {
+        "name": name,
+        "version": int(version.version),
+        "aliases": aliases,
+        "eval_loss": eval_loss,
+        "decision": decision,
+    }
 
 
 MODEL_URI_PREFIX = "models:/"
