@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from kuangchao_core.data.sft import chat_spans
 from kuangchao_core.data.tokenizer import ByteTokenizer
 from kuangchao_core.engine.release import export_model
-from kuangchao_core.obs.model_registry import ALIAS_BEST, ALIAS_NEWEST, log_model_dir, register_model
+from kuangchao_core.obs.model_registry import ALIAS_CHAMPION, ALIAS_NEWEST, log_model_dir, register_model
 from kuangchao_core.perm import guard_api
 from tests.engine_helpers import only_lineage, run_trainers, tiny_job
 from tests.mp import run_distributed
@@ -86,16 +86,18 @@ def test_export_record_names_the_checkpoint_by_its_manifest(trained):
     assert not list(trained["tmp"].glob(".model.tmp*")), "the temporary directory is renamed into place"
 
 
-def _run_with_eval(client, exp, eval_loss):
+def _run_with_eval(client, exp, eval_loss, accuracy=None):
     run = client.create_run(exp, tags={"mlflow.runName": f"r{eval_loss}", "kuangchao.layout": "dp1-tp1-pp1-zero0"})
     metrics = [Metric("loss", 3.0, 0, 1)]
     if eval_loss is not None:
         metrics.append(Metric("eval_loss", eval_loss, 0, 1))
+    if accuracy is not None:
+        metrics.append(Metric("heldout_accuracy", accuracy, 0, 1))
     client.log_batch(run.info.run_id, metrics=metrics)
     return run.info.run_id
 
 
-def test_register_model_moves_newest_always_and_best_only_to_a_lower_eval_loss(trained, tmp_path):
+def test_register_model_moves_newest_always_and_champion_only_to_a_higher_accuracy(trained, tmp_path):
     from kuangchao.cli.main import app
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -103,13 +105,13 @@ def test_register_model_moves_newest_always_and_best_only_to_a_lower_eval_loss(t
     client = MlflowClient(uri)
     exp = client.create_experiment("reg")
     seen = []
-    for loss in (2.0, 2.5, None, 1.5):
-        run_id = _run_with_eval(client, exp, loss)
+    for loss, accuracy in ((2.0, 0.2), (2.5, 0.1), (None, None), (1.5, 0.5)):
+        run_id = _run_with_eval(client, exp, loss, accuracy)
         source = log_model_dir(cfg, run_id, trained["out"], trained["record"])
         got = register_model(cfg, run_id, "tiny-reg", source, trained["record"], loss)
         newest = client.get_model_version_by_alias("tiny-reg", ALIAS_NEWEST)
-        best = client.get_model_version_by_alias("tiny-reg", ALIAS_BEST)
-        seen.append((got["version"], int(newest.version), int(best.version)))
+        champion = client.get_model_version_by_alias("tiny-reg", ALIAS_CHAMPION)
+        seen.append((got["version"], int(newest.version), int(champion.version)))
         assert client.get_run(run_id).data.tags["kuangchao.model_version"] == str(got["version"])
     assert seen == [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 4)]
     version = client.get_model_version("tiny-reg", "4")
@@ -142,10 +144,10 @@ def test_a_registered_model_resolves_to_its_files_and_adapters_are_refused(train
     cfg = tiny_job(str(tmp_path), task={"name": "res"}, tracking={"uri": uri})
     client = MlflowClient(uri)
     exp = client.create_experiment("res")
-    run_id = _run_with_eval(client, exp, 2.0)
+    run_id = _run_with_eval(client, exp, 2.0, 0.5)
     source = log_model_dir(cfg, run_id, trained["out"], trained["record"])
     register_model(cfg, run_id, "base", source, trained["record"], 2.0)
-    for ref in ("models:/base@newest", "models:/base@best", "models:/base/1"):
+    for ref in ("models:/base@newest", "models:/base@champion", "models:/base/1"):
         local, info = resolve_model_uri(ref, uri, tmp_path / "dl")
         assert (local / "model.safetensors").read_bytes() == (trained["out"] / "model.safetensors").read_bytes()
         assert info["version"] == 1 and info["manifest_sha256"] == trained["record"]["manifest_sha256"]
@@ -158,7 +160,7 @@ def test_a_registered_model_resolves_to_its_files_and_adapters_are_refused(train
 
 
 def test_kc_train_hands_a_registered_base_to_the_flow(monkeypatch):
-    """`kc train --config configs/finetune-demo.yaml` (base `models:/kc-tiny-demo@newest`) gets past its pre-flight
+    """`kc train --config configs/finetune-demo.yaml` (base `models:/kc-tiny-demo@champion`) gets past its pre-flight
     checks to the launch: the flow resolves the base and checks the plan then. Control: a local base that cannot be
     read is still refused before any launch."""
     from pathlib import Path
