@@ -17,6 +17,7 @@ from typing import Any
 
 log = logging.getLogger("kuangchao.tasks.ckpt_mirror")
 _MIRRORS: dict[str, CheckpointMirror] = {}
+_SWEEP = -1  # a queued request for every intact step, announced or not
 
 
 class CheckpointMirror:
@@ -45,14 +46,19 @@ class CheckpointMirror:
                 return
             try:
                 self.uploaded.update(upload_intact(self.cfg, self.settings, lineage=self.lineage))
-                log.info("checkpoint step %d mirrored to %s", step, self.uploaded.get(step, self.cfg.checkpoint.uri))
+                if step != _SWEEP:
+                    log.info(
+                        "checkpoint step %d mirrored to %s", step, self.uploaded.get(step, self.cfg.checkpoint.uri)
+                    )
             except Exception as exc:  # the job goes on; the flow's final checkpoint task tries again
                 self.errors.append(f"step {step}: {exc}")
                 log.warning("checkpoint step %d not mirrored to S3 yet: %s", step, exc)
 
     def close(self, timeout_s: float = 600.0) -> None:
-        """Finish the uploads queued so far and stop (idempotent)."""
+        """Finish the uploads queued so far, upload every intact step S3 still lacks (a rank killed right after a
+        save never announced it), and stop (idempotent)."""
         if self._thread.is_alive():
+            self._queue.put(_SWEEP)
             self._queue.put(None)
             self._thread.join(timeout=timeout_s)
 
