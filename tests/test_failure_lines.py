@@ -46,7 +46,7 @@ Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
   File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
 kuangchao_core.engine.worker FAILED
 ------------------------------------------------------
@@ -184,7 +184,9 @@ def test_a_node_failing_on_its_own_is_named_before_the_peers_that_saw_it_drop(tm
     drop = "Connection reset by peer"
     agents = {
         "h0": _Agent(nodes / "h0", result={"ok": False, "rank": 0, "cause": drop, "exit_code": 1}, at=0.5),
-        "h1": _Agent(nodes / "h1", result={"ok": False, "rank": 3, "cause": "killed by SIGKILL", "exit_code": -9}, at=1),
+        "h1": _Agent(
+            nodes / "h1", result={"ok": False, "rank": 3, "cause": "killed by SIGKILL", "exit_code": -9}, at=1
+        ),
     }
     exc, took = _run_watch(tmp_path, agents)
     assert exc.node is None and exc.rank == 3 and "h1" in exc.cause and "SIGKILL" in exc.cause, exc
@@ -203,3 +205,54 @@ def test_a_node_whose_torchrun_died_without_a_report_is_lost(tmp_path):
     exc, took = _run_watch(tmp_path, agents)
     assert exc.node == "h1" and "torchrun died" in exc.cause, exc
     assert took < 5.0
+
+
+# --- the whole job: a worker failure's cause once on the console, the full torch output in the run directory
+
+
+def test_kc_train_of_a_failing_worker_says_the_cause_once_and_keeps_torchs_output_in_the_run_dir(prefect_api, tmp_path):
+    """`kc train` (real flow, two workers under torchrun) fine-tuning a base with a NaN weight: every rank stops
+    with ``AnomalyStop`` at its first checkpoint (never retried). The console has one ``kc train failed`` line naming
+    it, neither a traceback nor torchrun's report; ``attempt_0/launcher.log`` has both (before: the ranks' tracebacks,
+    torchrun's ``ChildFailedError`` block and Prefect's task and flow tracebacks, the cause repeated each time)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_diverged_run import _nan_copy
+
+    root = Path(__file__).resolve().parent.parent
+    base = _nan_copy(root / "tests" / "data" / "kc-tiny-demo", tmp_path / "nan-base")
+    overrides = {
+        "task.name": "kc-one-line",
+        "model.checkpoint": str(base),
+        "train.steps": 4,
+        "train.warmup_steps": 0,
+        "train.log_interval": 1,
+        "train.eval_interval": 1000,
+        "checkpoint.interval": 2,
+        "checkpoint.dir": str(tmp_path / "ckpt"),
+        "checkpoint.resume": "never",
+        "data.synthetic.num_train": 512,
+        "parallel.micro_batch_size": 2,
+        "permission.audit_log": str(tmp_path / "audit"),
+        "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "tracking.system_metrics": "false",
+        "cluster.max_restarts": 2,
+    }
+    argv = [sys.executable, "-m", "kuangchao.cli.main", "train", "--config", str(root / "configs" / "tiny.yaml")]
+    argv += [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "KC_RUNS_DIR": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    text = out.stdout + out.stderr
+    (tmp_path / "console.txt").write_text(text)
+    assert out.returncode == 1, text[-4000:]
+    failed = [line for line in text.splitlines() if line.startswith("kc train failed:")]
+    assert len(failed) == 1 and "AnomalyStop" in failed[0] and "rank" in failed[0], text[-4000:]
+    for noise in ("Traceback", "ChildFailedError", "Root Cause", "Encountered exception", "Task run failed"):
+        assert noise not in text, (noise, text[-4000:])
+    assert len([line for line in text.splitlines() if "AnomalyStop" in line]) == 1, text[-4000:]
+    logs = list((tmp_path / "runs").glob("kc-one-line/*/attempt_0/launcher.log"))
+    assert len(logs) == 1
+    full = logs[0].read_text()
+    assert "Traceback" in full and "AnomalyStop" in full and "ChildFailedError" in full

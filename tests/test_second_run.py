@@ -112,6 +112,24 @@ def test_resume_past_train_steps_fails_with_the_fix_before_any_worker(two_runs):
     assert "already at step 6 of 4" in text and "--resume never" in text and "raise train.steps" in text
 
 
+def test_kc_train_resumed_past_train_steps_prints_one_line_and_exits_2(two_runs, prefect_api):
+    """Issue 27 §3: the refusal is one line with its fix on the console, exit code 2, no Prefect traceback (before:
+    ~20 lines, the message four times, inside ``Encountered exception during execution`` and its traceback)."""
+    workdir = two_runs["workdir"]
+    shorter = [o for o in two_runs["b"] if not o.startswith("train.steps=")] + ["train.steps=4"]
+    argv = [sys.executable, "-m", "kuangchao.cli.main", "train", "--config", TINY, "--resume", "auto"]
+    argv += [a for o in shorter for a in ("--set", o)]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "KC_RUNS_DIR": str(workdir / "runs"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-4000:])
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "Encountered exception" not in text, text
+    said = [line for line in text.splitlines() if "already at step 6 of 4" in line]
+    assert len(said) == 1, text
+    assert said[0].startswith("kc train: ") and "--resume never" in said[0] and "raise train.steps" in said[0]
+    assert not [line for line in text.splitlines() if "| ERROR" in line], text
+
+
 def test_resume_past_train_steps_with_skip_trains_nothing_and_says_so(two_runs):
     workdir = two_runs["workdir"]
     shorter = [o for o in two_runs["b"] if not o.startswith("train.steps=")] + ["train.steps=4"]

@@ -69,7 +69,8 @@ def _is_noteworthy(line: str) -> bool:
     return isinstance(record, dict) and record.get("level") in ("WARNING", "ERROR", "CRITICAL")
 
 
-_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+#: the launcher's ``[rank<r>]:`` prefix, and torch's own ``[rank<r>]: `` on a rank's traceback after it
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(?:\[rank\d+\]: ?)*")
 #: torchrun's elastic agent's own log lines (glog style: ``E1203 00:41:11.000000 123 torch/distributed/...] ...``)
 _ELASTIC_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/(csrc/)?distributed/")
 #: a rank's own c10d error lines (``[E1203 ... ProcessGroupGloo.cpp:...] ... Connection closed by peer``)
