@@ -45,14 +45,18 @@ from kuangchao_core.hal import (
 
 
 def _install_guard_from_environment() -> bool:
-    """Install this rank's guard from ``KC_TOKENS`` (set by ``kc launch``); False when the environment has none."""
+    """Install this rank's guard from the tokens ``kc launch`` hands it (over its lifeline, ``KC_LIFELINE``, which
+    also ends this process when ``kc launch`` dies; or ``KC_TOKENS``); False when there are none."""
     import os
 
-    if not os.environ.get("KC_TOKENS"):
+    if not os.environ.get("KC_TOKENS") and not os.environ.get("KC_LIFELINE"):
         return False
-    from kuangchao_core.perm.runtime import install_from_environment
+    from kuangchao_core.perm.runtime import install_from_environment, take_environment_tokens
 
-    install_from_environment(int(os.environ.get("RANK", "0")))
+    tokens = take_environment_tokens()
+    if not tokens:
+        return False
+    install_from_environment(int(os.environ.get("RANK", "0")), tokens)
     return True
 
 

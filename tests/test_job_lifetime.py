@@ -219,3 +219,37 @@ def test_a_node_agents_ranks_stop_when_the_orchestrator_stops_beating(tmp_path):
     assert time.monotonic() - t0 < 60
     assert wait_gone(_all_pids(out), 10.0) == []
     assert len(_all_pids(out)) == 2  # the ranks did run while the orchestrator beat
+
+
+ENVIRON_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import kuangchao.distributed as kc  # takes this rank's tokens from kc launch
+    from kuangchao_core.perm import guard_api
+    mine = open("/proc/self/environ", "rb").read()
+    parent = open(f"/proc/{os.getppid()}/environ", "rb").read()
+    guard = guard_api.current_guard()
+    print(f"rank {os.environ['RANK']}: token in environ {b'kc1.cap.' in mine or b'kc1.cap.' in parent}; "
+          f"guard {type(guard).__name__} {getattr(guard, 'module_id', None)}", flush=True)
+    """
+)
+
+
+def test_kc_launch_ranks_hold_their_own_token_and_none_in_their_environment(tmp_path):
+    script = tmp_path / "environ_check.py"
+    script.write_text(ENVIRON_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KC_TOKEN")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), KC_RUNS_DIR=str(tmp_path / "runs"))
+    out = subprocess.run(
+        [sys.executable, "-m", "kuangchao.cli.main", "launch", "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for rank in (0, 1):
+        line = next(ln for ln in out.stdout.splitlines() if f"rank {rank}: token in environ" in ln)
+        assert "token in environ False" in line, line
+        assert line.endswith(f"worker-{rank}"), line  # the rank's own token was installed

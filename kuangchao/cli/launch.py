@@ -10,6 +10,7 @@ for nothing, and verification fails ``no_pins``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,10 +136,18 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc), script, *args]
     code = None
+    from kuangchao_core.sched.lifeline import Lifeline
+
+    # each rank gets its own tokens over the lifeline, never in its environment; the ranks end with this process
+    lifeline = Lifeline(json.loads(env.pop("KC_TOKENS", "") or "{}"))
+    env.update(lifeline.env())
     try:
-        code = subprocess.run(cmd, env=env).returncode
+        proc = subprocess.Popen(cmd, env=env)
+        lifeline.watch(proc.pid)
+        code = proc.wait()
         return code
     finally:
+        lifeline.close()
         if server is not None:
             server.stop()
             pin()
