@@ -13,7 +13,8 @@ import hashlib
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -126,6 +127,19 @@ def _full_disk(exc: BaseException, path: Path) -> DiskFull | None:
     )
 
 
+@contextmanager
+def _tmp_removed_on_error(tmp: Path, final: Path) -> Iterator[None]:
+    """Remove ``tmp`` when the body fails; a full disk is raised as :class:`DiskFull`."""
+    try:
+        yield
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        full = _full_disk(exc, final) if isinstance(exc, Exception) else None
+        if full is not None:
+            raise full from None
+        raise
+
+
 class LocalStorage(Storage):
     """Files on a local (or shared, POSIX) file system below ``root``."""
 
@@ -159,39 +173,21 @@ class LocalStorage(Storage):
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_for(final)
-        try:
+        with _tmp_removed_on_error(tmp, final):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            full = _full_disk(exc, final)
-            if full is not None:
-                raise full from None
-            raise
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         _fsync_path(final.parent, directory=True)
 
     def write_with(self, key: str, fill: Callable[[Path], None]) -> None:
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_for(final)
-        try:
+        with _tmp_removed_on_error(tmp, final):
             fill(tmp)
             self._commit_file(tmp, final)
-        except Exception as exc:
-            tmp.unlink(missing_ok=True)
-            full = _full_disk(exc, final)
-            if full is not None:
-                raise full from None
-            raise
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
     def open_read(self, key: str) -> BinaryIO:
         return open(self.path(key), "rb")
