@@ -40,16 +40,51 @@ def _kinds(metrics_list, settings=SETTINGS):
 
 
 def test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet():
-    assert _kinds(_series(40)) == []  # the control
-    assert _kinds(_series(10, {5: {"loss": float("nan")}})) == [("loss_nan", 6)]
-    assert _kinds(_series(10, {5: {"loss": 9.0}})) == [("loss_spike", 6)]
-    assert _kinds(_series(10, {5: {"grad_norm": 50.0}})) == [("grad_norm", 6)]
+    assert _kinds(_series(80)) == []  # the control
+    assert _kinds(_series(10, {5: {"loss": float("nan")}})) == [("loss_nan", 6)]  # judged from the first step
+    # loss and gradient norm: judged once a full window (20) of steps is seen; the same spike earlier is not
+    assert _kinds(_series(40, {29: {"loss": 9.0}})) == [("loss_spike", 30)]
+    assert _kinds(_series(40, {5: {"loss": 9.0}})) == []
+    exploding = {i: {"grad_norm": 50.0} for i in (29, 30, 31)}  # grad_norm_steps (3) in a row
+    assert _kinds(_series(40, exploding)) == [("grad_norm", 32)]
+    assert _kinds(_series(40, {29: {"grad_norm": 50.0}})) == []  # one step's outlier (clipped): not an explosion
+    assert _kinds(_series(40, {i: {"grad_norm": 50.0} for i in (3, 4, 5)})) == []  # before a full window
     assert _kinds(_series(10, {5: {"mem_bytes": 1e8 + 2 * 2**30}})) == [("memory_growth", 6)]
-    busy = {i: {"comm_share": 0.6} for i in range(2, 40)}  # 38 steps over 30 %: flagged after 5, then every window
-    assert _kinds(_series(40, busy)) == [("comm_share", 7), ("comm_share", 27)]
-    assert _kinds(_series(10, {i: {"comm_share": 0.6} for i in (1, 3, 5, 7)})) == []  # never 5 in a row
-    strict = SETTINGS.model_copy(update={"comm_share": 0.05, "comm_share_steps": 1})
+    # communication: the median of the last comm_share_steps (50) against the run's baseline (10 %): 40 % is 6x
+    # the baseline's time relative to compute, flagged once the median is over it, then every window
+    busy = {i: {"comm_share": 0.4} for i in range(100, 200)}
+    assert _kinds(_series(200, busy)) == [
+        ("comm_share", 126),
+        ("comm_share", 146),
+        ("comm_share", 166),
+        ("comm_share", 186),
+    ]
+    jitter = {i: {"comm_share": 0.9} for i in range(50, 200, 3)}  # one step in three: never the median
+    assert _kinds(_series(200, jitter)) == []
+    strict = SETTINGS.model_copy(update={"comm_share": 0.05, "comm_share_steps": 1, "comm_baseline_factor": 0})
     assert _kinds(_series(3), strict)[0] == ("comm_share", 1)
+
+
+def test_thresholds_are_warmed_up_and_relative_to_the_run():
+    from kuangchao_core.engine.anomaly import comm_share_limit
+
+    # a share that is high on this machine from the start (two ranks on shared cores) is its baseline, not an anomaly
+    shared = {i: {"comm_share": 0.45 + 0.2 * ((i * 7) % 5 == 0)} for i in range(300)}
+    assert _kinds(_series(300, shared)) == []
+    assert comm_share_limit(0.3, 0.05) == 0.3 and round(comm_share_limit(0.3, 0.4), 3) == 0.727
+    assert comm_share_limit(0.3, 0.95) == 0.9 and comm_share_limit(0.3, 0.4, factor=0) == 0.3
+    # no judgement of loss or gradient norm during warm-up and the window after it
+    det = AnomalyDetector(SETTINGS, warmup_steps=30)
+    early = [
+        (a.kind, s)
+        for s in range(1, 51)
+        for a in det.observe(s, {"loss": 9.0 if s % 7 == 0 else 2.0, "grad_norm": 50.0 if s % 9 == 0 else 1.0})
+    ]
+    assert early == []
+    # a converged loss near zero that triples is noise (under loss_spike_min_delta); a jump of nats is a spike
+    converged = {i: {"loss": 0.002 + 0.004 * (i % 4 == 0)} for i in range(100)}
+    assert _kinds(_series(100, converged)) == []
+    assert _kinds(_series(100, {**converged, 70: {"loss": 1.5}})) == [("loss_spike", 71)]
 
 
 def _nan_at_step_3(rank, world_size, cfg):
@@ -106,6 +141,57 @@ def test_a_nan_loss_is_flagged_on_every_rank_and_its_action_runs(tmp_path, actio
         assert not RestartPolicy(max_restarts=3).retryable(WorkerFailed(0, f"AnomalyStop: {res[0]['stopped']}"))
     else:
         assert saved == ["step_00000005"]  # the end of the run only
+
+
+def _run_with_spikes(rank, world_size, cfg, spikes):
+    """A real trainer whose reported loss/gradient norm at the given steps is multiplied (``{step: (what, x)}``)."""
+    import sys
+
+    trainer = trainer_in_process(cfg, rank, world_size, timeout_ms=120_000)
+    step = trainer.train_step
+
+    def injected(batches):
+        result = step(batches)
+        what, times = spikes.get(result.step, (None, 1.0))
+        if what is not None:
+            setattr(result, what, getattr(result, what) * times)
+        return result
+
+    trainer.train_step = injected
+    out, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        trainer.run(resume="never")
+    finally:
+        captured, sys.stdout = sys.stdout.getvalue(), out
+    events = [json.loads(line.split("KC_EVENT ", 1)[1]) for line in captured.splitlines() if "KC_EVENT " in line]
+    return {
+        "counts": {k: n for k, n in trainer.anomaly.counts.items() if n},
+        "flags": [(e["kind"], e["step"]) for e in events if e["event"] == "anomaly"],
+        "baseline": trainer.anomaly.comm_baseline,
+    }
+
+
+def test_a_healthy_run_is_quiet_and_a_real_spike_still_fires(tmp_path):
+    """Two real Gloo ranks on this machine's shared cores with the default thresholds: the healthy run flags
+    nothing (communication share, early loss and gradient norm included); the same run with the loss ×20 at step
+    110 and the gradient norm ×100 at steps 128-130 flags exactly those (the negative control of the quiet one)."""
+    base = {
+        "parallel": {"data_parallel_size": 2},
+        "train": {"steps": 140, "warmup_steps": 10, "log_interval": 1000, "eval_interval": 1000},
+        "checkpoint": {"interval": 1000},
+    }
+    healthy = run_distributed(
+        _run_with_spikes, 2, args=(tiny_job(str(tmp_path / "a"), task={"name": "quiet"}, **base), {}), timeout=300
+    )
+    for r in healthy:
+        assert r["counts"] == {} and r["baseline"] is not None, r
+    spikes = {110: ("loss", 20.0), **{s: ("grad_norm", 100.0) for s in (128, 129, 130)}}
+    spiked = run_distributed(
+        _run_with_spikes, 2, args=(tiny_job(str(tmp_path / "b"), task={"name": "spiky"}, **base), spikes), timeout=300
+    )
+    for r in spiked:
+        assert r["counts"] == {"grad_norm": 1, "loss_spike": 1}, r
+    assert spiked[0]["flags"] == [("loss_spike", 110), ("grad_norm", 130)]
 
 
 def _scrape(url: str) -> dict[str, float]:

@@ -65,7 +65,15 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
 
     steps = 400
     # every step's communication share counts as too high: the comm_share anomaly is raised in a real job
-    cfg, run_dir = _job(tmp_path, steps, **{"train.anomaly.comm_share": 0.0001, "train.anomaly.comm_share_steps": 1})
+    cfg, run_dir = _job(
+        tmp_path,
+        steps,
+        **{
+            "train.anomaly.comm_share": 0.0001,
+            "train.anomaly.comm_share_steps": 1,
+            "train.anomaly.comm_baseline_factor": 0,
+        },
+    )
     env = issue_tokens_for_run(cfg, run_dir, 0)
     outcome: dict = {}
     exporter = MetricsExporter(JobMetrics(cfg.task.name, "r"))

@@ -140,23 +140,33 @@ def list_(
     if not rows:
         typer.echo(f"no checkpoints under {directory}")
         return
-    from rich.console import Console
-    from rich.table import Table
+    for line in list_lines(rows):
+        typer.echo(line)
 
-    table = Table("task", "lineage", "directory", "step", "status", "MiB", "created", "problems")
+
+def list_lines(rows: list[dict], width: int = 80) -> list[str]:
+    """``kc checkpoint list`` for people, within ``width`` columns: one header line per lineage (``task/lineage``,
+    in full; on two lines when longer than ``width``) then one line per step directory (step, status, MiB,
+    created), a directory that is not a finished step by its name, and each problem on its own wrapped line."""
+    import textwrap
+
+    lines: list[str] = []
+    current = None
     for r in rows:
-        colour = {"intact": "green", "corrupt": "red", "incomplete": "yellow"}.get(r["status"], "white")
-        table.add_row(
-            r["task"],
-            r["lineage"],
-            r["name"],
-            "" if r["step"] is None else str(r["step"]),
-            f"[{colour}]{r['status']}[/{colour}]",
-            f"{r['bytes'] / 2**20:.2f}",
-            r["created_at"] or "",
-            "; ".join(r["problems"]),
-        )
-    Console().print(table)
+        if (r["task"], r["lineage"]) != current:
+            current = (r["task"], r["lineage"])
+            header = f"{r['task']}/{r['lineage']}"
+            lines += [header] if len(header) <= width else [f"{r['task']}/", f"  {r['lineage']}"]
+            lines.append(f"  {'step':>10}  {'status':<10}  {'MiB':>9}  created")
+        created = (r.get("created_at") or "").replace("+00:00", "Z")
+        step = "" if r["step"] is None else str(r["step"])
+        row = f"  {step:>10}  {r['status']:<10}  {r['bytes'] / 2**20:>9.2f}  {created}".rstrip()
+        lines.append(row)
+        if parse_step_dir(r["name"]) is None:  # an incomplete or replaced directory: its own name
+            lines += textwrap.wrap(r["name"], width, initial_indent="    directory ", subsequent_indent="      ")
+        for problem in r["problems"]:
+            lines += textwrap.wrap(problem, width, initial_indent="    - ", subsequent_indent="      ")
+    return lines
 
 
 _PARALLEL_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "v": "virtual", "virtual": "virtual"}

@@ -60,7 +60,7 @@ def start(
     nodes.publish_facts(pool, facts)
     typer.echo(
         f"node {node}: {facts.address} ({facts.ifname or 'default interface'}), "
-        f"{facts.device_count} {facts.device_kind} devices, {facts.cpu_count} CPUs; pool {pool}"
+        f"{devices_text(facts)}, {facts.cpu_count} CPUs; pool {pool}"
     )
     os.environ["KC_PROJECT_DIR"] = str(Path(project_dir).resolve())  # the flow runs' working directory
     os.environ["KC_NODE"] = node
@@ -70,6 +70,14 @@ def start(
         asyncio.run(_serve(pool, node))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+def devices_text(facts) -> str:
+    """What a node trains on, as ``kc node list`` shows it: ``2 cuda`` (its GPUs) or ``4 cpu slots`` (a CPU node
+    hosts one rank per core, :attr:`NodeFacts.slots`) — never ``0 cpu``."""
+    if facts.device_kind != "cpu" and facts.device_count:
+        return f"{facts.device_count} {facts.device_kind}"
+    return f"{facts.slots} cpu slot{'s' if facts.slots != 1 else ''}"
 
 
 async def _serve(pool: str, node: str) -> None:
@@ -112,7 +120,7 @@ def list_cmd(
             "yes" if n.live else "NO",
             f.address,
             f.ifname or "-",
-            f"{f.device_count} {f.device_kind}",
+            devices_text(f),
             str(f.cpu_count),
             f.torch or "-",
             mem,

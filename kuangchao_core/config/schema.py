@@ -263,9 +263,16 @@ ANOMALY_DEFAULT_ACTIONS: dict[str, str] = {"loss_nan": "stop"}
 class AnomalySection(Section):
     """What counts as an anomaly (RT.6) and what to do about each kind.
 
-    ``comm_share``: communication over this share of step time for ``comm_share_steps`` steps in a row;
-    ``grad_norm_factor``: a gradient norm above this multiple of the median of the last ``window`` steps;
-    ``loss_spike_factor``: a loss above this multiple of that median (a NaN or infinite loss is always one);
+    ``comm_share``: the median communication share of step time over the last ``comm_share_steps`` steps above
+    this, raised to where communication takes ``comm_baseline_factor`` (4) times this run's own baseline time
+    relative to compute (the baseline is the median of the first ``comm_share_steps`` steps after warm-up,
+    ``engine.anomaly.comm_share_limit``; 0 judges against ``comm_share`` alone);
+    ``grad_norm_factor``: a gradient norm above this multiple of the median of the last ``window`` steps for
+    ``grad_norm_steps`` steps in a row (one step's outlier is common in heavy-tailed gradients near convergence, and
+    ``optimizer.max_grad_norm`` clips it; an explosion lasts);
+    ``loss_spike_factor``: a loss above this multiple of that median and at least ``loss_spike_min_delta`` nats over
+    it (a NaN or infinite loss is always one). Loss and gradient norm are judged only after ``train.warmup_steps``
+    and a full ``window`` of steps after them (the median needs them; early steps move fast by design);
     ``memory_growth_mb``: memory in use growing by more than this between two steps. ``actions``: per kind
     (``comm_share``, ``grad_norm``, ``loss_nan``, ``loss_spike``, ``memory_growth``) ``warn``, ``checkpoint`` or
     ``stop``; the default is ``stop`` for ``loss_nan`` (a diverged run ends with an error and publishes nothing) and
@@ -274,9 +281,12 @@ class AnomalySection(Section):
     skipped and ``train.max_bad_steps`` of them in a row stop the run."""
 
     comm_share: Float = Field(default=0.30, gt=0, le=1)
-    comm_share_steps: Int = Field(default=5, ge=1)
+    comm_share_steps: Int = Field(default=50, ge=1, le=10000)
+    comm_baseline_factor: Float = Field(default=4.0, ge=0, le=1000)
     grad_norm_factor: Float = Field(default=10.0, gt=1)
+    grad_norm_steps: Int = Field(default=3, ge=1, le=10000)
     loss_spike_factor: Float = Field(default=3.0, gt=1)
+    loss_spike_min_delta: Float = Field(default=0.5, ge=0)
     window: Int = Field(default=20, ge=3, le=10000)
     memory_growth_mb: Float = Field(default=1024.0, gt=0)
     actions: dict[Literal["comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth"], AnomalyAction] = Field(

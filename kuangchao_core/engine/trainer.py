@@ -159,7 +159,7 @@ class Trainer:
         self.loader: PrefetchLoader | None = None
         self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
         self.lr_scale = 1.0
-        self.anomaly = AnomalyDetector(cfg.train.anomaly)
+        self.anomaly = AnomalyDetector(cfg.train.anomaly, warmup_steps=cfg.train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
             cfg,
             rank,
@@ -191,7 +191,15 @@ class Trainer:
         ``checkpoint`` actions; returns the kind whose action is ``stop``, if any (every rank sees the same)."""
         stop = None
         for a in self.anomaly.observe(step, metrics):
-            log.warning("anomaly %s at step %d: %s (action %s)", a.kind, step, a.message, a.action)
+            # the ``anomaly`` field keeps this record out of the console, which tallies the events per kind
+            log.warning(
+                "anomaly %s at step %d: %s (action %s)",
+                a.kind,
+                step,
+                a.message,
+                a.action,
+                extra={"fields": {"anomaly": a.kind}},
+            )
             if self.rank == 0:
                 emit_event("anomaly", **a.to_dict())
                 metrics[f"anomalies_{a.kind}"] = float(self.anomaly.counts[a.kind])

@@ -32,7 +32,31 @@ def for_people(value: Any) -> str:
     MLflow keep full precision)."""
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if _is_anomaly_list(value):
+        return "\n".join(anomaly_lines(value)) or "none"
     return str(value)
+
+
+def _is_anomaly_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(a, dict) and "kind" in a and "step" in a for a in value)
+    )
+
+
+def anomaly_lines(anomalies: list[dict[str, Any]]) -> list[str]:
+    """One short line per anomaly kind, in order of first appearance: ``comm_share ×3, steps 134–2917 (warn)``
+    (the run summary's anomaly row and the console's tally; every flag stays in the JSON summary and MLflow)."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for a in anomalies:
+        kinds.setdefault(str(a.get("kind")), []).append(a)
+    lines = []
+    for kind, seen in kinds.items():
+        first, last = seen[0].get("step"), seen[-1].get("step")
+        steps = f"step {first}" if len(seen) == 1 else f"steps {first}–{last}"
+        lines.append(f"{kind} ×{len(seen)}, {steps} ({seen[-1].get('action', 'warn')})")
+    return lines
 
 
 def format_step(ev: dict[str, Any]) -> str:
@@ -57,16 +81,24 @@ def format_memory(ev: dict[str, Any]) -> str:
     )
 
 
-def _is_noteworthy(line: str) -> bool:
+def _noteworthy(line: str) -> str | None:
+    """What the console shows of a non-event line: free text as it is, a JSON log record of level WARNING or above
+    as one human line (``rank 0 warning: ...``; the JSON stays in ``launcher.log`` and the JSON log files), and
+    nothing for other records, nor for an anomaly's own log record (the anomaly events are tallied instead)."""
     text = line.strip()
     if not text:
-        return False
+        return None
     body = text[text.find("{") :] if "{" in text else text
     try:
         record = json.loads(body)
     except (json.JSONDecodeError, ValueError):
-        return True  # free text (tracebacks, torchrun messages) is always shown
-    return isinstance(record, dict) and record.get("level") in ("WARNING", "ERROR", "CRITICAL")
+        return line.rstrip()  # free text (torchrun messages, prints) is always shown
+    if not isinstance(record, dict) or record.get("level") not in ("WARNING", "ERROR", "CRITICAL"):
+        return None
+    if "anomaly" in record:
+        return None
+    who = f"rank {record['rank']}" if record.get("rank") is not None else str(record.get("module_id") or "worker")
+    return f"{who} {str(record['level']).lower()}: {record.get('msg', '')}"
 
 
 #: the launcher's ``[rank<r>]:`` prefix, and torch's own ``[rank<r>]: `` on a rank's traceback after it
@@ -139,6 +171,9 @@ class LiveView:
         self._progress = None
         self._task_id = None
         self._noise = FailureNoise()
+        #: the ranks' anomaly events, in order (rank 0 reports for the job); tallied per kind by :meth:`close`
+        self.anomalies: list[dict[str, Any]] = []
+        self._tallied = False
         #: called with every event of the ranks (the Prometheus metrics, anomaly reactions of the orchestrator)
         self.listeners: list = []
 
@@ -151,8 +186,9 @@ class LiveView:
         if event is None:
             if self._noise(line):
                 return  # a failure report: in launcher.log, and its cause is said once by the orchestrator
-            if _is_noteworthy(line):
-                self._print(line.rstrip(), always=True)  # warnings and errors even without the console view
+            shown = _noteworthy(line)
+            if shown is not None:
+                self._print(shown, always=True)  # warnings and errors even without the console view
             return
         kind = event.get("event")
         for listener in self.listeners:
@@ -182,11 +218,23 @@ class LiveView:
             elif kind == "eval_loss":
                 self._print(f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}")
             elif kind == "anomaly":
-                self._print(
-                    f"anomaly ({event.get('kind')}) at step {event.get('step')}: {event.get('message')}", always=True
-                )
+                self._on_anomaly(event)
             elif kind == "done":
                 self.close()
+
+    def _on_anomaly(self, event: dict[str, Any]) -> None:
+        """Count it; the console says each kind once, with its count, when the view closes (the step lines and
+        the progress bar show the counts so far). An anomaly that ends the run (``stop``) is said at once."""
+        self.anomalies.append(event)
+        if event.get("action") == "stop":
+            self._print(f"anomaly {event.get('kind')} at step {event.get('step')}: {event.get('message')}", always=True)
+
+    def anomaly_counts(self) -> str:
+        """The anomalies so far, for a step line: ``anomalies comm_share×2 grad_norm×1`` (empty when none)."""
+        counts: dict[str, int] = {}
+        for a in self.anomalies:
+            counts[str(a.get("kind"))] = counts.get(str(a.get("kind")), 0) + 1
+        return ("anomalies " + " ".join(f"{k}×{n}" for k, n in counts.items())) if counts else ""
 
     def _start_bar(self, event: dict[str, Any]) -> None:
         if not self.rich_live or self._progress is not None:
@@ -215,9 +263,12 @@ class LiveView:
                 f"loss {event.get('loss', 0):.4f} lr {event.get('lr', 0):.1e} "
                 f"{event.get('tokens_per_s', 0):,.0f} tok/s comm {100 * event.get('comm_share', 0):.0f}%"
             )
+            counts = self.anomaly_counts()
+            metrics += f" {counts}" if counts else ""
             self._progress.update(self._task_id, completed=event.get("step"), metrics=metrics)
         else:
-            self._print(format_step(event))
+            counts = self.anomaly_counts()
+            self._print(format_step(event) + (f"  {counts}" if counts else ""))
 
     def _print(self, text: str, always: bool = False) -> None:
         if self.quiet and not always:
@@ -229,7 +280,11 @@ class LiveView:
             self.stream.flush()
 
     def close(self) -> None:
-        """Stop the progress bar (idempotent)."""
+        """Stop the progress bar and say each anomaly kind once, with its count and steps (idempotent)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if not self._tallied and self.anomalies:
+            self._tallied = True
+            for line in anomaly_lines(self.anomalies):
+                self._print(f"anomaly {line}", always=True)
