@@ -34,6 +34,7 @@ from kuangchao_core.sched.nodes import route_address
 from kuangchao_core.sched.placement import NodeAssignment
 from kuangchao_core.sched.rank_placement import RankPlacement
 from tasks.ckpt_mirror import mirror_for
+from tasks.flow_log import ProgressLog, name_task_runs_in_api_logs, run_logger_or_none
 from tasks.job_events import JobEvents
 
 
@@ -114,6 +115,9 @@ def launch_workers(
         mirror=mirror_for(str(run_dir)),
     )
     view.listeners.append(events)
+    run_logger = run_logger_or_none()
+    if run_logger is not None:  # the progress in the flow run's own log (prefect flow-run logs), at log_interval
+        view.listeners.append(ProgressLog(run_logger))
     worker_env = {
         "KC_RUN_DIR": str(run_dir),
         "KC_ATTEMPT": str(attempt),
@@ -205,6 +209,9 @@ def launch_workers(
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],
         anomalies=[{k: a.get(k) for k in ("kind", "step", "action", "message")} for a in events.anomalies],
     )
+
+
+name_task_runs_in_api_logs()  # every task run's state line in the flow run's log names its task run
 
 
 @task(name="launch", retries=0, log_prints=True)

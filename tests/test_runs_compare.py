@@ -43,3 +43,43 @@ def test_compare_lists_runs_and_writes_plot(tmp_path):
     assert table.exit_code == 0 and "2.4000" in table.output and "2.0000" in table.output
     missing = CliRunner().invoke(app, ["runs", "compare", "nope", "--tracking-uri", uri])
     assert missing.exit_code == 2
+
+
+def test_compare_has_the_exact_match_column_and_the_experiment_opens_in_the_ml_view(tmp_path):
+    """The held-out exact match (run-level ``heldout_accuracy``, else the last ``eval_exact_match``) is a column;
+    an experiment made by a job carries MLflow's kind tag and the runs table's saved view (real sqlite store)."""
+    from kuangchao.cli.main import app
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.obs import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config_from_dict({"task": {"name": "cmp-view"}, "tracking": {"uri": uri}})
+    run_a = tracking.open_run(cfg, "flowrun-a")
+    run_b = tracking.open_run(cfg, "flowrun-b")
+    client = MlflowClient(uri)
+    client.log_batch(run_a, metrics=[Metric("loss", 1.0, 0, 1), Metric("eval_exact_match", 0.25, 0, 1)])
+    client.log_batch(run_b, metrics=[Metric("loss", 0.5, 0, 1), Metric("eval_exact_match", 0.5, 0, 1)])
+    client.log_metric(run_b, "heldout_accuracy", 0.973, step=1)
+    exp = client.get_experiment_by_name("cmp-view")
+    assert exp.tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    view = json.loads(exp.tags[tracking.RUNS_VIEW_TAG])
+    assert {"metrics.`loss`", "metrics.`eval_loss`", "metrics.`eval_exact_match`", "metrics.`tokens_per_s`"} <= set(
+        view["selectedColumns"]
+    )
+    path = tracking.experiment_ui_path(exp.experiment_id)
+    assert "workflowType=machine_learning" in path and f"viewStateShareKey={tracking.RUNS_VIEW_KEY}" in path
+    res = CliRunner().invoke(app, ["runs", "compare", "cmp-view", "--tracking-uri", uri])
+    assert res.exit_code == 0 and "exact match" in res.output and "97.3 %" in res.output and "25.0 %" in res.output
+    assert path in res.output
+    rows = {
+        r["run_id"]: r
+        for r in json.loads(
+            CliRunner().invoke(app, ["runs", "compare", "cmp-view", "--tracking-uri", uri, "--json"]).output
+        )
+    }
+    assert rows[run_b]["exact_match"] == 0.973 and rows[run_a]["exact_match"] == 0.25
+    # the control: an experiment made by hand gets the tags the next time a job opens a run in it
+    bare = client.create_experiment("by-hand")
+    assert tracking.EXPERIMENT_KIND_TAG not in client.get_experiment(bare).tags
+    tracking.open_run(config_from_dict({"task": {"name": "by-hand"}, "tracking": {"uri": uri}}))
+    assert tracking.RUNS_VIEW_TAG in client.get_experiment(bare).tags

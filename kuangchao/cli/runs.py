@@ -11,7 +11,7 @@ import typer
 
 def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list[dict[str, Any]]:
     """One row per run of ``experiment`` (newest first): id, name, status, layout, steps, final loss, last eval loss,
-    tokens/s, attempts, the registered model version (``tracking.register_model``) and the full per-step loss curve
+    held-out exact match (``heldout_accuracy``, else the last ``eval_exact_match``), tokens/s, attempts, the registered model version (``tracking.register_model``) and the full per-step loss curve
     under ``loss_curve``."""
     from mlflow.tracking import MlflowClient
 
@@ -27,6 +27,7 @@ def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list
         curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
         tps = [m.value for m in client.get_metric_history(run.info.run_id, "tokens_per_s")]
         evals = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_loss"))
+        matches = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_exact_match"))
         tags = run.data.tags
         registered = tags.get("kuangchao.registered_model")
         rows.append(
@@ -38,6 +39,8 @@ def collect_runs(experiment: str, tracking_uri: str, max_runs: int = 50) -> list
                 "steps": curve[-1][0] if curve else 0,
                 "final_loss": curve[-1][1] if curve else None,
                 "eval_loss": evals[-1][1] if evals else None,
+                # the final model's held-out exact match (the run summary's heldout_accuracy), else the last eval's
+                "exact_match": run.data.metrics.get("heldout_accuracy", matches[-1][1] if matches else None),
                 # the run summary's definition (tokens / step time over the run); runs logged before it: the median
                 "tokens_per_s": run.data.metrics.get("tokens_per_s_mean", sorted(tps)[len(tps) // 2] if tps else None),
                 "attempts": int(tags.get("kuangchao.attempts", tags.get("kuangchao.attempt", "0")) or 0) or None,
@@ -86,8 +89,8 @@ def register(app: typer.Typer) -> None:
         plot: str = typer.Option(None, "--plot", help="Write a PNG of loss against step for every run."),
         max_runs: int = typer.Option(50, "--max-runs", help="At most this many runs, newest first."),
     ) -> None:
-        """Show the runs of EXPERIMENT side by side: final loss, eval loss, steps, tokens/s, layout, attempts, status
-        and the registered model version."""
+        """Show the runs of EXPERIMENT side by side: final loss, eval loss, held-out exact match, steps, tokens/s,
+        layout, attempts, status and the registered model version."""
         from kuangchao_core.errors import KuangchaoError
 
         try:
@@ -111,6 +114,7 @@ def register(app: typer.Typer) -> None:
             "steps",
             "final loss",
             "eval loss",
+            "exact match",
             "tokens/s",
             "attempts",
             "model",
@@ -126,6 +130,7 @@ def register(app: typer.Typer) -> None:
                 str(r["steps"]),
                 f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                 f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-",
+                f"{100 * r['exact_match']:.1f} %" if r["exact_match"] is not None else "-",
                 f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "-",
                 str(r["attempts"] or "-"),
                 r["model_version"] or "-",
@@ -133,5 +138,14 @@ def register(app: typer.Typer) -> None:
             )
         # piped or captured output has no terminal width: let the rows stay whole rather than wrap at 80 columns
         Console(width=None if sys.stdout.isatty() else 200).print(table)
+        from mlflow.tracking import MlflowClient
+
+        from kuangchao_core.obs.tracking import experiment_ui_path
+
+        exp = MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name(experiment)
+        typer.echo(
+            f"in the MLflow UI (mlflow ui --backend-store-uri {tracking_uri}): "
+            f"http://127.0.0.1:5000{experiment_ui_path(exp.experiment_id)}"
+        )
         if plot:
             typer.echo(f"loss plot written to {plot}")

@@ -24,6 +24,36 @@ _PARAMS_PER_BATCH = 100
 #: (without the tag, MLflow 3 opens a new experiment in its GenAI view of traces).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+#: MLflow 3.x's UI (3.17 checked) shows every experiment in the view of its sidebar's workflow switch ("GenAI",
+#: the default, kept in the browser; the experiment tag above only counts where that switch is off), so the link
+#: to a run's experiment carries ``workflowType=machine_learning`` — see :func:`experiment_ui_path`
+WORKFLOW_QUERY = "workflowType=machine_learning"
+#: the runs table's columns as a saved view of the experiment (MLflow has no server-side default columns: the UI
+#: starts from Source, Models and Dataset and keeps a user's choice in the browser; a view stored as the tag
+#: ``mlflow.sharedViewState.<key>`` opens with ``?viewStateShareKey=<key>``)
+RUNS_VIEW_KEY = "kuangchao-training"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
+#: metric columns of that view: loss, eval loss, exact match, tokens/s (their latest values per run)
+RUNS_VIEW_METRICS = ("loss", "eval_loss", "eval_exact_match", "heldout_accuracy", "tokens_per_s")
+
+
+def runs_view_state() -> str:
+    """The runs table's saved view (JSON, the UI's own state keys): MLflow's default attribute columns, then
+    :data:`RUNS_VIEW_METRICS`, newest run first."""
+    columns = [f"attributes.`{name}`" for name in ("Source", "Models", "Dataset")]
+    columns += [f"metrics.`{name}`" for name in RUNS_VIEW_METRICS]
+    return json.dumps({"selectedColumns": columns, "orderByKey": "attributes.start_time", "orderByAsc": False})
+
+
+def experiment_ui_path(experiment_id: str) -> str:
+    """The MLflow UI's path (after the server's address) of an experiment's runs, in the machine-learning view with
+    the metric columns of :func:`runs_view_state`: ``/#/experiments/<id>?workflowType=...&viewStateShareKey=...``."""
+    return f"/#/experiments/{experiment_id}?{WORKFLOW_QUERY}&viewStateShareKey={RUNS_VIEW_KEY}"
+
+
+def experiment_tags() -> dict[str, str]:
+    """The tags every experiment of a job gets: its kind (machine learning) and the runs table's saved view."""
+    return {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, RUNS_VIEW_TAG: runs_view_state()}
 
 
 def tracking_uri(cfg: Any) -> str:
@@ -68,11 +98,12 @@ def open_run(cfg: Any, flow_run_id: str | None = None, extra_tags: dict[str, str
     name = experiment_name(cfg)
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        exp_id = client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        exp_id = client.create_experiment(name, tags=experiment_tags())
     else:
         exp_id = exp.experiment_id
-        if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment made before, or by hand: open it as ML training
-            client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        for key, value in experiment_tags().items():  # an experiment made before, or by hand
+            if key not in exp.tags:
+                client.set_experiment_tag(exp_id, key, value)
     tags = {
         "kuangchao.layout": layout_tag(cfg),
         "kuangchao.config_hash": cfg.config_hash(),
