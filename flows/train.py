@@ -32,7 +32,7 @@ from kuangchao_core.config import load_config
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
-from kuangchao_core.obs import tracking
+from kuangchao_core.obs import prefect_watch, tracking
 from kuangchao_core.obs.console import for_people
 from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX, resolve_model_uri
 from kuangchao_core.obs.prometheus import register_exporter
@@ -105,7 +105,8 @@ def train_flow(
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     try:
-        return _run(logger, config_path, list(overrides or []), resume, if_finished, opened)
+        with prefect_watch.watching():  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
+            return _run(logger, config_path, list(overrides or []), resume, if_finished, opened)
     except KuangchaoError as exc:  # the reason, in the flow run's own log (`prefect flow-run logs <id>`)
         logger.error("kuangchao-train failed: %s", exc)
         raise
@@ -113,6 +114,7 @@ def train_flow(
         guard_api.install_guard(previous_guard)
         for run_dir in opened:
             close_authority(run_dir)
+        prefect_watch.body_ended()
 
 
 def _logged_loss_points(cfg: Any, run_dir: Path, attempt: int, run_id: str, logger: Any) -> int | None:
@@ -204,6 +206,7 @@ def _run(
     if cfg.permission.mode == "enforcing":  # keys in this process's memory only, from the block when configured
         open_authority(cfg, run_dir, secrets.get("signing_key_pem"))
         opened.append(run_dir)
+    prefect_watch.note(task=cfg.task.name, run_dir=str(run_dir), flow_run_id=fr_id)
     resolved = run_dir / "config.yaml"
     resolved.write_text(cfg.to_yaml(), encoding="utf-8")
     logger.info("resolved config written to %s", resolved)
@@ -247,6 +250,7 @@ def _run(
         fr_id,
         extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage, **base_model},
     )
+    prefect_watch.note(mlflow_run_id=run_id)
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     exporter = _start_exporter(cfg, run_dir, run_id, logger)
     mirror = keeper = None
@@ -267,6 +271,9 @@ def _run(
         plan, lease = hold_lineage(cfg, plan, str(fr_id), logger.warning)  # one writer per lineage
         keeper = LeaseKeeper(lease)
         keeper.start()
+        prefect_watch.note(
+            lineage=plan.lineage, lineage_dir=str(Path(cfg.checkpoint.dir) / cfg.task.name / plan.lineage)
+        )
         if plan.lineage != lineage_before:
             tracking.set_tags(cfg, run_id, {"kuangchao.lineage": plan.lineage})
         if cfg.checkpoint.uri:  # every checkpoint to S3 while the job runs (the orchestrator holds the credentials)
@@ -332,15 +339,17 @@ def _run(
 
         policy = RestartPolicy(max_restarts=cfg.cluster.max_restarts, setting="cluster.max_restarts")
         try:
-            result = supervise(one_attempt, policy, on_restart=before_restart).result
+            with prefect_watch.current().interruptible():  # a lost Prefect API stops the training here
+                result = supervise(one_attempt, policy, on_restart=before_restart).result
         except WorkerFailed:
             tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
             raise
         if mirror is not None:
             mirror.close()  # the uploads in flight finish before the final check uploads what is left
         ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
-        exported = None
+        exported = aliases_before = None
         if cfg.tracking.log_model and ckpt["path"]:
+            aliases_before = prefect_watch.before_registration(cfg)  # a lost API registers nothing
             exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir), result["final_loss"])
             registered = exported["registered"]
             logger.info(
@@ -382,9 +391,8 @@ def _run(
             "prometheus": exporter.address if exporter is not None else None,
         }
         summary["loss_points_in_mlflow"] = _logged_loss_points(cfg, run_dir, attempts - 1, run_id, logger)
-        create_markdown_artifact(
-            _summary_markdown(cfg, summary), key="kuangchao-run-summary", description="training run summary"
-        )
+        # summary.json first; the artifact's call is bounded; when it fails the registration is undone
+        prefect_watch.publish_summary(cfg, summary, run_dir, _summary_markdown(cfg, summary), exported, aliases_before)
         tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})
         tracking.log_metrics(cfg, run_id, {"restarts": attempts - 1}, step=attempts)
         tracking.log_json_artifact(cfg, run_id, summary, "summary", "summary.json")

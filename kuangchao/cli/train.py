@@ -56,7 +56,10 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
         from flows.train import train_flow
         from kuangchao.cli.failure_lines import failure_lines, quiet_expected_failures
+        from kuangchao_core.obs.prefect_watch import exit_when_lost
 
+        # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5)
+        exit_when_lost(lambda line: typer.echo(line, err=True))
         try:
             with quiet_expected_failures():  # one line per failure: Prefect's tracebacks of it stay in its API log
                 state = train_flow(
