@@ -333,9 +333,7 @@ def _run(
             else:
                 cause = f"rank {getattr(exc, 'rank', None)}: {getattr(exc, 'cause', exc)}"
             causes.append(f"attempt {failed}: {cause}")
-            logger.warning("attempt %d failed: %s; recovering", failed, cause)
-            recovery = recover(cfg, failed, cause, run_id, plan.lineage, plan.step_dir)
-            logger.warning("attempt %d resumes from %s", next_attempt, recovery["resume_from"] or "scratch")
+            recover(cfg, failed, cause, run_id, plan.lineage, plan.step_dir)  # says the cause and the resume point once
 
         policy = RestartPolicy(max_restarts=cfg.cluster.max_restarts, setting="cluster.max_restarts")
         try:
