@@ -43,16 +43,28 @@ def name_task_runs_in_api_logs() -> int:
 
 
 def run_logger_or_none() -> Any:
-    """The current Prefect run's logger, or None outside a flow or task run (scripts, tests of the launcher)."""
+    """A logger into the current Prefect run's log only — the API, not the console, where the live view already
+    shows the same lines — or None outside a flow or task run (scripts, tests of the launcher)."""
     try:
         from prefect.exceptions import MissingContextError
         from prefect.logging import get_run_logger
+        from prefect.logging.handlers import APILogHandler
     except ImportError:  # pragma: no cover - prefect is a dependency
         return None
     try:
-        return get_run_logger()
+        run_logger = get_run_logger()
     except MissingContextError:
         return None
+    name_task_runs_in_api_logs()
+    api_only = logging.getLogger("kuangchao.flow_log")
+    api_only.propagate = False  # never Prefect's console handler
+    api_only.setLevel(logging.INFO)
+    for handler in logging.getLogger("prefect.task_runs").handlers:
+        if isinstance(handler, APILogHandler) and handler not in api_only.handlers:
+            api_only.addHandler(handler)
+    # the run's ids and names (flow_run_id, task_run_id, task_run_name) travel with each record: the events arrive
+    # on the launcher's reader threads, outside the run's context
+    return logging.LoggerAdapter(api_only, dict(getattr(run_logger, "extra", {}) or {}))
 
 
 class ProgressLog:
