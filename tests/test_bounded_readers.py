@@ -289,11 +289,12 @@ from kuangchao_core.config import config_from_dict
 from kuangchao_core.data import validation as V
 cfg = config_from_dict({"task": {"name": "big"}, "model": {"preset": "tiny"},
                         "data": {"path": sys.argv[1], "seq_len": 16}, "train": {"steps": 1}})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the interpreter and its imports
 start = time.monotonic()
 records, _ = V.load_records(cfg.data)  # the gate's reader, with the gate's max_record_bytes
 elapsed = time.monotonic() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": elapsed, "peak_bytes": peak, "records": [repr(r)[:80] for r in records]}))
+print(json.dumps({"seconds": elapsed, "peak_bytes": peak, "read_bytes": peak - before, "records": [repr(r)[:80] for r in records]}))
 """
 
 
@@ -315,7 +316,7 @@ def test_a_1_gib_single_line_text_file_is_refused_fast_with_bounded_memory(tmp_p
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # it used to read the file whole and split it: 6.8 GB and 116 s before the size check
     assert got["records"] == [f"Oversize(n_bytes={1 << 30}, limit={1 << 20})"]
-    assert got["peak_bytes"] < 500 << 20, got
+    assert got["read_bytes"] < 500 << 20, got  # what the read added on top of the imports (which vary by machine)
     assert got["seconds"] < 10, got
     print(f"1 GiB one-line file refused in {got['seconds']:.2f} s, peak RSS {got['peak_bytes'] / 2**20:.0f} MiB")
 
