@@ -132,7 +132,7 @@ def test_a_shard_unlike_its_tensor_table_is_not_intact_even_with_its_hash_fixed(
         (2**63, b"{}", f"header length {2**63} exceeds the limit {MAX_HEADER_BYTES}"),
         (1 << 20, b"{}", "runs past the end"),
         (2, b"[]", "header is a JSON list, not an object"),
-        (3, b"{x}", "header is not valid JSON"),
+        (3, b"{x}", "not valid JSON"),
     ],
 )
 def test_a_malformed_header_is_a_problem_never_an_exception(tmp_path, header_len, header, needle):

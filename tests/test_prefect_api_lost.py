@@ -219,3 +219,18 @@ def test_kc_train_ends_within_60s_of_the_prefect_server_being_killed(tmp_path):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def test_the_exit_hook_of_kc_train_ends_with_its_command(monkeypatch):
+    """kc train's exit-on-loss hook is removed when the command ends: a loss declared later in the same process
+    (another flow run, a test runner) does not end that process."""
+    ended: list[int] = []
+    monkeypatch.setattr(prefect_watch.os, "_exit", ended.append)
+    with prefect_watch.exit_when_lost(lambda _line: None, deadline_s=0.1):
+        assert len(prefect_watch._HOOKS) == 1
+    assert prefect_watch._HOOKS == []
+    watch = prefect_watch.APIWatch(_dead_url())
+    watch.declare_lost("declared by the test")
+    prefect_watch.body_ended()
+    time.sleep(0.3)
+    assert ended == []

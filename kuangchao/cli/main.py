@@ -14,6 +14,9 @@ import typer
 from kuangchao_core import __version__
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Prefect's temporary server (no PREFECT_API_URL) gets 20 s to start by default: a busy laptop or a 2-core CI
+# machine can need more, and a job that never started is worse than a slow start
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(
     name="kc",

@@ -58,10 +58,10 @@ def register(app: typer.Typer) -> None:
         from kuangchao.cli.failure_lines import failure_lines, quiet_expected_failures
         from kuangchao_core.obs.prefect_watch import exit_when_lost
 
-        # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5)
-        exit_when_lost(lambda line: typer.echo(line, err=True))
+        # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
+        # one line per failure: Prefect's tracebacks of it stay in its API log
         try:
-            with quiet_expected_failures():  # one line per failure: Prefect's tracebacks of it stay in its API log
+            with exit_when_lost(lambda line: typer.echo(line, err=True)), quiet_expected_failures():
                 state = train_flow(
                     config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
                 )

@@ -395,10 +395,12 @@ def _in_flow_run() -> bool:  # noqa: N802 - reads as a condition
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
-def exit_when_lost(echo: Callable[[str], None], deadline_s: float = 25.0, code: int = 1) -> None:
-    """For a process that runs one flow (``kc train``): once the API is declared lost, wait for the flow's body to
-    unwind (:func:`body_ended`) for at most ``deadline_s``, print :meth:`APIWatch.line` with ``echo`` and end the
-    process with ``code`` (Prefect's final state report and its event queue cannot reach a lost API)."""
+@contextlib.contextmanager
+def exit_when_lost(echo: Callable[[str], None], deadline_s: float = 25.0, code: int = 1) -> Iterator[None]:
+    """For a process that runs one flow (``kc train``), around that run: once the API is declared lost, wait for
+    the flow's body to unwind (:func:`body_ended`) for at most ``deadline_s``, print :meth:`APIWatch.line` with
+    ``echo`` and end the process with ``code`` (Prefect's final state report and its event queue cannot reach a lost
+    API). Leaving the block removes the hook: a later loss in the same process (a test runner's) ends nothing."""
 
     def on_lost(watch: APIWatch) -> None:
         def finish() -> None:
@@ -414,3 +416,7 @@ def exit_when_lost(echo: Callable[[str], None], deadline_s: float = 25.0, code: 
         threading.Thread(target=finish, name="kc-exit-on-api-loss", daemon=True).start()
 
     _HOOKS.append(on_lost)
+    try:
+        yield
+    finally:
+        _HOOKS.remove(on_lost)
