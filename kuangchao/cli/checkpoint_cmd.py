@@ -220,7 +220,9 @@ def convert(
         raise typer.Exit(2) from None
     if not (src / MANIFEST).is_file():
         typer.echo(
-            f"error: {src} is not a step directory (no {MANIFEST}); pass <checkpoint.dir>/<task>/step_<N>", err=True
+            f"error: {src} is not a step directory (no {MANIFEST}); pass <checkpoint.dir>/<task>/run-<time>-<id>/"
+            "step_<N> (kc checkpoint list <checkpoint.dir>/<task> shows them)",
+            err=True,
         )
         raise typer.Exit(2)
     problems = verify_checkpoint(src)

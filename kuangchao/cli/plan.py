@@ -28,7 +28,7 @@ _SCALE_HELP = (
 
 
 def _substitute_shape(cfg, errors):
-    """With --scale: replace an unreadable checkpoint by the shape for model.params; (cfg, errors, note)."""
+    """Replace an unreadable checkpoint by the shape for model.params; (cfg, errors, note)."""
     from kuangchao_core.engine.model_shape import shape_for_section, with_model_shape
     from kuangchao_core.engine.plan import check_plan
 
@@ -87,8 +87,10 @@ def plan(
     try:
         cfg = load_config(config, set_)
         errors = check_plan(cfg)
-        if scale or nodes is not None:  # estimates: a checkpoint that is not here yet is sized by model.params
-            cfg, errors, note = _substitute_shape(cfg, errors)
+        # a plan is an estimate: a checkpoint that is not on this machine (yet) is sized by model.params
+        cfg, errors, note = _substitute_shape(cfg, errors)
+        if note and not scale and nodes is None:
+            typer.echo(f"{config}: warning: model.checkpoint is not readable here; kc train would refuse it", err=True)
     except ConfigError as exc:
         errors = exc.errors
     if errors:
