@@ -67,7 +67,7 @@ def test_compare_has_the_exact_match_column_and_the_experiment_opens_in_the_ml_v
         view["selectedColumns"]
     )
     path = tracking.experiment_ui_path(exp.experiment_id)
-    assert "workflowType=machine_learning" in path and f"viewStateShareKey={tracking.RUNS_VIEW_KEY}" in path
+    assert path == f"/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={tracking.RUNS_VIEW_KEY}"
     res = CliRunner().invoke(app, ["runs", "compare", "cmp-view", "--tracking-uri", uri])
     assert res.exit_code == 0 and "exact match" in res.output and "97.3 %" in res.output and "25.0 %" in res.output
     assert path in res.output

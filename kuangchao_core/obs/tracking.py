@@ -24,13 +24,14 @@ _PARAMS_PER_BATCH = 100
 #: (without the tag, MLflow 3 opens a new experiment in its GenAI view of traces).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-#: MLflow 3.x's UI (3.17 checked) shows every experiment in the view of its sidebar's workflow switch ("GenAI",
-#: the default, kept in the browser; the experiment tag above only counts where that switch is off), so the link
-#: to a run's experiment carries ``workflowType=machine_learning`` — see :func:`experiment_ui_path`
-WORKFLOW_QUERY = "workflowType=machine_learning"
+#: MLflow 3.x's UI (3.17 checked in a browser, tests/test_mlflow_view_browser.py) opens an experiment in the view of
+#: its sidebar's workflow switch ("GenAI" traces by default, kept in the browser); the experiment's ``runs`` tab opens
+#: the runs table whatever the switch says — see :func:`experiment_ui_path`
+RUNS_TAB = "runs"
 #: the runs table's columns as a saved view of the experiment (MLflow has no server-side default columns: the UI
 #: starts from Source, Models and Dataset and keeps a user's choice in the browser; a view stored as the tag
-#: ``mlflow.sharedViewState.<key>`` opens with ``?viewStateShareKey=<key>``)
+#: ``mlflow.sharedViewState.<key>`` opens with ``?viewStateShareKey=<key>`` — on the runs tab's own address only:
+#: with any other query parameter, ``workflowType`` included, the UI ignores it)
 RUNS_VIEW_KEY = "kuangchao-training"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW_KEY}"
 #: metric columns of that view: loss, eval loss, exact match, tokens/s (their latest values per run)
@@ -46,9 +47,9 @@ def runs_view_state() -> str:
 
 
 def experiment_ui_path(experiment_id: str) -> str:
-    """The MLflow UI's path (after the server's address) of an experiment's runs, in the machine-learning view with
-    the metric columns of :func:`runs_view_state`: ``/#/experiments/<id>?workflowType=...&viewStateShareKey=...``."""
-    return f"/#/experiments/{experiment_id}?{WORKFLOW_QUERY}&viewStateShareKey={RUNS_VIEW_KEY}"
+    """The MLflow UI's path (after the server's address) of an experiment's runs table with the metric columns of
+    :func:`runs_view_state`: ``/#/experiments/<id>/runs?viewStateShareKey=kuangchao-training``."""
+    return f"/#/experiments/{experiment_id}/{RUNS_TAB}?viewStateShareKey={RUNS_VIEW_KEY}"
 
 
 def experiment_tags() -> dict[str, str]:
