@@ -1,8 +1,12 @@
-"""The small Guard interface every lower layer calls before acting.
+"""The ground floor of the permission check: the Guard interface every layer calls before acting, and the one
+registry of interface names.
 
-Layers below L5 import only this module. The permission layer installs a real guard per process
-(from the module's capability token); until one is installed, a process has no rights at all
-(default deny) unless the job runs in ``permission.mode: trusted``.
+A leaf beside :mod:`kuangchao_core.errors` (it imports nothing else of Kuangchao), so every layer may import it and
+no layer reaches up into the permission package (L5) to ask permission. The permission layer
+(:mod:`kuangchao_core.perm`) installs a real guard per process (from the module's capability token); until one is
+installed, a process has no rights at all (default deny) unless the job runs in ``permission.mode: trusted``.
+The config schema (``permission.roles``, ``permission.allowed_interfaces``) and the permission layer (tokens, roles,
+the guard) read :data:`INTERFACE_KINDS`; nothing else spells the list.
 """
 
 from __future__ import annotations
@@ -13,6 +17,28 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from kuangchao_core.errors import PermissionDenied
+
+#: every interface the guard decides on (docs/architecture.md) -> the kind of resource it acts on
+INTERFACE_KINDS: dict[str, str] = {
+    "device_init": "device",
+    "stream_create": "device",
+    "memory_alloc": "memory",
+    "memory_free": "memory",
+    "broadcast": "group",
+    "all_reduce": "group",
+    "all_gather": "group",
+    "reduce_scatter": "group",
+    "send": "group",
+    "recv": "group",
+    "checkpoint_read": "checkpoint",
+    "checkpoint_write": "checkpoint",
+    "dataset_read": "dataset",
+    "metrics_read": "metrics",
+    "metrics_write": "metrics",
+    "config_write": "config",
+}
+#: the interface names alone
+INTERFACES: frozenset[str] = frozenset(INTERFACE_KINDS)
 
 
 class Guard(Protocol):
