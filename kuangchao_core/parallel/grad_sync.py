@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kuangchao_core.comm import primitives as P
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
@@ -103,7 +103,7 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
     for group in groups:
         if group is not None and group.size > 1:
-            P.all_reduce(t, group=group, op="sum")
+            comm.all_reduce(t, group=group, op="sum")
     return t
 
 
