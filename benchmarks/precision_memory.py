@@ -2,7 +2,7 @@
 
 ZeRO: four Gloo processes run the engine's Trainer (tiny preset widths, 4 layers) at dp4 for one step with
 ``zero_stage`` 0, 1, 2 and 3; each stage's bytes of parameters, gradients and AdamW state per rank are measured from
-the engine's tensors after the step (``kuangchao_core.engine.metrics.tensor_bytes``), beside 16Ψ (ZeRO-0),
+the engine's tensors after the step (``GradSync.tensor_bytes``), beside 16Ψ (ZeRO-0),
 4Ψ + 4Ψ + 8Ψ/N, 4Ψ + 12Ψ/N and 16Ψ/N. Goal: ZeRO-3 ≤ 0.30× ZeRO-0.
 
 One process trains a Llama-style model (the tiny preset's widths, 4 layers, 8 × 256 tokens per step) with
@@ -50,7 +50,6 @@ def _zero_worker(rank: int, port: int, root: str, queue) -> None:
 
     from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.config import config_from_dict
-    from kuangchao_core.engine.metrics import tensor_bytes
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
@@ -76,7 +75,7 @@ def _zero_worker(rank: int, port: int, root: str, queue) -> None:
         mesh = ParallelMesh.from_config(cfg.parallel, rank, ZERO_WORLD)
         trainer = Trainer(cfg, rank, ZERO_WORLD, torch.device("cpu"), world_group(), mesh)
         trainer.run(resume="never", max_steps=1)
-        out[stage] = tensor_bytes(trainer.model, trainer.sync)
+        out[stage] = trainer.sync.tensor_bytes()
         out["psi"] = trainer.model_config.num_params()
         trainer.barrier()
     queue.put((rank, out))

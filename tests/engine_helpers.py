@@ -269,7 +269,7 @@ def _unreduced_zero_bucket(trainer):
     from kuangchao_core.parallel import zero
 
     opt = trainer.sync.optimizer
-    real = zero._comm
+    real = zero.comm
 
     def first_buffer():
         if opt.stage == 1:
@@ -277,11 +277,10 @@ def _unreduced_zero_bucket(trainer):
             return opt.flat_grads[bk.start : bk.start + bk.size]
         return opt._bucket_bufs[0] if opt._bucket_bufs[0] is not None else opt.flat_params[:0]
 
-    shim = _NoCommFirstBucket(real(), first_buffer)
-    zero._comm = lambda: shim
+    zero.comm = _NoCommFirstBucket(real, first_buffer)
 
     def undo():
-        zero._comm = real
+        zero.comm = real
 
     return undo
 

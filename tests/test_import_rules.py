@@ -4,8 +4,10 @@ Every import is counted, including those inside functions (a lazy import is stil
 ones ``docs/architecture.md`` states and each package's ``__init__`` docstring repeats:
 
 - no core module imports ``tasks``, ``flows``, ``blocks`` or ``kuangchao`` (the CLI and SDK sit above the engine);
-- a package imports only the packages below it (``ALLOWED``); the one way up is the guard interface
-  ``kuangchao_core.perm.guard_api``, which every layer calls to ask permission;
+- a package imports only the packages below it (``ALLOWED``); there is no way up: the guard interface every layer
+  calls to ask permission, with the one registry of interface names, is the leaf ``kuangchao_core.guard_api``
+  beside ``errors`` (issue 28), and no package below ``perm`` imports ``perm`` (not even its old
+  ``perm.guard_api`` name, kept for callers above the engine);
 - there is no import cycle among the packages, nor among the modules (a cycle between two modules of one package
   works only by the accident of which is imported first); imports under ``if TYPE_CHECKING:`` do not run and do
   not count.
@@ -21,15 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "kuangchao_core"
-GUARD = "perm.guard_api"
 OUTSIDE = ("tasks", "flows", "blocks", "kuangchao")
 
-_BASE = {"errors", "config"}
+_LEAVES = {"errors", "guard_api"}
+_BASE = _LEAVES | {"config"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
-    "hal": {"errors"},
-    "comm": {"errors", "hal"},
+    "guard_api": {"errors"},
+    "config": _LEAVES,
+    "hal": _LEAVES,
+    "comm": _LEAVES | {"hal"},
     "parallel": _BASE | {"hal", "comm"},
     "models": _BASE | {"hal", "comm", "parallel"},
     "data": _BASE,
@@ -47,8 +50,8 @@ def _package_of(path: Path) -> str:
 
 
 def import_graph() -> dict[str, dict[str, list[str]]]:
-    """package -> imported target -> files importing it; targets are core packages, ``perm.guard_api`` or an
-    outside package (``tasks`` …)."""
+    """package -> imported target -> files importing it; targets are core packages (``errors`` and ``guard_api``
+    count as packages) or an outside package (``tasks`` …)."""
     graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for f in sorted(CORE.rglob("*.py")):
         pkg = _package_of(f)
@@ -57,18 +60,18 @@ def import_graph() -> dict[str, dict[str, list[str]]]:
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 parts = node.module.split(".")
                 if parts[0] == "kuangchao_core" and len(parts) > 1:
-                    names = {a.name for a in node.names}
-                    is_guard = node.module == "kuangchao_core.perm.guard_api" or (
-                        node.module == "kuangchao_core.perm" and names == {"guard_api"}
+                    targets.append(parts[1])
+                elif node.module == "kuangchao_core":  # ``from kuangchao_core import guard_api``
+                    targets.extend(
+                        a.name for a in node.names if (CORE / f"{a.name}.py").exists() or (CORE / a.name).is_dir()
                     )
-                    targets.append(GUARD if is_guard else parts[1])
                 elif parts[0] in OUTSIDE:
                     targets.append(parts[0])
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     parts = alias.name.split(".")
                     if parts[0] == "kuangchao_core" and len(parts) > 1:
-                        targets.append(GUARD if alias.name == "kuangchao_core.perm.guard_api" else parts[1])
+                        targets.append(parts[1])
                     elif parts[0] in OUTSIDE:
                         targets.append(parts[0])
             for t in targets:
@@ -85,8 +88,6 @@ def violations(graph) -> list[str]:
             where = ", ".join(sorted(set(files))[:3])
             if target in OUTSIDE:
                 out.append(f"{pkg} imports {target} (outside the engine): {where}")
-            elif target == GUARD:
-                continue
             elif pkg not in ALLOWED:
                 out.append(f"{pkg} is a package with no rule in ALLOWED (and docs/architecture.md): {where}")
             elif target not in ALLOWED[pkg]:
@@ -95,7 +96,7 @@ def violations(graph) -> list[str]:
 
 
 def cycles(graph) -> list[list[str]]:
-    """Import cycles among packages (the guard interface and outside packages excluded)."""
+    """Import cycles among packages (outside packages excluded)."""
     edges = {p: {t for t in ts if t in ALLOWED and t != p} for p, ts in graph.items()}
     found, state = [], {}
 
@@ -192,6 +193,38 @@ def test_the_tree_keeps_the_layer_rules():
     graph = import_graph()
     assert graph["engine"], "the parser found no imports at all"
     assert violations(graph) == []
+
+
+def test_nothing_below_perm_imports_perm():
+    """The permission check stands on the ground floor: only the engine (above ``perm``) imports ``perm``; every
+    other layer asks through ``kuangchao_core.guard_api``, which imports nothing but ``errors``."""
+    graph = import_graph()
+    importers = {pkg: files for pkg, targets in graph.items() for t, files in targets.items() if t == "perm"}
+    assert set(importers) <= {"engine"}, importers
+    assert set(graph["guard_api"]) <= {"errors"}, dict(graph["guard_api"])
+    users = {pkg for pkg, targets in graph.items() if "guard_api" in targets}
+    assert {"hal", "comm", "data", "ckpt", "obs", "config", "perm"} <= users, users  # the parser sees the leaf
+    graph["hal"]["perm"].append("kuangchao_core/hal/memory.py")  # the old way up, ``perm.guard_api``
+    assert "hal imports perm, which is not below it: kuangchao_core/hal/memory.py" in violations(graph)
+
+
+def test_the_interface_names_are_written_once():
+    """The schema and the permission layer read the registry in ``guard_api``; no other module spells the list."""
+    from kuangchao_core import guard_api
+    from kuangchao_core.config import KNOWN_INTERFACES
+    from kuangchao_core.perm import names
+
+    assert KNOWN_INTERFACES is guard_api.INTERFACES
+    assert names.INTERFACE_KINDS is guard_api.INTERFACE_KINDS and names.INTERFACES is guard_api.INTERFACES
+    spelled = {
+        str(f.relative_to(ROOT))
+        for f in CORE.rglob("*.py")
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Set | ast.List | ast.Tuple | ast.Dict)
+        and {"checkpoint_write", "dataset_read", "metrics_read", "config_write"}
+        <= {c.value for c in (node.keys if isinstance(node, ast.Dict) else node.elts) if isinstance(c, ast.Constant)}
+    }
+    assert spelled == {"kuangchao_core/guard_api.py"}, spelled
 
 
 def test_no_import_cycle_among_core_packages():

@@ -82,7 +82,6 @@ def test_activation_estimate_per_layer_and_whole_model_within_30_percent(mode):
 def _measure_rank(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     """Per job: the engine's tensor bytes after one step, and (for ``acts``) the heap a forward leaves held."""
     from kuangchao_core.comm import init_distributed, world_group
-    from kuangchao_core.engine.metrics import tensor_bytes
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm import guard_api
@@ -96,7 +95,7 @@ def _measure_rank(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
             cfg, rank, world_size, torch.device("cpu"), world_group(), ParallelMesh.from_config(cfg.parallel, rank, 2)
         )
         trainer.run(resume="never", max_steps=1)
-        measured = tensor_bytes(trainer.model, trainer.sync)
+        measured = trainer.sync.tensor_bytes()
         held = None
         if job.get("acts"):
             model = trainer.model

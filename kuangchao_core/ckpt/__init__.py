@@ -6,7 +6,7 @@ Layout and protocol: ``layout.py``, ``lineage.py`` and ``writer.py``; no pickle 
 Face directories). Conversion: ``convert.py`` (another layout, Hugging Face export).
 
 May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``, ``models``; the guard interface
-``perm.guard_api``.
+``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.ckpt.integrity import find_latest_intact, list_step_dirs, read_manifest, verify_checkpoint

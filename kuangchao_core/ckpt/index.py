@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kuangchao_core import guard_api
 from kuangchao_core.ckpt.integrity import corrupt, read_manifest
 from kuangchao_core.ckpt.layout import shard_name, task_of_step_dir
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.layout import Region
-from kuangchao_core.perm import guard_api
 
 __all__ = [
     "CheckpointIndex",

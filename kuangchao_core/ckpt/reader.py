@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file as st_load_file
 
+from kuangchao_core import guard_api
 from kuangchao_core.ckpt.integrity import corrupt, find_latest_intact, locate, read_manifest, verify_checkpoint
 from kuangchao_core.ckpt.layout import (
     META_EXTRA,
@@ -29,7 +30,6 @@ from kuangchao_core.ckpt.layout import (
 )
 from kuangchao_core.ckpt.storage import Storage
 from kuangchao_core.config.bounded_json import DEFAULT_MAX_BYTES, BoundedJSONError, loads_bounded
-from kuangchao_core.perm import guard_api
 
 __all__ = [
     "find_latest_intact",

@@ -20,11 +20,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kuangchao_core import guard_api
 from kuangchao_core.ckpt.integrity import _child, _locate_task, verify_checkpoint
 from kuangchao_core.ckpt.layout import LOGGER_NAME, parse_step_dir, parse_tmp_dir, task_of_dir
 from kuangchao_core.ckpt.storage import Storage
 from kuangchao_core.errors import CheckpointError
-from kuangchao_core.perm import guard_api
 
 logger = logging.getLogger(LOGGER_NAME)
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core import guard_api
 from kuangchao_core.ckpt.integrity import read_manifest, verify_checkpoint
 from kuangchao_core.ckpt.layout import LOGGER_NAME, MANIFEST, parse_step_dir, task_of_step_dir
 from kuangchao_core.config.bounded_json import MANIFEST_MAX_BYTES, BoundedJSONError, loads_bounded
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
-from kuangchao_core.perm import guard_api
 
 logger = logging.getLogger(LOGGER_NAME)
 

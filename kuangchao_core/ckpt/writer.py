@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kuangchao_core import __version__
+from kuangchao_core import __version__, guard_api
 from kuangchao_core.ckpt.header import HeaderError, read_header, tensor_table
 from kuangchao_core.ckpt.layout import (
     FORMAT_VERSION,
@@ -64,7 +64,6 @@ from kuangchao_core.ckpt.layout import (
 from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, check_writer
 from kuangchao_core.ckpt.storage import DiskFull, LocalStorage, Storage
 from kuangchao_core.errors import CheckpointError
-from kuangchao_core.perm import guard_api
 
 logger = logging.getLogger(LOGGER_NAME)
 

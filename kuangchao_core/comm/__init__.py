@@ -1,6 +1,6 @@
 """L2 communication: groups, the six primitives behind one dispatch point, timeouts, state dump, timers.
 
-May import: ``errors``, ``hal``; the guard interface ``perm.guard_api``.
+May import: ``errors``, ``hal``; the guard interface ``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.comm.dispatch import CommHandle

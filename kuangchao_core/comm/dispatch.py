@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kuangchao_core import guard_api
 from kuangchao_core.comm import diag, watchdog
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommError, CommTimeout
-from kuangchao_core.perm import guard_api
 
 _perf = time.perf_counter
 

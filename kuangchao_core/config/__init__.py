@@ -1,7 +1,7 @@
 """Job configuration (L6 user interface, imported by every layer as the schema): pydantic v2 schema, safe YAML
 loading with ``extends:`` and ``--set`` overrides.
 
-May import: ``errors``.
+May import: ``errors`` and the registry of interface names in ``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.config.loader import apply_overrides, config_from_dict, deep_merge, load_config, parse_yaml

@@ -18,28 +18,10 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from kuangchao_core.config.presets import MODEL_PRESETS
+from kuangchao_core.guard_api import INTERFACES
 
-#: interface names the permission layer guards (docs/architecture.md)
-KNOWN_INTERFACES: frozenset[str] = frozenset(
-    {
-        "device_init",
-        "memory_alloc",
-        "memory_free",
-        "stream_create",
-        "broadcast",
-        "all_reduce",
-        "all_gather",
-        "reduce_scatter",
-        "send",
-        "recv",
-        "checkpoint_read",
-        "checkpoint_write",
-        "dataset_read",
-        "metrics_read",
-        "metrics_write",
-        "config_write",
-    }
-)
+#: interface names the permission layer guards: the one registry, :data:`kuangchao_core.guard_api.INTERFACES`
+KNOWN_INTERFACES: frozenset[str] = INTERFACES
 
 
 def _number(value: Any, kind: type) -> Any:

@@ -1,6 +1,6 @@
 """L3 data: datasets, tokenizers, file readers shared with data validation, resumable sampler, prefetching loader.
 
-May import: ``errors``, ``config``; the guard interface ``perm.guard_api``.
+May import: ``errors``, ``config``; the guard interface ``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.data.dataset import TokenDataset, build_dataset, dataset_name

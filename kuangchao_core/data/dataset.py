@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core import guard_api
 from kuangchao_core.config.access import setting
 from kuangchao_core.data.cache import cached_corpus, cached_sft
 from kuangchao_core.data.files import read_documents
@@ -16,7 +17,6 @@ from kuangchao_core.data.sft import SFTDataset, SFTReport, build_examples, build
 from kuangchao_core.data.synthetic import make_corpus
 from kuangchao_core.data.tokenizer import get_tokenizer, vocab_padding_note
 from kuangchao_core.errors import DataError
-from kuangchao_core.perm import guard_api
 
 log = logging.getLogger("kuangchao.data")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from kuangchao_core import guard_api
 from kuangchao_core.errors import DataError
-from kuangchao_core.perm import guard_api
 
 
 def collate(dataset, indices: list[int]) -> dict[str, torch.Tensor]:

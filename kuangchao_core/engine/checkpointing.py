@@ -9,7 +9,6 @@ slice of the full tensor it is, so any layout reads only its own slices back
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from dataclasses import asdict
@@ -137,7 +136,7 @@ class TrainerCheckpoints:
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, dict[str, Any]] = {}
         regions = self.parts.regions
-        with self._full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
+        with self.sync.full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
             if self.mesh.dp_rank == 0:
                 for name, p in self.parts.model.named_parameters():
                     if not p.requires_grad:  # a LoRA checkpoint holds the adapters; the frozen base is its identity
@@ -147,7 +146,7 @@ class TrainerCheckpoints:
         opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)
         tensors.update(opt_tensors)
         slices.update(opt_slices)
-        comm_state = getattr(self.sync, "comm_state_tensors", dict)()
+        comm_state = self.sync.comm_state_tensors()
         tensors.update({f"{self._comm_prefix()}{k}": v for k, v in comm_state.items()})
         return tensors, slices
 
@@ -252,14 +251,10 @@ class TrainerCheckpoints:
             self.saver.wait()
 
     # ------------------------------------------------------------------ load
-    def _full_parameters(self, writeback: bool = False):
-        full = getattr(self.sync, "full_parameters", None)
-        return full(writeback) if full is not None else contextlib.nullcontext()
-
     @torch.no_grad()
     def _copy_params(self, full_named: dict[str, torch.Tensor], source: str, names: set[str]) -> None:
         """Copy ``names`` (this rank's parameters) from ``full_named``; a missing or misshapen one is an error."""
-        with self._full_parameters(writeback=True):
+        with self.sync.full_parameters(writeback=True):
             self._copy_into_params(full_named, source, names)
 
     def _copy_into_params(self, full_named: dict[str, torch.Tensor], source: str, names: set[str]) -> None:
@@ -354,8 +349,7 @@ class TrainerCheckpoints:
     def _load_comm_state(self, step_dir: Path) -> None:
         """Top-k residuals back, when the checkpoint was written by the same layout, placement and compression;
         otherwise the residuals start from zero (they belong to a rank's own shard of the buckets)."""
-        loader = getattr(self.sync, "load_comm_state_tensors", None)
-        if loader is None or self.cfg.parallel.grad_compression != "topk":
+        if self.cfg.parallel.grad_compression != "topk":  # only top-k keeps state (and only without ZeRO)
             return
         saved = read_manifest(step_dir).get("comm_layout")
         if saved != self._comm_layout():
@@ -365,4 +359,4 @@ class TrainerCheckpoints:
             return
         prefix = self._comm_prefix()
         shard = load_shard(step_dir, self.rank)
-        loader({k.removeprefix(prefix): v for k, v in shard.items() if k.startswith(prefix)})
+        self.sync.load_comm_state_tensors({k.removeprefix(prefix): v for k, v in shard.items() if k.startswith(prefix)})

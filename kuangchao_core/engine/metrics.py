@@ -1,4 +1,5 @@
-"""Small helpers for the per-step metrics: memory in use, named for what it is."""
+"""Small helpers for the per-step metrics: memory in use, named for what it is (the tensors a rank holds are the
+grad sync's own account: :meth:`~kuangchao_core.parallel.grad_sync.GradSync.tensor_bytes`)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,6 @@ def memory_kind(device: torch.device) -> str:
     """What :func:`memory_bytes` measures on ``device``: ``cuda_peak`` (peak allocated tensor bytes) or ``rss``
     (the whole process: tensors plus the Python runtime and libraries)."""
     return "cuda_peak" if device.type == "cuda" and torch.cuda.is_available() else "rss"
-
-
-def tensor_bytes(model: torch.nn.Module, sync) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer state (what ``kc plan`` estimates); ``sync``
-    is the job's :class:`~kuangchao_core.parallel.grad_sync.GradSync`."""
-    report = getattr(sync, "memory_report", None)
-    if callable(report):  # ZeRO knows its flat buffers and shards; a LoRA base it does not hold is frozen
-        measured = report()["measured"]
-        frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        return {
-            "params": measured["params"] + frozen,
-            "grads": measured["grads"],
-            "optimizer": measured["optimizer_state"],
-        }
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    optim = sum(t.numel() * t.element_size() for t in sync.state_tensors())
-    return {"params": params, "grads": grads, "optimizer": optim}
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -11,7 +11,6 @@ checkpoint I/O is :mod:`kuangchao_core.engine.checkpointing`, following ``kc con
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ from kuangchao_core.engine.evaluation import eval_dataset_for, held_out_loss_for
 from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
 from kuangchao_core.engine.grad_snapshot import write_snapshot
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
-from kuangchao_core.engine.metrics import memory_bytes, memory_kind, tensor_bytes
+from kuangchao_core.engine.metrics import memory_bytes, memory_kind
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.samples import sample_evaluator_for
 from kuangchao_core.engine.schedule import lr_at
@@ -131,8 +130,9 @@ class Trainer:
         self.forward_backward = get_forward_backward(
             self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
         )
-        if rank == 0 and hasattr(self.sync, "memory_report"):
-            log_event(log, "zero memory per rank", **self.sync.memory_report())
+        report = self.sync.memory_report() if rank == 0 else None
+        if report is not None:
+            log_event(log, "zero memory per rank", **report)
 
         self.dataset = build_dataset(cfg.data, self.model_config.vocab_size)
         eval_data, no_eval = eval_dataset_for(cfg, self.model_config.vocab_size)
@@ -326,7 +326,7 @@ class Trainer:
         the process memory (RSS on CPU), which also counts the runtime and is not what the plan estimates."""
         from kuangchao_core.engine.plan import explain_plan
 
-        measured = tensor_bytes(self.model, self.sync)
+        measured = self.sync.tensor_bytes()
         try:
             est = explain_plan(self.cfg)["ranks"][self.rank]["memory_bytes"]
             estimate = int(est["params"] + est["grads"] + est["optimizer"])
@@ -418,8 +418,7 @@ class Trainer:
                 self.lr_scale = settings.lr_scale
                 metrics = result.metrics()
                 if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step
-                    full = getattr(self.sync, "full_parameters", None)  # collective under ZeRO-3
-                    with full() if full is not None else contextlib.nullcontext():
+                    with self.sync.full_parameters():  # collective under ZeRO-3
                         write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
                 if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:

@@ -31,7 +31,7 @@ log = logging.getLogger("kuangchao.engine.worker")
 
 def _install_guard(cfg, rank: int) -> None:
     """The rank's guards: ``worker-<rank>`` for the process, ``data_loader-<rank>`` for its dataset reads."""
-    from kuangchao_core.perm import guard_api
+    from kuangchao_core import guard_api
     from kuangchao_core.perm.runtime import install_from_environment, take_environment_tokens
 
     tokens = take_environment_tokens()

@@ -1,6 +1,6 @@
 """L1 hardware abstraction: device contexts, adapters, memory pool and records, streams.
 
-May import: ``errors``; the guard interface ``perm.guard_api``.
+May import: ``errors``; the guard interface ``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.hal.adapters import Adapter, CpuAdapter, CudaAdapter, get_adapter, register_adapter

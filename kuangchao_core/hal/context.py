@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kuangchao_core import guard_api
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal import stand_in
 from kuangchao_core.hal.adapters import Adapter, get_adapter
-from kuangchao_core.perm import guard_api
 
 _cache: dict[tuple[str, int], DeviceContext] = {}
 _current: DeviceContext | None = None

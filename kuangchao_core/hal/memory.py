@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kuangchao_core import guard_api
 from kuangchao_core.errors import KuangchaoError
-from kuangchao_core.perm import guard_api
 
 DEFAULT_POOL_BYTES = int(os.environ.get("KC_MEMORY_POOL_SIZE", 256 * 1024 * 1024))
 

@@ -1,6 +1,7 @@
 """L3 models: the Llama-style decoder and its tensor-parallel form.
 
-May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``; the guard interface ``perm.guard_api``.
+May import: ``errors``, ``config``, ``hal``, ``comm``, ``parallel``; the guard interface ``guard_api`` (beside
+``errors``).
 """
 
 from kuangchao_core.models.llama import (

@@ -1,4 +1,4 @@
 """L4 observability: structured JSON logs, the live console view, MLflow metrics.
 
-May import: ``errors``, ``config``; the guard interface ``perm.guard_api``.
+May import: ``errors``, ``config``; the guard interface ``guard_api`` (beside ``errors``).
 """

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kuangchao_core import guard_api
 from kuangchao_core.errors import KuangchaoError
-from kuangchao_core.perm import guard_api
 
 TASK_TAG = "kuangchao.task"
 

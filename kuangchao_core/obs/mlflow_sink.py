@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 
-from kuangchao_core.perm import guard_api
+from kuangchao_core import guard_api
 
 log = logging.getLogger("kuangchao.obs.mlflow")
 

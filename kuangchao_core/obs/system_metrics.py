@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kuangchao_core.perm import guard_api
+from kuangchao_core import guard_api
 
 log = logging.getLogger("kuangchao.obs.system_metrics")
 

@@ -1,7 +1,7 @@
 """L3 parallel strategy: the mesh, data parallel, tensor-parallel layers, pipeline schedules, ZeRO, the
 gradient-sync interface and the step's forward/backward.
 
-May import: ``errors``, ``config``, ``hal``, ``comm``; the guard interface ``perm.guard_api``.
+May import: ``errors``, ``config``, ``hal``, ``comm``; the guard interface ``guard_api`` (beside ``errors``).
 """
 
 from kuangchao_core.parallel.data import DataParallel

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kuangchao_core.comm import primitives as P
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
@@ -71,6 +71,29 @@ class GradSync(Protocol):
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradient tensors this rank's optimizer will read (for loss-scale unscaling)."""
 
+    def grad_norm_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (float64 scalar on the gradients' device, each
+        element weighted by ``norm_weight``); the sum over the mesh's groups is the square of what
+        :meth:`clip_grad_norm` returns."""
+
+    def memory_report(self) -> dict[str, Any] | None:
+        """The optimizer's own account of the bytes each rank holds (measured beside the formulas), or None when it
+        keeps no buffers of its own (replicated AdamW: the tensors are the model's)."""
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in ``params`` (trainable and frozen), ``grads`` and ``optimizer`` state (what
+        ``kc plan`` estimates)."""
+
+    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Collective: inside the block the model's parameters hold their full values (ZeRO-3 keeps only shards
+        between forwards); with ``writeback`` what was written into them is kept."""
+
+    def comm_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient-exchange state (top-k residuals), saved per rank with a checkpoint; may be empty."""
+
+    def load_comm_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`comm_state_tensors` gave (same layout, placement and compression)."""
+
 
 def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters the optimizer updates (LoRA freezes the base: only its adapters)."""
@@ -80,8 +103,16 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 def _sum_over(t: torch.Tensor, *groups: Any) -> torch.Tensor:
     for group in groups:
         if group is not None and group.size > 1:
-            P.all_reduce(t, group=group, op="sum")
+            comm.all_reduce(t, group=group, op="sum")
     return t
+
+
+def _model_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Bytes of the model's trainable parameters, its frozen ones (a LoRA base) and the gradients it holds."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return trainable, frozen, grads
 
 
 def _apply_clip(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
@@ -145,16 +176,17 @@ class ReplicatedAdamW:
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
             return torch.nn.utils.get_total_norm([p.grad for p in params])
-        grads = []
+        total = _sum_over(self.grad_norm_sq(), mesh.tp_group, mesh.pp_group).sqrt()
+        _apply_clip(self.local_grads(), total, max_norm)
+        return total
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """See :meth:`GradSync.grad_norm_sq`: every gradient of the replica (all replicas hold the same)."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
         for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            sq += p.grad.double().pow(2).sum() * self.norm_weight[name]
-        total = _sum_over(sq, mesh.tp_group, mesh.pp_group).sqrt()
-        _apply_clip(grads, total, max_norm)
-        return total
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum() * self.norm_weight[name]
+        return sq
 
     def step(self) -> None:
         """See :meth:`GradSync.step`."""
@@ -194,6 +226,20 @@ class ReplicatedAdamW:
     def state_tensors(self) -> list[torch.Tensor]:
         """See :meth:`GradSync.state_tensors`."""
         return [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+
+    def memory_report(self) -> None:
+        """See :meth:`GradSync.memory_report`: none (the parameters and gradients are the model's own)."""
+        return None
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """See :meth:`GradSync.tensor_bytes`: the model's parameters and gradients, and AdamW's moments."""
+        trainable, frozen, grads = _model_bytes(self.model)
+        optim = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        return {"params": trainable + frozen, "grads": grads, "optimizer": optim}
+
+    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """See :meth:`GradSync.full_parameters`: every replica always holds the full parameters."""
+        return contextlib.nullcontext()
 
     def comm_state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-compression state (top-k residuals), saved per rank with the checkpoint."""
@@ -261,15 +307,13 @@ class ShardedAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Sum of squares over the owned pieces of the shards, weighted per TP replication, over dp×tp×pp."""
-        self.optimizer.finish_gradient_sync()
-        shards = self.optimizer.grad_shards()
-        sq = torch.zeros((), dtype=torch.float64, device=shards[0].device if shards else None)
-        for slot, lo, hi, offset in self.optimizer.owned_pieces():
-            piece = shards[slot.bucket][offset : offset + hi - lo]
-            sq += piece.double().pow(2).sum() * self.norm_weight[slot.name]
-        total = _sum_over(sq, self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt()
-        _apply_clip(shards, total, max_norm)
+        total = _sum_over(self.grad_norm_sq(), self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt()
+        _apply_clip(self.optimizer.grad_shards(), total, max_norm)
         return total
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """See :meth:`GradSync.grad_norm_sq`: the gradient elements this rank's shards own."""
+        return self.optimizer.grad_norm_sq(self.norm_weight)
 
     def step(self) -> None:
         """See :meth:`GradSync.step`."""
@@ -318,18 +362,38 @@ class ShardedAdamW:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """See :meth:`GradSync.state_tensors`."""
-        return [v for st in self.optimizer.optimizer.state.values() for k, v in st.items() if k != "step"]
+        return self.optimizer.state_tensors()
 
     def memory_report(self) -> dict[str, Any]:
         """The ZeRO optimizer's measured and formula bytes per rank."""
         return self.optimizer.memory_report()
 
+    def tensor_bytes(self) -> dict[str, int]:
+        """See :meth:`GradSync.tensor_bytes`: ZeRO's flat buffers and shards, plus a frozen LoRA base it does not
+        hold."""
+        measured = self.optimizer.memory_report()["measured"]
+        _, frozen, _ = _model_bytes(self.model)
+        return {
+            "params": measured["params"] + frozen,
+            "grads": measured["grads"],
+            "optimizer": measured["optimizer_state"],
+        }
+
     def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        """Collective: inside the block the model's parameters hold their full values (ZeRO-3 empties them between
-        forwards; at stages 1/2 they always do)."""
-        if self.optimizer.stage == 3:
-            return self.optimizer.full_parameters(writeback)
-        return contextlib.nullcontext()
+        """See :meth:`GradSync.full_parameters` (ZeRO-3 gathers; at stages 1/2 the parameters are always full)."""
+        return self.optimizer.full_parameters(writeback)
+
+    def comm_state_tensors(self) -> dict[str, torch.Tensor]:
+        """See :meth:`GradSync.comm_state_tensors`: none (ZeRO's exchange is uncompressed, so it keeps no state)."""
+        return {}
+
+    def load_comm_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """See :meth:`GradSync.load_comm_state_tensors`: there is nothing to restore; state offered is an error."""
+        if tensors:
+            raise CheckpointError(
+                f"gradient-exchange state {sorted(tensors)[:3]} offered to ZeRO, which keeps none "
+                "(parallel.grad_compression works only with parallel.zero_stage 0)"
+            )
 
 
 def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:

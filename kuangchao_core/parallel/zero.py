@@ -41,19 +41,14 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
 from kuangchao_core.parallel.weight_decay import apply_decay
-from kuangchao_core.parallel.zero_layout import Slot, named_trainable, pieces_of, plan_buckets
+from kuangchao_core.parallel.zero_layout import Slot, named_trainable, owned_sum_of_squares, pieces_of, plan_buckets
 
 _MB = 1024 * 1024
-
-
-def _comm():
-    from kuangchao_core.comm import primitives
-
-    return primitives
 
 
 class ZeroOptimizer:
@@ -209,7 +204,6 @@ class ZeroOptimizer:
         """
         if self._synced:
             return
-        comm = _comm()
         if self.stage == 1:
             for s in self._copy_back:
                 bk = self.buckets[s.bucket]
@@ -235,8 +229,16 @@ class ZeroOptimizer:
 
     def owned_pieces(self) -> list[tuple[Any, int, int, int]]:
         """``(slot, lo, hi, offset)`` of every parameter range this rank owns: elements ``[lo, hi)`` of the flattened
-        parameter ``slot.name`` sit at ``offset`` in this rank's shard of bucket ``slot.bucket``."""
+        parameter ``slot.name`` sit at ``offset`` in this rank's shard of bucket ``slot.bucket`` (read by
+        :mod:`~kuangchao_core.parallel.zero_state`)."""
         return self._pieces()
+
+    def grad_norm_sq(self, weight: Mapping[str, float]) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: the sum of squares of the averaged gradient
+        elements it owns, parameter ``name`` weighted by ``weight[name]`` (float64 scalar; sum it over the DP group
+        and any other group of the mesh)."""
+        self.finish_gradient_sync()
+        return owned_sum_of_squares(self._grad_shards(), self._pieces(), weight)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's averaged gradient shards (valid after :meth:`finish_gradient_sync`), one per bucket."""
@@ -253,7 +255,7 @@ class ZeroOptimizer:
         for g in self._grad_shards():
             sq += g.pow(2).sum()
         if self.size > 1:
-            _comm().all_reduce(sq, group=self.group, op="sum")
+            comm.all_reduce(sq, group=self.group, op="sum")
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._grad_shards():
@@ -268,7 +270,6 @@ class ZeroOptimizer:
             apply_decay(self._decayed_ranges(), self.optimizer.param_groups[0]["lr"], self.weight_decay)
         self.optimizer.step()
         if self.size > 1:
-            comm = _comm()
             for b, bk in enumerate(self.buckets):
                 full = self.flat_params[bk.start : bk.start + bk.size]
                 chunks = list(full.split(bk.chunk))
@@ -342,7 +343,6 @@ class ZeroOptimizer:
         self._ready[b][i] = True
 
     def _launch_in_order(self) -> None:
-        comm = _comm()
         shards = self._grad_shards()
         while self._next_launch < len(self.buckets) and all(self._ready[self._next_launch]):
             b = self._next_launch
@@ -359,13 +359,22 @@ class ZeroOptimizer:
         if self.size <= 1:
             return
         with torch.no_grad():
-            _comm().broadcast(self.flat_params, src=self.group.ranks[0], group=self.group)
+            comm.broadcast(self.flat_params, src=self.group.ranks[0], group=self.group)
             for s in self._copy_back:
                 bk = self.buckets[s.bucket]
                 src = self.flat_params[bk.start + s.offset : bk.start + s.offset + s.numel]
                 s.param.data.copy_(src.view_as(s.param))
 
+    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The module's parameters always hold their full values at stages 1 and 2: nothing to gather (the same
+        surface as :meth:`Zero3Optimizer.full_parameters`)."""
+        return contextlib.nullcontext()
+
     # ------------------------------------------------------------------ memory
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The AdamW moments this rank holds (its chunks' ``exp_avg``, ``exp_avg_sq``)."""
+        return [v for st in self.optimizer.state.values() for k, v in st.items() if k != "step"]
+
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank for parameters, gradients and AdamW state: :func:`~kuangchao_core.parallel.zero_state.memory_report`."""
         return zero_state.memory_report(self)

@@ -32,24 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
 from kuangchao_core.parallel.weight_decay import apply_decay
-from kuangchao_core.parallel.zero_layout import Bucket, Slot, pieces_of
-
-
-def _comm():
-    from kuangchao_core.comm import primitives
-
-    return primitives
+from kuangchao_core.parallel.zero_layout import Bucket, Slot, owned_sum_of_squares, pieces_of
 
 
 def block_units(model: nn.Module) -> list[nn.Module]:
@@ -205,7 +200,6 @@ class Zero3Optimizer:
         for bk in self.buckets:
             self._shard_offsets.append(off)
             off += bk.chunk
-        comm = _comm()
         with torch.no_grad():
             for b, params in enumerate(per_unit):
                 bk = self.buckets[b]
@@ -235,7 +229,7 @@ class Zero3Optimizer:
         if self.size == 1:
             full.copy_(chunk)
             return None, full
-        handle = _comm().all_gather_into(full, chunk, group=self.group, async_op=async_op)
+        handle = comm.all_gather_into(full, chunk, group=self.group, async_op=async_op)
         return (handle if async_op else None), full
 
     def _gathered(self, i: int) -> torch.Tensor:
@@ -317,7 +311,7 @@ class Zero3Optimizer:
                 flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
         out = torch.empty(bk.chunk, dtype=self.dtype, device=self.device)
         if self.size > 1:
-            _comm().reduce_scatter(out, flat, group=self.group, op="sum")
+            comm.reduce_scatter(out, flat, group=self.group, op="sum")
             out.div_(self.size)
         else:
             out.copy_(flat)
@@ -362,6 +356,11 @@ class Zero3Optimizer:
     def owned_pieces(self) -> list[tuple[Slot, int, int, int]]:
         """``(slot, lo, hi, offset)`` of every parameter range this rank owns (as ``ZeroOptimizer.owned_pieces``)."""
         return pieces_of(self.buckets, self.rank)
+
+    def grad_norm_sq(self, weight: Mapping[str, float]) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (as :meth:`ZeroOptimizer.grad_norm_sq`)."""
+        self.finish_gradient_sync()
+        return owned_sum_of_squares(self.grad_shards(), self._pieces(), weight)
 
     def _pieces(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
         return pieces_of(self.buckets, self.rank if rank is None else rank)
@@ -416,6 +415,10 @@ class Zero3Optimizer:
     def item_bytes(self) -> int:
         """Bytes per element of the master dtype."""
         return self._item
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The AdamW moments this rank holds (its chunks' ``exp_avg``, ``exp_avg_sq``)."""
+        return [v for st in self.optimizer.state.values() for k, v in st.items() if k != "step"]
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank held now for parameters (chunks, plus gathered buckets alive), gradient chunks and AdamW

@@ -9,7 +9,7 @@ tensors are allocated here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -103,3 +103,16 @@ def pieces_of(buckets: Iterable[Bucket], rank: int) -> list[tuple[Slot, int, int
             if lo < hi:
                 out.append((s, lo - s.offset, hi - s.offset, lo - c_lo))
     return out
+
+
+def owned_sum_of_squares(
+    shards: list[torch.Tensor], pieces: list[tuple[Slot, int, int, int]], weight: Mapping[str, float]
+) -> torch.Tensor:
+    """Sum over this rank's owned ranges (``pieces``, from :func:`pieces_of`) of the squared gradient elements in
+    its ``shards`` (one per bucket), each parameter's range weighted by ``weight[name]``: a float64 scalar on the
+    shards' device; padding is never counted."""
+    sq = torch.zeros((), dtype=torch.float64, device=shards[0].device if shards else None)
+    for slot, lo, hi, offset in pieces:
+        piece = shards[slot.bucket][offset : offset + hi - lo]
+        sq += piece.double().pow(2).sum() * weight[slot.name]
+    return sq

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -25,13 +26,6 @@ if TYPE_CHECKING:
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ZERO_META_FORMAT = 1
-
-
-def comm_primitives():
-    """The communication layer's primitives (imported when first needed)."""
-    from kuangchao_core.comm import primitives
-
-    return primitives
 
 
 def adamw_hyperparameters(optimizer: torch.optim.Optimizer, weight_decay: float) -> dict[str, Any]:
@@ -131,7 +125,6 @@ def gather_full_state(opt: ZeroOptimizer) -> tuple[dict[str, torch.Tensor], dict
     full: dict[str, dict[str, torch.Tensor]] = {}
     states = opt.shard_states()
     if any(states):
-        comm = comm_primitives()
         for b, bk in enumerate(opt.buckets):
             for k in STATE_KEYS:
                 mine = states[b][k].detach().clone()

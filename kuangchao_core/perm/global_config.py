@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core import guard_api
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import ConfigError, KuangchaoError, PermissionDenied
-from kuangchao_core.perm import guard_api
 from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.signed_doc import DocumentRejected, document_signer, verify_document

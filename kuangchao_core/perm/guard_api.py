@@ -1,97 +1,40 @@
-"""The small Guard interface every lower layer calls before acting.
+"""The guard interface under its former name, for callers above the engine (CLI, SDK, flows, tasks, tests).
 
-Layers below L5 import only this module. The permission layer installs a real guard per process
-(from the module's capability token); until one is installed, a process has no rights at all
-(default deny) unless the job runs in ``permission.mode: trusted``.
+The interface lives in :mod:`kuangchao_core.guard_api`, beside ``errors``; inside ``kuangchao_core`` import it from
+there (``tests/test_import_rules.py`` refuses an import of ``perm`` from a lower layer). The names below are the same
+objects, so a guard installed through either name is the one every check sees.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Protocol
+from kuangchao_core.guard_api import (
+    INTERFACE_KINDS,
+    INTERFACES,
+    AllowAll,
+    DenyAll,
+    Guard,
+    check,
+    check_as,
+    current_guard,
+    current_token_id,
+    guard_for,
+    install_guard,
+    install_module_guard,
+    thread_guard,
+)
 
-from kuangchao_core.errors import PermissionDenied
-
-
-class Guard(Protocol):
-    """Decides whether this process may call ``interface`` on ``resource``; raises PermissionDenied if not."""
-
-    def check(self, interface: str, resource: str) -> None: ...
-
-
-class DenyAll:
-    """The guard of a process that holds no token: every operation is refused."""
-
-    def check(self, interface: str, resource: str) -> None:
-        raise PermissionDenied(
-            interface,
-            resource,
-            "no capability token loaded: start the script with `kc launch` (or the job with `kc train`), which "
-            "issues each rank its token, or call kc.init(trusted=True) on a private cluster",
-        )
-
-
-class AllowAll:
-    """Trusted mode: every operation is allowed (private clusters, unit tests of lower layers)."""
-
-    def check(self, interface: str, resource: str) -> None:
-        return None
-
-
-_current: Guard = DenyAll()
-_thread = threading.local()  # a module that runs in its own thread (the data loader) has its own guard
-_modules: dict[str, Guard] = {}  # the guards of the process's other modules, by kind ("data_loader")
-
-
-def install_guard(guard: Guard) -> Guard:
-    """Install ``guard`` for this process and return the previous one."""
-    global _current
-    previous, _current = _current, guard
-    return previous
-
-
-@contextmanager
-def thread_guard(guard: Guard) -> Iterator[Guard]:
-    """Within the block, this thread's checks go to ``guard`` instead of the process's (other threads unchanged)."""
-    previous = getattr(_thread, "guard", None)
-    _thread.guard = guard
-    try:
-        yield guard
-    finally:
-        _thread.guard = previous
-
-
-def current_guard() -> Guard:
-    """The guard this thread's checks go to: its own (:func:`thread_guard`) or the process's."""
-    return getattr(_thread, "guard", None) or _current
-
-
-def check(interface: str, resource: str) -> None:
-    """Check ``interface`` on ``resource`` with this thread's guard."""
-    current_guard().check(interface, resource)
-
-
-def install_module_guard(kind: str, guard: Guard | None) -> None:
-    """Register the guard of this process's ``kind`` module (``data_loader``); None removes it."""
-    if guard is None:
-        _modules.pop(kind, None)
-    else:
-        _modules[kind] = guard
-
-
-def guard_for(kind: str) -> Guard:
-    """The guard of this process's ``kind`` module when one is registered, else this thread's guard."""
-    return _modules.get(kind) or current_guard()
-
-
-def check_as(kind: str, interface: str, resource: str) -> None:
-    """Check ``interface`` on ``resource`` as the process's ``kind`` module (see :func:`guard_for`)."""
-    guard_for(kind).check(interface, resource)
-
-
-def current_token_id() -> str | None:
-    """The token id (``jti``) behind this thread's guard; None when no token backs it (``DenyAll``, ``AllowAll``)."""
-    jti = getattr(getattr(current_guard(), "claims", None), "jti", None)
-    return jti if isinstance(jti, str) else None
+__all__ = [
+    "INTERFACES",
+    "INTERFACE_KINDS",
+    "AllowAll",
+    "DenyAll",
+    "Guard",
+    "check",
+    "check_as",
+    "current_guard",
+    "current_token_id",
+    "guard_for",
+    "install_guard",
+    "install_module_guard",
+    "thread_guard",
+]

@@ -9,6 +9,7 @@ mesh builds.
 
 from __future__ import annotations
 
+from kuangchao_core.data.dataset import dataset_name
 from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups, group_name
 from kuangchao_core.perm.names import is_canonical_value
 
@@ -43,10 +44,5 @@ def groups_of_rank(layout: dict[str, list[int]], rank: int) -> list[str]:
 
 def dataset_resource_name(data_cfg) -> str | None:
     """The ``dataset:<name>`` value the data layer checks (``synthetic`` or the configured path), if canonical."""
-    try:
-        from kuangchao_core.data.dataset import dataset_name
-
-        name = dataset_name(data_cfg)
-    except ImportError:  # data layer absent: synthetic is the only safe guess
-        name = "synthetic"
+    name = dataset_name(data_cfg)
     return name if is_canonical_value("dataset", name) else None

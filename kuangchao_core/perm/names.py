@@ -1,4 +1,5 @@
-"""Canonical interface and resource names (docs/architecture.md) and their validation.
+"""Canonical resource names (docs/architecture.md) and their validation; the interface names are
+:data:`kuangchao_core.guard_api.INTERFACE_KINDS` (the one registry, re-exported here).
 
 Resource names are exact strings: no globs, no case folding, no whitespace, no path segments. A request spelled
 any other way (``CUDA:0``, ``group:dp-1/../dp-2``, `` 0``) simply is not in the granted set and is denied.
@@ -8,26 +9,20 @@ from __future__ import annotations
 
 import re
 
-# interface -> the kind of resource it acts on
-INTERFACE_KINDS: dict[str, str] = {
-    "device_init": "device",
-    "stream_create": "device",
-    "memory_alloc": "memory",
-    "memory_free": "memory",
-    "broadcast": "group",
-    "all_reduce": "group",
-    "all_gather": "group",
-    "reduce_scatter": "group",
-    "send": "group",
-    "recv": "group",
-    "checkpoint_read": "checkpoint",
-    "checkpoint_write": "checkpoint",
-    "dataset_read": "dataset",
-    "metrics_read": "metrics",
-    "metrics_write": "metrics",
-    "config_write": "config",
-}
-INTERFACES = frozenset(INTERFACE_KINDS)
+from kuangchao_core.guard_api import INTERFACE_KINDS, INTERFACES
+
+__all__ = [
+    "CLAIM_KINDS",
+    "COLLECTIVES",
+    "INTERFACES",
+    "INTERFACE_KINDS",
+    "KINDS",
+    "OBJECT_KINDS",
+    "is_canonical_resource",
+    "is_canonical_value",
+    "resource",
+]
+
 KINDS = frozenset(INTERFACE_KINDS.values())
 COLLECTIVES = frozenset(i for i, k in INTERFACE_KINDS.items() if k == "group")
 

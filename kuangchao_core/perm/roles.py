@@ -24,7 +24,7 @@ from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.perm.names import INTERFACE_KINDS, INTERFACES, KINDS, is_canonical_resource
 
-_ALL_COLLECTIVES = ["broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv"]
+_ALL_COLLECTIVES = [name for name, kind in INTERFACE_KINDS.items() if kind == "group"]
 
 DEFAULT_ROLES: dict[str, dict] = {
     "trainer": {

@@ -21,7 +21,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from kuangchao_core.perm import guard_api
+from kuangchao_core import guard_api
 from kuangchao_core.perm import reasons as R
 from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.authority import Authority
