@@ -166,10 +166,10 @@ def _train_body(rank, world_size, tokens, trust, audit, addr, seconds):
         losses.append(loss.item())
         steps += 1
         time.sleep(0.02)
-    renewals = guard.renewer.renewals
-    failures = guard.renewer.failures
     guard.renewer.stop()
     guard.renewer.join(timeout=5)
+    renewals = guard.renewer.renewals  # read once stopped: a renewal in flight is counted by both sides
+    failures = guard.renewer.failures
     time.sleep(max(0.0, guard.expires_in) + 0.1)  # negative control: without renewal the token now lapses
     expired = _denied(lambda: guard_api.check("all_reduce", "group:world"))
     guard.close()
