@@ -255,6 +255,7 @@ def test_hierarchical_training_equals_flat_training_and_runs_the_hierarchy(engin
     flat, hier = engine_runs[0][0], engine_runs[0][1]
     _assert_trains_like(hier, flat)
     _assert_reduced_hierarchically(hier)
+    print(f"\nelements per collective and group kind, hierarchical: {hier['comm']}; flat: {flat['comm']}")
     # the control: the flat run sends its gradients over the whole DP group and nothing through node subgroups
     assert not any(k.endswith((".intra", ".inter")) for k in flat["comm"]), flat["comm"]
     with pytest.raises(AssertionError):
@@ -264,6 +265,7 @@ def test_hierarchical_training_equals_flat_training_and_runs_the_hierarchy(engin
 def test_negative_control_a_silent_fall_back_to_flat_trains_the_same_but_fails_the_hierarchy_check(engine_runs):
     flat, fell_back = engine_runs[0][0], engine_runs[0][7]
     _assert_trains_like(fell_back, flat)  # what the old test checked: it cannot tell
+    print(f"\nelements per collective and group kind, forced flat: {fell_back['comm']}")
     with pytest.raises(AssertionError):
         _assert_reduced_hierarchically(fell_back)
 
