@@ -5,7 +5,9 @@
   same comparison's own tolerance: exact equality;
 - a rank killed while its background write is in progress leaves a temporary directory only: the newest intact
   checkpoint is the previous one;
-- a background write that fails ends the run at the next step with the error.
+- a background write that fails ends the run at the next step with the error;
+- the save really is in the background: step 3 trains while step 2's files are still being written (the control:
+  the same save run in the caller, as a synchronous save would, fails that check).
 """
 
 from __future__ import annotations
@@ -48,6 +50,74 @@ def test_async_checkpoints_resume_bitwise_like_synchronous_ones(tmp_path):
     for name, value in ref["params"].items():
         assert np.array_equal(resumed["params"][name], value), f"{name} differs after the async resume"
     assert first["losses"] == ref["losses"][:4]
+
+
+WRITE_WAIT_S = 10.0  # how long step 2's write waits for step 3 to start (a synchronous save waits it out)
+
+
+def _write_while_training(rank, world_size, cfg, synchronous):
+    """Train with step 2's file write held until step 3 starts (or WRITE_WAIT_S passes); what the write saw."""
+    import threading
+    import types
+
+    if synchronous:  # the sabotage: the "background" thread runs in the caller before start() returns
+        from kuangchao_core.ckpt import async_save
+
+        class InCaller:
+            def __init__(self, target, args=(), **_):
+                self.run = lambda: target(*args)
+
+            def start(self):
+                self.run()
+
+            def join(self):
+                return None
+
+        async_save.threading = types.SimpleNamespace(Thread=InCaller)
+    trainer = trainer_in_process(cfg, rank, world_size, timeout_ms=60_000)
+    step_three = threading.Event()
+    seen: dict = {}
+    writer, write = trainer.checkpoints.writer, trainer.checkpoints.writer.write_files
+
+    def held(plan, _write=write):
+        if plan.step == 2:
+            seen["step_3_started_during_write"] = step_three.wait(WRITE_WAIT_S)
+            seen["writer_thread"] = threading.current_thread().name
+        _write(plan)
+
+    step, calls = trainer.train_step, [0]
+
+    def counting(batches, _step=step):
+        calls[0] += 1
+        if calls[0] == 3:
+            step_three.set()
+        return _step(batches)
+
+    writer.write_files = held
+    trainer.train_step = counting
+    trainer.run(resume="never")
+    return seen
+
+
+def _assert_saved_in_the_background(seen: dict) -> None:
+    assert seen["step_3_started_during_write"], f"step 3 did not start while step 2 was written: {seen}"
+    assert seen["writer_thread"] != "MainThread", seen
+
+
+def _background_run(tmp_path: Path, synchronous: bool) -> dict:
+    cfg = tiny_job(str(tmp_path), task={"name": "bg"}, train={"steps": 4}, checkpoint={"interval": 2, "async": True})
+    [seen] = run_distributed(_write_while_training, 1, args=(cfg, synchronous), timeout=180)
+    return seen
+
+
+def test_an_async_save_writes_while_the_next_steps_train(tmp_path):
+    _assert_saved_in_the_background(_background_run(tmp_path, synchronous=False))
+
+
+def test_negative_control_a_synchronous_save_fails_the_background_check(tmp_path):
+    seen = _background_run(tmp_path, synchronous=True)
+    with pytest.raises(AssertionError):
+        _assert_saved_in_the_background(seen)
 
 
 def _killed_mid_write(rank, world_size, cfg, how):

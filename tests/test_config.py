@@ -43,11 +43,80 @@ def test_minimal_config_is_one_process_tiny_synthetic():
     assert cfg.permission.mode == "enforcing"
 
 
-def test_original_llama3_example_loads_as_written():
-    path = CONFIGS / "llama3-8b-finetune.yaml"
+#: The job example of the original design document (its section 2.6): every key and value as written there.
+ORIGINAL_LLAMA3_EXAMPLE = """\
+task:
+  name: llama3-8b-finetune
+  priority: high
+model:
+  type: llama
+  params: 8e9
+  checkpoint: /data/checkpoints/llama3-8b
+parallel:
+  data_parallel_size: 4
+  tensor_parallel_size: 2
+  pipeline_parallel_size: 2
+  micro_batch_size: 4
+  gradient_accumulation_steps: 8
+optimizer:
+  type: adamw
+  lr: 2e-5
+  weight_decay: 0.01
+permission:
+  token_ttl_seconds: 3600
+  audit_log: /var/log/kuangchao/audit.log
+  allowed_interfaces:
+    - all_reduce
+    - all_gather
+    - broadcast
+"""
+
+
+def _assert_original_refused_for_send_recv(path: Path) -> None:
+    """The original as written parses (every value in its type) and is refused by the plan: its pipeline's stage
+    boundaries need send and recv, which its allowed_interfaces leave out; the refusal names the field."""
+    from kuangchao_core.engine.plan import check_plan
+
+    cfg = load_config(path)
+    assert isinstance(cfg.optimizer.lr, float) and cfg.optimizer.lr == 2e-5
+    assert cfg.permission.allowed_interfaces == ["all_reduce", "all_gather", "broadcast"]
+    problems = dict(check_plan(cfg))
+    assert "permission.allowed_interfaces" in problems, problems
+    why = problems["permission.allowed_interfaces"]
+    assert "pipeline_parallel_size 2" in why and "send, recv" in why, why
+
+
+def test_original_llama3_example_as_written_parses_and_is_refused_for_its_missing_send_recv(tmp_path):
+    path = write(tmp_path, "original.yaml", ORIGINAL_LLAMA3_EXAMPLE)
     raw = yaml.safe_load(path.read_text())
     assert raw["optimizer"]["lr"] == "2e-5", "plain yaml reads 2e-5 as a string; our loader must not"
+    _assert_original_refused_for_send_recv(path)
+    # the shipped example is the original plus send and recv, and nothing else
+    shipped = yaml.safe_load((CONFIGS / "llama3-8b-finetune.yaml").read_text())
+    raw["permission"]["allowed_interfaces"] += ["send", "recv"]
+    assert shipped == raw
+
+
+def test_negative_control_a_plan_blind_to_stage_boundaries_fails_the_refusal_check(tmp_path, monkeypatch):
+    """Sabotage: the plan forgets that pipeline stages talk through send/recv; the check above must then fail."""
+    from kuangchao_core.engine import plan
+
+    real = plan.required_primitives
+    monkeypatch.setattr(
+        plan, "required_primitives", lambda cfg: {k: v for k, v in real(cfg).items() if k not in ("send", "recv")}
+    )
+    path = write(tmp_path, "original.yaml", ORIGINAL_LLAMA3_EXAMPLE)
+    with pytest.raises(AssertionError):
+        _assert_original_refused_for_send_recv(path)
+
+
+def test_shipped_llama3_example_with_send_recv_loads_and_plans():
+    from kuangchao_core.engine.plan import check_plan
+
+    path = CONFIGS / "llama3-8b-finetune.yaml"
     cfg = load_config(path)
+    # the plan's only remaining problem is the absent checkpoint (the weights are not on this machine)
+    assert [where for where, _ in check_plan(cfg)] == ["model.checkpoint"]
     assert cfg.task.name == "llama3-8b-finetune" and cfg.task.priority == "high"
     assert cfg.model.type == "llama"
     assert isinstance(cfg.model.params, float) and cfg.model.params == 8e9

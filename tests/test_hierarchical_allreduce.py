@@ -4,9 +4,16 @@ Four processes declared as two nodes (``node_of_rank``): the collective itself a
 top-k exchange's error-feedback identity, and the engine trained with each against dense flat training. The
 node split is declared, not measured — what runs is the real three-step collective over real subgroups; the
 multi-host test and ``benchmarks/allreduce_hier.py`` run it across real hosts.
+
+The engine runs count the elements each collective carries per kind of group (in-node pairs, cross-node pairs,
+the whole DP group), so the hierarchical run must show every gradient element reduce-scattered inside the node
+and its shard summed across nodes — a silent fall-back to the flat all-reduce trains the same numbers, and the
+negative control (``hierarchical_allreduce: on`` with the decision forced to flat) proves the count catches it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -87,9 +94,71 @@ def _collectives(rank: int, world: int) -> dict:
     return out
 
 
+COUNTED = ("all_reduce", "reduce_scatter", "all_gather", "all_gather_into")
+
+
+def _kind(group, world: int) -> str:
+    """``intra`` (members on one node), ``inter`` (a subgroup spanning nodes) or ``all`` (every rank)."""
+    if group is None or group.size == world:
+        return "all"
+    return "intra" if len({TWO_NODES[r] for r in group.ranks}) == 1 else "inter"
+
+
+@contextlib.contextmanager
+def _counting(world: int):
+    """Count, per ``<op>.<kind of group>``, the elements every collective of the comm layer carries."""
+    from kuangchao_core.comm import primitives as P
+
+    counts: dict[str, int] = {}
+    real = {name: getattr(P, name) for name in COUNTED}
+
+    def counted(name, fn):
+        def call(*args, group=None, **kwargs):
+            tensors = [a for a in args if hasattr(a, "numel")] + [t for a in args if isinstance(a, list) for t in a]
+            key = f"{name}.{_kind(group, world)}"
+            counts[key] = counts.get(key, 0) + max((t.numel() for t in tensors), default=0)
+            return fn(*args, group=group, **kwargs)
+
+        return call
+
+    for name, fn in real.items():
+        setattr(P, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in real.items():
+            setattr(P, name, fn)
+
+
+@contextlib.contextmanager
+def _flat_fallback():
+    """The sabotage: the decision whether the hierarchy applies always says no (a silent fall-back to flat)."""
+    from kuangchao_core.comm import hierarchical
+
+    real = hierarchical.use_hierarchical
+    hierarchical.use_hierarchical = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        hierarchical.use_hierarchical = real
+
+
+def _engine_runs(rank: int, world: int, jobs: list) -> list[dict]:
+    """Each job through ``run_trainers`` on its own, with the comm layer's traffic of that job counted."""
+    out = []
+    for job in jobs:
+        job = dict(job)
+        flat = job.pop("fall_back_to_flat", False)
+        with _counting(world) as counts, _flat_fallback() if flat else contextlib.nullcontext():
+            [result] = run_trainers(rank, world, [job])
+        result["comm"] = counts
+        out.append(result)
+    return out
+
+
 def _both(rank: int, world: int, jobs: list) -> dict:
     """One set of processes for both halves: the collectives, then the engine jobs."""
-    return {"collectives": _collectives(rank, world), "jobs": run_trainers(rank, world, jobs)}
+    return {"collectives": _collectives(rank, world), "jobs": _engine_runs(rank, world, jobs)}
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +228,46 @@ def _engine_jobs(tmp):
         {"cfg": _job(tmp, "split", **topk), **two, "resume": "auto"},
         {"cfg": _job(tmp, "drop", **topk), **two, "max_steps": 3},
         {"cfg": _job(tmp, "drop", **topk), **two, "resume": "auto", "sabotage": "drop_comm_state"},
+        {"cfg": _job(tmp, "hier_flat", hierarchical_allreduce="on"), **two, "fall_back_to_flat": True},
     ]
 
 
-def test_hierarchical_training_equals_flat_training(engine_runs):
-    flat, hier = engine_runs[0][0], engine_runs[0][1]
+def _assert_trains_like(run: dict, flat: dict) -> None:
     # fp64: the same sums in another order (node sums first), so equal to rounding, FP64_REL (tests/tolerances.py)
-    assert rel_norm(np.array(hier["losses"]), np.array(flat["losses"])) < FP64_REL
+    assert rel_norm(np.array(run["losses"]), np.array(flat["losses"])) < FP64_REL
     for name, want in flat["params"].items():
-        assert rel_norm(hier["params"][name], want) < FP64_REL, name
+        assert rel_norm(run["params"][name], want) < FP64_REL, name
+
+
+def _assert_reduced_hierarchically(run: dict) -> None:
+    """Every step, every gradient element was reduce-scattered inside its node (2 members: into halves) and
+    gathered back there, and only the half-size shards were summed across nodes."""
+    psi = sum(v.size for v in run["params"].values())  # this rank's parameters (DP: all of them)
+    comm = run["comm"]
+    assert comm.get("reduce_scatter.intra", 0) >= STEPS * psi, comm
+    assert comm.get("all_reduce.inter", 0) >= STEPS * psi // 2, comm
+    assert comm.get("all_gather.intra", 0) + comm.get("all_gather_into.intra", 0) >= STEPS * psi // 2, comm
+    # the whole DP group carries no gradient: only scalars and small vectors (loss, norm) go over it
+    assert comm.get("all_reduce.all", 0) < STEPS * psi // 10, comm
+
+
+def test_hierarchical_training_equals_flat_training_and_runs_the_hierarchy(engine_runs):
+    flat, hier = engine_runs[0][0], engine_runs[0][1]
+    _assert_trains_like(hier, flat)
+    _assert_reduced_hierarchically(hier)
+    print(f"\nelements per collective and group kind, hierarchical: {hier['comm']}; flat: {flat['comm']}")
+    # the control: the flat run sends its gradients over the whole DP group and nothing through node subgroups
+    assert not any(k.endswith((".intra", ".inter")) for k in flat["comm"]), flat["comm"]
+    with pytest.raises(AssertionError):
+        _assert_reduced_hierarchically(flat)
+
+
+def test_negative_control_a_silent_fall_back_to_flat_trains_the_same_but_fails_the_hierarchy_check(engine_runs):
+    flat, fell_back = engine_runs[0][0], engine_runs[0][7]
+    _assert_trains_like(fell_back, flat)  # what the old test checked: it cannot tell
+    print(f"\nelements per collective and group kind, forced flat: {fell_back['comm']}")
+    with pytest.raises(AssertionError):
+        _assert_reduced_hierarchically(fell_back)
 
 
 def test_topk_with_error_feedback_trains_near_dense_and_resumes_bitwise(engine_runs):

@@ -1,0 +1,452 @@
+"""Generate ``docs/config.md``, the job config reference, from the schema (``kuangchao_core/config/schema.py``).
+
+    python docs/gen_config_md.py            # rewrite docs/config.md
+    python docs/gen_config_md.py --check    # exit 1 when docs/config.md is not what the schema gives
+
+Every field of every section gets its type (with its bounds), its default, what it means (the field's description
+or the ``#:`` / trailing comment beside it in the schema), an example that the schema accepts, and what reads it:
+the source files outside the schema where the field is read. Readers are found by searching the code: an
+attribute read through the section (``cfg.parallel.zero_stage``), through a local name bound to the section
+(``par = cfg.parallel`` … ``par.zero_stage``; loop variables over a list or map of sections too), or by name
+(``getattr(cfg.checkpoint, "async_")``, ``setting(par, "hierarchical_allreduce")``). ``tests/test_config_doc.py``
+regenerates the page and compares it with the committed one.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pydantic import BaseModel  # noqa: E402
+from pydantic_core import PydanticUndefined  # noqa: E402
+
+from kuangchao_core.config import schema  # noqa: E402
+from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
+
+OUT = ROOT / "docs" / "config.md"
+SCHEMA_FILE = "kuangchao_core/config/schema.py"
+#: where readers are looked for (the tests are not readers)
+SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
+
+
+# ---------------------------------------------------------------------------------------------- the schema's words
+def _field_comments(cls: type) -> dict[str, str]:
+    """field name -> the ``#:`` comment lines above it or the trailing ``#`` comment of its line."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(inspect.cleandoc("".join(lines)) if lines[0].startswith(" ") else "".join(lines))
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    out: dict[str, str] = {}
+    for node in body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        idx = node.lineno - 1
+        above: list[str] = []
+        j = idx - 1
+        while j >= 0 and lines[j].strip().startswith("#:"):
+            above.insert(0, lines[j].strip()[2:].strip())
+            j -= 1
+        text = " ".join(above)
+        if not text:
+            trailing = re.search(r"#\s*(?!noqa)(.+)$", lines[idx])
+            if trailing and "Field(" not in trailing.group(1):
+                text = trailing.group(1).strip()
+        if text:
+            out[node.target.id] = text
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    """A short, readable name of an annotation (``int``, ``"a" | "b"``, ``list[str]``, ``section``)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return " \\| ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_name(a) for a in args if a is not type(None)]
+        return " \\| ".join(parts) + (" \\| null" if type(None) in args else "")
+    if origin in (list, tuple, dict):
+        inner = ", ".join(_type_name(a) for a in args)
+        return f"{origin.__name__}[{inner}]"
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return "section"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _bounds(info: Any) -> str:
+    """``≥ 1``, ``> 0, ≤ 1``, ``length ≤ 64``, ``pattern …`` from the field's constraints."""
+    words = []
+    for m in info.metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            value = getattr(m, attr, None)
+            if value is not None:
+                words.append(f"{sign} {value:g}" if isinstance(value, float) else f"{sign} {value}")
+        if getattr(m, "min_length", None) is not None:
+            words.append(f"length ≥ {m.min_length}")
+        if getattr(m, "max_length", None) is not None:
+            words.append(f"length ≤ {m.max_length}")
+        if getattr(m, "pattern", None) is not None:
+            words.append(f"pattern `{m.pattern}`")
+    return ", ".join(words)
+
+
+def _default(info: Any) -> Any:
+    if info.default_factory is not None:
+        return info.default_factory()
+    if info.default is PydanticUndefined:
+        return PydanticUndefined
+    return info.default
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", by_alias=True)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _yaml_inline(value: Any) -> str:
+    value = _plain(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return (
+            value
+            if re.fullmatch(r"[A-Za-z0-9_./:*@-]+", value) and value not in ("null", "true")
+            else json.dumps(value)
+        )
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_inline(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_inline(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- examples
+def _candidates(tp: Any, default: Any) -> list[Any]:
+    """Values to show, most telling first: another choice than the default, then the default, then by type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _candidates(args[0], default)
+    if origin in (typing.Union, types.UnionType):
+        out = []
+        for a in args:
+            if a is not type(None):
+                out += _candidates(a, default)
+        return out
+    if origin is typing.Literal:
+        return [a for a in args if a != default] + list(args)
+    if origin is list:
+        inner = _candidates(args[0], None) if args else ["x"]
+        return [inner[:2], inner[:1]] if inner else [[]]
+    if origin is tuple:
+        return [list(default)] if default not in (None, PydanticUndefined) else [[0.9, 0.95]]
+    if origin is dict:
+        return [{}]
+    if tp is bool:
+        return [not default] if isinstance(default, bool) else [True]
+    out = [] if default in (None, PydanticUndefined) else [default]
+    if tp is int:
+        return out + [1, 2, 100]
+    if tp is float:
+        return out + [0.5, 1.0, 1e-3, 10.0]
+    if tp is str:
+        return out + ["my-job", "checkpoints/run", "sqlite:///mlflow.db", "http://127.0.0.1:8080"]
+    return out
+
+
+#: examples the schema cannot find on its own (values whose shape a bare type does not tell)
+EXAMPLES: dict[str, Any] = {
+    "permission.operators": ["alice:" + "A" * 43],
+    "permission.roles": {"trainer": ["all_reduce", "send", "recv"]},
+    "permission.allowed_interfaces": ["broadcast", "all_reduce", "send", "recv"],
+    "cluster.nodes": [{"host": "10.0.1.1", "gpus": 8}],
+    "train.anomaly.actions": {"grad_norm": "stop"},
+    "model.lora": {"rank": 8},
+    "model.checkpoint": "/data/checkpoints/llama3-8b",
+    "checkpoint.resume": "never",
+    "data.path": "data/corpus.jsonl",
+    "data.eval_path": "data/heldout.jsonl",
+}
+
+
+#: whole fragments for fields inside a list or map of sections (their path alone does not say where they go)
+FRAGMENTS: dict[str, dict[str, Any]] = {
+    "permission.roles.interfaces": {"permission": {"roles": {"trainer": {"interfaces": ["all_reduce", "send"]}}}},
+    "permission.roles.resources": {
+        "permission": {"roles": {"monitor": {"interfaces": ["metrics_read"], "resources": ["metrics*"]}}}
+    },
+    "cluster.nodes": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
+    "cluster.nodes.host": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
+    "cluster.nodes.gpus": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
+    "cluster.nodes.role": {
+        "cluster": {
+            "mode": "static",
+            "nodes": [{"host": "10.0.1.1", "gpus": 1}, {"host": "10.0.1.2", "gpus": 1, "role": "coordinator"}],
+        }
+    },
+    "checkpoint.uri": {"checkpoint": {"uri": "s3://bucket/kuangchao", "endpoint_url": "http://127.0.0.1:9000"}},
+}
+
+
+def _nest(path: str, value: Any) -> dict[str, Any]:
+    out: Any = value
+    for key in reversed(path.split(".")):
+        out = {key: out}
+    return out
+
+
+def _accepted(path: str, value: Any, data: dict[str, Any] | None = None) -> bool:
+    """Whether a job of only a name plus ``path: value`` (nested into its sections; or ``data``) passes the schema."""
+    import copy
+
+    from kuangchao_core.config import config_from_dict
+
+    data = copy.deepcopy(data) if data is not None else _nest(path, _plain(value))
+    data.setdefault("task", {}).setdefault("name", "example")
+    if path.startswith("cluster.") and path != "cluster.mode":
+        data["cluster"].setdefault("mode", "static")
+        data["cluster"].setdefault("nodes", [{"host": "10.0.1.1", "gpus": 1}])
+    try:
+        config_from_dict(data)
+    except Exception:
+        return False
+    return True
+
+
+def _example(path: str, tp: Any, default: Any) -> str:
+    from kuangchao_core.config.presets import MODEL_PRESETS
+
+    if path in FRAGMENTS:
+        return _yaml_inline(FRAGMENTS[path]) if _accepted(path, None, FRAGMENTS[path]) else "—"
+    tries = [EXAMPLES[path]] if path in EXAMPLES else []
+    section, _, field = path.partition(".")
+    if section == "model":  # a shape field alone must fit the preset's other fields: the small preset's value
+        tries += [MODEL_PRESETS[name][field] for name in ("small", "tiny") if field in MODEL_PRESETS[name]]
+    tries += _candidates(tp, default)
+    for value in tries:
+        if _accepted(path, value):
+            return _yaml_inline(_nest(path, value))
+    return "—"
+
+
+# ---------------------------------------------------------------------------------------------- readers
+def _sources() -> dict[str, str]:
+    out = {}
+    for top in SOURCE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel != SCHEMA_FILE:
+                out[rel] = path.read_text(encoding="utf-8")
+    return out
+
+
+def _aliases(text: str, section: str) -> set[str]:
+    """Local names this file binds to a ``section`` object (assignments, tuple assignments, loop variables)."""
+    s = re.escape(section)
+    names: set[str] = set()
+    for line in text.splitlines():
+        if section not in line:
+            continue
+        line = line.strip()
+        loop = re.match(rf"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?[\w.]*\.{s}(?:\.items\(\)|\))?\s*:", line)
+        if loop:
+            names.add(loop.group(1))
+            continue
+        via_getattr = re.match(rf"(\w+)\s*=\s*getattr\([\w.]+,\s*[\"']{s}[\"']", line)
+        if via_getattr:
+            names.add(via_getattr.group(1))
+            continue
+        lhs, eq, rhs = line.partition("=")
+        if not eq or rhs.startswith("=") or lhs.rstrip().endswith(("!", "<", ">")):
+            continue
+        targets = [t.strip() for t in lhs.split(",")]
+        values = [v.strip() for v in rhs.split(",")]
+        for target, value in zip(targets, values, strict=False):
+            if not re.fullmatch(r"\w+", target):
+                continue
+            if re.fullmatch(rf"[\w.\[\]()\"']*\.{s}", value):
+                names.add(target)
+    names |= set(re.findall(rf"\b({s}_(?:cfg|config|section))\b", text))  # parameters named for the section
+    names |= {alias for alias in CONVENTIONAL.get(section, ()) if re.search(rf"\b{alias}\b", text)}
+    return names - {"self", "cls", "_"}
+
+
+_ALIASES: dict[tuple[str, str], set[str]] = {}
+#: the names the code gives a section where it is a function's parameter (``def fit_problems(par, ...)``)
+CONVENTIONAL = {"parallel": ("par",)}
+#: calls that take a section without reading its fields' meaning
+BUILTIN_CALLS = frozenset(
+    {"getattr", "setattr", "hasattr", "isinstance", "dict", "list", "print", "str", "repr", "id", "len", "sorted"}
+    | {"enumerate", "setting", "_given", "bool", "type"}
+)
+
+
+def _readers(section: str, field: str, attr: str, sources: dict[str, str]) -> list[str]:
+    """Files outside the schema that read ``<section>.<field>`` (``attr``: the Python attribute name)."""
+    s, f = re.escape(section), re.escape(attr)
+    found = []
+    for rel, text in sources.items():
+        if attr not in text and field not in text:
+            continue
+        hit = re.search(rf"\.{s}\.{f}\b", text) or re.search(rf"\bgetattr\([\w.]*\b{s},\s*[\"']{f}[\"']", text)
+        if not hit:
+            if (rel, section) not in _ALIASES:
+                _ALIASES[rel, section] = _aliases(text, section) if section in text else set()
+            for name in _ALIASES[rel, section]:
+                n = re.escape(name)
+                if re.search(rf"\b{n}\.{f}\b", text) or re.search(
+                    rf"\b(?:getattr|setting|_given)\({n},\s*[\"']{f}[\"']", text
+                ):
+                    hit = True
+                    break
+        if not hit and field != attr:  # a field with an alias (``checkpoint.async``) is also read by that name
+            hit = re.search(rf"[\"']{re.escape(field)}[\"']", text) and re.search(rf"\b{s}\b", text)
+        if hit:
+            found.append(rel)
+    return found
+
+
+def _whole_section_readers(path: str, sources: dict[str, str]) -> list[str]:
+    """``function (file)`` for every call that takes the whole section object (``cfg.<path>``) as an argument."""
+    *parents, section = path.split(".")
+    s = re.escape(section)
+    owner = rf"(?:\w*cfg|config|{re.escape(parents[-1])})" if parents else r"(?:\w*cfg|config)"
+    found = []
+    for rel, text in sources.items():
+        if f".{section}" not in text:
+            continue
+        calls = set()
+        for line in text.splitlines():
+            if f".{section}" in line:
+                calls |= set(re.findall(rf"\b(\w+)\((?:[\w.]+,\s*)*(?:[\w.]*\.)?{owner}\.{s}\s*[,)]", line))
+        for func in sorted(calls):
+            if func not in BUILTIN_CALLS:
+                found.append(f"`{func}` (`{rel}`)")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- the page
+def _section_rows(cls: type[Section], prefix: str, sources: dict[str, str], subs: list, whole: list) -> list[str]:
+    comments = _field_comments(cls)
+    rows = []
+    attr_of_section = prefix.rsplit(".", 1)[-1]
+    for attr, info in cls.model_fields.items():
+        field = info.alias or attr
+        path = f"{prefix}.{field}"
+        tp = info.annotation
+        default = _default(info)
+        nested = _nested_section(tp)
+        kind = _type_name(tp)
+        bounds = _bounds(info)
+        what = info.description or comments.get(attr, "")
+        if nested is not None and typing.get_origin(tp) not in (list, dict):
+            subs.append((path, nested))
+            what = (what + " " if what else "") + f"A section: see [`{path}`](#{_anchor(path)})."
+        elif nested is not None:
+            subs.append((path, nested))
+            what = (what + " " if what else "") + f"Each item: see [`{path}`](#{_anchor(path)})."
+        shown_default = "required" if default is PydanticUndefined else f"`{_yaml_inline(default)}`"
+        if nested is not None and typing.get_origin(tp) not in (list, dict) and default is not None:
+            shown_default = "its fields' defaults"
+        readers = _readers(attr_of_section, field, attr, sources)
+        read_by = ", ".join(f"`{r}`" for r in readers) if readers else "no direct read found"
+        if not readers and whole:
+            read_by = "through the whole section (above)"
+        example = _example(path, tp, None if default is PydanticUndefined else default)
+        type_cell = f"{kind}" + (f" ({bounds})" if bounds else "")
+        rows.append(f"| `{path}` | {type_cell} | {shown_default} | {_cell(what)} | {read_by} | `{example}` |")
+    return rows
+
+
+def _nested_section(tp: Any) -> type[Section] | None:
+    for a in (tp, *typing.get_args(tp)):
+        for b in (a, *typing.get_args(a)):
+            if isinstance(b, type) and issubclass(b, Section):
+                return b
+    return None
+
+
+def _anchor(path: str) -> str:
+    return path.replace(".", "")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split())
+
+
+def render() -> str:
+    """The whole page, from the schema and the code as they are."""
+    sources = _sources()
+    out = [
+        "# Job configuration reference",
+        "",
+        "Generated by `python docs/gen_config_md.py` from `kuangchao_core/config/schema.py`; do not edit by hand",
+        "(`tests/test_config_doc.py` fails when this page and the schema disagree). A job is one YAML file",
+        "(`kc train --config FILE.yaml`); only `task.name` is required. Unknown keys are errors, numbers may be",
+        "written as strings (`lr: 2e-5`), and a key the job's layout does not use is refused with its dotted path.",
+        "",
+        "Columns: the field's dotted path; its type and bounds; its default; what it means (the schema's own words);",
+        "the files that read it (found by searching the code for reads of the field through its section; a field",
+        "read only where code takes the whole section says so, one the search does not find says *no direct read",
+        "found*); an example the schema accepts, as YAML.",
+        "",
+    ]
+    queue: list[tuple[str, type[Section]]] = []
+    for attr, info in JobConfig.model_fields.items():
+        queue.append((attr, _nested_section(info.annotation)))
+    while queue:
+        path, cls = queue.pop(0)
+        doc = inspect.cleandoc(cls.__doc__ or "")
+        out += [f"## `{path}`", "", f'<a id="{_anchor(path)}"></a>', ""]
+        if doc:
+            out += [" ".join(doc.split("\n\n")[0].split()), ""]
+        whole = _whole_section_readers(path, sources)
+        if whole:
+            out += ["Code that takes the whole section: " + ", ".join(whole) + ".", ""]
+        out += [
+            "| field | type | default | meaning | read by | example |",
+            "|---|---|---|---|---|---|",
+        ]
+        subs: list = []
+        out += _section_rows(cls, path, sources, subs, whole)
+        out.append("")
+        queue = subs + queue
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.is_file() or OUT.read_text(encoding="utf-8") != text:
+            print(f"{OUT} is out of date: run python docs/gen_config_md.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    assert schema is not None  # the module the page describes
+    raise SystemExit(main(sys.argv[1:]))
