@@ -1,0 +1,246 @@
+"""The README runs (issue 27 §6): every command block, in the README's order, as a new user would type it.
+
+One bash session (its variables, ``source`` and background jobs carry from block to block, as in a terminal) runs in
+a copy of the repository's tracked files (the venv linked in), with its own ``HOME`` and ``PREFECT_HOME``, so nothing
+of this checkout or this user is touched. Each command must exit 0. What the runner changes, and only that:
+
+- port 4200 (a Prefect server) becomes a free port, so two runs on one machine never meet;
+- ``<flow run id>`` becomes the id the previous ``prefect deployment run`` printed;
+- a command already run earlier is not run again (the fine-tuning section repeats ``make demo``);
+- ``make test`` is not run (this test is part of it);
+- the multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
+  hosts made of network namespaces, and this test checks that it still does.
+
+A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block is a
+config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says:
+``champion`` on the demo's model, ``newest`` on the newest version.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+NOT_RUN = {"make test": "the test suite runs this test"}
+ELSEWHERE = {"Run on several machines": ("tests/test_cluster.py", ("node start", "node list"))}
+EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}
+COMMAND_TIMEOUT_S = 900
+
+
+@dataclass
+class Block:
+    lang: str
+    text: str
+    section: str
+    line: int
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of a Markdown text with their language, the ``##`` section they are in and their line."""
+    blocks, section, inside, lang, start, body = [], "", False, "", 0, []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not inside and line.startswith("## "):
+            section = line[3:].strip()
+        elif line.startswith("```"):
+            if inside:
+                blocks.append(Block(lang, "\n".join(body), section, start))
+                inside = False
+            else:
+                inside, lang, start, body = True, line[3:].strip(), number, []
+        elif inside:
+            body.append(line)
+    assert not inside, f"README: the block opened at line {start} is never closed"
+    return blocks
+
+
+def commands(block: str) -> list[str]:
+    """The commands of a bash block: continuation lines joined, blank and comment-only lines dropped."""
+    out, pending = [], ""
+    for line in block.splitlines():
+        if pending:
+            line = pending + " " + line.strip()
+            pending = ""
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1].rstrip()
+            continue
+        if line.strip() and not line.lstrip().startswith("#"):
+            out.append(line.strip())
+    assert not pending, f"a continued line never ends: {pending!r}"
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Shell:
+    """One bash process fed one command at a time; a command's output ends at a marker line carrying its status."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # the session's background jobs (servers, workers) die with it
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # bash ended
+
+    def run(self, command: str, timeout_s: float) -> tuple[int, str]:
+        """Run ``command`` in the session (stdin closed: nothing waits for a keyboard); its status and output."""
+        marker = f"__kc_readme_{uuid.uuid4().hex}__"
+        self.proc.stdin.write(f'__kc_cmd() {{\n{command}\n}}\n__kc_cmd < /dev/null 2>&1; echo "{marker} $?"\n')
+        self.proc.stdin.flush()
+        out, deadline = [], time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no end after {timeout_s:g} s; output so far:\n{''.join(out)[-4000:]}") from None
+            if line == "":
+                return -1, "".join(out) + "\n(the shell ended)"
+            if line.startswith(marker):
+                return int(line.split()[-1]), "".join(out)
+            out.append(line)
+
+    def close(self) -> None:
+        """End the session and everything it started."""
+        with _suppress():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with _suppress():
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class _suppress:  # noqa: N801 - reads as a context manager
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def _copy_repository(dest: Path) -> None:
+    tracked = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    )
+    for name in filter(None, tracked):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)  # modification times kept: make sees the venv as up to date
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+
+
+def test_readme_blocks_are_found_and_named():
+    """The parser sees every kind of block the README has, and every python block names its file."""
+    blocks = readme_blocks(README.read_text(encoding="utf-8"))
+    assert {b.lang for b in blocks} >= {"bash", "python", "yaml"}
+    for block in blocks:
+        if block.lang == "python":
+            assert re.match(r"# [\w./-]+\.py$", block.text.splitlines()[0]), f"line {block.line}: name its file"
+    assert commands("a \\\n  b  # x\n# c\n\nd &") == ["a b  # x", "d &"]
+    assert shlex.join(shlex.split("make test   # the whole suite", comments=True)) in NOT_RUN
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_every_readme_command_runs_in_order(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _copy_repository(repo)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KC_", "MLFLOW_", "AWS_"))}
+    env.update(
+        HOME=str(tmp_path / "home"),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_ENABLE_TELEMETRY="false",
+        DO_NOT_TRACK="1",
+        OMP_NUM_THREADS="1",
+    )
+    port, done, flow_run_id = str(_free_port()), set(), None
+    transcript = tmp_path / "transcript.log"  # every command and its output, as they run
+    shell = Shell(repo, env)
+    try:
+        for block in readme_blocks(README.read_text(encoding="utf-8")):
+            where = f"README line {block.line} ({block.section})"
+            if block.section in ELSEWHERE:
+                test_file, needles = ELSEWHERE[block.section]
+                text = (ROOT / test_file).read_text(encoding="utf-8")
+                assert all(n in text for n in needles), f"{where}: {test_file} no longer runs these commands"
+                continue
+            if block.lang == "python":
+                name = block.text.splitlines()[0][2:].strip()
+                (repo / name).write_text(block.text + "\n", encoding="utf-8")
+                continue
+            if block.lang == "yaml":
+                fragment = repo / f"readme_line_{block.line}.yaml"
+                fragment.write_text(f"extends: configs/tiny.yaml\n{block.text}\n", encoding="utf-8")
+                rc, out = shell.run(f".venv/bin/kc config validate {fragment.name}", 120)
+                assert rc == 0, f"{where}: the config fragment does not validate:\n{out[-3000:]}"
+                continue
+            if block.lang != "bash":
+                continue
+            for command in commands(block.text):
+                key = shlex.join(shlex.split(command, comments=True))  # the command without its comment
+                if key in NOT_RUN or key in done:
+                    continue
+                line = command.replace("4200", port)
+                if line.startswith("prefect server start"):
+                    line = line.replace("prefect server start", f"prefect server start --port {port}", 1)
+                if "<flow run id>" in line:
+                    assert flow_run_id, f"{where}: no flow run id printed before {command!r}"
+                    line = line.replace("<flow run id>", flow_run_id)
+                with transcript.open("a", encoding="utf-8") as log:
+                    log.write(f"$ {line}\n")
+                started = time.monotonic()
+                rc, out = shell.run(line, COMMAND_TIMEOUT_S)
+                with transcript.open("a", encoding="utf-8") as log:
+                    log.write(f"{out}[exit {rc} after {time.monotonic() - started:.0f} s]\n")
+                assert rc == 0, f"{where}: `{command}` exited {rc}:\n{out[-6000:]}"
+                for needle_command, needle in EXPECTED_OUTPUT.items():
+                    if needle_command in command:
+                        assert needle in out, f"{where}: `{command}` did not print {needle!r}:\n{out[-3000:]}"
+                found = re.search(r"UUID: ([0-9a-f-]{36})", out)
+                flow_run_id = found.group(1) if found else flow_run_id
+                done.add(key)
+    finally:
+        shell.close()
+
+    # the registry as the README promises it: champion on the demo's model, newest on the newest version
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    versions = sorted(int(v.version) for v in client.search_model_versions("name='kc-tiny-demo'"))
+    assert len(versions) >= 4, versions  # the demo, the 40- and 80-step runs, the deployment's 100-step run
+    assert client.get_model_version_by_alias("kc-tiny-demo", "champion").version == "1"
+    assert client.get_model_version_by_alias("kc-tiny-demo", "newest").version == str(versions[-1])
