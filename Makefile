@@ -33,9 +33,10 @@ test-fast: setup
 bench: setup  ## side-by-side benchmarks against the torch-native peers (agree.py is the repeat-runs checker, not one)
 	@for b in benchmarks/[!_]*.py; do [ "$$b" = benchmarks/agree.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
 
-lint: setup
+lint: setup  ## ruff, and the size rule: no module past 400 lines (tools/size_exceptions.txt may only shrink)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/check_sizes.py
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
