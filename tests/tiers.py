@@ -8,6 +8,9 @@ fast tier alone. A test's tier is, first found:
 3. the tier of a fixture it uses (:data:`FIXTURE_TIERS`: a test on the Prefect test server is a ``flows`` test);
 4. its file's entry in :data:`FILE_TIERS`.
 
+A unit test takes about a second or less on an idle 2-core machine and starts no process, server or store; a
+longer one, in a file of unit tests, gets its own line in :data:`TEST_TIERS` (measure with ``--durations``).
+
 A test with no tier, or with two explicit tier markers, stops the session with a message naming it; so does a
 ``slow`` test in the ``unit`` tier. A new test file gets one line in :data:`FILE_TIERS`.
 """
@@ -71,7 +74,7 @@ FILE_TIERS = {
     "test_mesh.py": "distributed",
     "test_mixed_precision.py": "distributed",
     "test_model.py": "unit",
-    "test_model_export.py": "unit",
+    "test_model_export.py": "distributed",
     "test_mp_helper.py": "distributed",
     "test_nccl_rules.py": "distributed",
     "test_perf_model.py": "unit",
@@ -143,7 +146,9 @@ TEST_TIERS = {
     "test_model_export.py::test_a_registered_model_resolves_to_its_files_and_adapters_are_refused": "flows",
     "test_model_export.py::test_kc_train_hands_a_registered_base_to_the_flow": "e2e",
     "test_model_export.py::test_register_model_moves_newest_always_and_champion_only_to_a_higher_accuracy": "flows",
+    "test_model_export.py::test_register_without_log_model_is_said_unused": "unit",
     "test_perm_audit.py::test_g1_two_processes_1000_records": "distributed",
+    "test_perm_entrypoints.py::test_monitor_cannot_read_another_tasks_run_by_id": "flows",
     "test_perm_entrypoints.py::test_monitor_reads_metrics": "flows",
     "test_prefect_api_lost.py::test_a_lost_api_interrupts_the_interruptible_stretch_only": "unit",
     "test_prefect_api_lost.py::test_before_registration_refuses_once_the_api_is_lost": "unit",
