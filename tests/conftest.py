@@ -22,6 +22,7 @@ from tests import fixtures, tiers  # noqa: E402  (needs ROOT on sys.path)
 pytest_plugins = ["tests.conftest_prefect"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark every test with its tier (tests/tiers.py); stop the session naming each test without exactly one."""
     problems = []

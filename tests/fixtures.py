@@ -1,4 +1,4 @@
-"""Shared test helpers: the tiny model's sizes, free ports, a fake S3 server over HTTP.
+"""Shared test helpers: the tiny model's config, free ports, a fake S3 server over HTTP.
 
 ``tests/conftest.py`` serves them as fixtures (``tiny_model``, ``free_port``, ``s3_endpoint``); code that runs outside
 a fixture (module constants, bodies run on worker processes) imports them from here.
@@ -9,18 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["TINY_MODEL", "free_port", "hf_llama_config", "moto_server", "tiny_llama"]
-
-# the tiny decoder of the tests (that of configs/tiny.yaml): 256 byte tokens, hidden 64, 2 layers, 4 heads, 2 kv heads
-TINY_MODEL = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 176,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "max_seq_len": 128,
-}
+__all__ = ["free_port", "hf_llama_config", "moto_server", "tiny_llama"]
 
 
 def free_port() -> int:
@@ -31,10 +20,13 @@ def free_port() -> int:
 
 
 def tiny_llama(**changes):
-    """The tiny model's ``LlamaConfig``, with ``changes`` (``LlamaConfig`` field names) applied."""
-    from kuangchao_core.models.llama import LlamaConfig
+    """The ``tiny`` preset's ``LlamaConfig`` (that of configs/tiny.yaml: 256 byte tokens, hidden 64, 2 layers, 4 heads,
+    2 kv heads), with ``changes`` (``LlamaConfig`` field names) applied."""
+    import dataclasses
 
-    return LlamaConfig(**{**TINY_MODEL, **changes})
+    from kuangchao_core.models.llama import PRESETS
+
+    return dataclasses.replace(PRESETS["tiny"], **changes)
 
 
 def hf_llama_config(cfg, **changes):

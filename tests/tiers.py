@@ -55,6 +55,7 @@ FILE_TIERS = {
     "test_engine_reshard.py": "distributed",
     "test_eval_samples.py": "distributed",
     "test_failure_lines.py": "e2e",
+    "test_fixtures.py": "unit",
     "test_flow.py": "flows",
     "test_flow_log.py": "flows",
     "test_global_config_job.py": "distributed",
