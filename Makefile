@@ -8,7 +8,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup demo test test-fast bench lint format clean
+.PHONY: setup demo test test-fast test-unit test-distributed test-flows test-e2e bench lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,18 +24,22 @@ demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local P
 	# each demo trains from scratch in a new checkpoint lineage (earlier demos' lineages stay as they were)
 	$(VENV)/bin/kc train --config configs/tiny.yaml --resume never
 
-test: setup  ## the whole test suite
+test: setup  ## the whole test suite, every tier
 	$(PY) -m pytest tests -q -ra --durations=15
 
-test-fast: setup
-	$(PY) -m pytest tests -q -m "not slow"
+test-fast: test-unit  ## the unit tier: in-process tests, under 2 minutes
+
+# one tier each (tests/tiers.py says which test is in which)
+test-unit test-distributed test-flows test-e2e: setup
+	$(PY) -m pytest tests -q -ra --durations=10 -m $(@:test-%=%)
 
 bench: setup  ## side-by-side benchmarks against the torch-native peers (agree.py is the repeat-runs checker, not one)
 	@for b in benchmarks/[!_]*.py; do [ "$$b" = benchmarks/agree.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
 
-lint: setup
+lint: setup  ## ruff, and the size rule: no module past 400 lines (tools/size_exceptions.txt may only shrink)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tools/check_sizes.py
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

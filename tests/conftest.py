@@ -16,6 +16,31 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import fixtures, tiers  # noqa: E402  (needs ROOT on sys.path)
+
+# the lifecycle fixtures (session_store, reference_run) are fixtures of every test module, without imports
+pytest_plugins = ["tests.conftest_prefect"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier (tests/tiers.py); stop the session naming each test without exactly one."""
+    problems = []
+    for item in items:
+        explicit = [m.name for m in item.iter_markers() if m.name in tiers.TIERS]
+        name = getattr(item, "originalname", item.name)
+        try:
+            tier = tiers.tier_of(item.path.name, name, explicit, getattr(item, "fixturenames", []))
+        except tiers.TierError as e:
+            problems.append(str(e))
+            continue
+        if tier == "unit" and item.get_closest_marker("slow") is not None:
+            problems.append(f"{item.path.name}::{name} is marked slow but its tier is unit: give it another tier")
+        if not explicit:
+            item.add_marker(getattr(pytest.mark, tier))
+    if problems:
+        raise pytest.UsageError("tests without exactly one tier (see tests/tiers.py):\n  " + "\n  ".join(problems))
+
 
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
@@ -26,3 +51,22 @@ def prefect_api(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (more in one test: ``tests.fixtures.free_port()``)."""
+    return fixtures.free_port()
+
+
+@pytest.fixture
+def tiny_model():
+    """The tests' tiny ``LlamaConfig``; call it with field changes: ``tiny_model(num_layers=4)``."""
+    return fixtures.tiny_llama
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server over HTTP for the test module (its own, so buckets never leak between modules); its URL."""
+    with fixtures.moto_server() as endpoint:
+        yield endpoint

@@ -1,8 +1,9 @@
 """Shared helpers and session fixtures of the lifecycle tests (flow, recovery, deployment).
 
-Import the fixtures into a test module with ``from tests.conftest_prefect import session_store, ...``; the
-Prefect test server is the session fixture ``prefect_api`` of ``tests/conftest.py``. One Prefect test server and one MLflow sqlite store serve the whole session; every test uses its own task name,
-checkpoint directory and run directory.
+Its fixtures (``session_store``, ``reference_run``) serve every test module without an import: ``tests/conftest.py``
+loads this module as a plugin; the Prefect test server is the session fixture ``prefect_api`` there. Import only
+the helpers. One Prefect test server and one MLflow sqlite store serve the whole session; every test uses its own
+task name, checkpoint directory and run directory.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config import config_from_dict
+from tests.fixtures import hf_llama_config, tiny_llama
 
 
 def only_lineage(task_dir) -> Path:
@@ -26,19 +27,7 @@ def save_random_hf_llama(path, num_layers: int, seed: int = 5):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    cfg = hf_llama_config(tiny_llama(num_layers=num_layers))
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -13,16 +13,17 @@ import torch
 
 from kuangchao_core.hal.heap import heap_in_use_bytes
 from kuangchao_core.models import recompute
-from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
 from tests.engine_helpers import run_trainers, tiny_job
+from tests.fixtures import tiny_llama
 from tests.mp import run_distributed
 
-CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=4, num_heads=4, num_kv_heads=2)
+CFG = dict(intermediate_size=172, num_layers=4)  # the tiny model, deeper
 
 
 def _step(mode: str, dropout: float = 0.0, seq: int = 64, batch: int = 4) -> tuple[dict, int]:
     """Gradients of one forward/backward of a fresh model, and the heap bytes the forward left held."""
-    cfg = LlamaConfig(**CFG, max_seq_len=256, dropout=dropout)
+    cfg = tiny_llama(**CFG, max_seq_len=256, dropout=dropout)
     model = LlamaForCausalLM(cfg)
     model.init_weights(3)
     model.activation_checkpointing = mode
@@ -62,7 +63,7 @@ def test_negative_control_a_recomputation_without_the_rng_state_changes_the_grad
 def test_no_recomputation_without_autograd():
     calls = []
     real = recompute.checkpoint
-    model = LlamaForCausalLM(LlamaConfig(**CFG, max_seq_len=64))
+    model = LlamaForCausalLM(tiny_llama(**CFG, max_seq_len=64))
     model.activation_checkpointing = "full"
     recompute.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:

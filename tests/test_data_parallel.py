@@ -21,11 +21,9 @@ LR = 1e-2
 
 
 def _model_config():
-    from kuangchao_core.models.llama import LlamaConfig
+    from tests.fixtures import tiny_llama
 
-    return LlamaConfig(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=SEQ
-    )
+    return tiny_llama(vocab_size=48, hidden_size=32, intermediate_size=64, max_seq_len=SEQ)
 
 
 def _build_model(seed: int):

@@ -12,7 +12,7 @@ import yaml
 
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.sched import doctor as D
-from tests.mp import free_port
+from tests.fixtures import free_port
 
 NO_GLOO = ("gloo",)
 
@@ -74,32 +74,21 @@ def test_cuda_check_fails_only_when_cuda_is_required_and_absent(tmp_path):
     assert D.check_cuda(_cfg(tmp_path)).ok
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
-def test_s3_checkpoint_storage(tmp_path, s3_server, monkeypatch):
+def test_s3_checkpoint_storage(tmp_path, s3_endpoint, monkeypatch):
     import boto3
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.create_bucket(Bucket="kc-ckpt")
     ok = D.check_checkpoint_storage(
-        _cfg(tmp_path, checkpoint={"uri": "s3://kc-ckpt/runs/a", "endpoint_url": s3_server})
+        _cfg(tmp_path, checkpoint={"uri": "s3://kc-ckpt/runs/a", "endpoint_url": s3_endpoint})
     )
     assert ok.ok, ok.detail
     assert s3.list_objects_v2(Bucket="kc-ckpt").get("KeyCount", 0) == 0  # probe object deleted
     missing = D.check_checkpoint_storage(
-        _cfg(tmp_path, checkpoint={"uri": "s3://no-such-bucket/x", "endpoint_url": s3_server})
+        _cfg(tmp_path, checkpoint={"uri": "s3://no-such-bucket/x", "endpoint_url": s3_endpoint})
     )
     assert not missing.ok and "no-such-bucket" in missing.detail and "bucket exists" in missing.fix
 

@@ -14,16 +14,15 @@ import torch
 
 from kuangchao_core.data.packing import document_window, pack_documents_with_starts, window
 from kuangchao_core.data.tokenizer import ByteTokenizer
-from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
+from tests.fixtures import tiny_llama
 from tests.tolerances import FP64_REL, NEGATIVE_MIN
 
 DOCS = ["12+30=42", "7+8=15", "hello there", "x"]
 
 
 def _model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64
-    )
+    cfg = tiny_llama(hidden_size=32, intermediate_size=64, max_seq_len=64)
     m = LlamaForCausalLM(cfg)
     m.init_weights(0)
     return m.double().eval()

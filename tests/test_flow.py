@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest_prefect import STEPS, reference_run, session_store  # noqa: F401
+from tests.conftest_prefect import STEPS
 
 
-def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa: F811
+def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):
     from mlflow.tracking import MlflowClient
 
     summary = reference_run["summary"]
@@ -46,7 +46,7 @@ def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):  # noqa:
     assert meta["step"] == STEPS and len(meta["manifest_sha256"]) == 64 and meta["size_bytes"] > 0
 
 
-def test_flow_run_exports_logs_and_registers_its_model(reference_run):  # noqa: F811
+def test_flow_run_exports_logs_and_registers_its_model(reference_run):
     import hashlib
     from pathlib import Path
 
@@ -69,7 +69,7 @@ def test_flow_run_exports_logs_and_registers_its_model(reference_run):  # noqa: 
     assert {f"model/{f}" for f in record["files"]} == logged
 
 
-def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monitor(reference_run):  # noqa: F811
+def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monitor(reference_run):
     """The keys-off-disk and pinned-trust parts of issue 16 on a real flow run: no token or private key anywhere
     in the run directory, `kc audit --verify --run` passes against the pins the orchestrator recorded outside the run
     (issue 26: with no --tracking-uri it reads them from the Prefect API this session's server configures; the
@@ -130,7 +130,7 @@ def _artifacts(key: str, flow_run_id: str) -> list:
     return [a for a in asyncio.run(read()) if str(a.flow_run_id) == str(flow_run_id)]
 
 
-def test_flow_run_workers_kept_nccl_rules_on_the_stand_in_device(reference_run):  # noqa: F811
+def test_flow_run_workers_kept_nccl_rules_on_the_stand_in_device(reference_run):
     from pathlib import Path
 
     logs = sorted(Path(reference_run["workdir"], "runs").rglob("worker-*.jsonl"))

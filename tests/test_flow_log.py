@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tests.conftest_prefect import INTERVAL, STEPS, reference_run, session_store  # noqa: F401
+from tests.conftest_prefect import INTERVAL, STEPS
 
 
 def _flow_run_messages(flow_run_id: str) -> list[str]:
@@ -31,7 +31,7 @@ def _flow_run_messages(flow_run_id: str) -> list[str]:
     return asyncio.run(read())
 
 
-def test_the_flow_runs_log_has_the_progress_and_names_every_task_run(reference_run):  # noqa: F811
+def test_the_flow_runs_log_has_the_progress_and_names_every_task_run(reference_run):
     flow_run_id = reference_run["summary"]["flow_run_id"]
     deadline, messages = time.time() + 30, []
     while time.time() < deadline:  # the API log handler sends in batches

@@ -12,14 +12,15 @@ from kuangchao.cli.main import app
 from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.models.layout import Region, TargetLayout
-from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, load_hf_llama_config
+from kuangchao_core.models.llama import LlamaForCausalLM, load_hf_llama_config
 from kuangchao_core.models.tp_llama import tp_shard_slices
 from kuangchao_core.perm.guard_api import AllowAll, install_guard
+from tests.fixtures import hf_llama_config, tiny_llama
 from tests.tolerances import assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2)
+CFG = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4)
 
 
 @pytest.fixture(autouse=True)
@@ -31,19 +32,7 @@ def allow_all():
 
 def _hf_model(tie: bool = False):
     torch.manual_seed(1)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=CFG.vocab_size,
-        hidden_size=CFG.hidden_size,
-        intermediate_size=CFG.intermediate_size,
-        num_hidden_layers=CFG.num_layers,
-        num_attention_heads=CFG.num_heads,
-        num_key_value_heads=CFG.num_kv_heads,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        attn_implementation="eager",
-    )
+    hf_cfg = hf_llama_config(CFG, max_position_embeddings=64, tie_word_embeddings=tie)
     model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
     with torch.no_grad():  # norms start at 1; make them random so a mix-up shows
         for n, p in model.named_parameters():

@@ -105,13 +105,9 @@ def _pins_outside_the_run_and_a_sealed_tail(kc, tmp_path: Path, run_dir: Path, l
     assert edited.returncode == 1 and "TAMPERED" in edited.stdout, edited.stdout
 
 
-def test_without_a_launcher_the_denial_says_how_to_run_and_trusted_runs_loudly(tmp_path):
-    import socket
-
-    with socket.socket() as s:  # one rank, the environment torchrun would give it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+def test_without_a_launcher_the_denial_says_how_to_run_and_trusted_runs_loudly(tmp_path, free_port):
+    # one rank, the environment torchrun would give it
+    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port)}
     bare = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert bare.returncode != 0
     assert "PermissionDenied" in bare.stderr and "kc launch" in bare.stderr and "trusted=True" in bare.stderr

@@ -20,6 +20,7 @@ from kuangchao_core.models.llama import (
     load_hf_llama_config,
 )
 from kuangchao_core.perm import guard_api
+from tests.fixtures import hf_llama_config
 from tests.tolerances import FP64_REL, assert_logits_match
 
 
@@ -31,19 +32,7 @@ def _allow_all():
 
 
 def _hf_model(cfg: LlamaConfig) -> transformers.LlamaForCausalLM:
-    hc = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attn_implementation="eager",
-    )
+    hc = hf_llama_config(cfg)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hc).float().eval()
     # HF initialises norms to one; perturb them so RMSNorm weights are really checked.

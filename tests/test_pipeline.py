@@ -29,17 +29,9 @@ LAYOUTS = {name: spec for phase in PHASES for name, spec in phase.items()}
 
 
 def _cfg(num_layers):
-    from kuangchao_core.models.llama import LlamaConfig
+    from tests.fixtures import tiny_llama
 
-    return LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=SEQ,
-    )
+    return tiny_llama(vocab_size=64, intermediate_size=96, num_layers=num_layers, max_seq_len=SEQ)
 
 
 def _batches(m, vocab):

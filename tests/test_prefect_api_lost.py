@@ -15,7 +15,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,20 +25,15 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.obs import prefect_watch
+from tests.fixtures import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 KC = str(ROOT / ".venv" / "bin" / "kc")
 PREFECT = str(ROOT / ".venv" / "bin" / "prefect")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dead_url() -> str:
-    return f"http://127.0.0.1:{_free_port()}/api"  # nothing listens there
+    return f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
 
 
 def _wait(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -132,7 +126,7 @@ def test_before_registration_refuses_once_the_api_is_lost(monkeypatch):
 
 @pytest.mark.slow
 def test_kc_train_ends_within_60s_of_the_prefect_server_being_killed(tmp_path):
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,

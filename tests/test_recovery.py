@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import ConfigError, DataError, WorkerFailed
 from kuangchao_core.perm import guard_api
-from tests.conftest_prefect import (  # noqa: F401
+from tests.conftest_prefect import (
     INTERVAL,
     STEPS,
     TINY,
@@ -29,35 +28,21 @@ from tests.conftest_prefect import (  # noqa: F401
     committed,
     loss_history,
     override_value,
-    reference_run,
     run_flow,
-    session_store,
     tiny_overrides,
 )
 from tests.engine_helpers import only_lineage
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def moto_s3():
-    """A moto S3 server over HTTP with one bucket; AWS_* env points boto3 at fake credentials."""
+def moto_s3(s3_endpoint):
+    """The module's moto S3 server with one bucket; AWS_* env points boto3 at fake credentials."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="kc-ckpt")
-    yield endpoint
-    server.stop()
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="kc-ckpt")
+    yield s3_endpoint
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
@@ -88,7 +73,7 @@ def _ref_values(ref: dict) -> list[float]:
 # ----------------------------------------------------------------------------------------------------- full flows
 
 
-def test_sigkill_mid_run_flow_recovers_bitwise_and_mirrors_to_s3(reference_run, tmp_path, moto_s3):  # noqa: F811
+def test_sigkill_mid_run_flow_recovers_bitwise_and_mirrors_to_s3(reference_run, tmp_path, moto_s3):
     from mlflow.tracking import MlflowClient
 
     from kuangchao_core.ckpt.s3 import S3Settings, list_checkpoints
@@ -125,7 +110,7 @@ def test_sigkill_mid_run_flow_recovers_bitwise_and_mirrors_to_s3(reference_run, 
     assert STEPS in remote and summary["checkpoint_uri"] == remote[STEPS]
 
 
-def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(reference_run, tmp_path, moto_s3):  # noqa: F811
+def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(reference_run, tmp_path, moto_s3):
     """Every attempt is killed (the first after its step-8 checkpoint): the run fails naming the killed rank, and the
     checkpoints it saved are in S3 — mirrored while it ran, since the flow never reached its final upload."""
     from mlflow.tracking import MlflowClient
@@ -166,7 +151,7 @@ def test_worker_failing_every_attempt_gives_up_after_1_plus_max_restarts(referen
     assert 8 in saved and set(saved) <= set(remote), (saved, remote)
 
 
-def test_config_error_is_not_retried(prefect_api, session_store, tmp_path):  # noqa: F811
+def test_config_error_is_not_retried(prefect_api, session_store, tmp_path):
     overrides = tiny_overrides(tmp_path, session_store, **{"parallel.micro_batch_size": "many"})
     with pytest.raises(ConfigError) as info:
         run_flow(tmp_path, overrides)
@@ -174,7 +159,7 @@ def test_config_error_is_not_retried(prefect_api, session_store, tmp_path):  # n
     assert not (tmp_path / "runs").exists(), "nothing may start on a config error"
 
 
-def test_bad_dataset_stops_flow_before_any_worker(prefect_api, session_store, tmp_path):  # noqa: F811
+def test_bad_dataset_stops_flow_before_any_worker(prefect_api, session_store, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("", encoding="utf-8")
     overrides = tiny_overrides(tmp_path, session_store, **{"data.path": str(empty), "data.format": "txt"})
@@ -233,7 +218,7 @@ def _corrupt_file(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference_run, tmp_path, trusted, caplog):  # noqa: F811
+def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference_run, tmp_path, trusted, caplog):
     from tasks.recover import plan_recovery
 
     timeout, interval = 3.0, 0.5
@@ -268,7 +253,7 @@ def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference
     assert cyc.final_losses() == _ref_values(reference_run)
 
 
-def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp_path, trusted):  # noqa: F811
+def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp_path, trusted):
     from tasks.recover import plan_recovery
 
     cyc = Cycle(tmp_path, _store(reference_run))
@@ -296,7 +281,7 @@ def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp
 
 
 @pytest.mark.slow
-def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp_path, trusted):  # noqa: F811
+def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp_path, trusted):
     """One job killed five times: each retry resumes from the newest checkpoint, commits a newer one (it
     recovered on its first try) and is then killed again; the sixth attempt finishes with the reference losses."""
     from tasks.recover import plan_recovery
@@ -324,7 +309,7 @@ def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp
 # ------------------------------------------------------------------------------------------------ S3 corruption
 
 
-def test_corrupt_newest_s3_checkpoint_falls_back_to_previous(reference_run, tmp_path, moto_s3, trusted, caplog):  # noqa: F811
+def test_corrupt_newest_s3_checkpoint_falls_back_to_previous(reference_run, tmp_path, moto_s3, trusted, caplog):
     import boto3
 
     from kuangchao_core.ckpt.s3 import S3Settings

@@ -21,12 +21,13 @@ from kuangchao_core.ckpt.reader import load_shard, read_manifest
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.errors import CheckpointCorrupt
 from kuangchao_core.models.layout import Region, TargetLayout
-from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
+from kuangchao_core.models.llama import LlamaForCausalLM
 from kuangchao_core.models.tp_llama import tp_shard_slices
 from kuangchao_core.parallel.mesh import coords_of
 from kuangchao_core.perm.guard_api import AllowAll, install_guard
+from tests.fixtures import tiny_llama
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
+CFG = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=48)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import uuid
 
 import pytest
@@ -31,30 +30,13 @@ TASK = "s3task"
 BUCKET = "kc-ckpt"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 @pytest.fixture
-def settings(moto_endpoint, monkeypatch):
+def settings(s3_endpoint, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     s = S3Settings(
-        endpoint_url=moto_endpoint,
+        endpoint_url=s3_endpoint,
         region="us-east-1",
         multipart_threshold=1 << 20,
         multipart_chunksize=5 << 20,  # S3's minimum part size

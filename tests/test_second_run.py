@@ -19,7 +19,7 @@ import pytest
 from kuangchao_core.ckpt.lineage import list_lineages, plan_resume
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import NothingToTrain
-from tests.conftest_prefect import TINY, session_store, tiny_overrides  # noqa: F401
+from tests.conftest_prefect import TINY, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def _overrides(workdir: Path, store: Path, task: str, steps: int, interval: int,
 
 
 @pytest.fixture(scope="module")
-def two_runs(prefect_api, session_store, tmp_path_factory):  # noqa: F811
+def two_runs(prefect_api, session_store, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("second-run")
     a = _overrides(workdir, session_store, "kc-second-run", 8, 4, 3)
     b = _overrides(workdir, session_store, "kc-second-run", 6, 2, 2) + ["train.eval_interval=2"]

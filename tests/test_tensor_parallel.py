@@ -21,18 +21,9 @@ ADAM_EPS = 1e-8  # AdamW's default
 
 
 def _cfg(num_kv_heads: int = 2, tie: bool = False):
-    from kuangchao_core.models.llama import LlamaConfig
+    from tests.fixtures import tiny_llama
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=num_kv_heads,
-        max_seq_len=SEQ,
-        tie_embeddings=tie,
-    )
+    return tiny_llama(intermediate_size=128, num_kv_heads=num_kv_heads, max_seq_len=SEQ, tie_embeddings=tie)
 
 
 def _batch(step: int, vocab: int):

@@ -25,6 +25,7 @@ import torch
 from kuangchao_core.data.tokenizer import ByteTokenizer, HFTokenizer, vocab_padding_note
 from kuangchao_core.engine.samples import Case, SampleEvaluator
 from tests.engine_helpers import tiny_job, trainer_in_process
+from tests.fixtures import hf_llama_config, tiny_llama
 from tests.mp import run_distributed
 
 MODEL_VOCAB = 320
@@ -119,17 +120,7 @@ def _save_padded_llama(path):
     import transformers
 
     torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(
-        vocab_size=MODEL_VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    cfg = hf_llama_config(tiny_llama(vocab_size=MODEL_VOCAB), rms_norm_eps=1e-6)  # transformers' default eps
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():
         model.lm_head.weight[256:] *= 20.0  # logits ~6-9 above every byte's, far beyond what 3 steps move

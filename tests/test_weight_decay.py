@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.parallel.weight_decay import decays, param_groups
+from tests.fixtures import tiny_llama
 from tests.mp import run_distributed
 from tests.tolerances import FP64_REL, NEGATIVE_MIN, rel_norm
 
@@ -20,9 +21,7 @@ LR, WD, STEPS, SEQ = 1e-2, 0.1, 3, 8
 
 
 def _model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=SEQ
-    )
+    cfg = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=64, max_seq_len=SEQ)
     m = LlamaForCausalLM(cfg)
     m.init_weights(3)
     return m.double()

@@ -27,17 +27,9 @@ ITEM = 8  # bytes per fp64 element
 
 
 def _config():
-    from kuangchao_core.models.llama import LlamaConfig
+    from tests.fixtures import tiny_llama
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=SEQ,
-    )
+    return tiny_llama(max_seq_len=SEQ)
 
 
 def _model(seed: int):

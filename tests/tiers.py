@@ -1,0 +1,190 @@
+"""The test tiers: each test belongs to exactly one of ``unit``, ``distributed``, ``flows`` and ``e2e``.
+
+``tests/conftest.py`` marks every collected test with its tier, so ``pytest -m unit`` (``make test-fast``) runs the
+fast tier alone. A test's tier is, first found:
+
+1. an explicit marker on the test or its module (``@pytest.mark.distributed``, ``pytestmark = pytest.mark.e2e``);
+2. its entry in :data:`TEST_TIERS` (``"file.py::test_name"``, for a test that differs from the rest of its file);
+3. the tier of a fixture it uses (:data:`FIXTURE_TIERS`: a test on the Prefect test server is a ``flows`` test);
+4. its file's entry in :data:`FILE_TIERS`.
+
+A unit test takes about a second or less on an idle 2-core machine and starts no process, server or store; a
+longer one, in a file of unit tests, gets its own line in :data:`TEST_TIERS` (measure with ``--durations``).
+
+A test with no tier, or with two explicit tier markers, stops the session with a message naming it; so does a
+``slow`` test in the ``unit`` tier. A new test file gets one line in :data:`FILE_TIERS`.
+"""
+
+from __future__ import annotations
+
+TIERS = ("unit", "distributed", "flows", "e2e")  # what each holds: the markers in pyproject.toml
+
+FIXTURE_TIERS = {"prefect_api": "flows"}
+
+FILE_TIERS = {
+    "test_activation_checkpointing.py": "distributed",
+    "test_anomaly.py": "distributed",
+    "test_audit_pins.py": "unit",
+    "test_audit_trust.py": "flows",
+    "test_bad_steps.py": "distributed",
+    "test_bench_ratios.py": "unit",
+    "test_blocks.py": "flows",
+    "test_bounded_readers.py": "unit",
+    "test_check_sizes.py": "unit",
+    "test_ckpt.py": "unit",
+    "test_ckpt_async.py": "distributed",
+    "test_ckpt_attacks.py": "distributed",
+    "test_ckpt_tensor_table.py": "unit",
+    "test_cli_config.py": "unit",
+    "test_cluster.py": "e2e",
+    "test_comm.py": "distributed",
+    "test_compile.py": "distributed",
+    "test_config.py": "unit",
+    "test_data.py": "unit",
+    "test_data_cache.py": "unit",
+    "test_data_parallel.py": "distributed",
+    "test_debug_dumps.py": "distributed",
+    "test_debug_gradient.py": "distributed",
+    "test_deployment.py": "flows",
+    "test_determinism.py": "unit",
+    "test_diverged_run.py": "e2e",
+    "test_doctor.py": "unit",
+    "test_document_packing.py": "distributed",
+    "test_engine_3d.py": "distributed",
+    "test_engine_hf.py": "distributed",
+    "test_engine_reshard.py": "distributed",
+    "test_eval_samples.py": "distributed",
+    "test_failure_lines.py": "e2e",
+    "test_fixtures.py": "unit",
+    "test_flow.py": "flows",
+    "test_flow_log.py": "flows",
+    "test_global_config_job.py": "distributed",
+    "test_global_config_rollback.py": "distributed",
+    "test_gpu_check.py": "distributed",
+    "test_hal.py": "unit",
+    "test_hf.py": "unit",
+    "test_hierarchical_allreduce.py": "distributed",
+    "test_hostile_input.py": "unit",
+    "test_import_rules.py": "unit",
+    "test_job_lifetime.py": "distributed",
+    "test_launch.py": "distributed",
+    "test_launcher.py": "distributed",
+    "test_lineage.py": "unit",
+    "test_lineage_lease.py": "unit",
+    "test_lora.py": "distributed",
+    "test_mesh.py": "distributed",
+    "test_mixed_precision.py": "distributed",
+    "test_model.py": "unit",
+    "test_model_export.py": "distributed",
+    "test_mp_helper.py": "distributed",
+    "test_nccl_rules.py": "distributed",
+    "test_perf_model.py": "unit",
+    "test_perm_audit.py": "unit",
+    "test_perm_entrypoints.py": "unit",
+    "test_perm_guard.py": "unit",
+    "test_perm_mp.py": "distributed",
+    "test_perm_tokens.py": "unit",
+    "test_pipeline.py": "distributed",
+    "test_pipeline_schedules.py": "unit",
+    "test_placement.py": "unit",
+    "test_plan.py": "unit",
+    "test_plan_accuracy.py": "distributed",
+    "test_plan_memory.py": "unit",
+    "test_prefect_api_lost.py": "e2e",
+    "test_quiet_output.py": "unit",
+    "test_rank_placement.py": "unit",
+    "test_recovery.py": "flows",
+    "test_registry_aliases.py": "flows",
+    "test_reshard.py": "unit",
+    "test_resume.py": "distributed",
+    "test_revocation.py": "distributed",
+    "test_runs_compare.py": "flows",
+    "test_s3.py": "unit",
+    "test_second_run.py": "flows",
+    "test_sft_data.py": "unit",
+    "test_step_devices.py": "unit",
+    "test_step_loss.py": "distributed",
+    "test_tensor_parallel.py": "distributed",
+    "test_tiers.py": "unit",
+    "test_topology.py": "unit",
+    "test_validate_data.py": "unit",
+    "test_vocab_padding.py": "distributed",
+    "test_weight_decay.py": "distributed",
+    "test_zero.py": "distributed",
+}
+
+TEST_TIERS = {
+    "test_activation_checkpointing.py::test_negative_control_a_recomputation_without_the_rng_state_changes_the_gradients": "unit",
+    "test_activation_checkpointing.py::test_no_recomputation_without_autograd": "unit",
+    "test_anomaly.py::test_a_scrape_is_a_monitor_read_under_its_roles_rules": "unit",
+    "test_anomaly.py::test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet": "unit",
+    "test_anomaly.py::test_thresholds_are_warmed_up_and_relative_to_the_run": "unit",
+    "test_bounded_readers.py::test_a_1_gib_single_line_text_file_is_refused_fast_with_bounded_memory": "distributed",
+    "test_ckpt.py::test_crash_during_save_keeps_previous": "distributed",
+    "test_ckpt.py::test_two_process_save_verifies": "distributed",
+    "test_ckpt_attacks.py::test_a_malformed_manifest_makes_its_step_not_intact_and_the_previous_one_is_used": "unit",
+    "test_ckpt_attacks.py::test_a_symbolic_link_in_a_step_is_refused_not_followed": "unit",
+    "test_cli_config.py::test_real_kc_entry_point_starts_nothing": "distributed",
+    "test_data_cache.py::test_ranks_racing_to_build_share_one_entry": "distributed",
+    "test_doctor.py::test_all_checks_pass_on_a_good_local_setup": "distributed",
+    "test_doctor.py::test_cli_json_and_table_and_exit_codes": "distributed",
+    "test_doctor.py::test_flow_doctor_reuses_a_recent_gloo_pass_and_kc_doctor_does_not": "distributed",
+    "test_doctor.py::test_nodes_reachability_and_version_agreement": "distributed",
+    "test_document_packing.py::test_packed_loss_equals_the_documents_run_one_by_one": "unit",
+    "test_document_packing.py::test_window_fields_restart_per_document": "unit",
+    "test_engine_3d.py::test_worker_refuses_bad_plan_before_building_anything": "unit",
+    "test_eval_samples.py::test_greedy_decode_stops_each_prompt_at_its_end_token_or_the_limit": "unit",
+    "test_eval_samples.py::test_sft_eval_cases_are_the_prompt_and_the_completion_with_its_end_token": "unit",
+    "test_failure_lines.py::test_kc_train_of_a_failing_worker_says_the_cause_once_and_keeps_torchs_output_in_the_run_dir": "e2e",
+    "test_flow_log.py::test_task_run_formatter_and_progress_log": "unit",
+    "test_global_config_job.py::test_config_set_rejects_bad_values_and_refuses_an_operator_the_job_does_not_trust": "unit",
+    "test_gpu_check.py::test_flops_per_token_is_the_performance_notes_worked_example": "unit",
+    "test_job_lifetime.py::test_split_tokens_gives_a_rank_only_its_own_modules": "unit",
+    "test_lora.py::test_zero3_with_lora_is_said_to_run_as_zero2": "unit",
+    "test_mixed_precision.py::test_an_overflow_skips_halves_the_scale_and_clean_steps_grow_it": "unit",
+    "test_mixed_precision.py::test_fp32_and_bf16_never_scale_nor_sync": "unit",
+    "test_mixed_precision.py::test_hysteresis_backs_off_only_after_that_many_overflows": "unit",
+    "test_model_export.py::test_a_registered_model_resolves_to_its_files_and_adapters_are_refused": "flows",
+    "test_model_export.py::test_kc_train_hands_a_registered_base_to_the_flow": "e2e",
+    "test_model_export.py::test_register_model_moves_newest_always_and_champion_only_to_a_higher_accuracy": "flows",
+    "test_model_export.py::test_register_without_log_model_is_said_unused": "unit",
+    "test_perm_audit.py::test_g1_two_processes_1000_records": "distributed",
+    "test_perm_entrypoints.py::test_monitor_cannot_read_another_tasks_run_by_id": "flows",
+    "test_perm_entrypoints.py::test_monitor_reads_metrics": "flows",
+    "test_prefect_api_lost.py::test_a_lost_api_interrupts_the_interruptible_stretch_only": "unit",
+    "test_prefect_api_lost.py::test_before_registration_refuses_once_the_api_is_lost": "unit",
+    "test_registry_aliases.py::test_the_identity_of_held_out_files_is_their_bytes": "unit",
+    "test_tensor_parallel.py::test_bad_tp_plan_is_refused_with_numbers": "unit",
+    "test_tensor_parallel.py::test_replication_needs_tp_multiple_of_kv_heads": "unit",
+    "test_tensor_parallel.py::test_shard_slices_cover_every_full_tensor": "unit",
+    "test_topology.py::test_probe_measures_every_pair_with_real_gloo": "distributed",
+    "test_vocab_padding.py::test_a_sample_that_cannot_be_rendered_is_said_and_scored_on_ids": "unit",
+    "test_vocab_padding.py::test_byte_tokenizer_shows_ids_outside_its_vocabulary": "unit",
+    "test_vocab_padding.py::test_hf_tokenizer_shows_ids_outside_its_vocabulary": "unit",
+    "test_vocab_padding.py::test_vocab_padding_note_names_both_sizes_only_when_the_model_is_larger": "unit",
+    "test_weight_decay.py::test_norms_and_embedding_are_the_excluded_kinds": "unit",
+}
+
+
+class TierError(ValueError):
+    """A test has no tier or more than one."""
+
+
+def tier_of(file: str, test: str, explicit: list[str], fixtures: list[str]) -> str:
+    """The tier of test ``test`` (its name without parameters) of ``file`` (a file name in ``tests/``), given the
+    tier markers set on it (``explicit``) and the names of the fixtures it uses."""
+    marked = sorted(set(explicit))
+    if len(marked) > 1:
+        raise TierError(f"{file}::{test} is marked with {len(marked)} tiers ({', '.join(marked)}): keep one")
+    if marked:
+        return marked[0]
+    tier = TEST_TIERS.get(f"{file}::{test}")
+    if tier is None:
+        tier = next((FIXTURE_TIERS[f] for f in fixtures if f in FIXTURE_TIERS), None)
+    if tier is None:
+        tier = FILE_TIERS.get(file)
+    if tier is None:
+        raise TierError(f"{file}::{test} has no tier: add {file!r} to FILE_TIERS in tests/tiers.py")
+    if tier not in TIERS:
+        raise TierError(f"{file}::{test} has tier {tier!r}, not one of {', '.join(TIERS)}")
+    return tier
