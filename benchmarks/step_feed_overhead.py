@@ -60,7 +60,7 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
-            metrics = {"loss": float(loss), "lr": 1e-3, "tokens_per_s": 1e6, "grad_norm": 1.0, "comm_share": 0.0}
+            metrics = {"loss": loss.item(), "lr": 1e-3, "tokens_per_s": 1e6, "grad_norm": 1.0, "comm_share": 0.0}
             if with_feed:
                 feed.record(first_step + i, time.perf_counter() - t0, metrics)
             times.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -23,6 +24,8 @@ from kuangchao_core.obs.jsonlog import emit_event, parse_event
 from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
 from kuangchao_core.obs.step_feed import StepFeed
 from tests.mp import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _values(text: str) -> dict[str, float]:
@@ -193,3 +196,62 @@ class _NullLogger:
         return
 
     warning = info
+
+
+def test_a_real_job_feeds_every_step_though_it_logs_only_its_last(tmp_path, monkeypatch):
+    """Two real Gloo workers (enforcing permissions, started as the flow starts them), 60 steps, log_interval above
+    the run: the console sees one step line, the metrics every step."""
+    from kuangchao_core.config import load_config
+    from kuangchao_core.obs.prometheus import register_exporter
+    from kuangchao_core.perm.issuance import issue_tokens_for_run
+    from tasks.launch import launch_workers
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    steps = 60
+    overrides = {
+        "task.name": "kc-feed",
+        "train.steps": steps,
+        "train.warmup_steps": 2,
+        "train.log_interval": 1000,
+        "train.eval_interval": 1000,
+        "checkpoint.interval": 1000,
+        "checkpoint.dir": str(tmp_path / "ckpt"),
+        "data.synthetic.num_train": 512,
+        "data.synthetic.num_eval": 16,
+        "parallel.micro_batch_size": 2,
+        "permission.audit_log": str(tmp_path / "audit"),
+        "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    env = issue_tokens_for_run(cfg, run_dir, 0)
+    metrics = JobMetrics(cfg.task.name, "r")
+    exporter = MetricsExporter(metrics)
+    register_exporter(str(run_dir), exporter)
+    view = LiveView(stream=io.StringIO(), quiet=True)
+    try:
+        summary = launch_workers(cfg, run_dir / "config.yaml", run_dir, 0, "never", None, env, view=view)
+    finally:
+        register_exporter(str(run_dir), None)
+        exporter.stop()
+    assert summary.steps == steps
+    got = _values(generate_latest(metrics.registry).decode())
+    assert got["kuangchao_train_step"] == steps and got["kuangchao_train_step_seconds_count"] == steps
+    assert view.last_step["step"] == steps and view.last_step["in_steps"] is True  # the one step line
+    logged = {r["step"]: r["loss"] for r in _worker_records(run_dir) if r.get("msg") == "step"}
+    assert list(logged) == [steps] and got["kuangchao_train_loss"] == logged[steps]  # the last step's loss
+    fed = [parse_event(line) for line in _launcher_lines(run_dir) if '"event": "steps"' in line]
+    assert sum(len(e["step_times"]) for e in fed) == steps and len(fed) < steps  # every step, batched
+
+
+def _worker_records(run_dir) -> list[dict]:
+    import json
+
+    path = run_dir / "logs" / "worker-0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+
+
+def _launcher_lines(run_dir) -> list[str]:
+    return [line for path in sorted(run_dir.rglob("launcher.log")) for line in path.read_text().splitlines()]
