@@ -169,8 +169,11 @@ def _start_exporter(cfg: Any, run_dir: Path, run_id: str, logger: Any):
 
 def _last_scrape(cfg: Any, exporter: Any, logger: Any) -> None:
     """The job's last values for whoever scrapes it: the endpoint stays up until one more scrape has read them (at
-    most ``tracking.prometheus_grace_s``; not at all when nothing scraped it during the job)."""
+    most ``tracking.prometheus_grace_s``; not at all when nothing scraped it during the job, nor once the Prefect API
+    is lost)."""
     grace = float(cfg.tracking.prometheus_grace_s)
+    if prefect_watch.current().lost:  # the run must end now (issue 26 §5)
+        return
     if grace > 0 and exporter.scrapes:
         logger.info("waiting up to %.0f s for Prometheus to scrape the final metrics at %s", grace, exporter.address)
         waited = exporter.linger(grace)

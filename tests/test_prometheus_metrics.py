@@ -255,3 +255,25 @@ def _worker_records(run_dir) -> list[dict]:
 
 def _launcher_lines(run_dir) -> list[str]:
     return [line for path in sorted(run_dir.rglob("launcher.log")) for line in path.read_text().splitlines()]
+
+
+def test_the_flow_waits_for_the_last_scrape_but_not_once_the_prefect_api_is_lost(monkeypatch):
+    from types import SimpleNamespace
+
+    from flows import train
+    from kuangchao_core.obs import prefect_watch
+
+    cfg = config_from_dict({"task": {"name": "t"}, "tracking": {"prometheus_grace_s": 0.5}})
+    exporter = MetricsExporter(JobMetrics("t", "r"))
+    url = exporter.start()
+    try:
+        _scrape(url)  # scraped during the job
+        t0 = time.monotonic()
+        train._last_scrape(cfg, exporter, _NullLogger())
+        assert 0.45 <= time.monotonic() - t0 < 5  # nobody scraped again: the whole grace period
+        monkeypatch.setattr(prefect_watch, "current", lambda: SimpleNamespace(lost=True))
+        t0 = time.monotonic()
+        train._last_scrape(cfg, exporter, _NullLogger())
+        assert time.monotonic() - t0 < 0.1  # a lost Prefect API ends the run at once
+    finally:
+        exporter.stop()
