@@ -1,11 +1,15 @@
 """The job's Prometheus metrics (SPEC RT.1), served by the orchestrating process at ``/metrics``.
 
 :class:`JobMetrics` keeps one registry per job, fed with the ranks' events as the orchestrator receives them (the
-``step`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
+``steps`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
 ``_step_seconds`` (histogram), ``_grad_norm``, ``_comm_share``, ``_loss_scale`` (when the job reports one),
 ``_step``, ``_restarts_total`` and ``_anomalies_total{kind}``; labels are only ``task`` and ``run``.
+Every step reaches it: rank 0's :class:`~kuangchao_core.obs.step_feed.StepFeed` sends batched ``steps`` events
+(a few a second), whatever ``train.log_interval``.
 :class:`MetricsExporter` serves it over HTTP; every scrape first calls ``authorize`` (the orchestrator passes the
-job's ``monitor`` guard: reading metrics is a ``metrics_read`` on ``metrics:<task>``), and a denial is a 403.
+job's ``monitor`` guard: reading metrics is a ``metrics_read`` on ``metrics:<task>``), and a denial is a 403. It
+binds ``tracking.prometheus_port`` (9400) or the next free port of its span, and :meth:`MetricsExporter.linger` keeps
+it up after the last step until one more scrape has read the final values.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class MetricsExporter:
         self.denied = 0
         #: scrapes answered with the metrics (the denied ones not counted)
         self.scrapes = 0
+        counting = threading.Lock()  # scrapes are served on threads of their own
         prometheus_app = make_wsgi_app(metrics.registry)
 
         def app(environ, start_response):
@@ -134,7 +139,8 @@ class MetricsExporter:
                 self.denied += 1
                 start_response("403 Forbidden", [("Content-Type", "text/plain")])
                 return [f"denied: {exc}\n".encode()]
-            self.scrapes += 1  # before the values are read: this scrape sees every update made before now
+            with counting:  # before the values are read: this scrape sees every update made before now
+                self.scrapes += 1
             return prometheus_app(environ, start_response)
 
         self._server = _bind(host, port, port_span, app)
