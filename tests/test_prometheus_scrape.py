@@ -12,6 +12,9 @@ half the run, so step lines alone would give the gauge two values. Asserted thro
   up after the last step until Prometheus read it: ``tracking.prometheus_grace_s``);
 - every query of the Grafana dashboard ``deployments/grafana/kuangchao-training.json`` (its panels' and its
   variables') returns data.
+
+And a real Pushgateway (Debian's ``prometheus-pushgateway``) receives the final metrics of each run
+(``tracking.prometheus_pushgateway``).
 """
 
 from __future__ import annotations
@@ -40,35 +43,52 @@ STEPS = 400
 SCRAPE_S = 1
 
 
-def _unpacked_debian_prometheus(cache: Path) -> str | None:
-    """Debian's ``prometheus`` binary from the package file (``apt-get download``, ``dpkg-deb -x``): no service is
-    installed or started. None when apt cannot fetch it."""
-    binary = cache / "usr" / "bin" / "prometheus"
-    if binary.is_file():
-        return str(binary)
+def _unpacked_debian(package: str, binary: str, cache: Path) -> str | None:
+    """``/usr/bin/<binary>`` of Debian's ``package``, from the package file (``apt-get download``, ``dpkg-deb -x``
+    into ``cache``): no service is installed or started. None when apt cannot fetch it."""
+    path = cache / "usr" / "bin" / binary
+    if path.is_file():
+        return str(path)
     if not (shutil.which("apt-get") and shutil.which("dpkg-deb")):
         return None
     cache.mkdir(parents=True, exist_ok=True)
-    got = subprocess.run(["apt-get", "download", "prometheus"], cwd=cache, capture_output=True, timeout=300)
+    got = subprocess.run(["apt-get", "download", package], cwd=cache, capture_output=True, timeout=300)
     if got.returncode != 0 and os.geteuid() == 0:  # no package lists yet
         subprocess.run(["apt-get", "update"], capture_output=True, timeout=300)
-        got = subprocess.run(["apt-get", "download", "prometheus"], cwd=cache, capture_output=True, timeout=300)
-    debs = sorted(cache.glob("prometheus_*.deb"))
+        got = subprocess.run(["apt-get", "download", package], cwd=cache, capture_output=True, timeout=300)
+    debs = sorted(cache.glob(f"{package}_*.deb"))
     if got.returncode != 0 or not debs:
         return None
     subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(cache)], check=True, timeout=120)
-    return str(binary) if binary.is_file() else None
+    return str(path) if path.is_file() else None
+
+
+def _debian_tool(package: str, binary: str) -> str:
+    """``binary`` on PATH, or Debian's ``package`` unpacked into ~/.cache/kuangchao; else the test is skipped."""
+    found = shutil.which(binary) or _unpacked_debian(package, binary, Path.home() / ".cache" / "kuangchao" / package)
+    if not found:
+        pytest.skip(f"no `{binary}` on PATH and Debian's package could not be fetched (apt-get download {package})")
+    return found
 
 
 @pytest.fixture(scope="session")
 def prometheus_bin() -> str:
-    """A ``prometheus`` executable: on PATH, or Debian's unpacked into ~/.cache/kuangchao; else the test is skipped."""
-    found = shutil.which("prometheus") or _unpacked_debian_prometheus(
-        Path.home() / ".cache" / "kuangchao" / "prometheus-deb"
-    )
-    if not found:
-        pytest.skip("no `prometheus` on PATH and Debian's package could not be fetched (apt-get download prometheus)")
-    return found
+    """A ``prometheus`` executable (Debian's ``prometheus``)."""
+    return _debian_tool("prometheus", "prometheus")
+
+
+@pytest.fixture(scope="session")
+def pushgateway_bin() -> str:
+    """A Pushgateway executable (Debian's ``prometheus-pushgateway``)."""
+    return _debian_tool("prometheus-pushgateway", "prometheus-pushgateway")
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 class Prometheus:
@@ -100,11 +120,7 @@ class Prometheus:
             time.sleep(0.2)
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return _ready(self.url)
 
     def api(self, path: str, **params: str) -> dict:
         """The ``data`` of a Prometheus HTTP API answer."""
@@ -213,3 +229,67 @@ def test_a_real_prometheus_scrapes_every_step_value_of_a_real_job(prometheus_bin
             assert any(s.get(label) for s in series), f"no values for label_values({selector}, {label})"
     finally:
         prom.stop()
+
+
+def test_the_final_metrics_are_pushed_to_a_real_pushgateway(pushgateway_bin, tmp_path):
+    """``tracking.prometheus_pushgateway``: at the end of the job the flow pushes the final values (a Prometheus
+    that scrapes the gateway gets them after the job is gone), grouped by task and run; an unreachable gateway is a
+    warning, not a failed run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flows.train import _last_scrape
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
+
+    url = f"http://127.0.0.1:{free_port()}"
+    gateway = subprocess.Popen(
+        [pushgateway_bin, f"--web.listen-address={url.removeprefix('http://')}"],
+        stdout=open(tmp_path / "pushgateway.log", "w"),  # noqa: SIM115 - the process owns it
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(url):
+            assert gateway.poll() is None and time.monotonic() < deadline, (tmp_path / "pushgateway.log").read_text()
+            time.sleep(0.2)
+        warnings: list[str] = []
+        log = type("Log", (), {"info": lambda *a: None, "warning": lambda self, *a: warnings.append(a[0] % a[1:])})()
+        for run, last in (("run-a", 3000), ("run-b", 1200)):
+            cfg = config_from_dict({"task": {"name": "t"}, "tracking": {"prometheus_pushgateway": url}})
+            metrics = JobMetrics("t", run)
+            metrics.observe({"event": "steps", "step": last, "first_step": last - 1, "step_times": [0.01, 0.02]})
+            exporter = MetricsExporter(metrics)
+            try:
+                _last_scrape(cfg, exporter, log)  # nothing scraped the job: no grace period, only the push
+            finally:
+                exporter.stop()
+        assert warnings == []
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        steps = {
+            s.labels["run"]: s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "kuangchao_train_step" and s.labels.get("job") == "kuangchao"
+        }
+        assert steps == {"run-a": 3000, "run-b": 1200}  # one group per run, the last value of each
+        dead = config_from_dict(
+            {"task": {"name": "t"}, "tracking": {"prometheus_pushgateway": f"http://127.0.0.1:{free_port()}"}}
+        )
+        exporter = MetricsExporter(JobMetrics("t", "run-c"))
+        try:
+            _last_scrape(dead, exporter, log)
+        finally:
+            exporter.stop()
+        assert len(warnings) == 1 and "could not push the final metrics" in warnings[0]
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+
+
+def test_the_pushgateway_must_be_a_url():
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tracking.prometheus_pushgateway"):
+        config_from_dict({"task": {"name": "t"}, "tracking": {"prometheus_pushgateway": "gateway:9091"}})

@@ -481,6 +481,17 @@ class TrackingSection(Section):
     #: after the last step the endpoint stays up until a scrape has read the final values, at most this long (a job
     #: nothing scraped ends at once)
     prometheus_grace_s: Float = Field(default=60.0, ge=0, le=3600)
+    #: a Pushgateway (``http://host:9091``): the job's final metrics are pushed there when it ends (grouped by
+    #: ``job="kuangchao"``, ``task`` and ``run``), for a Prometheus that scrapes the gateway, not the job
+    prometheus_pushgateway: str | None = Field(default=None, min_length=1)
+
+    @field_validator("prometheus_pushgateway")
+    @classmethod
+    def _gateway_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value
+
     #: CPU, memory (and GPU) of every node into the MLflow run, sampled every ``system_metrics_interval_s``
     system_metrics: bool = True
     system_metrics_interval_s: Float = Field(default=10.0, ge=0.1, le=3600)

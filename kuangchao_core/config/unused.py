@@ -113,7 +113,7 @@ def unused_settings(cfg: Any) -> Warnings:
         if data.format == "txt" and _given(data, "text_field"):
             out.append(("data.text_field", "not used for plain-text files (only jsonl and parquet have fields)"))
     if cfg.tracking.prometheus_port is None:
-        for name in ("prometheus_host", "prometheus_grace_s"):
+        for name in ("prometheus_host", "prometheus_grace_s", "prometheus_pushgateway"):
             if _given(cfg.tracking, name):
                 out.append((f"tracking.{name}", "not used: tracking.prometheus_port is null (no metrics endpoint)"))
     if perm.mode == "trusted":

@@ -38,6 +38,7 @@ class JobMetrics:
         self.registry = CollectorRegistry()
         labels = {"task": task, "run": run}
         self._labels = labels
+        self.task, self.run = task, run
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -198,6 +199,16 @@ def _bind(host: str, port: int, span: int, app: Callable) -> _Server:
         return server
     which = f"port {port} is" if len(ports) == 1 else f"ports {ports[0]}-{ports[-1]} are all"
     raise OSError(errno.EADDRINUSE, f"{which} in use on {host}")
+
+
+def push_final(metrics: JobMetrics, gateway: str, task: str, run: str, timeout_s: float = 10.0) -> None:
+    """Push ``metrics`` to the Pushgateway at ``gateway`` (grouping key ``job="kuangchao"``, ``task``, ``run``:
+    each run keeps its own group). Raises ``OSError`` when the gateway does not take them."""
+    from prometheus_client import push_to_gateway
+
+    push_to_gateway(
+        gateway, job="kuangchao", registry=metrics.registry, grouping_key={"task": task, "run": run}, timeout=timeout_s
+    )
 
 
 def register_exporter(run_dir: str, exporter: MetricsExporter | None) -> None:
