@@ -133,8 +133,10 @@ def _logged_loss_points(cfg: Any, run_dir: Path, attempt: int, run_id: str, logg
 
 
 def _start_exporter(cfg: Any, run_dir: Path, run_id: str, logger: Any):
-    """The job's Prometheus endpoint for all its attempts (``tracking.prometheus_port``; None when off). Each scrape
-    is a ``metrics_read`` of the job's ``monitor`` module, under that role's rules (trusted mode: unchecked)."""
+    """The job's Prometheus endpoint for all its attempts (``tracking.prometheus_port``, or the first free port of
+    the span after it; None when off). Each scrape is a ``metrics_read`` of the job's ``monitor`` module, under that
+    role's rules (trusted mode: unchecked)."""
+    from kuangchao_core.config.schema import PROMETHEUS_PORT_SPAN
     from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
 
     if cfg.tracking.prometheus_port is None:
@@ -151,13 +153,41 @@ def _start_exporter(cfg: Any, run_dir: Path, run_id: str, logger: Any):
             guard = held["guard"] = monitor_guard(cfg, run_dir, latest_attempt(run_dir))
         guard.check("metrics_read", f"metrics:{cfg.task.name}")
 
-    exporter = MetricsExporter(
-        JobMetrics(cfg.task.name, run_id), cfg.tracking.prometheus_host, int(cfg.tracking.prometheus_port), authorize
-    )
+    port = int(cfg.tracking.prometheus_port)
+    try:
+        exporter = MetricsExporter(
+            JobMetrics(cfg.task.name, run_id), cfg.tracking.prometheus_host, port, authorize, PROMETHEUS_PORT_SPAN
+        )
+    except OSError as exc:
+        where = f"{cfg.tracking.prometheus_host}:{port}"
+        raise ConfigError([("tracking.prometheus_port", f"cannot serve the metrics on {where}: {exc}")]) from exc
     address = exporter.start()
     register_exporter(str(run_dir), exporter)
     logger.info("Prometheus metrics of the job at %s", address)
     return exporter
+
+
+def _last_scrape(cfg: Any, exporter: Any, logger: Any) -> None:
+    """The job's last values for whoever reads them: pushed to ``tracking.prometheus_pushgateway`` when set, and the
+    endpoint stays up until one more scrape has read them (at most ``tracking.prometheus_grace_s``; not at all when
+    nothing scraped it during the job). Neither once the Prefect API is lost (the run must end now)."""
+    grace = float(cfg.tracking.prometheus_grace_s)
+    if prefect_watch.current().lost:  # the run must end now (issue 26 §5)
+        return
+    gateway = cfg.tracking.prometheus_pushgateway
+    if gateway:
+        from kuangchao_core.obs.prometheus import push_final
+
+        try:
+            push_final(exporter.metrics, gateway, cfg.task.name, exporter.metrics.run)
+            logger.info("final metrics pushed to the Pushgateway %s", gateway)
+        except Exception as exc:  # the run's outcome does not depend on its metrics' last copy
+            logger.warning("could not push the final metrics to the Pushgateway %s: %s", gateway, exc)
+    if grace > 0 and exporter.scrapes:
+        logger.info("waiting up to %.0f s for Prometheus to scrape the final metrics at %s", grace, exporter.address)
+        waited = exporter.linger(grace)
+        if waited >= grace:
+            logger.warning("no scrape of %s in the %.0f s after the last step", exporter.address, grace)
 
 
 def _nothing_to_train(cfg: Any, plan: ResumePlan, run_dir: Path) -> Any:
@@ -256,6 +286,7 @@ def _run(
     mirror = keeper = None
     t0 = time.time()
     attempts = 0
+    interrupted = False
     causes: list[str] = []
     lost_nodes: list[str] = []  # machines lost in earlier attempts; the next attempts run without them
     try:
@@ -396,13 +427,16 @@ def _run(
         tracking.log_json_artifact(cfg, run_id, summary, "summary", "summary.json")
         tracking.close_run(cfg, run_id, "FINISHED")
         return summary
-    except BaseException:
+    except BaseException as exc:
         tracking.close_run(cfg, run_id, "FAILED")
+        interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:
         if keeper is not None:
             keeper.stop()
         if exporter is not None:
+            if not interrupted:
+                _last_scrape(cfg, exporter, logger)
             register_exporter(str(run_dir), None)
             exporter.stop()
         if mirror is not None:  # a failed job keeps every checkpoint it saved in S3

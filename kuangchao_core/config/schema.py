@@ -446,14 +446,34 @@ class CheckpointSection(Section):
         return value
 
 
+#: ``tracking.prometheus_port``'s default, and how many ports from it a job tries when others hold the first ones
+DEFAULT_PROMETHEUS_PORT, PROMETHEUS_PORT_SPAN = 9400, 16
+
+
 class TrackingSection(Section):
     """MLflow: store URI and experiment (defaults to ``task.name``)."""
 
     uri: str = Field(default="sqlite:///mlflow.db", min_length=1)
     experiment: str | None = None
-    #: the job's Prometheus ``/metrics`` (served by the orchestrator): a port, 0 for any free one, null for none
-    prometheus_port: Int | None = Field(default=0, ge=0, le=65535)
-    prometheus_host: str = "127.0.0.1"
+    #: the job's Prometheus ``/metrics`` (served by the orchestrator): this port, or when another job holds it the
+    #: first free one of the next ``PROMETHEUS_PORT_SPAN - 1`` (a Prometheus scrapes 9400-9415); 0 for any free
+    #: port, null for none
+    prometheus_port: Int | None = Field(default=DEFAULT_PROMETHEUS_PORT, ge=0, le=65535)
+    prometheus_host: str = Field(default="127.0.0.1", min_length=1)
+    #: after the last step the endpoint stays up until a scrape has read the final values, at most this long (a job
+    #: nothing scraped ends at once)
+    prometheus_grace_s: Float = Field(default=60.0, ge=0, le=3600)
+    #: a Pushgateway (``http://host:9091``): the job's final metrics are pushed there when it ends (grouped by
+    #: ``job="kuangchao"``, ``task`` and ``run``), for a Prometheus that scrapes the gateway, not the job
+    prometheus_pushgateway: str | None = Field(default=None, min_length=1)
+
+    @field_validator("prometheus_pushgateway")
+    @classmethod
+    def _gateway_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value
+
     #: CPU, memory (and GPU) of every node into the MLflow run, sampled every ``system_metrics_interval_s``
     system_metrics: bool = True
     system_metrics_interval_s: Float = Field(default=10.0, ge=0.1, le=3600)

@@ -112,6 +112,10 @@ def unused_settings(cfg: Any) -> Warnings:
             out.append(("data.synthetic", f"not used: the job reads {data.path}"))
         if data.format == "txt" and _given(data, "text_field"):
             out.append(("data.text_field", "not used for plain-text files (only jsonl and parquet have fields)"))
+    if cfg.tracking.prometheus_port is None:
+        for name in ("prometheus_host", "prometheus_grace_s", "prometheus_pushgateway"):
+            if _given(cfg.tracking, name):
+                out.append((f"tracking.{name}", "not used: tracking.prometheus_port is null (no metrics endpoint)"))
     if perm.mode == "trusted":
         for name in ("token_ttl_seconds", "roles", "allowed_interfaces", "operators"):
             if _given(perm, name):

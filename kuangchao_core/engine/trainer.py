@@ -41,6 +41,7 @@ from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
+from kuangchao_core.obs.step_feed import StepFeed
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS, get_forward_backward
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
@@ -405,6 +406,7 @@ class Trainer:
             self._evaluate(0, before, metric_sink)
             if metric_sink is not None and self.rank == 0:
                 metric_sink.log_step(0, before)
+        feed = StepFeed() if self.rank == 0 else None  # every step's metrics to the orchestrator (Prometheus)
         try:
             while self.state.step < stop_at:
                 result = self.train_step(self.loader.next_step())
@@ -425,6 +427,8 @@ class Trainer:
                     self._evaluate(result.step, metrics, metric_sink)
                 if metric_sink is not None and self.rank == 0:
                     metric_sink.log_step(result.step, metrics)
+                if feed is not None:
+                    feed.record(result.step, result.step_time_s, metrics)
                 if self.rank == 0 and (result.step % settings.log_interval == 0 or result.step == stop_at):
                     elapsed = time.perf_counter() - t_start
                     done = result.step - start_step
@@ -435,6 +439,7 @@ class Trainer:
                         "eta_s": eta,
                         "step_time_s": result.step_time_s,
                         "mem_kind": memory_kind(self.device),
+                        "in_steps": True,  # the step feed carries this step's metrics too
                     }
                     log_event(log, "step", **fields)
                     emit_event("step", **fields)
@@ -451,5 +456,7 @@ class Trainer:
                 self.save_checkpoint()
             self.checkpoints.finish()  # the save in flight is published before the run reports done
         finally:
+            if feed is not None:
+                feed.close()
             self.loader.close()
         return self.state

@@ -196,6 +196,8 @@ class LiveView:
                 listener(event)
             except Exception as exc:  # a listener's failure never stops the view of the run
                 self._print(f"event listener failed: {exc}", always=True)
+        if kind == "steps":
+            return  # every step's metrics, for the listeners (Prometheus); the console speaks at log_interval
         if kind == "step":
             self.last_step = event
             self._on_step(event)

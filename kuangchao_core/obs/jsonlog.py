@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 #: prefix of a structured line on a worker's stdout, so the launcher can tell it from free text
 EVENT_PREFIX = "KC_EVENT "
+#: one event line at a time: rank 0's step feed writes from its own thread
+_EMIT_LOCK = threading.Lock()
 
 
 class JsonFormatter(logging.Formatter):
@@ -80,8 +83,10 @@ def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fie
 def emit_event(kind: str, /, stream: TextIO | None = None, **fields: Any) -> None:
     """Write one machine-readable event line (``KC_EVENT {json}``) to stdout for the launcher's live view."""
     out = stream or sys.stdout
-    out.write(EVENT_PREFIX + json.dumps({"event": kind, **fields}, default=str) + "\n")
-    out.flush()
+    line = EVENT_PREFIX + json.dumps({"event": kind, **fields}, default=str) + "\n"
+    with _EMIT_LOCK:
+        out.write(line)
+        out.flush()
 
 
 def parse_event(line: str) -> dict[str, Any] | None:

@@ -1,17 +1,23 @@
 """The job's Prometheus metrics (SPEC RT.1), served by the orchestrating process at ``/metrics``.
 
 :class:`JobMetrics` keeps one registry per job, fed with the ranks' events as the orchestrator receives them (the
-``step`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
+``steps`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
 ``_step_seconds`` (histogram), ``_grad_norm``, ``_comm_share``, ``_loss_scale`` (when the job reports one),
 ``_step``, ``_restarts_total`` and ``_anomalies_total{kind}``; labels are only ``task`` and ``run``.
+Every step reaches it: rank 0's :class:`~kuangchao_core.obs.step_feed.StepFeed` sends batched ``steps`` events
+(a few a second), whatever ``train.log_interval``.
 :class:`MetricsExporter` serves it over HTTP; every scrape first calls ``authorize`` (the orchestrator passes the
-job's ``monitor`` guard: reading metrics is a ``metrics_read`` on ``metrics:<task>``), and a denial is a 403.
+job's ``monitor`` guard: reading metrics is a ``metrics_read`` on ``metrics:<task>``), and a denial is a 403. It
+binds ``tracking.prometheus_port`` (9400) or the next free port of its span, and :meth:`MetricsExporter.linger` keeps
+it up after the last step until one more scrape has read the final values.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,6 +38,7 @@ class JobMetrics:
         self.registry = CollectorRegistry()
         labels = {"task": task, "run": run}
         self._labels = labels
+        self.task, self.run = task, run
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -59,9 +66,10 @@ class JobMetrics:
         self.restarts.labels(**labels)  # present at 0 from the start
 
     def observe(self, event: dict[str, Any]) -> None:
-        """Update from one event of the ranks (``step``, ``anomaly``; others are ignored)."""
+        """Update from one event of the ranks: ``steps`` (every step, from rank 0's step feed), ``step`` (the
+        log-interval lines; skipped when marked ``in_steps``, the feed having carried that step), ``anomaly``."""
         kind, lab = event.get("event"), self._labels
-        if kind == "step":
+        if kind == "steps" or (kind == "step" and not event.get("in_steps")):
             for gauge, key in (
                 (self.loss, "loss"),
                 (self.tokens_per_second, "tokens_per_s"),
@@ -73,8 +81,11 @@ class JobMetrics:
                 value = event.get(key)
                 if isinstance(value, (int, float)):
                     gauge.labels(**lab).set(float(value))
-            if isinstance(event.get("step_time_s"), (int, float)):
-                self.step_seconds.labels(**lab).observe(float(event["step_time_s"]))
+            times = event.get("step_times") if kind == "steps" else [event.get("step_time_s")]
+            histogram = self.step_seconds.labels(**lab)
+            for seconds in times if isinstance(times, list) else []:
+                if isinstance(seconds, (int, float)):
+                    histogram.observe(float(seconds))
         elif kind == "anomaly":
             self.anomalies.labels(**lab, kind=str(event.get("kind", "unknown"))[:32]).inc()
 
@@ -97,14 +108,26 @@ class _Server(WSGIServer):
 
 class MetricsExporter:
     """Serves ``metrics`` at ``http://host:port/metrics``; ``authorize()`` runs before each scrape (raise
-    ``PermissionDenied`` to refuse it with a 403)."""
+    ``PermissionDenied`` to refuse it with a 403).
+
+    ``port``: 0 for any free port; else that port, or when it is taken the first free one of the next
+    ``port_span - 1`` (several jobs on one host: a Prometheus scrapes the whole range). :meth:`linger` keeps the
+    endpoint up after the job's last step until a scrape has read the final values."""
 
     def __init__(
-        self, metrics: JobMetrics, host: str = "127.0.0.1", port: int = 0, authorize: Callable[[], None] | None = None
+        self,
+        metrics: JobMetrics,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        authorize: Callable[[], None] | None = None,
+        port_span: int = 1,
     ):
         self.metrics = metrics
         self.authorize = authorize or (lambda: None)
         self.denied = 0
+        #: scrapes answered with the metrics (the denied ones not counted)
+        self.scrapes = 0
+        counting = threading.Lock()  # scrapes are served on threads of their own
         prometheus_app = make_wsgi_app(metrics.registry)
 
         def app(environ, start_response):
@@ -117,10 +140,17 @@ class MetricsExporter:
                 self.denied += 1
                 start_response("403 Forbidden", [("Content-Type", "text/plain")])
                 return [f"denied: {exc}\n".encode()]
+            with counting:  # before the values are read: this scrape sees every update made before now
+                self.scrapes += 1
             return prometheus_app(environ, start_response)
 
-        self._server = make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
+        self._server = _bind(host, port, port_span, app)
         self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port it listens on."""
+        return int(self._server.server_address[1])
 
     @property
     def address(self) -> str:
@@ -134,12 +164,51 @@ class MetricsExporter:
         self._thread.start()
         return self.address
 
+    def linger(self, grace_s: float, poll_s: float = 0.05) -> float:
+        """Call after the job's last update: serve on until one more scrape has been answered (it reads the final
+        values), at most ``grace_s`` seconds; at once when nothing scraped the endpoint so far (nobody to wait
+        for). Returns the seconds waited."""
+        if grace_s <= 0 or self.scrapes == 0:
+            return 0.0
+        seen, t0 = self.scrapes, time.monotonic()
+        while self.scrapes == seen and time.monotonic() - t0 < grace_s:
+            time.sleep(poll_s)
+        return time.monotonic() - t0
+
     def stop(self) -> None:
-        """Stop serving."""
-        self._server.shutdown()
+        """Stop serving (also when never started)."""
+        if self._thread is not None:
+            self._server.shutdown()  # waits for serve_forever, which only a started exporter runs
         self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _bind(host: str, port: int, span: int, app: Callable) -> _Server:
+    """The server on ``port``, or on the first free one of the ``span`` ports from it (``port`` 0: any)."""
+    ports = [port] if port == 0 else list(range(port, min(port + max(1, span), 65536)))
+    for candidate in ports:
+        try:
+            server = make_server(host, candidate, app, server_class=_Server, handler_class=_QuietHandler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        if candidate != port:
+            log.warning("metrics endpoint: port %d is in use, serving on %d", port, candidate)
+        return server
+    which = f"port {port} is" if len(ports) == 1 else f"ports {ports[0]}-{ports[-1]} are all"
+    raise OSError(errno.EADDRINUSE, f"{which} in use on {host}")
+
+
+def push_final(metrics: JobMetrics, gateway: str, task: str, run: str, timeout_s: float = 10.0) -> None:
+    """Push ``metrics`` to the Pushgateway at ``gateway`` (grouping key ``job="kuangchao"``, ``task``, ``run``:
+    each run keeps its own group). Raises ``OSError`` when the gateway does not take them."""
+    from prometheus_client import push_to_gateway
+
+    push_to_gateway(
+        gateway, job="kuangchao", registry=metrics.registry, grouping_key={"task": task, "run": run}, timeout=timeout_s
+    )
 
 
 def register_exporter(run_dir: str, exporter: MetricsExporter | None) -> None:
