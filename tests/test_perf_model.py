@@ -400,6 +400,11 @@ def test_kc_plan_without_scale_is_unchanged():
     from kuangchao_core.engine.plan import format_plan
 
     assert res.stdout.strip() == format_plan(explain_plan(load_config(TINY))).strip()
-    assert RUN.invoke(app, ["plan", "--config", LLAMA8B]).exit_code == 2  # the checkpoint is still required
+    # a checkpoint not on this machine: planned with model.params' shape, and said to be refused by kc train
+    sized = RUN.invoke(app, ["plan", "--config", LLAMA8B])
+    assert sized.exit_code == 0 and "from model.params" in sized.output, sized.output
+    assert "model.checkpoint is not readable here; kc train would refuse it" in sized.output
+    unsized = RUN.invoke(app, ["plan", "--config", LLAMA8B, "--set", "model.params=null"])
+    assert unsized.exit_code == 2 and "model.checkpoint" in unsized.output  # nothing to size it by
     bad = RUN.invoke(app, ["plan", "--config", LLAMA8B, "--scale", "6"])
     assert bad.exit_code == 2 and "--scale" in bad.output
