@@ -201,10 +201,12 @@ def launch_workers(
                 log_sink=view,
                 attempt=attempt,
             )
+        exited = time.time()
     if clock is not None and clock.first_step is not None:
         if first_attempt_to_step:  # workers started, imported, built the model and the data up to their first step
             clock.add("workers", clock.first_step[1] - started)
-        clock.since("workers_exit", clock.last_step[1])  # eval, final checkpoint, the ranks' and torchrun's exit
+        clock.add("workers_exit", exited - clock.last_step[1])  # eval, final checkpoint, the ranks' and torchrun's exit
+        clock.since("launch_close", exited)  # the token renewal server's stop, the audit log's pin
     last = view.last_step or {}
     evals = [e for e in view.events if e.get("event") == "eval"]
     done = [e for e in view.events if e.get("event") == "done"]

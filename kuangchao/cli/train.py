@@ -58,13 +58,17 @@ def register(app: typer.Typer) -> None:
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         with clock.phase("prefect"):
             unreachable = prefect_api_problem()
-        if unreachable:
-            typer.echo(f"kc train: {unreachable}", err=True)
-            raise typer.Exit(1)
+            if unreachable:
+                typer.echo(f"kc train: {unreachable}", err=True)
+                raise typer.Exit(1)
+            server = start_temporary_server()  # its start overlaps the flow's imports
         with clock.phase("imports"):
             from flows.train import train_flow
             from kuangchao.cli.failure_lines import quiet_expected_failures
             from kuangchao_core.obs.prefect_watch import exit_when_lost, write_summary
+        if server is not None:
+            with clock.phase("prefect"):
+                server.join()  # before the flow's client looks for the server
 
         # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
         # one line per failure: Prefect's tracebacks of it stay in its API log
@@ -141,6 +145,30 @@ def prefect_api_problem(timeout_s: float = 3.0) -> str | None:
             "locally without one: prefect config unset PREFECT_API_URL (and unset the PREFECT_API_URL environment "
             "variable if it is set)"
         )
+
+
+def start_temporary_server():
+    """Without ``PREFECT_API_URL`` the flow runs on Prefect's temporary server, which takes seconds to start: start
+    it now in a thread (returned; join it before the flow starts) while this process imports the flow, instead of
+    when the flow's client first asks for it. None when an API is configured. The server's module is imported here,
+    in this thread: two threads importing the same modules at once could see them half initialised."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()  # the instance the flow's client uses (start is once per process)
+        except Exception:  # noqa: BLE001 - the flow's own start says what is wrong (and retries)
+            pass
+
+    thread = threading.Thread(target=start, name="kc-prefect-server", daemon=True)
+    thread.start()
+    return thread
 
 
 def _print_summary(summary: dict) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 #: the phases before the first step, in the order they run (``other``: what none of them covers)
 STARTUP_PHASES = ("imports", "config", "prefect", "doctor", "topology", "mlflow", "validation", "tokens", "workers")
 #: the phases after the last step
-AFTER_PHASES = ("workers_exit", "checkpoint", "export", "summary", "flow_end")
+AFTER_PHASES = ("workers_exit", "launch_close", "checkpoint", "export", "summary", "flow_end")
 #: the mark ``kc train`` sets just before it calls the flow: from there to the flow's body is ``prefect``
 FLOW_CALLED = "flow_called"
 
