@@ -108,3 +108,26 @@ def test_process_start_time_is_this_processs():
     import psutil
 
     assert phases.process_start_time() == pytest.approx(psutil.Process().create_time(), abs=0.05)
+
+
+def test_the_gloo_check_started_early_is_the_doctors_and_runs_once(monkeypatch):
+    """kc train starts the doctor's Gloo check before it imports the flow; the doctor then takes that result (a real
+    two-process Gloo all_reduce) instead of running the check a second time."""
+    from kuangchao_core.sched import doctor
+
+    calls = []
+    real = doctor.check_gloo
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(doctor, "check_gloo", counted)
+    assert doctor.start_gloo_check(60.0, reuse_gloo_s=0)
+    report = doctor.run_doctor(
+        None, skip=("versions", "cuda", "nodes", "checkpoint_storage", "mlflow", "prefect"), reuse_gloo_s=0
+    )
+    assert [c.name for c in report.checks] == ["gloo"] and report.checks[0].ok, report.checks
+    assert len(calls) == 1  # the early one; before: the doctor ran its own
+    doctor.run_doctor(None, skip=("versions", "cuda", "nodes", "checkpoint_storage", "mlflow", "prefect"))
+    assert len(calls) == 2  # taken once: a later doctor runs the check itself

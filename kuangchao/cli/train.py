@@ -62,6 +62,9 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"kc train: {unreachable}", err=True)
                 raise typer.Exit(1)
             server = start_temporary_server()  # its start overlaps the flow's imports
+        from kuangchao_core.sched.doctor import start_gloo_check
+
+        start_gloo_check()  # the doctor's Gloo processes start now too (the flow's doctor takes their result)
         with clock.phase("imports"):
             from flows.train import train_flow
             from kuangchao.cli.failure_lines import quiet_expected_failures
