@@ -71,10 +71,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prefect-api", default=None, help="a running Prefect API (default: the temporary server)")
+    parser.add_argument("--kc-root", default=str(ROOT), help="the checkout whose kc train runs (e.g. an older one)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kc-startup-"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "KC_RUNS_DIR": str(work / "runs")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": args.kc_root, "KC_RUNS_DIR": str(work / "runs")}
     env.pop("PREFECT_API_URL", None)
     if args.prefect_api:
         env["PREFECT_API_URL"] = args.prefect_api
@@ -89,7 +90,7 @@ def main() -> None:
         "tracking.uri": f"sqlite:///{work / 'mlflow.db'}",
         "permission.audit_log": work / "audit",
     }
-    ours = [PY, "-m", "kuangchao.cli.main", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    ours = [PY, "-m", "kuangchao.cli.main", "train", "--config", str(Path(args.kc_root) / "configs" / "tiny.yaml")]
     ours += ["--resume", "never"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     peer = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     peer += [str(ROOT / "benchmarks" / "_bare_train.py"), "--steps", str(args.steps), "--micro-batch", "2"]
@@ -129,7 +130,7 @@ def _kc_phases(runs: Path) -> dict[str, dict[str, float]]:
     summaries = sorted(runs.glob("*/*/summary.json"))[1:]  # the first is the warm-up's
     out: dict[str, dict[str, float]] = {}
     for key in ("startup_s", "after_last_step_s"):
-        rows = [json.loads(p.read_text())[key] for p in summaries]
+        rows = [json.loads(p.read_text()).get(key) for p in summaries]
         rows = [r for r in rows if r]
         names = dict.fromkeys(k for r in rows for k in r)
         out[key] = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 2) for k in names}
