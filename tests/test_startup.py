@@ -62,7 +62,9 @@ def test_a_refused_kc_train_exits_2_within_3_s_before_any_prefect_run(tmp_path):
     out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "train.steps: already at step 6 of 4" in out.stderr and str(step_dir) in out.stderr, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kc train: already at step 6 of 4"), out.stderr  # as the flow says
+    assert str(step_dir) in lines[0] and "--resume never" in lines[0], out.stderr
     assert "Prefect" not in out.stderr, out.stderr  # refused before the Prefect API was asked anything
     assert not (tmp_path / "runs").exists()  # no flow run, no run directory
     assert took <= 3.0, f"a refusal took {took:.2f} s (issue 27 §2: <= 3 s)"

@@ -9,7 +9,7 @@ import time
 
 import typer
 
-from kuangchao_core.errors import ConfigError, KuangchaoError
+from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain
 
 
 def register(app: typer.Typer) -> None:
@@ -46,10 +46,14 @@ def register(app: typer.Typer) -> None:
             with clock.phase("config"):
                 cfg = refuse_early(config, set_, resume, if_finished)
         except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
+            if isinstance(exc, NothingToTrain):  # the same line as when the flow refuses it
+                for line in failure_lines(exc, config)[0]:
+                    typer.echo(line, err=True)
+                raise typer.Exit(2) from None
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
             raise typer.Exit(2) from None
-        except KuangchaoError as exc:  # NothingToTrain (exit 2), an unreadable --resume directory (exit 1)
+        except KuangchaoError as exc:  # an unreadable --resume directory: exit 1, as from the flow
             lines, code = failure_lines(exc, config)
             for line in lines:
                 typer.echo(line, err=True)
