@@ -26,13 +26,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_resume
+from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, plan_training
 from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, LeaseKeeper, hold_lineage
 from kuangchao_core.config import load_config
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
-from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain, WorkerFailed
-from kuangchao_core.obs import prefect_watch, tracking
+from kuangchao_core.errors import ConfigError, KuangchaoError, WorkerFailed
+from kuangchao_core.obs import phases, prefect_watch, tracking
 from kuangchao_core.obs.console import for_people
 from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX, resolve_model_uri
 from kuangchao_core.obs.prometheus import register_exporter
@@ -96,6 +96,7 @@ def train_flow(
     fine-tune resumes an interrupted run and otherwise trains anew). Returns the run summary (also a Prefect artifact
     and an MLflow artifact).
     """
+    clock = phases.claim()  # kc train's, from its process start (issue 27 §2); else from now
     if if_finished not in ("error", "skip", "restart"):
         raise ConfigError([("if_finished", f"must be 'error', 'skip' or 'restart', got {if_finished!r}")])
     logger = get_run_logger()
@@ -106,7 +107,7 @@ def train_flow(
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     try:
         with prefect_watch.watching():  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
-            return _run(logger, config_path, list(overrides or []), resume, if_finished, opened)
+            return _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
     except KuangchaoError as exc:  # the reason, in the flow run's own log (`prefect flow-run logs <id>`)
         logger.error("kuangchao-train failed: %s", exc)
         raise
@@ -115,6 +116,7 @@ def train_flow(
         for run_dir in opened:
             close_authority(run_dir)
         prefect_watch.body_ended()
+        phases.release(clock)
 
 
 def _logged_loss_points(cfg: Any, run_dir: Path, attempt: int, run_id: str, logger: Any) -> int | None:
@@ -222,7 +224,13 @@ def _resolve_base_model(cfg: Any, logger: Any) -> dict[str, str]:
 
 
 def _run(
-    logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str, opened: list[Path]
+    logger: Any,
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    if_finished: str,
+    opened: list[Path],
+    clock: phases.PhaseClock,
 ) -> Any:
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
@@ -246,16 +254,8 @@ def _run(
         restored = restore_checkpoint(cfg, None, s3_settings)
         for skip in restored["skipped"]:
             logger.warning("skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"])
-    plan = plan_resume(cfg, resume_arg)
-    logger.info("checkpoints: %s (resume from %s)", plan.reason, plan.step_dir or "scratch")
-    if plan.step >= cfg.train.steps and if_finished == "restart":
-        logger.info(
-            "%s is finished (step %d of %d): a new lineage from the start", plan.step_dir, plan.step, cfg.train.steps
-        )
-        plan = plan_resume(cfg, "never")
-    if plan.step >= cfg.train.steps:
-        if if_finished == "error":
-            raise NothingToTrain(plan.step, cfg.train.steps, str(plan.step_dir))
+    plan = plan_training(cfg, resume_arg, if_finished, logger.info)  # NothingToTrain: kc train's early refusal too
+    if plan.step >= cfg.train.steps:  # if_finished: skip
         logger.warning("0 steps trained: %s is already at step %d of %d", plan.step_dir, plan.step, cfg.train.steps)
         return _nothing_to_train(cfg, plan, run_dir)
     worker_resume = plan.step_dir or "never"  # with the pinned lineage, later attempts prefer its newest step
@@ -268,18 +268,21 @@ def _run(
         if mismatch:
             raise ConfigError([("checkpoint.resume", f"{plan.step_dir}: {mismatch}")])
 
-    doctor(cfg)
+    with clock.phase("doctor"):
+        doctor(cfg)
     multinode = cfg.cluster.mode != "local"
     topology = probing = None
     if not multinode:
-        probe_topology(cfg)
+        with clock.phase("topology"):
+            probe_topology(cfg)
     else:  # the node agents measure every pair of candidate nodes while the data is validated
         probing = start_cluster_probe(cfg, run_dir, logger)
-    run_id = tracking.open_run(
-        cfg,
-        fr_id,
-        extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage, **base_model},
-    )
+    with clock.phase("mlflow"):
+        run_id = tracking.open_run(
+            cfg,
+            fr_id,
+            extra_tags={"kuangchao.run_dir": str(run_dir), "kuangchao.lineage": plan.lineage, **base_model},
+        )
     prefect_watch.note(mlflow_run_id=run_id)
     logger.info("MLflow run %s (experiment %s, store %s)", run_id, tracking.experiment_name(cfg), cfg.tracking.uri)
     exporter = _start_exporter(cfg, run_dir, run_id, logger)
@@ -291,7 +294,8 @@ def _run(
     lost_nodes: list[str] = []  # machines lost in earlier attempts; the next attempts run without them
     try:
         try:
-            validate_data(cfg, mlflow_run_id=run_id)
+            with clock.phase("validation"):
+                validate_data(cfg, mlflow_run_id=run_id)
         finally:
             topology = finish_cluster_probe(probing, logger) if probing is not None else None
         if topology is not None:  # placement reads the matrix
@@ -338,7 +342,8 @@ def _run(
                     placed["placement"]["mode"],
                     "; ".join(f"{row['node']}: ranks {row['ranks']}" for row in placed["links"]),
                 )
-            tokens = issue_tokens(job, str(run_dir), attempt, placed.get("placement"))
+            with clock.phase("tokens" if clock.first_step is None else "restart_tokens"):
+                tokens = issue_tokens(job, str(run_dir), attempt, placed.get("placement"))
             env = {**tokens, "KC_CKPT_LINEAGE": plan.lineage, ENV_GENERATION: str(lease.generation)}
             return launch(
                 job,
@@ -375,11 +380,13 @@ def _run(
             raise
         if mirror is not None:
             mirror.close()  # the uploads in flight finish before the final check uploads what is left
-        ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
+        with clock.phase("checkpoint"):
+            ckpt = checkpoint(cfg, run_id, s3_settings, plan.lineage)
         exported = aliases_before = None
         if cfg.tracking.log_model and ckpt["path"]:
             aliases_before = prefect_watch.before_registration(cfg)  # a lost API registers nothing
-            exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir), result["final_loss"])
+            with clock.phase("export"):
+                exported = export_and_register(cfg, run_id, ckpt["path"], str(run_dir), result["final_loss"])
             registered = exported["registered"]
             logger.info(
                 "model exported to %s (%s, manifest sha256 %s)%s",
@@ -419,7 +426,10 @@ def _run(
             "anomalies": result.get("anomalies", []),
             "prometheus": exporter.address if exporter is not None else None,
         }
-        summary["loss_points_in_mlflow"] = _logged_loss_points(cfg, run_dir, attempts - 1, run_id, logger)
+        with clock.phase("summary"):
+            summary["loss_points_in_mlflow"] = _logged_loss_points(cfg, run_dir, attempts - 1, run_id, logger)
+        summary["startup_s"] = clock.startup()  # the measured phases before the first and after the last step
+        summary["after_last_step_s"] = clock.after_last_step()
         # summary.json first; the artifact's call is bounded; when it fails the registration is undone
         prefect_watch.publish_summary(cfg, summary, run_dir, _summary_markdown(cfg, summary), exported, aliases_before)
         tracking.set_tags(cfg, run_id, {"kuangchao.attempts": str(attempts)})

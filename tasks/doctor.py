@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.errors import KuangchaoError
-from kuangchao_core.sched.doctor import DoctorReport, run_doctor
+from kuangchao_core.sched.doctor import FLOW_REUSE_GLOO_S, DoctorReport, run_doctor
 
 
 class DoctorFailed(KuangchaoError):
@@ -34,7 +34,10 @@ def _publish(report: DoctorReport) -> None:
 
 @task(name="doctor", retries=0)
 def doctor(
-    cfg: Any = None, gloo_timeout_s: float = 60.0, skip: tuple[str, ...] = (), reuse_gloo_s: float = 600.0
+    cfg: Any = None,
+    gloo_timeout_s: float = 60.0,
+    skip: tuple[str, ...] = (),
+    reuse_gloo_s: float = FLOW_REUSE_GLOO_S,
 ) -> dict:
     """Run ``run_doctor(cfg)``; publish the report as a markdown artifact; raise ``DoctorFailed`` on any failure.
 

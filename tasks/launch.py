@@ -7,6 +7,7 @@ subprocesses), which the flow answers with ``recover`` and a new attempt.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -17,6 +18,7 @@ from prefect import task
 
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.engine.traffic import group_traffic
+from kuangchao_core.obs import phases
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.obs.prometheus import exporter_for
 from kuangchao_core.obs.tracking import tracking_uri
@@ -115,6 +117,10 @@ def launch_workers(
         mirror=mirror_for(str(run_dir)),
     )
     view.listeners.append(events)
+    clock, started = phases.active(), time.time()
+    first_attempt_to_step = clock is not None and clock.first_step is None
+    if clock is not None:  # the run summary's start-up and after-the-last-step phases (issue 27 §2)
+        view.listeners.append(clock.on_event)
     run_logger = run_logger_or_none()
     if run_logger is not None:  # the progress in the flow run's own log (prefect flow-run logs), at log_interval
         view.listeners.append(ProgressLog(run_logger))
@@ -195,6 +201,12 @@ def launch_workers(
                 log_sink=view,
                 attempt=attempt,
             )
+        exited = time.time()
+    if clock is not None and clock.first_step is not None:
+        if first_attempt_to_step:  # workers started, imported, built the model and the data up to their first step
+            clock.add("workers", clock.first_step[1] - started)
+        clock.add("workers_exit", exited - clock.last_step[1])  # eval, final checkpoint, the ranks' and torchrun's exit
+        clock.since("launch_close", exited)  # the token renewal server's stop, the audit log's pin
     last = view.last_step or {}
     evals = [e for e in view.events if e.get("event") == "eval"]
     done = [e for e in view.events if e.get("event") == "done"]

@@ -146,9 +146,13 @@ def reference_run(prefect_api, session_store, tmp_path_factory) -> dict:
         session_store,
         **{"tracking.system_metrics_interval_s": 1, "tracking.register_model": f"kc-test-{uuid.uuid4().hex[:6]}"},
     )
+    started = time.time()
     summary = run_flow(workdir, overrides, env={"KC_COMM_RULES": "nccl"})
+    ended = time.time()
     uri = override_value(overrides, "tracking.uri")
     return {
+        "started": started,  # around the flow's call (epoch seconds)
+        "ended": ended,
         "workdir": workdir,
         "overrides": overrides,
         "summary": summary,

@@ -4,6 +4,7 @@ workers keep NCCL's rules (issue 25): start to export on the stand-in device, no
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.conftest_prefect import STEPS
 
@@ -44,6 +45,24 @@ def test_flow_run_completes_and_mlflow_holds_every_step(reference_run):
     with open(meta_path, encoding="utf-8") as fh:
         meta = json.load(fh)
     assert meta["step"] == STEPS and len(meta["manifest_sha256"]) == 64 and meta["size_bytes"] > 0
+
+
+def test_flow_runs_summary_says_where_the_start_up_and_the_end_went(reference_run):
+    """Issue 27 §2: the measured phases from the flow's start to the first step (here no kc train began the clock),
+    and from the last step to the summary, each adding up to its total; both totals within the measured call."""
+    summary = reference_run["summary"]
+    startup, after = summary["startup_s"], summary["after_last_step_s"]
+    assert {"doctor", "topology", "mlflow", "validation", "tokens", "workers", "other"} <= set(startup), startup
+    assert min(startup[k] for k in ("doctor", "mlflow", "validation", "workers")) > 0, startup
+    assert "imports" not in startup and startup["first_step"] >= 1  # the flow's clock starts with the flow
+    for breakdown in (startup, after):
+        parts = sum(v for k, v in breakdown.items() if k not in ("total", "first_step"))
+        assert abs(parts - breakdown["total"]) <= 0.05, breakdown  # rounding only
+    assert after["workers_exit"] > 0 and after["checkpoint"] > 0, after
+    wall = reference_run["ended"] - reference_run["started"]
+    assert 0 < startup["total"] and 0 < after["total"] and startup["total"] + after["total"] < wall, (startup, after)
+    summary_json = json.loads((Path(summary["run_dir"]) / "summary.json").read_text())
+    assert summary_json["startup_s"] == startup  # the same figures in the run directory
 
 
 def test_flow_run_exports_logs_and_registers_its_model(reference_run):

@@ -109,6 +109,7 @@ FILE_TIERS = {
     "test_s3.py": "unit",
     "test_second_run.py": "flows",
     "test_sft_data.py": "unit",
+    "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
     "test_step_loss.py": "distributed",
     "test_tensor_parallel.py": "distributed",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import typer
 
@@ -60,7 +61,20 @@ def _root(
     """Kuangchao (狂潮) distributed training."""
 
 
-for _name in _COMMAND_MODULES:
+def _modules_for(argv: list[str]) -> list[str]:
+    """The command modules to load: run as ``kc <command> …`` (the ``kc`` script or ``python -m``), only that
+    command's (each module registers the command named after it, less ``_cmd``): ``kc train`` does not import the
+    other fifteen commands' dependencies, and its refusal stays within 3 s (issue 27 §2). Else, and for
+    ``--help`` or a name no module has, every module, in help order."""
+    if __name__ == "__main__" or os.path.basename(argv[0] if argv else "") == "kc":
+        wanted = argv[1] if len(argv) > 1 else ""
+        named = [m for m in _COMMAND_MODULES if m.removesuffix("_cmd") == wanted]
+        if named:
+            return named
+    return _COMMAND_MODULES
+
+
+for _name in _modules_for(sys.argv):
     try:
         _mod = importlib.import_module(f"kuangchao.cli.{_name}")
     except ModuleNotFoundError as exc:  # a command module not written yet

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import typer
 
-from kuangchao_core.errors import ConfigError, KuangchaoError
+from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain
 
 
 def register(app: typer.Typer) -> None:
@@ -33,35 +34,54 @@ def register(app: typer.Typer) -> None:
 
         Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
-        from kuangchao_core.config import load_config
-        from kuangchao_core.engine.plan import raise_for_plan
-        from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX
+        from kuangchao.cli.failure_lines import failure_lines
+        from kuangchao_core.obs import phases
 
-        try:
-            cfg = load_config(config, set_)
-            # a registered base (models:/NAME@ALIAS) has no local files yet: the flow resolves it, then checks the plan
-            if not str(cfg.model.checkpoint or "").startswith(MODEL_URI_PREFIX):
-                raise_for_plan(cfg)
-        except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
-            for path, msg in exc.errors:
-                typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
-            raise typer.Exit(2) from None
+        clock = phases.begin(phases.process_start_time())  # the run summary's start-up phases (issue 27 §2)
+        clock.since("imports", clock.origin)  # the interpreter and the CLI's modules
         if if_finished not in ("error", "skip", "restart"):
             typer.echo(f"--if-finished must be error, skip or restart, got {if_finished!r}", err=True)
             raise typer.Exit(2)
+        try:
+            with clock.phase("config"):
+                cfg = refuse_early(config, set_, resume, if_finished)
+        except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
+            if isinstance(exc, NothingToTrain):  # the same line as when the flow refuses it
+                for line in failure_lines(exc, config)[0]:
+                    typer.echo(line, err=True)
+                raise typer.Exit(2) from None
+            for path, msg in exc.errors:
+                typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
+            raise typer.Exit(2) from None
+        except KuangchaoError as exc:  # an unreadable --resume directory: exit 1, as from the flow
+            lines, code = failure_lines(exc, config)
+            for line in lines:
+                typer.echo(line, err=True)
+            raise typer.Exit(code) from None
+        del cfg  # the flow loads the config again, with its Prefect block references resolved
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        unreachable = prefect_api_problem()
-        if unreachable:
-            typer.echo(f"kc train: {unreachable}", err=True)
-            raise typer.Exit(1)
-        from flows.train import train_flow
-        from kuangchao.cli.failure_lines import failure_lines, quiet_expected_failures
-        from kuangchao_core.obs.prefect_watch import exit_when_lost
+        with clock.phase("prefect"):
+            unreachable = prefect_api_problem()
+            if unreachable:
+                typer.echo(f"kc train: {unreachable}", err=True)
+                raise typer.Exit(1)
+            server = start_temporary_server()  # its start overlaps the flow's imports
+        from kuangchao_core.sched.doctor import start_gloo_check
+
+        start_gloo_check()  # the doctor's Gloo processes start now too (the flow's doctor takes their result)
+        with clock.phase("imports"):
+            from flows.train import train_flow
+            from kuangchao.cli.failure_lines import quiet_expected_failures
+            from kuangchao_core.obs.prefect_watch import exit_when_lost, write_summary
+        if server is not None:
+            with clock.phase("prefect"):
+                server.join()  # before the flow's client looks for the server
 
         # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
         # one line per failure: Prefect's tracebacks of it stay in its API log
         try:
             with exit_when_lost(lambda line: typer.echo(line, err=True)), quiet_expected_failures():
+                clock.mark(phases.FLOW_CALLED)
                 state = train_flow(
                     config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
                 )
@@ -73,10 +93,41 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code) from None
         if state.name == "Skipped":
             typer.echo(f"kc train: {state.message}", err=True)
+        after = summary.get("after_last_step_s") if isinstance(summary, dict) else None
+        if after and clock.last_step is not None:  # the flow's own end (its state, the artifact) after the summary
+            clock.add("flow_end", time.time() - clock.last_step[1] - after["total"])
+            summary["after_last_step_s"] = clock.after_last_step()
+            if summary.get("run_dir"):
+                write_summary(summary["run_dir"], summary)
         if as_json:
             typer.echo(json.dumps(summary, indent=2))
         else:
-            _print_summary(summary)
+            _print_summary({k: v for k, v in summary.items() if k not in ("startup_s", "after_last_step_s")})
+            line = phases.compact(summary.get("startup_s"), summary.get("after_last_step_s"))
+            if line:
+                typer.echo(line)
+
+
+def refuse_early(config: str, overrides: list[str], resume: str | None, if_finished: str):
+    """The checks of ``kc train`` that need no Prefect run, before one starts: the config, the layout and, when the
+    local checkpoints decide it, a lineage already at ``train.steps`` (:class:`NothingToTrain`, the flow's own
+    :func:`~kuangchao_core.ckpt.lineage.plan_training`). Returns the config."""
+    from kuangchao_core.config import load_config
+    from kuangchao_core.engine.plan import raise_for_plan
+    from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX
+
+    cfg = load_config(config, overrides)
+    registered_base = str(cfg.model.checkpoint or "").startswith(MODEL_URI_PREFIX)
+    # with checkpoint.uri the flow first restores from S3, and a registered base changes the lineage's fingerprint:
+    # then the flow decides. Before the layout's check, which imports torch: a refusal takes no second
+    if if_finished == "error" and not cfg.checkpoint.uri and not registered_base:
+        from kuangchao_core.ckpt.lineage import plan_training
+
+        plan_training(cfg, resume or cfg.checkpoint.resume, if_finished)
+    # a registered base (models:/NAME@ALIAS) has no local files yet: the flow resolves it, then checks the plan
+    if not registered_base:
+        raise_for_plan(cfg)
+    return cfg
 
 
 def prefect_api_problem(timeout_s: float = 3.0) -> str | None:
@@ -101,6 +152,30 @@ def prefect_api_problem(timeout_s: float = 3.0) -> str | None:
             "locally without one: prefect config unset PREFECT_API_URL (and unset the PREFECT_API_URL environment "
             "variable if it is set)"
         )
+
+
+def start_temporary_server():
+    """Without ``PREFECT_API_URL`` the flow runs on Prefect's temporary server, which takes seconds to start: start
+    it now in a thread (returned; join it before the flow starts) while this process imports the flow, instead of
+    when the flow's client first asks for it. None when an API is configured. The server's module is imported here,
+    in this thread: two threads importing the same modules at once could see them half initialised."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()  # the instance the flow's client uses (start is once per process)
+        except Exception:  # noqa: BLE001 - the flow's own start says what is wrong (and retries)
+            pass
+
+    thread = threading.Thread(target=start, name="kc-prefect-server", daemon=True)
+    thread.start()
+    return thread
 
 
 def _print_summary(summary: dict) -> None:

@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 from kuangchao_core.ckpt.integrity import find_latest_intact
 from kuangchao_core.ckpt.layout import LINEAGE_FILE, is_lineage_name, parse_step_dir
 from kuangchao_core.config.bounded_json import read_json_object
-from kuangchao_core.errors import CheckpointError
+from kuangchao_core.errors import CheckpointError, NothingToTrain
 
 LEGACY = "legacy"
 
@@ -208,3 +209,20 @@ def plan_resume(cfg: Any, resume: str, pinned: str | None = None) -> ResumePlan:
             return ResumePlan(parent.name, False, str(path), step, f"continuing lineage {parent.name} from {path}")
     name = new_lineage_id()
     return ResumePlan(name, True, str(path), step, f"starting lineage {name} from {path}")
+
+
+def plan_training(cfg: Any, resume: str, if_finished: str, say: Callable[[str], None] | None = None) -> ResumePlan:
+    """:func:`plan_resume` plus what a run does with a checkpoint already at or past ``train.steps``:
+    ``if_finished`` ``error`` raises :class:`NothingToTrain` (before anything starts), ``restart`` plans a new
+    lineage from the start, ``skip`` returns that finished plan (the caller trains nothing). ``say`` gets the
+    sentences for the run's log. The one decision both ``kc train`` (its early refusal) and the flow make."""
+    plan = plan_resume(cfg, resume)
+    if say is not None:
+        say(f"checkpoints: {plan.reason} (resume from {plan.step_dir or 'scratch'})")
+    if plan.step >= cfg.train.steps and if_finished == "restart":
+        if say is not None:
+            say(f"{plan.step_dir} is finished (step {plan.step} of {cfg.train.steps}): a new lineage from the start")
+        plan = plan_resume(cfg, "never")
+    if plan.step >= cfg.train.steps and if_finished == "error":
+        raise NothingToTrain(plan.step, cfg.train.steps, str(plan.step_dir))
+    return plan

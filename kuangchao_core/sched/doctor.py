@@ -303,10 +303,42 @@ def _guarded(name: str, fn: Callable[[], Any]) -> list[Check]:
 
 
 def _fresh_gloo(timeout_s: float) -> Check:
+    early = _early_gloo.pop("thread", None)
+    if early is not None:  # started by start_gloo_check: the same check, begun earlier
+        early.join()
+        if _early_gloo.get("timeout_s") == timeout_s and "check" in _early_gloo:
+            return _early_gloo.pop("check")
     check = check_gloo(timeout_s)
     if check.ok:
         _remember_gloo_pass()
     return check
+
+
+#: how long the flow's doctor accepts a Gloo check that passed on this machine (``reuse_gloo_s``)
+FLOW_REUSE_GLOO_S = 600.0
+_early_gloo: dict[str, Any] = {}
+
+
+def start_gloo_check(timeout_s: float = 60.0, reuse_gloo_s: float = FLOW_REUSE_GLOO_S) -> bool:
+    """Start the doctor's Gloo check now, in a thread (its processes import torch while this one does other work),
+    unless one passed within ``reuse_gloo_s``; the next :func:`run_doctor` with the same ``gloo_timeout_s`` takes
+    its result instead of running it again (``kc train`` starts it before it imports the flow). True if started."""
+    import threading
+
+    if recent_gloo_pass(reuse_gloo_s) is not None or "thread" in _early_gloo:
+        return False
+
+    def run() -> None:
+        check = check_gloo(timeout_s)
+        if check.ok:
+            _remember_gloo_pass()
+        _early_gloo["check"] = check
+
+    _early_gloo.clear()
+    _early_gloo["timeout_s"] = timeout_s
+    _early_gloo["thread"] = thread = threading.Thread(target=run, name="kc-doctor-gloo", daemon=True)
+    thread.start()
+    return True
 
 
 def run_doctor(
