@@ -133,3 +133,19 @@ def test_the_gloo_check_started_early_is_the_doctors_and_runs_once(monkeypatch):
     assert len(calls) == 1  # the early one; before: the doctor ran its own
     doctor.run_doctor(None, skip=("versions", "cuda", "nodes", "checkpoint_storage", "mlflow", "prefect"))
     assert len(calls) == 2  # taken once: a later doctor runs the check itself
+
+
+def test_the_first_step_is_the_step_feeds_not_the_first_logged_line():
+    """With log_interval 250 the first step line says step 250; rank 0's step feed (``steps`` batches of every step)
+    says step 1 far earlier: start-up ends there, and the end is the first sighting of the last step."""
+    clock = phases.PhaseClock(time.time())
+    clock.on_event({"event": "steps", "first_step": 1, "step": 9})
+    first_seen = clock.first_step[1]
+    time.sleep(0.02)
+    clock.on_event({"event": "step", "step": 250})  # the first logged line, later
+    clock.on_event({"event": "steps", "first_step": 240, "step": 250})  # the same last step, seen again
+    assert clock.first_step == (1, first_seen) and clock.startup()["first_step"] == 1
+    assert clock.last_step[0] == 250 and clock.last_step[1] < time.time()
+    seen = clock.last_step[1]
+    clock.on_event({"event": "steps", "first_step": 250, "step": 250})
+    assert clock.last_step[1] == seen  # a step already seen does not move the end

@@ -77,14 +77,18 @@ class PhaseClock:
             self.since(name, start)
 
     def on_event(self, event: dict[str, Any]) -> None:
-        """A :class:`~kuangchao_core.obs.console.LiveView` listener: stamps the ranks' step events."""
-        if event.get("event") != "step":
+        """A :class:`~kuangchao_core.obs.console.LiveView` listener: stamps the ranks' step events — the ``steps``
+        batches of every step (rank 0's step feed, at most 0.2 s late) and the ``step`` lines of ``log_interval``."""
+        kind = event.get("event")
+        if kind not in ("step", "steps"):
             return
-        now = (int(event.get("step") or 0), time.time())
+        at = time.time()
+        first, step = int(event.get("first_step" if kind == "steps" else "step") or 0), int(event.get("step") or 0)
         with self._lock:
             if self.first_step is None:
-                self.first_step = now
-            self.last_step = now
+                self.first_step = (first, at)
+            if self.last_step is None or step > self.last_step[0]:  # a step's first sighting
+                self.last_step = (step, at)
 
     def _breakdown(self, names: tuple[str, ...], total: float) -> dict[str, float]:
         out = {"total": round(total, 2)}
