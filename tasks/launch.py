@@ -30,6 +30,7 @@ from kuangchao_core.perm.global_config import GlobalConfig
 from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env, token_env
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.perm.tokens import public_raw
+from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import run_workers
 from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster_attempt
 from kuangchao_core.sched.nodes import route_address
@@ -191,15 +192,17 @@ def launch_workers(
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}
             run_workers(
-                "kuangchao_core.engine.worker",
-                args,
-                nproc=cfg.parallel.world_size,
-                env={**os.environ, **worker_env, **tokens},
-                run_dir=run_dir,
-                heartbeat_timeout_s=recovery.heartbeat_timeout_s,
-                heartbeat_interval_s=recovery.heartbeat_interval_s,
-                log_sink=view,
-                attempt=attempt,
+                LaunchSpec(
+                    "kuangchao_core.engine.worker",
+                    args,
+                    nproc=cfg.parallel.world_size,
+                    env={**os.environ, **worker_env, **tokens},
+                    run_dir=run_dir,
+                    heartbeat_timeout_s=recovery.heartbeat_timeout_s,
+                    heartbeat_interval_s=recovery.heartbeat_interval_s,
+                    log_sink=view,
+                    attempt=attempt,
+                )
             )
         exited = time.time()
     if clock is not None and clock.first_step is not None:
