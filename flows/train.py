@@ -124,6 +124,7 @@ def _nothing_to_train(job: JobRun) -> Any:
 
 def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str,
          opened: list[Path], clock: phases.PhaseClock) -> Any:  # fmt: skip
+    """The job's phases: prepare the run, run the attempts, finish (:mod:`kuangchao_core.job`)."""
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)
     job = prepare_run(cfg, secrets, flow_run.get_id(), resume, if_finished, STEPS, logger, opened)
