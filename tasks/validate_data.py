@@ -1,8 +1,7 @@
 """Prefect task ``validate_data``: the great-expectations suite over the dataset, before any worker starts.
 
-No retries: bad data does not get better by waiting. On failure it raises ``DataError`` with the readable
-summary. The report is published as a markdown artifact and, given an MLflow run id, logged to that run
-(``data_validation/report.json`` artifact, ``data_valid`` metric 1/0 and tag).
+No retries: bad data does not get better by waiting. The report is published as a markdown artifact, then
+:func:`kuangchao_core.job.data_check.record_validation` logs it to the MLflow run and raises ``DataError`` on failure.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from kuangchao_core.data.validation import (
     ValidationReport,
     validate_dataset,
 )
-from kuangchao_core.errors import DataError
+from kuangchao_core.job.data_check import record_validation
 
 
 def _publish_artifact(report: ValidationReport) -> None:
@@ -33,16 +32,6 @@ def _publish_artifact(report: ValidationReport) -> None:
         key="kc-data-validation",
         description="great-expectations data validation",
     )
-
-
-def log_to_mlflow(report: ValidationReport, run_id: str, tracking_uri: str | None = None) -> None:
-    """Log the report JSON, a ``data_valid`` metric and tag to the MLflow run ``run_id``."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    client.log_dict(run_id, report.to_dict(), "data_validation/report.json")
-    client.log_metric(run_id, "data_valid", 1.0 if report.success else 0.0)
-    client.set_tag(run_id, "data_valid", str(report.success).lower())
 
 
 @task(name="validate_data", retries=0)
@@ -65,16 +54,7 @@ def validate_data(
         allow_control_chars=allow_control_chars,
     )
     _publish_artifact(report)
-    if mlflow_run_id:
-        uri = tracking_uri or getattr(getattr(cfg, "tracking", None), "uri", None)
-        log_to_mlflow(report, mlflow_run_id, uri)
-    if not report.success:
-        failed = ", ".join(r.name for r in report.failed)
-        raise DataError(
-            f"dataset failed validation ({failed}); fix the data or the config (data.path, train.steps, "
-            f"data.seq_len) before training:\n{report.summary}"
-        )
-    return report.to_dict()
+    return record_validation(cfg, report, mlflow_run_id, tracking_uri)
 
 
 validate_data_task = validate_data

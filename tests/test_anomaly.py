@@ -221,10 +221,10 @@ def _prefect_events(name: str) -> list[dict]:
 def test_the_orchestrator_counts_tags_and_announces_anomalies_and_serves_metrics(prefect_api, tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from kuangchao_core.job.job_events import JobEvents
     from kuangchao_core.obs.console import LiveView
     from kuangchao_core.obs.jsonlog import emit_event
     from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
-    from tasks.job_events import JobEvents
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config_from_dict({"task": {"name": "kc-anomaly"}, "tracking": {"uri": uri}})

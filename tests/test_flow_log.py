@@ -50,7 +50,7 @@ def test_the_flow_runs_log_has_the_progress_and_names_every_task_run(reference_r
 
 
 def test_task_run_formatter_and_progress_log():
-    from tasks.flow_log import ProgressLog, TaskRunNameFormatter
+    from kuangchao_core.job.flow_log import ProgressLog, TaskRunNameFormatter
 
     record = logging.LogRecord("prefect.task_runs", logging.INFO, __file__, 1, "Finished in state %s", ("X()",), None)
     record.task_run_name = "doctor-348"

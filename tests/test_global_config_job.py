@@ -60,8 +60,8 @@ def test_config_set_reaches_running_job_at_one_step(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kuangchao_core.job.launch_attempt import launch_workers
     from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter, register_exporter
-    from tasks.launch import launch_workers
 
     steps = 400
     # every step's communication share counts as too high: the comm_share anomaly is raised in a real job

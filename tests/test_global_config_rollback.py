@@ -37,7 +37,7 @@ def _set(run_dir, pair: str) -> int:
 @pytest.fixture
 def rolled_back(tmp_path, monkeypatch):
     """An enforcing job whose operator set lr_scale 0.5 then 0.25, and whose file was then put back to 0.5."""
-    from tasks.launch import ensure_global_config
+    from kuangchao_core.job.launch_attempt import ensure_global_config
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cfg, run_dir = _job(tmp_path, 3)
@@ -84,7 +84,7 @@ def test_a_fresh_worker_reader_refuses_an_older_signed_version(rolled_back):
 
 
 def test_the_next_attempts_workers_keep_their_settings_on_a_rolled_back_file(rolled_back):
-    from tasks.launch import launch_workers
+    from kuangchao_core.job.launch_attempt import launch_workers
 
     cfg, run_dir = rolled_back["cfg"], rolled_back["run_dir"]
     env1 = issue_tokens_for_run(cfg, run_dir, 1)

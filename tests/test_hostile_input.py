@@ -124,7 +124,7 @@ def test_model_sizes_in_the_config_itself_are_bounded(tmp_path):
 
 def test_credentials_inside_the_endpoint_url_never_reach_the_written_config_params_or_reprs(tmp_path):
     from flows.train import load_job_config
-    from tasks.checkpoint import s3_settings_for
+    from kuangchao_core.job.checkpoints import s3_settings_for
 
     url = "http://AKIAEXAMPLE:s3cr3t%2Fkey@127.0.0.1:9000/base"
     cfg_file = tmp_path / "job.yaml"

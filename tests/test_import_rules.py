@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "sched": _BASE | {"hal", "comm", "obs"},
     "perm": _BASE | {"hal", "comm", "parallel", "models", "data", "ckpt", "obs", "sched"},
     "engine": _BASE | {"hal", "comm", "parallel", "models", "data", "ckpt", "obs", "sched", "perm"},
+    "job": _BASE | {"hal", "comm", "parallel", "models", "data", "ckpt", "obs", "sched", "perm", "engine"},
 }
 
 
@@ -196,11 +197,11 @@ def test_the_tree_keeps_the_layer_rules():
 
 
 def test_nothing_below_perm_imports_perm():
-    """The permission check stands on the ground floor: only the engine (above ``perm``) imports ``perm``; every
-    other layer asks through ``kuangchao_core.guard_api``, which imports nothing but ``errors``."""
+    """The permission check stands on the ground floor: only the engine and the job (above ``perm``) import
+    ``perm``; every other layer asks through ``kuangchao_core.guard_api``, which imports nothing but ``errors``."""
     graph = import_graph()
     importers = {pkg: files for pkg, targets in graph.items() for t, files in targets.items() if t == "perm"}
-    assert set(importers) <= {"engine"}, importers
+    assert set(importers) <= {"engine", "job"}, importers
     assert set(graph["guard_api"]) <= {"errors"}, dict(graph["guard_api"])
     users = {pkg for pkg, targets in graph.items() if "guard_api" in targets}
     assert {"hal", "comm", "data", "ckpt", "obs", "config", "perm"} <= users, users  # the parser sees the leaf

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import run_workers
 from kuangchao_core.sched.lifeline import Lifeline, split_tokens, wait_gone
 
@@ -58,8 +59,9 @@ ORCHESTRATOR = textwrap.dedent(
     script, out, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     tokens = {f"{m}-{r}": f"SECRET-{m}-{r}" for r in (0, 1) for m in ("worker", "data_loader")}
     tokens["monitor"] = "SECRET-monitor"
-    run_workers("rank_script", [str(out), mode, "120"], nproc=2, run_dir=out / "run", cwd=Path(script).parent,
-                env={"KC_TOKENS": json.dumps(tokens), "PYTHONPATH": sys.argv[4]})
+    from kuangchao_core.sched.launch_spec import LaunchSpec
+    run_workers(LaunchSpec("rank_script", [str(out), mode, "120"], nproc=2, run_dir=out / "run",
+                           cwd=Path(script).parent, env={"KC_TOKENS": json.dumps(tokens), "PYTHONPATH": sys.argv[4]}))
     """
 )
 
@@ -141,12 +143,14 @@ def test_each_rank_receives_only_its_own_tokens_and_no_environment_holds_one(tmp
     tokens = {f"{m}-{r}": f"SECRET-{m}-{r}" for r in (0, 1) for m in ("worker", "data_loader")}
     tokens["monitor"] = "SECRET-monitor"
     run_workers(
-        "rank_script",
-        [str(out), "hold", "0"],
-        nproc=2,
-        env={"KC_TOKENS": json.dumps(tokens), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        run_dir=tmp_path / "run",
-        cwd=scripts,
+        LaunchSpec(
+            "rank_script",
+            [str(out), "hold", "0"],
+            nproc=2,
+            env={"KC_TOKENS": json.dumps(tokens), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            run_dir=tmp_path / "run",
+            cwd=scripts,
+        )
     )
     ranks = {int(json.loads(f.read_text())["environ"].split("RANK=")[1].split("\0")[0]): json.loads(f.read_text())
              for f in out.glob("rank_*.json")}  # fmt: skip
@@ -207,14 +211,16 @@ def test_a_node_agents_ranks_stop_when_the_orchestrator_stops_beating(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match="orchestrator went silent"):
         run_workers(
-            "rank_script",
-            [str(out), "hold", "120"],
-            nproc=2,
-            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            run_dir=tmp_path / "run",
-            cwd=scripts,
-            owner_beat=beat,
-            owner_lost_after_s=3.0,
+            LaunchSpec(
+                "rank_script",
+                [str(out), "hold", "120"],
+                nproc=2,
+                env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                run_dir=tmp_path / "run",
+                cwd=scripts,
+                owner_beat=beat,
+                owner_lost_after_s=3.0,
+            )
         )
     assert time.monotonic() - t0 < 60
     assert wait_gone(_all_pids(out), 10.0) == []

@@ -13,6 +13,7 @@ import pytest
 
 from kuangchao_core.errors import ConfigError, DataError, PermissionDenied, WorkerFailed
 from kuangchao_core.sched.heartbeat import HeartbeatMonitor, HeartbeatWriter, heartbeat_path, read_beat
+from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import free_port, run_workers
 from kuangchao_core.sched.recovery import RestartPolicy, supervise
 
@@ -78,14 +79,16 @@ def _run(worker_env, tmp_path, mode, target=1, arg=0.2, **kw):
     kw.setdefault("heartbeat_interval_s", 0.3)
     try:
         res = run_workers(
-            "kc_test_worker",
-            [mode, str(target), str(arg)],
-            nproc=2,
-            env=worker_env,
-            run_dir=tmp_path / "run",
-            log_sink=lines.append,
-            timeout_s=90,
-            **kw,
+            LaunchSpec(
+                "kc_test_worker",
+                [mode, str(target), str(arg)],
+                nproc=2,
+                env=worker_env,
+                run_dir=tmp_path / "run",
+                log_sink=lines.append,
+                timeout_s=90,
+                **kw,
+            )
         )
     except WorkerFailed as e:
         return e, lines
@@ -240,7 +243,9 @@ def test_supervise_real_processes_fresh_port_each_attempt(worker_env, tmp_path):
     def launch(attempt):
         mode = "kill" if attempt == 0 else "ok"
         res = run_workers(
-            "kc_test_worker", [mode, "1", "0.1"], 2, worker_env, tmp_path / "run", attempt=attempt, timeout_s=90
+            LaunchSpec(
+                "kc_test_worker", [mode, "1", "0.1"], 2, worker_env, tmp_path / "run", attempt=attempt, timeout_s=90
+            )
         )
         endpoints.append(res.rdzv_endpoint)
         return res

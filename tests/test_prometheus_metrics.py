@@ -114,7 +114,7 @@ def test_the_endpoint_takes_the_next_free_port_of_the_span(tmp_path):
 
 
 def test_a_job_says_which_port_it_could_not_serve_on(tmp_path):
-    from flows.train import _start_exporter
+    from kuangchao_core.job.metrics_endpoint import start_exporter
 
     port = free_port()
     cfg = config_from_dict(
@@ -126,7 +126,7 @@ def test_a_job_says_which_port_it_could_not_serve_on(tmp_path):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("kuangchao_core.config.schema.PROMETHEUS_PORT_SPAN", 1)
             with pytest.raises(ConfigError, match="tracking.prometheus_port"):
-                _start_exporter(cfg, tmp_path, "r", _NullLogger())
+                start_exporter(cfg, tmp_path, "r", _NullLogger())
 
 
 def test_the_port_and_grace_are_validated_and_documented_defaults():
@@ -202,9 +202,9 @@ def test_a_real_job_feeds_every_step_though_it_logs_only_its_last(tmp_path, monk
     """Two real Gloo workers (enforcing permissions, started as the flow starts them), 60 steps, log_interval above
     the run: the console sees one step line, the metrics every step."""
     from kuangchao_core.config import load_config
+    from kuangchao_core.job.launch_attempt import launch_workers
     from kuangchao_core.obs.prometheus import register_exporter
     from kuangchao_core.perm.issuance import issue_tokens_for_run
-    from tasks.launch import launch_workers
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     steps = 60
@@ -260,7 +260,7 @@ def _launcher_lines(run_dir) -> list[str]:
 def test_the_flow_waits_for_the_last_scrape_but_not_once_the_prefect_api_is_lost(monkeypatch):
     from types import SimpleNamespace
 
-    from flows import train
+    from kuangchao_core.job import metrics_endpoint
     from kuangchao_core.obs import prefect_watch
 
     cfg = config_from_dict({"task": {"name": "t"}, "tracking": {"prometheus_grace_s": 0.5}})
@@ -269,11 +269,11 @@ def test_the_flow_waits_for_the_last_scrape_but_not_once_the_prefect_api_is_lost
     try:
         _scrape(url)  # scraped during the job
         t0 = time.monotonic()
-        train._last_scrape(cfg, exporter, _NullLogger())
+        metrics_endpoint.last_scrape(cfg, exporter, _NullLogger())
         assert 0.45 <= time.monotonic() - t0 < 5  # nobody scraped again: the whole grace period
         monkeypatch.setattr(prefect_watch, "current", lambda: SimpleNamespace(lost=True))
         t0 = time.monotonic()
-        train._last_scrape(cfg, exporter, _NullLogger())
+        metrics_endpoint.last_scrape(cfg, exporter, _NullLogger())
         assert time.monotonic() - t0 < 0.1  # a lost Prefect API ends the run at once
     finally:
         exporter.stop()

@@ -237,8 +237,8 @@ def test_the_final_metrics_are_pushed_to_a_real_pushgateway(pushgateway_bin, tmp
     warning, not a failed run."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flows.train import _last_scrape
     from kuangchao_core.config import config_from_dict
+    from kuangchao_core.job.metrics_endpoint import last_scrape
     from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -260,7 +260,7 @@ def test_the_final_metrics_are_pushed_to_a_real_pushgateway(pushgateway_bin, tmp
             metrics.observe({"event": "steps", "step": last, "first_step": last - 1, "step_times": [0.01, 0.02]})
             exporter = MetricsExporter(metrics)
             try:
-                _last_scrape(cfg, exporter, log)  # nothing scraped the job: no grace period, only the push
+                last_scrape(cfg, exporter, log)  # nothing scraped the job: no grace period, only the push
             finally:
                 exporter.stop()
         assert warnings == []
@@ -278,7 +278,7 @@ def test_the_final_metrics_are_pushed_to_a_real_pushgateway(pushgateway_bin, tmp
         )
         exporter = MetricsExporter(JobMetrics("t", "run-c"))
         try:
-            _last_scrape(dead, exporter, log)
+            last_scrape(dead, exporter, log)
         finally:
             exporter.stop()
         assert len(warnings) == 1 and "could not push the final metrics" in warnings[0]

@@ -192,7 +192,7 @@ class Cycle:
         self._issue = issue_tokens_for_run
 
     def launch(self, attempt: int, resume: str = "auto"):
-        from tasks.launch import launch_workers
+        from kuangchao_core.job.launch_attempt import launch_workers
 
         env = self._issue(self.cfg, self.run_dir, attempt)
         return launch_workers(self.cfg, self.config_path, self.run_dir, attempt, resume, None, env)
@@ -219,7 +219,7 @@ def _corrupt_file(path: Path) -> None:
 
 
 def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference_run, tmp_path, trusted, caplog):
-    from tasks.recover import plan_recovery
+    from kuangchao_core.job.recovery import plan_recovery
 
     timeout, interval = 3.0, 0.5
     cyc = Cycle(
@@ -254,7 +254,7 @@ def test_hung_worker_detected_in_time_then_resumed_past_corrupt_newest(reference
 
 
 def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp_path, trusted):
-    from tasks.recover import plan_recovery
+    from kuangchao_core.job.recovery import plan_recovery
 
     cyc = Cycle(tmp_path, _store(reference_run))
     seen: list[int] = []
@@ -284,7 +284,7 @@ def test_killed_during_checkpoint_write_resumes_from_previous(reference_run, tmp
 def test_five_sigkill_recoveries_in_a_row_each_on_first_retry(reference_run, tmp_path, trusted):
     """One job killed five times: each retry resumes from the newest checkpoint, commits a newer one (it
     recovered on its first try) and is then killed again; the sixth attempt finishes with the reference losses."""
-    from tasks.recover import plan_recovery
+    from kuangchao_core.job.recovery import plan_recovery
 
     repeats = int(os.environ.get("KC_RECOVERY_REPEATS", "5"))
     assert repeats * INTERVAL < STEPS, "every kill needs a checkpoint beyond the previous resume point"
@@ -313,7 +313,7 @@ def test_corrupt_newest_s3_checkpoint_falls_back_to_previous(reference_run, tmp_
     import boto3
 
     from kuangchao_core.ckpt.s3 import S3Settings
-    from tasks.checkpoint import restore_from_s3, upload_intact
+    from kuangchao_core.job.checkpoints import restore_from_s3, upload_intact
 
     src = _ckpt_dir(reference_run["overrides"])
     overrides = tiny_overrides(tmp_path, _store(reference_run))

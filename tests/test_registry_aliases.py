@@ -181,7 +181,8 @@ def test_mlflow_pyfunc_loader_answers_a_prompt_from_the_champion(tmp_path, demo_
 def test_the_run_summary_says_which_alias_moved_and_why(prefect_api, tmp_path, demo_model, monkeypatch):
     """One real flow (two workers, 4 steps) on top of a registered champion: only ``newest`` moves, and the summary
     (dict and markdown) says so and why."""
-    from flows.train import _summary_markdown, train_flow
+    from flows.train import train_flow
+    from kuangchao_core.job.finish import summary_markdown
 
     name = f"kc-alias-{uuid.uuid4().hex[:6]}"
     store = Store(tmp_path, name)
@@ -209,7 +210,7 @@ def test_the_run_summary_says_which_alias_moved_and_why(prefect_api, tmp_path, d
     assert summary["model_version"] == 2
     assert (store.at(ALIAS_NEWEST), store.at(ALIAS_CHAMPION)) == (2, 1)
     assert summary["registry"].startswith(f"{name} v2: newest moved; champion stays at v1: heldout_accuracy")
-    markdown = _summary_markdown(store.cfg(f"task.name={name}"), summary)
+    markdown = summary_markdown(store.cfg(f"task.name={name}"), summary)
     assert "| registry |" in markdown and "champion stays at v1" in markdown
     assert (Path(summary["model_dir"]) / "MLmodel").is_file()
     assert os.path.isfile(Path(summary["model_dir"]) / "kc_pyfunc.py")

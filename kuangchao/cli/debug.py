@@ -162,8 +162,8 @@ def _run_for_snapshot(config: str, set_: list[str], step: int) -> Path:
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
+    from kuangchao_core.job.launch_attempt import launch_workers
     from kuangchao_core.perm.issuance import close_authority, issue_tokens_for_run
-    from tasks.launch import launch_workers
 
     run.mkdir(parents=True, exist_ok=True)
     (run / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")

@@ -25,17 +25,16 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
+from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
@@ -189,75 +188,34 @@ class _OwnerWatch:
         return f"no beat in {silent:.1f} s (limit {self.lost_after_s:g} s)" if silent > self.lost_after_s else None
 
 
-def run_workers(
-    module: str,
-    args: list[str],
-    nproc: int,
-    env: dict | None,
-    run_dir: Path,
-    heartbeat_timeout_s: float | None = None,
-    heartbeat_interval_s: float = 1.0,
-    log_sink: Callable[[str], None] | None = None,
-    attempt: int = 0,
-    *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    rdzv_id: str | None = None,
-    local_addr: str | None = None,
-    rdzv_is_host: bool | None = None,
-    out_dir: Path | None = None,
-    stop_file: Path | None = None,
-    startup_grace_s: float | None = None,
-    shutdown_timeout_s: int = 2,
-    monitor_interval_s: float = 0.1,
-    timeout_s: float | None = None,
-    cwd: Path | None = None,
-    python: str = sys.executable,
-    owner_beat: Path | None = None,
-    owner_lost_after_s: float = 10.0,
-) -> LaunchResult:
-    """Run ``python -m module *args`` on ``nproc`` local workers (one attempt) and wait for the group to finish.
-
-    ``run_dir/attempt_<n>/`` receives the per-rank logs and error files (``logs/``), the heartbeat files
-    (``heartbeat/``) and the full launcher output (``launcher.log``). Workers get ``KC_HEARTBEAT_DIR``,
-    ``KC_HEARTBEAT_INTERVAL_S`` and ``KC_ATTEMPT``; they beat with ``HeartbeatWriter.from_env()``.
-    With ``heartbeat_timeout_s`` set, a rank silent for longer (after its first beat; before it only if
-    ``startup_grace_s`` is set and passes) makes the launcher SIGKILL the group. ``timeout_s`` bounds the whole
-    attempt. For several nodes pass ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` and a shared
-    ``rdzv_id``; heartbeats are then watched for this node's ranks. ``local_addr`` is the address this node's
-    agent announces (the c10d rendezvous orders nodes by it) and ``rdzv_is_host`` says whether this node hosts the
-    rendezvous store (hosts that share a hostname, e.g. network namespaces, cannot tell by themselves).
-    ``out_dir`` (default ``run_dir/attempt_<n>``) receives this node's logs; the heartbeat directory stays shared.
-    A ``stop_file`` that appears makes the launcher SIGKILL the group (the orchestrator stopping a node's share);
-    so does an ``owner_beat`` file (the orchestrator's ``{"counter": n}``) that stops changing for
-    ``owner_lost_after_s`` (the orchestrator died). ``KC_TOKENS`` in ``env`` is handed out per rank over the lifeline.
+def run_workers(spec: LaunchSpec) -> LaunchResult:
+    """Run one attempt of ``spec`` (a :class:`~kuangchao_core.sched.launch_spec.LaunchSpec`) and wait for the group
+    to finish: ``python -m module *args`` under torchrun, watched as the spec says.
 
     Returns a ``LaunchResult`` when every worker exits 0; raises ``WorkerFailed(rank, cause, exit_code)`` otherwise.
     """
-    if nproc < 1 or nnodes < 1:
-        raise ValueError(f"nproc and nnodes must be >= 1 (got nproc={nproc}, nnodes={nnodes})")
-    if nnodes > 1 and master_port is None:
+    if spec.nproc < 1 or spec.nnodes < 1:
+        raise ValueError(f"nproc and nnodes must be >= 1 (got nproc={spec.nproc}, nnodes={spec.nnodes})")
+    if spec.nnodes > 1 and spec.master_port is None:
         raise ValueError("several nodes need an agreed master_port (the rendezvous endpoint on node 0)")
-    port = master_port if master_port is not None else free_port(master_addr)
-    endpoint = f"{master_addr}:{port}"
-    attempt_dir = Path(run_dir) / f"attempt_{attempt}"
-    own_dir = Path(out_dir) if out_dir is not None else attempt_dir
+    port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+    endpoint = f"{spec.master_addr}:{port}"
+    attempt_dir = Path(spec.run_dir) / f"attempt_{spec.attempt}"
+    own_dir = Path(spec.out_dir) if spec.out_dir is not None else attempt_dir
     log_dir = own_dir / "logs"
     hb_dir = attempt_dir / "heartbeat"
     log_dir.mkdir(parents=True, exist_ok=True)
     hb_dir.mkdir(parents=True, exist_ok=True)
 
     full_env = dict(os.environ)
-    full_env.update(env or {})
+    full_env.update(spec.env or {})
     full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
     full_env[ENV_DIR] = str(hb_dir)
-    full_env[ENV_INTERVAL] = str(heartbeat_interval_s)
-    full_env[ENV_ATTEMPT] = str(attempt)
+    full_env[ENV_INTERVAL] = str(spec.heartbeat_interval_s)
+    full_env[ENV_ATTEMPT] = str(spec.attempt)
     full_env.pop("TORCHELASTIC_ERROR_FILE", None)
     tokens = json.loads(full_env.pop("KC_TOKENS", "") or "{}")
     # a placement may give this node's slots other mesh ranks (KC_RANK_MAP, applied by the workers themselves)
@@ -266,36 +224,36 @@ def run_workers(
     full_env.update(lifeline.env())
 
     cmd = [
-        python,
+        spec.python,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        str(nnodes),
+        str(spec.nnodes),
         "--node-rank",
-        str(node_rank),
+        str(spec.node_rank),
         "--nproc-per-node",
-        str(nproc),
+        str(spec.nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
         endpoint,
         "--rdzv-id",
-        rdzv_id or f"kc-{attempt}-{uuid.uuid4().hex[:8]}",
-        *(["--local-addr", local_addr] if local_addr else []),
-        *(["--rdzv-conf", f"is_host={str(rdzv_is_host).lower()}"] if rdzv_is_host is not None else []),
+        spec.rdzv_id or f"kc-{spec.attempt}-{uuid.uuid4().hex[:8]}",
+        *(["--local-addr", spec.local_addr] if spec.local_addr else []),
+        *(["--rdzv-conf", f"is_host={str(spec.rdzv_is_host).lower()}"] if spec.rdzv_is_host is not None else []),
         "--max-restarts",
         "0",
         "--monitor-interval",
-        str(monitor_interval_s),
+        str(spec.monitor_interval_s),
         "--shutdown-timeout",
-        str(max(1, int(shutdown_timeout_s))),
+        str(max(1, int(spec.shutdown_timeout_s))),
         "--log-dir",
         str(log_dir),
         "--tee",
         "3",
         "-m",
-        module,
-        *[str(a) for a in args],
+        spec.module,
+        *[str(a) for a in spec.args],
     ]
 
     tail: deque[str] = deque(maxlen=2000)
@@ -314,9 +272,9 @@ def run_workers(
                 if m and m.group(2).strip():
                     last_by_rank[int(m.group(1))] = m.group(2).strip()
                 launcher_log.write(line + "\n")
-                if log_sink is not None:
+                if spec.log_sink is not None:
                     try:
-                        log_sink(line)
+                        spec.log_sink(line)
                     except Exception:  # noqa: BLE001 - a broken sink must not take the launcher down
                         pass
         stream.close()
@@ -326,7 +284,7 @@ def run_workers(
         proc = subprocess.Popen(
             cmd,
             env=full_env,
-            cwd=str(cwd) if cwd else None,
+            cwd=str(spec.cwd) if spec.cwd else None,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -343,18 +301,22 @@ def run_workers(
     for t in readers:
         t.start()
 
-    local_ranks = [node_rank * nproc + i for i in range(nproc)]
+    local_ranks = [spec.node_rank * spec.nproc + i for i in range(spec.nproc)]
     if rank_map is not None:
         local_ranks = [rank_map[s] for s in local_ranks]
     monitor = (
-        HeartbeatMonitor(hb_dir, local_ranks, heartbeat_timeout_s, attempt=attempt, startup_grace_s=startup_grace_s)
-        if heartbeat_timeout_s
+        HeartbeatMonitor(
+            hb_dir, local_ranks, spec.heartbeat_timeout_s, attempt=spec.attempt, startup_grace_s=spec.startup_grace_s
+        )
+        if spec.heartbeat_timeout_s
         else None
     )
-    period = 0.2 if monitor is None else max(0.02, min(0.25, heartbeat_interval_s / 4, heartbeat_timeout_s / 8))
+    period = (
+        0.2 if monitor is None else max(0.02, min(0.25, spec.heartbeat_interval_s / 4, spec.heartbeat_timeout_s / 8))
+    )
 
     failure: WorkerFailed | None = None
-    owner = _OwnerWatch(owner_beat, owner_lost_after_s) if owner_beat is not None else None
+    owner = _OwnerWatch(spec.owner_beat, spec.owner_lost_after_s) if spec.owner_beat is not None else None
     try:
         while proc.poll() is None:
             time.sleep(period)
@@ -366,20 +328,21 @@ def run_workers(
                     kill_tree(proc, beat_pids)
                     what = "heartbeat lost" if monitor.seen(rank) else "no first heartbeat"
                     failure = WorkerFailed(
-                        rank, f"{what} for {silent:.1f} s (timeout {heartbeat_timeout_s:g} s, attempt {attempt})"
+                        rank,
+                        f"{what} for {silent:.1f} s (timeout {spec.heartbeat_timeout_s:g} s, attempt {spec.attempt})",
                     )
                     break
-            if stop_file is not None and stop_file.exists() and proc.poll() is None:
+            if spec.stop_file is not None and spec.stop_file.exists() and proc.poll() is None:
                 kill_tree(proc)
-                failure = WorkerFailed(None, f"stopped by the orchestrator ({stop_file.read_text().strip()})")
+                failure = WorkerFailed(None, f"stopped by the orchestrator ({spec.stop_file.read_text().strip()})")
                 break
             if owner is not None and owner.lost() and proc.poll() is None:
                 kill_tree(proc)
                 failure = WorkerFailed(None, f"stopped: the orchestrator went silent ({owner.lost()})")
                 break
-            if timeout_s is not None and time.monotonic() - t0 > timeout_s and proc.poll() is None:
+            if spec.timeout_s is not None and time.monotonic() - t0 > spec.timeout_s and proc.poll() is None:
                 kill_tree(proc)
-                failure = WorkerFailed(None, f"attempt {attempt} exceeded its time limit of {timeout_s:g} s")
+                failure = WorkerFailed(None, f"attempt {spec.attempt} exceeded its time limit of {spec.timeout_s:g} s")
                 break
     except BaseException:
         kill_tree(proc)
@@ -395,7 +358,7 @@ def run_workers(
         raise failure
     code = proc.returncode
     if code == 0:
-        return LaunchResult(attempt, 0, duration, attempt_dir, log_dir, hb_dir, endpoint, lines=counter[0])
+        return LaunchResult(spec.attempt, 0, duration, attempt_dir, log_dir, hb_dir, endpoint, lines=counter[0])
 
     text = "\n".join(tail)
     info = _parse_root_cause(text)

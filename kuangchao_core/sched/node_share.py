@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import run_workers
 
 ENV_TOKENS = "KC_TOKENS"
@@ -141,25 +142,27 @@ def run_node_share(share: NodeShare) -> dict[str, Any]:
         env.setdefault("NCCL_SOCKET_IFNAME", share.ifname)
     try:
         result = run_workers(
-            share.module,
-            share.args,
-            nproc=share.nproc,
-            env=env,
-            run_dir=Path(share.run_dir),
-            heartbeat_timeout_s=share.heartbeat_timeout_s,
-            heartbeat_interval_s=share.heartbeat_interval_s,
-            attempt=share.attempt,
-            nnodes=share.nnodes,
-            node_rank=share.node_rank,
-            master_addr=share.rdzv_host,
-            master_port=share.rdzv_port,
-            rdzv_id=share.rdzv_id,
-            local_addr=share.local_addr,
-            rdzv_is_host=share.node_rank == 0,
-            out_dir=out,
-            stop_file=stop_path(share.run_dir, share.attempt),
-            owner_beat=owner_beat_path(share.run_dir, share.attempt) if share.owner_lost_after_s else None,
-            owner_lost_after_s=share.owner_lost_after_s or 10.0,
+            LaunchSpec(
+                share.module,
+                share.args,
+                nproc=share.nproc,
+                env=env,
+                run_dir=Path(share.run_dir),
+                heartbeat_timeout_s=share.heartbeat_timeout_s,
+                heartbeat_interval_s=share.heartbeat_interval_s,
+                attempt=share.attempt,
+                nnodes=share.nnodes,
+                node_rank=share.node_rank,
+                master_addr=share.rdzv_host,
+                master_port=share.rdzv_port,
+                rdzv_id=share.rdzv_id,
+                local_addr=share.local_addr,
+                rdzv_is_host=share.node_rank == 0,
+                out_dir=out,
+                stop_file=stop_path(share.run_dir, share.attempt),
+                owner_beat=owner_beat_path(share.run_dir, share.attempt) if share.owner_lost_after_s else None,
+                owner_lost_after_s=share.owner_lost_after_s or 10.0,
+            )
         )
     except WorkerFailed as exc:
         _write_json(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})

@@ -49,7 +49,7 @@ class JobEvents:
     ):
         """``prefect``: send Prefect events; by default when built inside a Prefect flow or task run (outside one a
         Prefect client would start a temporary server of its own just for the event). ``mirror``: the run's
-        :class:`~tasks.ckpt_mirror.CheckpointMirror`, given every ``checkpoint`` event."""
+        :class:`~kuangchao_core.job.ckpt_mirror.CheckpointMirror`, given every ``checkpoint`` event."""
         self.mirror = mirror
         self.prefect = _in_prefect_run() if prefect is None else prefect
         self.cfg = cfg

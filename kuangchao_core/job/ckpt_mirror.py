@@ -2,9 +2,9 @@
 so a job that dies has its last checkpoint there (not only a job that finished).
 
 The orchestrator holds the S3 credentials (workers never get them): the launch task's event listener
-(:class:`~tasks.job_events.JobEvents`) hands each ``checkpoint`` event of the ranks to the run's
+(:class:`~kuangchao_core.job.job_events.JobEvents`) hands each ``checkpoint`` event of the ranks to the run's
 :class:`CheckpointMirror`, whose one background thread uploads every intact step of the lineage that S3 does not
-hold yet (:func:`~tasks.checkpoint.upload_intact`: idempotent, a torn step is never sent). The flow owns the mirror
+hold yet (:func:`~kuangchao_core.job.checkpoints.upload_intact`: idempotent, a torn step is never sent). The flow owns the mirror
 across attempts and drains it before its final ``checkpoint`` task and when it fails.
 """
 
@@ -38,7 +38,7 @@ class CheckpointMirror:
         self._queue.put(int(step))
 
     def _work(self) -> None:
-        from tasks.checkpoint import upload_intact
+        from kuangchao_core.job.checkpoints import upload_intact
 
         while True:
             step = self._queue.get()
