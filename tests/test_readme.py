@@ -249,8 +249,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     versions = sorted(int(v.version) for v in client.search_model_versions("name='kc-tiny-demo'"))
     assert len(versions) >= 4, versions  # the demo, the 40- and 80-step runs, the deployment's 100-step run
-    assert client.get_model_version_by_alias("kc-tiny-demo", "champion").version == "1"
-    assert client.get_model_version_by_alias("kc-tiny-demo", "newest").version == str(versions[-1])
+    assert int(client.get_model_version_by_alias("kc-tiny-demo", "champion").version) == 1
+    assert int(client.get_model_version_by_alias("kc-tiny-demo", "newest").version) == versions[-1]
     # the fine-tune section: from 0 % (the addition model does not subtract) to >= 80 % on 256 held-out problems
     tuned = client.get_run(client.get_model_version_by_alias("kc-finetune-demo", "newest").run_id)
     assert tuned.data.tags["kuangchao.base_model"] == "kc-tiny-demo v1"  # the champion: the demo's own model
