@@ -23,7 +23,8 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import is_alive, wait_gone
-from tests.cluster.bench import Bench, bench_unavailable, remove_leftovers
+from tests.cluster import netlab
+from tests.cluster.bench import Bench, bench_unavailable
 from tests.conftest_prefect import TINY, loss_history
 from tests.engine_helpers import run_trainers
 from tests.mp import run_distributed
@@ -61,7 +62,7 @@ class Cluster:
 
     def up(self) -> None:
         self.bench.up()
-        port = 4300 + os.getpid() % 500
+        port = netlab.free_port(self.bench.address)  # this bench's own: another run may serve on the machine
         api = f"http://{self.bench.address}:{port}/api"
         self.env = {
             **os.environ,
@@ -158,7 +159,7 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.down()
-        assert not remove_leftovers(), "the bench left namespaces or links behind"
+        assert not c.bench.leftovers(), "the bench left namespaces or links behind"
 
 
 def _overrides(workdir: Path, task: str, store: Path, **extra) -> list[str]:

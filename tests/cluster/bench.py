@@ -3,15 +3,17 @@
 Each host is a network namespace with its own loopback (ranks on one host talk over it, fast) and an ``eth0``
 whose veth peer sits on a bridge in the root namespace; the bridge carries the orchestrator's address. Both ends of
 every veth are rate-limited with ``tbf`` (``netem`` is not available here, so there is no emulated delay), so
-traffic between hosts crosses a slow link — a real two-level topology. Addresses come from 198.18.0.0/24, the
-range reserved for benchmarks; nothing else is routed.
+traffic between hosts crosses a slow link — a real two-level topology. Each bench claims its own name prefix and a
+free /24 of 198.18.0.0/15, the range reserved for benchmarks (``tests/cluster/netlab.py``), so two benches — two
+copies of the test suite, or the bench next to a Slurm lab — run side by side, and each removes only its own hosts.
 
     python -m tests.cluster.bench up --hosts 3      # prints the hosts and their addresses, leaves them up
-    python -m tests.cluster.bench down              # removes every namespace and link this bench created
+    python -m tests.cluster.bench down              # removes the benches left up, and those of dead test runs
 
 In tests: ``with Bench(3) as bench: bench.popen(0, [...])``. Leaving the block — also through an exception —
-kills every process left in the namespaces and removes them; :func:`remove_leftovers` clears what a killed test
-session left behind. Creating namespaces needs root (``CAP_NET_ADMIN``); :func:`bench_unavailable` says why not.
+kills every process left in the namespaces and removes them; a bench whose test process was killed is removed by
+the next bench or Slurm lab that comes up (:func:`remove_leftovers` does it by hand). Creating namespaces needs
+root (``CAP_NET_ADMIN``); :func:`bench_unavailable` says why not.
 """
 
 from __future__ import annotations
@@ -26,14 +28,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-PREFIX = "kcb"  # every namespace and link of the bench starts with this
-SUBNET = "198.18.0"
-BRIDGE_ADDRESS = f"{SUBNET}.1"
+from tests.cluster import netlab
+
+KIND = "kb"  # every bench's prefix starts with this (then six random letters or digits)
 RATE = "400mbit"
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
 def bench_unavailable() -> str | None:
@@ -45,40 +43,18 @@ def bench_unavailable() -> str | None:
             return f"the `{tool}` command (iproute2) is missing"
     if os.geteuid() != 0:
         return "creating network namespaces needs root (CAP_NET_ADMIN); run the cluster tests as root"
-    probe = f"{PREFIX}probe{os.getpid() % 10000}"
-    made = _ip("netns", "add", probe, check=False)
+    probe = f"{KIND}probe{os.getpid() % 100000}"
+    made = netlab.ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
+    netlab.ip("netns", "del", probe, check=False)
     return None
 
 
-def remove_leftovers() -> list[str]:
-    """Remove every namespace and link whose name starts with the bench prefix; returns what was removed."""
-    removed = []
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if name.startswith(PREFIX):
-            _kill_namespace_processes(name)
-            _ip("netns", "del", name, check=False)
-            removed.append(name)
-    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-        parts = line.split(":")
-        if len(parts) > 1:
-            name = parts[1].strip().split("@")[0]
-            if name.startswith(PREFIX):
-                _ip("link", "del", name, check=False)
-                removed.append(name)
-    return removed
-
-
-def _kill_namespace_processes(ns: str) -> None:
-    pids = _ip("netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, PermissionError):
-            pass
+def remove_leftovers(persistent: bool = False) -> list[str]:
+    """Remove the benches whose test process is gone (with ``persistent``, also those ``up`` left up); returns the
+    names removed. A running bench is never touched."""
+    return netlab.reap(KIND, persistent=persistent)
 
 
 @dataclass
@@ -99,13 +75,17 @@ class Host:
 
 @dataclass
 class Bench:
-    """``hosts`` namespaces on one bridge; a context manager that removes them again (see the module docstring)."""
+    """``hosts`` namespaces on one bridge; a context manager that removes them again (see the module docstring).
+    ``address`` (the bridge's, the orchestrator's) and the hosts' addresses are known once ``up`` has run."""
 
     hosts_wanted: int = 2
     rate: str | None = RATE
     hosts: list[Host] = field(default_factory=list)
-    bridge: str = f"{PREFIX}br0"
-    address: str = BRIDGE_ADDRESS
+    bridge: str = ""
+    address: str = ""
+    #: keep the hosts after this process ends (the ``up`` command); ``down`` removes them
+    persistent: bool = False
+    claim: netlab.Claim | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list)
 
     def __enter__(self) -> Bench:
@@ -116,13 +96,12 @@ class Bench:
         self.down()
 
     def up(self) -> None:
-        """Create the bridge and the hosts (leftovers of an earlier bench are removed first)."""
-        remove_leftovers()
+        """Claim a prefix and a free /24, create the bridge and the hosts."""
+        self.claim = netlab.claim(KIND, owner=0 if self.persistent else None)
         atexit.register(self.down)
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            self.address = netlab.add_bridge(self.claim)
+            self.bridge = self.claim.bridge
             for i in range(self.hosts_wanted):
                 self.hosts.append(self._add_host(i))
         except BaseException:
@@ -130,17 +109,9 @@ class Bench:
             raise
 
     def _add_host(self, i: int) -> Host:
-        ns, outer, inner = f"{PREFIX}h{i}", f"{PREFIX}v{i}", f"{PREFIX}p{i}"
-        host = Host(i, ns, f"{SUBNET}.{10 + i}", outer=outer)
-        _ip("netns", "add", ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", inner, "netns", ns)
-        _ip("-n", ns, "link", "set", inner, "name", host.ifname)
-        _ip("-n", ns, "addr", "add", f"{host.address}/24", "dev", host.ifname)
-        _ip("-n", ns, "link", "set", host.ifname, "up")
-        _ip("link", "set", outer, "master", self.bridge)
-        _ip("link", "set", outer, "up")
+        address = f"{self.claim.subnet}.{10 + i}"
+        ns, outer = netlab.add_host(self.claim, i, address)
+        host = Host(i, ns, address, outer=outer)
         if self.rate:
             shape = ["root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms"]
             subprocess.run(["tc", "qdisc", "add", "dev", outer, *shape], check=True, capture_output=True)
@@ -152,16 +123,20 @@ class Bench:
         kwargs.setdefault("start_new_session", True)
         proc = subprocess.Popen(self.hosts[host].command(argv), **kwargs)
         self._procs.append(proc)
+        self.claim.add_pid(proc.pid)
         return proc
 
     def kill_host(self, host: int) -> int:
         """SIGKILL every process inside host ``host`` (a node lost); returns how many were killed."""
-        pids = _ip("netns", "pids", self.hosts[host].netns, check=False).stdout.split()
-        _kill_namespace_processes(self.hosts[host].netns)
-        return len(pids)
+        return netlab.kill_namespace(self.hosts[host].netns)
+
+    def leftovers(self) -> list[str]:
+        """This bench's namespaces and links that still exist (none after ``down``)."""
+        return netlab.existing(self.claim) if self.claim else []
 
     def down(self) -> None:
-        """Kill what runs in the hosts and remove namespaces, veths and the bridge (idempotent)."""
+        """Kill what runs in the hosts and remove this bench's namespaces, veths and bridge (idempotent); never
+        anything another bench or lab made."""
         for proc in self._procs:
             if proc.poll() is None:
                 try:
@@ -174,17 +149,10 @@ class Bench:
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()
-        for host in self.hosts:
-            _kill_namespace_processes(host.netns)
-        time.sleep(0.05)
-        for host in self.hosts:
-            # deleting one end of a veth removes both at once; a namespace's own links go in the kernel's deferred
-            # namespace cleanup, which can leave the root end behind for a while after `ip netns del` returns
-            if host.outer:
-                _ip("link", "del", host.outer, check=False)
-            _ip("netns", "del", host.netns, check=False)
+        if self.claim is not None:
+            time.sleep(0.05)
+            netlab.release(self.claim)
         self.hosts.clear()
-        _ip("link", "del", self.bridge, check=False)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -193,16 +161,16 @@ def _main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="create the hosts and leave them up")
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--rate", default=RATE, help="tbf rate of every link, e.g. 400mbit; 'none' for unshaped")
-    sub.add_parser("down", help="remove every namespace and link of the bench")
+    sub.add_parser("down", help="remove the benches `up` left, and those of test runs that died")
     args = ap.parse_args(argv)
     if args.cmd == "down":
-        print("removed:", " ".join(remove_leftovers()) or "nothing")
+        print("removed:", " ".join(remove_leftovers(persistent=True)) or "nothing")
         return 0
     why = bench_unavailable()
     if why:
         print(f"cannot build the bench: {why}", file=sys.stderr)
         return 2
-    bench = Bench(args.hosts, None if args.rate == "none" else args.rate)
+    bench = Bench(args.hosts, None if args.rate == "none" else args.rate, persistent=True)
     bench.up()
     atexit.unregister(bench.down)
     print(f"bridge {bench.bridge} {bench.address}")
