@@ -18,8 +18,8 @@ if str(ROOT) not in sys.path:
 
 from tests import fixtures, tiers  # noqa: E402  (needs ROOT on sys.path)
 
-# the lifecycle fixtures (session_store, reference_run) are fixtures of every test module, without imports
-pytest_plugins = ["tests.conftest_prefect"]
+# the lifecycle fixtures (session_store, reference_run) and slurm_cluster: fixtures of every test module, no imports
+pytest_plugins = ["tests.conftest_prefect", "tests.conftest_slurm"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 TIERS = ("unit", "distributed", "flows", "e2e")  # what each holds: the markers in pyproject.toml
 
-FIXTURE_TIERS = {"prefect_api": "flows"}
+FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e"}
 
 FILE_TIERS = {
     "test_activation_checkpointing.py": "distributed",
@@ -110,6 +110,7 @@ FILE_TIERS = {
     "test_s3.py": "unit",
     "test_second_run.py": "flows",
     "test_sft_data.py": "unit",
+    "test_slurm_lab.py": "e2e",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
     "test_step_loss.py": "distributed",

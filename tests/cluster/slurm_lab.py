@@ -134,11 +134,13 @@ class SlurmLab:
     def kill_node(self, node: str) -> int:
         """Kill node ``node``: its slurmd and every process in its network namespace (job steps, ranks), with
         SIGKILL — a node lost, as Slurm sees it. Returns how many processes were killed."""
+        killed = 0
         proc = self._procs.get(f"slurmd-{node}")
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
-        return netlab.kill_namespace(self._netns[node])
+            killed = 1
+        return killed + netlab.kill_namespace(self._netns[node])
 
     def start_node(self, node: str) -> None:
         """(Re)start node ``node``'s slurmd (a killed node coming back: ``ReturnToService=2`` returns it to
