@@ -32,15 +32,16 @@ from pathlib import Path
 from tests.cluster import netlab, slurm_db
 
 KIND = "ks"
-DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sacct", "scontrol", "nsenter", "unshare", "ip")
+COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sacct", "scontrol", "nsenter", "unshare", "ip")
 PACKAGES = "slurm-wlm munge slurmdbd mariadb-server-core"
+PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # the daemons live in sbin
 
 
 def slurm_unavailable() -> str | None:
     """Why a Slurm lab cannot come up here (None when it can)."""
     if os.geteuid() != 0:
         return "a Slurm lab needs root (network namespaces, munged, slurmd)"
-    missing = [c for c in (*DAEMONS, *slurm_db.COMMANDS) if shutil.which(c) is None]
+    missing = [c for c in (*COMMANDS, *slurm_db.COMMANDS) if shutil.which(c, path=PATH) is None]
     if missing:
         return f"missing {', '.join(missing)}: apt-get install -y --no-install-recommends {PACKAGES}"
     return None
@@ -233,7 +234,7 @@ class SlurmLab:
             run=d / "run",
         )
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
-        self.env["SLURM_CONF"] = str(self.conf)
+        self.env.update(SLURM_CONF=str(self.conf), PATH=PATH)
 
     def _start_daemons(self, deadline: float) -> None:
         d = self.directory
