@@ -23,7 +23,6 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import is_alive, wait_gone
-from tests.cluster import netlab
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.conftest_prefect import TINY, loss_history
 from tests.engine_helpers import run_trainers
@@ -62,7 +61,7 @@ class Cluster:
 
     def up(self) -> None:
         self.bench.up()
-        port = netlab.free_port(self.bench.address)  # this bench's own: another run may serve on the machine
+        port = self.bench.free_port()  # never a fixed one: another run may serve on this machine
         api = f"http://{self.bench.address}:{port}/api"
         self.env = {
             **os.environ,

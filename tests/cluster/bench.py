@@ -126,6 +126,10 @@ class Bench:
         self.claim.add_pid(proc.pid)
         return proc
 
+    def free_port(self) -> int:
+        """A TCP port free on the bridge address (for a server the hosts reach: never a fixed one)."""
+        return netlab.free_port(self.address)
+
     def kill_host(self, host: int) -> int:
         """SIGKILL every process inside host ``host`` (a node lost); returns how many were killed."""
         return netlab.kill_namespace(self.hosts[host].netns)
