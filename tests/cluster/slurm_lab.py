@@ -10,7 +10,7 @@ share this machine's file system, so a job runs the project's Python. ``/etc/hos
 ``/etc/munge`` are never touched; clients need the lab's ``env`` (``SLURM_CONF``).
 
     lab = SlurmLab(3)
-    lab.up()              # about 5 s
+    lab.up()              # about 3 s (munged, MariaDB, slurmdbd, slurmctld, every slurmd; all nodes idle)
     lab.run(["srun", "-N3", "hostname"]).stdout
     lab.down()            # by recorded PID, then what is left in its namespaces, then the namespaces
 
@@ -48,7 +48,13 @@ def slurm_unavailable() -> str | None:
 
 
 class SlurmLab:
-    """``nodes`` Slurm nodes ``n1..nN`` (``cpus`` CPUs each) in partition ``debug``, with job accounting."""
+    """``nodes`` Slurm nodes ``n1..nN`` (``cpus`` CPUs each) in partition ``debug``, with job accounting.
+
+    Once up: ``conf`` (slurm.conf), ``env`` (this process's environment without ``SLURM_*``/``SBATCH_*``/
+    ``SALLOC_*``/``SRUN_*``, plus ``SLURM_CONF`` and sbin on ``PATH``: what a client needs), ``nodes``,
+    ``node_addr`` (node -> address), ``partition``, ``directory``, ``address`` (the controller's, on the bridge),
+    ``ports`` (slurmctld, slurmd, slurmdbd, mariadb) and ``claim`` (the lab's names and subnet, ``netlab.Claim``).
+    """
 
     partition = "debug"
 
