@@ -7,6 +7,8 @@ Debian's Slurm packages (``.ci/run`` installs them).
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -131,6 +133,37 @@ def test_a_lab_that_fails_to_come_up_removes_what_it_made(slurm_cluster):
         lab.up(timeout_s=0.0)  # no daemon can be ready: up fails after creating the network and starting munged
     assert lab.claim is not None and lab.claim.netns, "the failure came before anything was made"
     assert lab.leftovers() == [] and not lab.claim.path.exists()
+
+
+LAB_THEN_HANG = """
+import json, time
+from tests.cluster.slurm_lab import SlurmLab
+lab = SlurmLab(1)
+lab.up()
+print(json.dumps(lab.claim.prefix), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_lab_whose_test_process_was_killed_is_removed_by_the_next_claim(slurm_cluster):
+    """No ``finally`` runs after a ``kill -9``: the lab's record names its processes and namespaces, and the next
+    claim on the machine (here an explicit reap) removes them; the running fixture's lab is untouched."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", LAB_THEN_HANG], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        prefix = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    orphan = next(c for c in netlab.claims() if c.prefix == prefix)
+    assert len(orphan.pids) == 5 and all(netlab.running(p, s) for p, s in orphan.pids)  # the daemons outlive it
+    removed = netlab.reap("ks")
+    assert set(netlab.existing(orphan)) == set() and set(removed) >= {*orphan.netns, *orphan.links, orphan.bridge}
+    assert not any(netlab.running(p, s) for p, s in orphan.pids) and not orphan.path.exists()
+    assert orphan.directory and not Path(orphan.directory).exists()
+    lab = slurm_cluster  # its owner (this process) runs: every process and name of it is still there
+    assert all(netlab.running(p, s) for p, s in lab.claim.pids) and len(netlab.existing(lab.claim)) == 7
+    assert lab.node_state() == dict.fromkeys(lab.nodes, "idle")
 
 
 def test_a_killed_node_has_no_process_left_and_comes_back(slurm_cluster):

@@ -23,6 +23,7 @@ import ipaddress
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import string
@@ -82,7 +83,7 @@ class Claim:
     netns: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     pids: list[list[int | None]] = field(default_factory=list)  # [pid, start time]
-    directory: str = ""
+    directory: str = ""  # a directory made for the lab alone: removed with it
 
     @property
     def path(self) -> Path:
@@ -219,6 +220,8 @@ def release(c: Claim, grace_s: float = 2.0) -> list[str]:
             ip("netns", "del", ns, check=False)
     if c.bridge in there:
         ip("link", "del", c.bridge, check=False)
+    if c.directory:
+        shutil.rmtree(c.directory, ignore_errors=True)
     c.path.unlink(missing_ok=True)
     return there
 
