@@ -24,8 +24,11 @@ demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local P
 	# each demo trains from scratch in a new checkpoint lineage (earlier demos' lineages stay as they were)
 	$(VENV)/bin/kc train --config configs/tiny.yaml --resume never
 
-test: setup  ## the whole test suite, every tier
-	$(PY) -m pytest tests -q -ra --durations=15
+# pytest-xdist workers of `make test`; each test file runs whole on one of them (tests/tiers.py says which start first)
+TEST_WORKERS ?= 2
+
+test: setup  ## the whole test suite, every tier, on $(TEST_WORKERS) workers (TEST_WORKERS=0: one process)
+	$(PY) -m pytest tests -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: test-unit  ## the unit tier: in-process tests, under 2 minutes
 

@@ -182,6 +182,19 @@ class TierError(ValueError):
     """A test has no tier or more than one."""
 
 
+#: files that start first when ``make test`` runs them on two workers (``pytest -n 2 --dist loadfile``): the longest,
+#: so that no long file starts last while the other worker has nothing left (then every e2e, flows, distributed and
+#: unit file, in that order: long files first, the many short ones fill the gaps)
+RUN_FIRST = ("test_readme.py", "test_cluster.py", "test_slurm.py", "test_gpu_check.py", "test_recovery.py")
+
+
+def run_order(file: str) -> tuple[int, int]:
+    """The sort key of a test file in the session: :data:`RUN_FIRST` in its order, then the files by tier."""
+    if file in RUN_FIRST:
+        return (0, RUN_FIRST.index(file))
+    return (1, TIERS[::-1].index(FILE_TIERS.get(file, "unit")))
+
+
 def tier_of(file: str, test: str, explicit: list[str], fixtures: list[str]) -> str:
     """The tier of test ``test`` (its name without parameters) of ``file`` (a file name in ``tests/``), given the
     tier markers set on it (``explicit``) and the names of the fixtures it uses."""
