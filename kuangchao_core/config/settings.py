@@ -8,12 +8,14 @@ the config's shape touches this module and the schema, not the step loop.
 
 Two sections go on whole to the layer that owns their meaning: ``model`` (the model layer turns it into a
 ``LlamaConfig``) and ``data`` (the data layer builds the dataset from it). ``RunSettings.job`` keeps the validated
-config for the two whole-job reports that need every section (``kc plan``'s memory estimate and the unused-settings
-warning) and the checkpoint lineage's identity; nothing reads fields through it.
+config for the one whole-job report that needs every section (``kc plan``'s memory estimate, logged beside the
+measured memory after the first step); nothing reads fields through it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +95,30 @@ class BatchSettings:
 
 
 @dataclass(frozen=True)
+class LineageKey:
+    """What names a job's checkpoint lineages (:mod:`kuangchao_core.ckpt.lineage`): where they live, the task, the
+    fingerprint of what makes two runs the same training, the config's hash, and the steps a lineage trains to."""
+
+    dir: str
+    task: str
+    fingerprint: str  # sha256 of model, data and seed (not steps or lr): two runs with it may continue each other
+    config_hash: str
+    steps: int  # ``train.steps``: a lineage at or past it is finished
+
+
+def lineage_key(cfg: Any) -> LineageKey:
+    """The :class:`LineageKey` of a validated job config."""
+    what = {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "seed": cfg.task.seed}
+    return LineageKey(
+        dir=cfg.checkpoint.dir,
+        task=cfg.task.name,
+        fingerprint=hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest(),
+        config_hash=cfg.config_hash(),
+        steps=int(cfg.train.steps),
+    )
+
+
+@dataclass(frozen=True)
 class CheckpointSettings:
     """Where checkpoints go and what they record (``checkpoint.*``, the task, and the layout written beside them)."""
 
@@ -110,6 +136,7 @@ class CheckpointSettings:
     #: the gradient exchange's layout, checked on resume: [dp, tp, pp], [compression, ratio, warmup], buckets
     comm_layout: dict[str, Any]
     topk_state: bool  # ``parallel.grad_compression: topk``: the ranks' residuals are saved and restored
+    lineage: LineageKey
 
 
 @dataclass(frozen=True)
@@ -143,7 +170,7 @@ class RunSettings:
     checkpoint: CheckpointSettings
     model: Any  # the ``model`` section, for the model layer
     data: Any  # the ``data`` section, for the data layer
-    job: Any  # the validated JobConfig, for the whole-job reports and the lineage identity only
+    job: Any  # the validated JobConfig, for the whole-job reports only (kc plan's memory estimate)
 
 
 def _no_eval_reason(data: Any) -> str:
@@ -244,6 +271,7 @@ def run_settings(cfg: Any) -> RunSettings:
                 "buckets": par.bucket_size_mb,
             },
             topk_state=par.grad_compression == "topk",
+            lineage=lineage_key(cfg),
         ),
         model=cfg.model,
         data=data,

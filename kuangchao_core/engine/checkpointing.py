@@ -56,13 +56,11 @@ class TrainerCheckpoints:
     """Checkpoint I/O of one rank. ``parts``: the rank's :class:`~kuangchao_core.engine.parallel_model.ParallelModel`;
     ``layout``: its resharding view (:func:`~kuangchao_core.engine.parallel_model.target_layout`); ``host_group``:
     every rank, for host-side agreement (the resume plan); ``barrier``: a barrier over every rank; ``settings``:
-    the run's :class:`~kuangchao_core.config.settings.CheckpointSettings`; ``job``: the validated config, whose
-    identity names the run's lineage (:mod:`kuangchao_core.ckpt.lineage`) and is read nowhere else here."""
+    the run's :class:`~kuangchao_core.config.settings.CheckpointSettings` (with the key of its lineages)."""
 
     def __init__(
         self,
         settings: CheckpointSettings,
-        job: Any,
         rank: int,
         world_size: int,
         mesh: Any,
@@ -74,7 +72,6 @@ class TrainerCheckpoints:
         barrier: Any,
     ):
         self.settings = settings
-        self.job = job
         self.rank = rank
         self.world_size = world_size
         self.mesh = mesh
@@ -97,9 +94,9 @@ class TrainerCheckpoints:
         """
         payload = b""
         if self.rank == 0:
-            plan = plan_resume(self.job, resume, pinned=lineage)
+            plan = plan_resume(self.settings.lineage, resume, pinned=lineage)
             if plan.new:
-                create_lineage(self.job, plan.lineage, started_from=plan.step_dir)
+                create_lineage(self.settings.lineage, plan.lineage, started_from=plan.step_dir)
             payload = json.dumps(plan.to_dict()).encode("utf-8")
         if self.world_size > 1:
             size = torch.tensor([len(payload)], dtype=torch.int64)

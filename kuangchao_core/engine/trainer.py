@@ -163,7 +163,6 @@ class Trainer:
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
             run.checkpoint,
-            run.job,
             rank,
             world_size,
             mesh,
