@@ -274,6 +274,6 @@ def run_settings(cfg: Any) -> RunSettings:
             lineage=lineage_key(cfg),
         ),
         model=cfg.model,
-        data=data,
+        data=cfg.data,
         job=cfg,
     )
