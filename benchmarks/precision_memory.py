@@ -50,6 +50,7 @@ def _zero_worker(rank: int, port: int, root: str, queue) -> None:
 
     from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.config import config_from_dict
+    from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
@@ -73,7 +74,7 @@ def _zero_worker(rank: int, port: int, root: str, queue) -> None:
             }
         )
         mesh = ParallelMesh.from_config(cfg.parallel, rank, ZERO_WORLD)
-        trainer = Trainer(cfg, rank, ZERO_WORLD, torch.device("cpu"), world_group(), mesh)
+        trainer = Trainer(run_settings(cfg), rank, ZERO_WORLD, torch.device("cpu"), world_group(), mesh)
         trainer.run(resume="never", max_steps=1)
         out[stage] = trainer.sync.tensor_bytes()
         out["psi"] = trainer.model_config.num_params()

@@ -108,9 +108,7 @@ def _bounds(info: Any) -> str:
 def _default(info: Any) -> Any:
     if info.default_factory is not None:
         return info.default_factory()
-    if info.default is PydanticUndefined:
-        return PydanticUndefined
-    return info.default
+    return info.default  # PydanticUndefined for a required field
 
 
 def _plain(value: Any) -> Any:
@@ -328,7 +326,7 @@ def _readers(section: str, field: str, attr: str, sources: dict[str, str]) -> li
 
 
 def _whole_section_readers(path: str, sources: dict[str, str]) -> list[str]:
-    """``function (file)`` for every call that takes the whole section object (``cfg.<path>``) as an argument."""
+    """``function (file)`` per call taking the whole section (``cfg.<path>``); ``field= (file)`` per keyword passing it."""
     *parents, section = path.split(".")
     s = re.escape(section)
     owner = rf"(?:\w*cfg|config|{re.escape(parents[-1])})" if parents else r"(?:\w*cfg|config)"
@@ -340,6 +338,7 @@ def _whole_section_readers(path: str, sources: dict[str, str]) -> list[str]:
         for line in text.splitlines():
             if f".{section}" in line:
                 calls |= set(re.findall(rf"\b(\w+)\((?:[\w.]+,\s*)*(?:[\w.]*\.)?{owner}\.{s}\s*[,)]", line))
+                calls |= {f"{k}=" for k in re.findall(rf"^\s+(\w+)=(?:[\w.]*\.)?{owner}\.{s}\s*,", line)}
         for func in sorted(calls):
             if func not in BUILTIN_CALLS:
                 found.append(f"`{func}` (`{rel}`)")

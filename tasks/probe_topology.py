@@ -38,7 +38,7 @@ def probe_topology(
     iters: int = 5,
     log_path: str | None = None,
 ) -> dict:
-    """Measure the topology (``world_size`` defaults to ``cfg.parallel.world_size``, at least 2); returns its dict."""
+    """Measure the topology (``world_size`` defaults to the job's ``parallel.world_size``, at least 2); returns its dict."""
     report = measure_topology(cfg, world_size, sizes, iters, log_path)
     _publish(report)
     return report.to_dict()

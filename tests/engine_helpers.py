@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config import config_from_dict
+from kuangchao_core.config.settings import run_settings
 from tests.fixtures import hf_llama_config, tiny_llama
 
 
@@ -80,7 +81,7 @@ def trainer_in_process(cfg, rank: int, world_size: int, timeout_ms: int = 120_00
     guard_api.install_guard(guard_api.AllowAll())
     init_distributed(backend="gloo", timeout_ms=timeout_ms)
     mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
-    return Trainer(cfg, rank, world_size, torch.device("cpu"), world_group(), mesh)
+    return Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world_group(), mesh)
 
 
 def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_steps: int | None = None, patch=None):
@@ -99,7 +100,7 @@ def run_trainer(rank: int, world_size: int, cfg, resume: str = "never", max_step
     init_distributed(backend="gloo", timeout_ms=120_000)
     world = world_group()
     mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
-    trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, mesh)
+    trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world, mesh)
     state = trainer.run(resume=resume, max_steps=max_steps)
     # numpy arrays travel back by value (torch tensors would be shared through fds that die with the process)
     params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
@@ -137,7 +138,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     for job in jobs:
         cfg = job["cfg"]
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size, node_of_rank=job.get("node_of_rank"))
-        trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world, mesh)
+        trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world, mesh)
         undo = SABOTAGE[job["sabotage"]](trainer) if job.get("sabotage") else None
         seen: list[list[dict[str, Any]]] = []
         grads: dict[str, Any] = {}

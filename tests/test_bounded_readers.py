@@ -32,6 +32,7 @@ from kuangchao_core.config.bounded_json import (
     read_json_file,
     read_json_object,
 )
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import DataError, KuangchaoError
 from kuangchao_core.perm import guard_api
 from tests.engine_helpers import tiny_job
@@ -159,36 +160,36 @@ ATTACKS = {
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_deep_json_in_any_checkpoint_file_skips_that_step_and_resume_uses_the_previous(tmp_path, attack, caplog):
     cfg = _cfg(tmp_path)
-    lineage = plan_resume(cfg, "never").lineage
-    create_lineage(cfg, lineage)
+    lineage = plan_resume(lineage_key(cfg), "never").lineage
+    create_lineage(lineage_key(cfg), lineage)
     good = _save(cfg, lineage, 2)
     bad = _save(cfg, lineage, 4)
-    assert plan_resume(cfg, "auto").step == 4  # the control: the newest step is used before the attack
+    assert plan_resume(lineage_key(cfg), "auto").step == 4  # the control: the newest step is used before the attack
     change, reason = ATTACKS[attack]
     change(bad)
     problems = verify_checkpoint(bad)
     assert any(reason in p for p in problems), problems
     assert any("levels deep" in p for p in problems) or attack == "bad-mark", problems
     with caplog.at_level(logging.WARNING, logger="kuangchao.ckpt"):
-        plan = plan_resume(cfg, "auto")
+        plan = plan_resume(lineage_key(cfg), "auto")
     assert (plan.lineage, plan.step, plan.step_dir, plan.new) == (lineage, 2, str(good), False)
     assert any("step_00000004" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
 def test_deep_json_in_lineage_json_does_not_stop_the_planner(tmp_path):
     cfg = _cfg(tmp_path)
-    older = plan_resume(cfg, "never").lineage
-    create_lineage(cfg, older)
+    older = plan_resume(lineage_key(cfg), "never").lineage
+    create_lineage(lineage_key(cfg), older)
     _save(cfg, older, 2)
-    newer = plan_resume(cfg, "never").lineage
-    create_lineage(cfg, newer)
+    newer = plan_resume(lineage_key(cfg), "never").lineage
+    create_lineage(lineage_key(cfg), newer)
     _save(cfg, newer, 6)
     lineage_file = Path(cfg.checkpoint.dir) / cfg.task.name / newer / LINEAGE_FILE
     lineage_file.write_text(DEEP)  # it used to raise RecursionError out of plan_resume for the whole task
-    plan = plan_resume(cfg, "auto")
+    plan = plan_resume(lineage_key(cfg), "auto")
     assert plan.step in (2, 6) and plan.step_dir is not None
     lineage_file.write_text("[1, 2]")  # valid JSON that is not an object: unreadable, not an AttributeError
-    assert plan_resume(cfg, "auto").step_dir is not None
+    assert plan_resume(lineage_key(cfg), "auto").step_dir is not None
 
 
 def _cli(args: list[str]):
@@ -203,8 +204,8 @@ def _no_traceback(res) -> None:
 @pytest.mark.parametrize("attack", ["manifest", "state", "slices-metadata"])
 def test_kc_debug_checkpoint_and_convert_report_deep_json_without_a_traceback(tmp_path, attack):
     cfg = _cfg(tmp_path)
-    lineage = plan_resume(cfg, "never").lineage
-    create_lineage(cfg, lineage)
+    lineage = plan_resume(lineage_key(cfg), "never").lineage
+    create_lineage(lineage_key(cfg), lineage)
     step = _save(cfg, lineage, 2)
     change, reason = ATTACKS[attack]
     change(step)

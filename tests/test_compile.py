@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kuangchao_core.config.settings import run_settings
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.parallel_model import build_parallel_model
 from kuangchao_core.models.compile import compile_layers
@@ -43,12 +44,16 @@ def _mesh():
 
 def test_compile_setting_compiles_each_layer_of_the_engine_model(tmp_path):
     cfg = tiny_job(str(tmp_path), train={"compile": True})
-    parts = build_parallel_model(cfg, config_from_model_section(cfg.model), _mesh(), torch.device("cpu"))
+    parts = build_parallel_model(
+        run_settings(cfg).build, config_from_model_section(cfg.model), _mesh(), torch.device("cpu")
+    )
     layers = list(parts.model.model.layers)
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     assert parts.model.model.embed_tokens._compiled_call_impl is None  # only the blocks
     plain = tiny_job(str(tmp_path / "plain"))
-    eager = build_parallel_model(plain, config_from_model_section(plain.model), _mesh(), torch.device("cpu"))
+    eager = build_parallel_model(
+        run_settings(plain).build, config_from_model_section(plain.model), _mesh(), torch.device("cpu")
+    )
     assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers)
     assert [n for n, _ in parts.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
 

@@ -29,6 +29,7 @@ def _snapshot(rank, world_size, cfg, perturb):
     import torch
 
     from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm import guard_api
@@ -36,7 +37,7 @@ def _snapshot(rank, world_size, cfg, perturb):
     guard_api.install_guard(guard_api.AllowAll())
     init_distributed(backend="gloo", timeout_ms=60_000)
     mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
-    trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world_group(), mesh)
+    trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world_group(), mesh)
     step = trainer.train_step
 
     def drifting(batches):

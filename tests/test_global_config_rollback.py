@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
+from kuangchao_core.config.settings import run_settings
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit_verify import read_records
@@ -69,11 +70,11 @@ def test_a_fresh_worker_reader_refuses_an_older_signed_version(rolled_back):
     env1 = issue_tokens_for_run(cfg, run_dir, 1)  # a new attempt's worker environment
     previous = guard_api.install_guard(guard_api.AllowAll())  # reading needs a token; the check under test is trust
     try:
-        gc = worker_global_config(cfg, str(path), env1)
+        gc = worker_global_config(run_settings(cfg).process, str(path), env1)
         with pytest.raises(ConfigRefused, match=f"version {rolled_back['old']} is older than {rolled_back['new']}"):
             gc.snapshot()
         path.write_bytes(rolled_back["new_bytes"])  # control: the newest version is accepted
-        assert worker_global_config(cfg, str(path), env1).snapshot().values["lr_scale"] == 0.25
+        assert worker_global_config(run_settings(cfg).process, str(path), env1).snapshot().values["lr_scale"] == 0.25
     finally:
         guard_api.install_guard(previous)
     # `kc config set` never builds on a rolled-back file either (it would reuse a recorded version number)

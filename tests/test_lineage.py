@@ -16,13 +16,13 @@ from kuangchao_core.ckpt.layout import task_of_dir, task_of_step_dir
 from kuangchao_core.ckpt.lineage import (
     LEGACY,
     create_lineage,
-    fingerprint,
     list_lineages,
     new_lineage_id,
     plan_resume,
 )
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.perm import guard_api
 from tests.engine_helpers import tiny_job
@@ -47,9 +47,9 @@ def _save(cfg, lineage: str | None, step: int) -> Path:
 
 def _run(cfg, resume: str, steps: list[int]) -> str:
     """What one run does with its checkpoints: plan, create its lineage if new, save ``steps``."""
-    plan = plan_resume(cfg, resume)
+    plan = plan_resume(lineage_key(cfg), resume)
     if plan.new:
-        create_lineage(cfg, plan.lineage, started_from=plan.step_dir)
+        create_lineage(lineage_key(cfg), plan.lineage, started_from=plan.step_dir)
     for s in steps:
         _save(cfg, plan.lineage, s)
     return plan.lineage
@@ -67,7 +67,7 @@ def test_two_runs_with_resume_never_keep_their_checkpoints_apart(tmp_path):
     # nothing was moved aside: the second run's step 20 did not touch the first run's step 20
     assert not list(task.glob("**/*.replaced-*"))
     # auto continues the newest lineage (the second run), from its own newest step, not the first run's 40
-    plan = plan_resume(cfg, "auto")
+    plan = plan_resume(lineage_key(cfg), "auto")
     assert (plan.lineage, plan.step, plan.new) == (second, 30, False)
     assert plan.step_dir == str(task / second / "step_00000030")
 
@@ -76,25 +76,25 @@ def test_auto_starts_a_new_lineage_when_model_or_data_changed(tmp_path):
     cfg = _cfg(tmp_path)
     old = _run(cfg, "never", [10])
     other = _cfg(tmp_path, num_layers=3)
-    assert fingerprint(other) != fingerprint(cfg)
-    plan = plan_resume(other, "auto")
+    assert lineage_key(other).fingerprint != lineage_key(cfg).fingerprint
+    plan = plan_resume(lineage_key(other), "auto")
     assert plan.new and plan.lineage != old and plan.step_dir is None
     assert "fingerprint" in plan.reason
     # steps and lr are not part of the fingerprint: raising train.steps continues the lineage
     longer = tiny_job(str(tmp_path), task={"name": "lin", "seed": 7}, model={"preset": "tiny"}, train={"steps": 99})
-    assert plan_resume(longer, "auto").lineage == old
+    assert plan_resume(lineage_key(longer), "auto").lineage == old
 
 
 def test_explicit_older_step_forks_instead_of_overwriting_later_steps(tmp_path):
     cfg = _cfg(tmp_path)
     lineage = _run(cfg, "never", [10, 20])
     task = Path(cfg.checkpoint.dir) / cfg.task.name
-    newest = plan_resume(cfg, str(task / lineage / "step_00000020"))
+    newest = plan_resume(lineage_key(cfg), str(task / lineage / "step_00000020"))
     assert (newest.lineage, newest.new) == (lineage, False)
-    older = plan_resume(cfg, str(task / lineage / "step_00000010"))
+    older = plan_resume(lineage_key(cfg), str(task / lineage / "step_00000010"))
     assert older.new and older.lineage != lineage and older.step == 10
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
-        plan_resume(cfg, str(task / lineage / "step_00000030"))
+        plan_resume(lineage_key(cfg), str(task / lineage / "step_00000030"))
 
 
 def test_pinned_lineage_resumes_only_inside_itself(tmp_path):
@@ -102,17 +102,17 @@ def test_pinned_lineage_resumes_only_inside_itself(tmp_path):
     other = _run(cfg, "never", [10, 20])
     pinned = new_lineage_id()
     # a flow run's attempt that crashed before its first checkpoint restarts from scratch, not from another run
-    plan = plan_resume(cfg, "never", pinned=pinned)
+    plan = plan_resume(lineage_key(cfg), "never", pinned=pinned)
     assert (plan.lineage, plan.step_dir) == (pinned, None)
     # ... or from the checkpoint the run started from
     start = str(Path(cfg.checkpoint.dir) / cfg.task.name / other / "step_00000010")
-    assert plan_resume(cfg, start, pinned=pinned).step_dir == start
-    create_lineage(cfg, pinned, started_from=start)
+    assert plan_resume(lineage_key(cfg), start, pinned=pinned).step_dir == start
+    create_lineage(lineage_key(cfg), pinned, started_from=start)
     _save(cfg, pinned, 12)
-    plan = plan_resume(cfg, start, pinned=pinned)
+    plan = plan_resume(lineage_key(cfg), start, pinned=pinned)
     assert (plan.lineage, plan.step, plan.new) == (pinned, 12, False)
     info = json.loads((Path(cfg.checkpoint.dir) / cfg.task.name / pinned / "lineage.json").read_text())
-    assert info["started_from"] == start and info["fingerprint"] == fingerprint(cfg)
+    assert info["started_from"] == start and info["fingerprint"] == lineage_key(cfg).fingerprint
 
 
 def test_pre_lineage_layout_is_read_and_continued_in_a_new_lineage(tmp_path):
@@ -120,7 +120,7 @@ def test_pre_lineage_layout_is_read_and_continued_in_a_new_lineage(tmp_path):
     legacy_step = _save(cfg, None, 40)
     task = Path(cfg.checkpoint.dir) / cfg.task.name
     assert [lin.name for lin in list_lineages(task)] == [LEGACY]
-    plan = plan_resume(cfg, "auto")
+    plan = plan_resume(lineage_key(cfg), "auto")
     assert plan.new and plan.lineage != LEGACY and plan.step_dir == str(legacy_step) and plan.step == 40
 
 

@@ -34,6 +34,7 @@ from kuangchao_core.ckpt.lineage_lease import (
 )
 from kuangchao_core.ckpt.storage import DiskFull, LocalStorage
 from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.perm import guard_api
 from kuangchao_core.sched.recovery import RestartPolicy
@@ -72,16 +73,16 @@ def _save(writer: CheckpointWriter, step: int, size: int = 4) -> Path:
 
 def test_a_resumed_run_fences_the_stale_writer_of_its_lineage(tmp_path):
     cfg = _cfg(tmp_path)
-    plan = plan_resume(cfg, "never")
-    create_lineage(cfg, plan.lineage)
-    path = lineage_dir(cfg, plan.lineage)
+    plan = plan_resume(lineage_key(cfg), "never")
+    create_lineage(lineage_key(cfg), plan.lineage)
+    path = lineage_dir(lineage_key(cfg), plan.lineage)
     first = take_lease(path, "run-A")
     stale = _writer(cfg, plan.lineage, first.generation, keep_last=1)
     _save(stale, 10)  # run A writes while it holds the lineage
 
     # run A's orchestrator dies (no renewal); run B resumes the same lineage once the lease is stale
     time.sleep(0.3)
-    resumed = plan_resume(cfg, "auto")
+    resumed = plan_resume(lineage_key(cfg), "auto")
     assert (resumed.lineage, resumed.step) == (plan.lineage, 10)
     second = take_lease(path, "run-B", stale_after_s=0.2)
     assert second.generation == first.generation + 1
@@ -108,10 +109,10 @@ def test_a_resumed_run_fences_the_stale_writer_of_its_lineage(tmp_path):
 
 def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
     cfg = _cfg(tmp_path)
-    plan = plan_resume(cfg, "never")
-    create_lineage(cfg, plan.lineage)
+    plan = plan_resume(lineage_key(cfg), "never")
+    create_lineage(lineage_key(cfg), plan.lineage)
     _save(_writer(cfg, plan.lineage, None), 5)
-    path = lineage_dir(cfg, plan.lineage)
+    path = lineage_dir(lineage_key(cfg), plan.lineage)
     holder = take_lease(path, "run-A")
     keeper = LeaseKeeper(holder, interval_s=0.1)
     keeper.start()
@@ -120,14 +121,14 @@ def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
         with pytest.raises(LeaseHeld, match="being written by run run-A"):
             take_lease(path, "run-B", stale_after_s=1.0, wait_s=1.5, say=said.append)
         assert said and "waiting up to 1.5 s" in said[0]
-        resumed = plan_resume(cfg, "auto")
-        forked, lease = hold_lineage(cfg, resumed, "run-B", said.append, stale_after_s=1.0, wait_s=0.5)
+        resumed = plan_resume(lineage_key(cfg), "auto")
+        forked, lease = hold_lineage(lineage_key(cfg), resumed, "run-B", said.append, stale_after_s=1.0, wait_s=0.5)
     finally:
         keeper.stop()
     assert forked.lineage != plan.lineage and forked.new
     assert forked.step_dir == resumed.step_dir and forked.step == 5
     assert any("forks a new lineage" in s for s in said)
-    assert lease.path == lineage_dir(cfg, forked.lineage) and read_lease(lease.path)["owner"] == "run-B"
+    assert lease.path == lineage_dir(lineage_key(cfg), forked.lineage) and read_lease(lease.path)["owner"] == "run-B"
     assert read_lease(path)["owner"] == "run-A"
     # the holder released at its end: the next run takes the lineage at once, with the next generation
     assert take_lease(path, "run-C", wait_s=0).generation == holder.generation + 1

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from kuangchao_core.config.settings import run_settings
 from kuangchao_core.parallel.mixed_precision import LossScaling, MixedPrecision
 from tests.engine_helpers import tiny_job
 from tests.mp import run_distributed
@@ -80,7 +81,7 @@ def _run_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     for job in jobs:
         cfg = job["cfg"]
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
-        trainer = Trainer(cfg, rank, world_size, torch.device("cpu"), world_group(), mesh)
+        trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world_group(), mesh)
         reduced: set[str] = set()
 
         def recording(tensor, group=None, *a, _mesh=mesh, _seen=reduced, **k):

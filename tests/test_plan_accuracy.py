@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kuangchao_core.config.settings import run_settings
 from kuangchao_core.engine.plan import activation_bytes_per_layer, rank_memory
 from kuangchao_core.hal.heap import heap_in_use_bytes
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, config_from_model_section
@@ -92,7 +93,12 @@ def _measure_rank(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     for job in jobs:
         cfg = job["cfg"]
         trainer = Trainer(
-            cfg, rank, world_size, torch.device("cpu"), world_group(), ParallelMesh.from_config(cfg.parallel, rank, 2)
+            run_settings(cfg),
+            rank,
+            world_size,
+            torch.device("cpu"),
+            world_group(),
+            ParallelMesh.from_config(cfg.parallel, rank, 2),
         )
         trainer.run(resume="never", max_steps=1)
         measured = trainer.sync.tensor_bytes()

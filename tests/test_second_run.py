@@ -18,6 +18,7 @@ import pytest
 
 from kuangchao_core.ckpt.lineage import list_lineages, plan_resume
 from kuangchao_core.config import load_config
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import NothingToTrain
 from tests.conftest_prefect import TINY, tiny_overrides
 
@@ -75,7 +76,7 @@ def test_two_runs_keep_their_checkpoints_apart(two_runs):
     assert second["checkpoint_path"] == str((task / second["lineage"] / "step_00000006").resolve())
     assert second["checkpoints"] == [4, 6]
     # and resume: auto continues it, not the first run (whose step 8 is higher)
-    plan = plan_resume(cfg, "auto")
+    plan = plan_resume(lineage_key(cfg), "auto")
     assert (plan.lineage, plan.step) == (second["lineage"], 6)
 
 

@@ -26,11 +26,12 @@ def _finished_lineage(tmp_path: Path, overrides: list[str], step: int) -> Path:
     from kuangchao_core.ckpt.lineage import create_lineage, plan_resume
     from kuangchao_core.ckpt.writer import CheckpointWriter
     from kuangchao_core.config import load_config
+    from kuangchao_core.config.settings import lineage_key
     from kuangchao_core.perm import guard_api
 
     cfg = load_config(TINY, overrides)
-    plan = plan_resume(cfg, "auto")
-    create_lineage(cfg, plan.lineage)
+    plan = plan_resume(lineage_key(cfg), "auto")
+    create_lineage(lineage_key(cfg), plan.lineage)
     previous = guard_api.install_guard(guard_api.AllowAll())
     try:
         writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, 0, 1, barrier=lambda: None, lineage=plan.lineage)

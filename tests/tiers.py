@@ -106,6 +106,7 @@ FILE_TIERS = {
     "test_reshard.py": "unit",
     "test_resume.py": "distributed",
     "test_revocation.py": "distributed",
+    "test_run_settings.py": "unit",
     "test_runs_compare.py": "flows",
     "test_s3.py": "unit",
     "test_second_run.py": "flows",

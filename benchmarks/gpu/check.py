@@ -94,6 +94,7 @@ def loss_tracking(device: torch.device, smoke: bool, steps: int = 50) -> dict:
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.config import config_from_dict
+    from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm import guard_api
@@ -116,7 +117,7 @@ def loss_tracking(device: torch.device, smoke: bool, steps: int = 50) -> dict:
             }
         )
         mesh = ParallelMesh.from_config(cfg.parallel, 0, 1)
-        trainer = Trainer(cfg, 0, 1, device, world_group(), mesh)
+        trainer = Trainer(run_settings(cfg), 0, 1, device, world_group(), mesh)
         losses[dtype] = list(trainer.run(resume="never").losses)
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses["bf16"], losses["fp32"], strict=True))
     return {"steps": steps, "max_rel_loss_diff": rel, "final": {k: v[-1] for k, v in losses.items()}}

@@ -333,14 +333,14 @@ def train_in_process(job_path: Path, overrides: list[str], device: torch.device,
     """The first ``steps`` losses of the job file (with ``--set`` ``overrides``) trained by the engine's Trainer in
     this process on ``device`` (one rank; the learning-rate schedule is the job's, cut after ``steps``)."""
     from kuangchao_core.comm import world_group
-    from kuangchao_core.config import load_config
+    from kuangchao_core.config import load_config, run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
 
     _process_group()
     cfg = load_config(str(job_path), overrides)
     mesh = ParallelMesh.from_config(cfg.parallel, 0, 1)
-    trainer = Trainer(cfg, 0, 1, device, world_group(), mesh)
+    trainer = Trainer(run_settings(cfg), 0, 1, device, world_group(), mesh)
     try:
         return list(trainer.run(resume="never", max_steps=steps).losses)
     finally:

@@ -122,8 +122,9 @@ def refuse_early(config: str, overrides: list[str], resume: str | None, if_finis
     # then the flow decides. Before the layout's check, which imports torch: a refusal takes no second
     if if_finished == "error" and not cfg.checkpoint.uri and not registered_base:
         from kuangchao_core.ckpt.lineage import plan_training
+        from kuangchao_core.config.settings import lineage_key
 
-        plan_training(cfg, resume or cfg.checkpoint.resume, if_finished)
+        plan_training(lineage_key(cfg), resume or cfg.checkpoint.resume, if_finished)
     # a registered base (models:/NAME@ALIAS) has no local files yet: the flow resolves it, then checks the plan
     if not registered_base:
         raise_for_plan(cfg)

@@ -15,16 +15,18 @@ directories directly; it is read as the oldest lineage, ``legacy``, and never wr
 
 - ``never``: a new lineage.
 - ``auto``: the newest lineage that has an intact checkpoint continues from that checkpoint, provided it trained
-  the same model on the same data (:func:`fingerprint`); otherwise a new lineage (the log says why). A flow run
+  the same model on the same data (:attr:`LineageKey.fingerprint`); otherwise a new lineage (the log says why). A flow run
   pins its lineage for all its attempts (``pinned``): a restarted attempt resumes inside that lineage only.
 - a step directory: its lineage continues when it lies in this task's directory and is that lineage's newest
   step; else a new lineage starts from it (recorded as ``started_from``), so resuming from an older step forks
   instead of overwriting the steps after it.
+
+Every function here takes the job's :class:`~kuangchao_core.config.settings.LineageKey` (checkpoint directory, task,
+fingerprint, config hash, steps; :func:`~kuangchao_core.config.settings.lineage_key` builds it from the config).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -37,6 +39,7 @@ from typing import Any
 from kuangchao_core.ckpt.integrity import find_latest_intact
 from kuangchao_core.ckpt.layout import LINEAGE_FILE, is_lineage_name, parse_step_dir
 from kuangchao_core.config.bounded_json import read_json_object
+from kuangchao_core.config.settings import LineageKey
 from kuangchao_core.errors import CheckpointError, NothingToTrain
 
 LEGACY = "legacy"
@@ -46,16 +49,6 @@ def new_lineage_id(now: float | None = None) -> str:
     """A fresh lineage name: ``run-<UTC time>-<6 random hex>``."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
     return f"run-{stamp}-{secrets.token_hex(3)}"
-
-
-def fingerprint(cfg: Any) -> str:
-    """sha256 of what makes checkpoints of two runs the same training: model, data and seed (not steps or lr)."""
-    what = {
-        "model": cfg.model.model_dump(mode="json"),
-        "data": cfg.data.model_dump(mode="json"),
-        "seed": cfg.task.seed,
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -80,14 +73,14 @@ class Lineage:
         return sorted(s for s in found if s is not None)
 
 
-def task_dir(cfg: Any) -> Path:
+def task_dir(key: LineageKey) -> Path:
     """``<checkpoint.dir>/<task.name>``."""
-    return Path(cfg.checkpoint.dir) / cfg.task.name
+    return Path(key.dir) / key.task
 
 
-def lineage_dir(cfg: Any, name: str) -> Path:
+def lineage_dir(key: LineageKey, name: str) -> Path:
     """Where lineage ``name`` of the job's task keeps its step directories."""
-    return task_dir(cfg) if name == LEGACY else task_dir(cfg) / name
+    return task_dir(key) if name == LEGACY else task_dir(key) / name
 
 
 def _created_ns(lin: Lineage) -> int:
@@ -109,20 +102,20 @@ def list_lineages(tdir: str | os.PathLike[str]) -> list[Lineage]:
     return out
 
 
-def create_lineage(cfg: Any, name: str, started_from: str | None = None) -> Path:
+def create_lineage(key: LineageKey, name: str, started_from: str | None = None) -> Path:
     """Create lineage ``name`` (its directory and ``lineage.json``, written atomically); returns its directory.
     An existing lineage is left as it is."""
-    path = lineage_dir(cfg, name)
+    path = lineage_dir(key, name)
     if name == LEGACY or (path / LINEAGE_FILE).is_file():
         return path
     path.mkdir(parents=True, exist_ok=True)
     record = {
         "lineage": name,
-        "task": cfg.task.name,
+        "task": key.task,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "created_ns": time.time_ns(),
-        "fingerprint": fingerprint(cfg),
-        "config_hash": cfg.config_hash(),
+        "fingerprint": key.fingerprint,
+        "config_hash": key.config_hash,
         "started_from": started_from,
     }
     tmp = path / f".{LINEAGE_FILE}.tmp-{os.getpid()}"
@@ -158,11 +151,11 @@ def _step_of(step_dir: Path) -> int:
     return step
 
 
-def plan_resume(cfg: Any, resume: str, pinned: str | None = None) -> ResumePlan:
+def plan_resume(key: LineageKey, resume: str, pinned: str | None = None) -> ResumePlan:
     """Decide the lineage and the resume checkpoint of a run (see the module docstring)."""
-    tdir = task_dir(cfg)
+    tdir = task_dir(key)
     if pinned is not None:
-        lin = Lineage(pinned, lineage_dir(cfg, pinned))
+        lin = Lineage(pinned, lineage_dir(key, pinned))
         found = find_latest_intact(lin.path) if lin.path.is_dir() else None
         if found is not None:
             return ResumePlan(pinned, False, str(found), _step_of(found), f"continuing lineage {pinned}")
@@ -174,7 +167,7 @@ def plan_resume(cfg: Any, resume: str, pinned: str | None = None) -> ResumePlan:
         name = new_lineage_id()
         return ResumePlan(name, True, None, 0, f"resume: never, so a new lineage {name}")
     if resume == "auto":
-        mine = fingerprint(cfg)
+        mine = key.fingerprint
         for lin in reversed(list_lineages(tdir)):
             found = find_latest_intact(lin.path)
             if found is None:
@@ -197,7 +190,7 @@ def plan_resume(cfg: Any, resume: str, pinned: str | None = None) -> ResumePlan:
                 )
             return ResumePlan(lin.name, False, str(found), _step_of(found), f"continuing the newest lineage {lin.name}")
         name = new_lineage_id()
-        return ResumePlan(name, True, None, 0, f"no intact checkpoint of task {cfg.task.name}; new lineage {name}")
+        return ResumePlan(name, True, None, 0, f"no intact checkpoint of task {key.task}; new lineage {name}")
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
@@ -211,18 +204,20 @@ def plan_resume(cfg: Any, resume: str, pinned: str | None = None) -> ResumePlan:
     return ResumePlan(name, True, str(path), step, f"starting lineage {name} from {path}")
 
 
-def plan_training(cfg: Any, resume: str, if_finished: str, say: Callable[[str], None] | None = None) -> ResumePlan:
+def plan_training(
+    key: LineageKey, resume: str, if_finished: str, say: Callable[[str], None] | None = None
+) -> ResumePlan:
     """:func:`plan_resume` plus what a run does with a checkpoint already at or past ``train.steps``:
     ``if_finished`` ``error`` raises :class:`NothingToTrain` (before anything starts), ``restart`` plans a new
     lineage from the start, ``skip`` returns that finished plan (the caller trains nothing). ``say`` gets the
     sentences for the run's log. The one decision both ``kc train`` (its early refusal) and the flow make."""
-    plan = plan_resume(cfg, resume)
+    plan = plan_resume(key, resume)
     if say is not None:
         say(f"checkpoints: {plan.reason} (resume from {plan.step_dir or 'scratch'})")
-    if plan.step >= cfg.train.steps and if_finished == "restart":
+    if plan.step >= key.steps and if_finished == "restart":
         if say is not None:
-            say(f"{plan.step_dir} is finished (step {plan.step} of {cfg.train.steps}): a new lineage from the start")
-        plan = plan_resume(cfg, "never")
-    if plan.step >= cfg.train.steps and if_finished == "error":
-        raise NothingToTrain(plan.step, cfg.train.steps, str(plan.step_dir))
+            say(f"{plan.step_dir} is finished (step {plan.step} of {key.steps}): a new lineage from the start")
+        plan = plan_resume(key, "never")
+    if plan.step >= key.steps and if_finished == "error":
+        raise NothingToTrain(plan.step, key.steps, str(plan.step_dir))
     return plan

@@ -27,6 +27,7 @@ from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.comm import primitives as P
+from kuangchao_core.config.settings import CheckpointSettings
 from kuangchao_core.engine.anomaly import AnomalyStop
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.obs.jsonlog import log_event
@@ -54,11 +55,12 @@ def model_mismatch(manifest: dict[str, Any], model_config: Any) -> str | None:
 class TrainerCheckpoints:
     """Checkpoint I/O of one rank. ``parts``: the rank's :class:`~kuangchao_core.engine.parallel_model.ParallelModel`;
     ``layout``: its resharding view (:func:`~kuangchao_core.engine.parallel_model.target_layout`); ``host_group``:
-    every rank, for host-side agreement (the resume plan); ``barrier``: a barrier over every rank."""
+    every rank, for host-side agreement (the resume plan); ``barrier``: a barrier over every rank; ``settings``:
+    the run's :class:`~kuangchao_core.config.settings.CheckpointSettings` (with the key of its lineages)."""
 
     def __init__(
         self,
-        cfg: Any,
+        settings: CheckpointSettings,
         rank: int,
         world_size: int,
         mesh: Any,
@@ -69,7 +71,7 @@ class TrainerCheckpoints:
         layout: Any,
         barrier: Any,
     ):
-        self.cfg = cfg
+        self.settings = settings
         self.rank = rank
         self.world_size = world_size
         self.mesh = mesh
@@ -79,8 +81,8 @@ class TrainerCheckpoints:
         self.model_config = model_config
         self.layout = layout
         self.barrier = barrier
-        self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.task.name, rank, world_size, barrier=barrier)
-        self.saver = AsyncSaver(self.writer) if getattr(cfg.checkpoint, "async_", False) else None
+        self.writer = CheckpointWriter(settings.dir, settings.task, rank, world_size, barrier=barrier)
+        self.saver = AsyncSaver(self.writer) if settings.async_ else None
         self.plan: ResumePlan | None = None
 
     # ------------------------------------------------------------------ lineage
@@ -92,9 +94,9 @@ class TrainerCheckpoints:
         """
         payload = b""
         if self.rank == 0:
-            plan = plan_resume(self.cfg, resume, pinned=lineage)
+            plan = plan_resume(self.settings.lineage, resume, pinned=lineage)
             if plan.new:
-                create_lineage(self.cfg, plan.lineage, started_from=plan.step_dir)
+                create_lineage(self.settings.lineage, plan.lineage, started_from=plan.step_dir)
             payload = json.dumps(plan.to_dict()).encode("utf-8")
         if self.world_size > 1:
             size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -111,10 +113,10 @@ class TrainerCheckpoints:
     # ------------------------------------------------------------------ save
     def _meta(self) -> dict[str, Any]:
         meta = {
-            "model": self.cfg.model.model_dump(mode="json"),
+            "model": self.settings.model_meta,
             "model_shape": asdict(self.model_config),
-            "parallel": self.cfg.parallel.model_dump(mode="json"),
-            "task": self.cfg.task.name,
+            "parallel": self.settings.parallel_meta,
+            "task": self.settings.task,
             "comm_layout": self._comm_layout(),
         }
         if self.parts.lora is not None:
@@ -127,8 +129,9 @@ class TrainerCheckpoints:
         if not hasattr(self, "_lora_meta_cache"):
             from kuangchao_core.models.lora import base_identity
 
-            base = base_identity(self.cfg.model.checkpoint, int(self.cfg.task.seed), self.model_config)
-            self._lora_meta_cache = {**self.parts.lora.to_dict(), "base": base, "seed": int(self.cfg.task.seed)}
+            s = self.settings
+            base = base_identity(s.pretrained, s.seed, self.model_config)
+            self._lora_meta_cache = {**self.parts.lora.to_dict(), "base": base, "seed": s.seed}
         return self._lora_meta_cache
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -155,13 +158,7 @@ class TrainerCheckpoints:
         return f"comm.rank{self.rank}."
 
     def _comm_layout(self) -> dict[str, Any]:
-        par = self.cfg.parallel
-        return {
-            "sizes": [par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size],
-            "compression": [par.grad_compression, par.topk_ratio, par.topk_warmup_steps],
-            "buckets": par.bucket_size_mb,
-            "node_of_rank": list(getattr(self.mesh, "node_of_rank", [])),
-        }
+        return {**self.settings.comm_layout, "node_of_rank": list(getattr(self.mesh, "node_of_rank", []))}
 
     def save(
         self,
@@ -183,10 +180,10 @@ class TrainerCheckpoints:
             "sampler": sampler_state,
             "losses": losses,
             "kuangchao_version": __version__,
-            "config_hash": self.cfg.config_hash(),
+            "config_hash": self.settings.config_hash,
             **(extra or {}),
         }
-        keep = self.cfg.checkpoint.keep_last
+        keep = self.settings.keep_last
 
         def published(path: Path) -> None:
             if self.rank == 0 and keep:
@@ -349,7 +346,7 @@ class TrainerCheckpoints:
     def _load_comm_state(self, step_dir: Path) -> None:
         """Top-k residuals back, when the checkpoint was written by the same layout, placement and compression;
         otherwise the residuals start from zero (they belong to a rank's own shard of the buckets)."""
-        if self.cfg.parallel.grad_compression != "topk":  # only top-k keeps state (and only without ZeRO)
+        if not self.settings.topk_state:  # only top-k keeps state (and only without ZeRO)
             return
         saved = read_manifest(step_dir).get("comm_layout")
         if saved != self._comm_layout():

@@ -89,22 +89,20 @@ class PipelinedHeldOutLoss(HeldOutLoss):
         return self._token_weighted(y, batch["labels"])
 
 
-def eval_dataset_for(cfg: Any, vocab_size: int) -> tuple[Any, str]:
-    """The job's held-out data (the synthetic corpus' held-out problems, or ``data.eval_path``), or None with the
-    reason it has none."""
-    if cfg.data.is_synthetic and int(cfg.data.synthetic.num_eval) < 1:
-        return None, "data.synthetic.num_eval is 0"
-    if not cfg.data.is_synthetic and not cfg.data.eval_path:
-        return None, f"data.path {cfg.data.path} has no held-out data: set data.eval_path"
+def eval_dataset_for(data: Any, no_eval_reason: str, vocab_size: int) -> tuple[Any, str]:
+    """The job's held-out data (the synthetic corpus' held-out problems, or ``data.eval_path``) from the ``data``
+    section, or None with the reason it has none (``no_eval_reason``, from the run's settings, or the data's)."""
+    if no_eval_reason:
+        return None, no_eval_reason
     try:
-        return build_dataset(cfg.data, vocab_size, split="eval"), ""
+        return build_dataset(data, vocab_size, split="eval"), ""
     except DataError as exc:
         return None, f"the held-out data cannot be used ({exc})"
 
 
-def held_out_loss_for(cfg: Any, parts: Any, mesh: Any, dataset: Any, device) -> HeldOutLoss:
-    """The held-out loss evaluator of this rank's model part over ``dataset`` (:func:`eval_dataset_for`)."""
-    micro = cfg.parallel.micro_batch_size
+def held_out_loss_for(micro: int, parts: Any, mesh: Any, dataset: Any, device) -> HeldOutLoss:
+    """The held-out loss evaluator of this rank's model part over ``dataset`` (:func:`eval_dataset_for`), in
+    micro-batches of ``micro`` sequences."""
     if parts.executor is not None:
         return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device)
     return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device)

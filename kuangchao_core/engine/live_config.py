@@ -27,26 +27,26 @@ from kuangchao_core.obs.jsonlog import emit_event, log_event
 log = logging.getLogger("kuangchao.engine")
 
 
-def worker_global_config(cfg: Any, path: str, env: Mapping[str, str] | None = None) -> Any:
+def worker_global_config(process: Any, path: str, env: Mapping[str, str] | None = None) -> Any:
     """The :class:`~kuangchao_core.perm.global_config.GlobalConfig` a worker follows, from its environment ``env``
     (default ``os.environ``): outside trusted mode, verified against the trust store ``KC_TRUST_STORE`` (signed by
     ``KC_TRUST_ROOT``, roles from ``KC_POLICY_FILE``), for job ``KC_JOB_ID`` only, and accepting no version older
-    than the newest one the job's audit log (``KC_AUDIT_LOG``, else ``permission.audit_log``) records."""
+    than the newest one the job's audit log (``KC_AUDIT_LOG``, else ``permission.audit_log``) records. ``process``: the worker's :class:`~kuangchao_core.config.settings.ProcessSettings`."""
     from kuangchao_core.perm.global_config import GlobalConfig, newest_recorded_version
 
     env = os.environ if env is None else env
     trust = None
-    if cfg.permission.mode != "trusted" and env.get("KC_TRUST_STORE"):
+    if process.permission_mode != "trusted" and env.get("KC_TRUST_STORE"):
         from kuangchao_core.perm.runtime import load_trust
 
         trust, _ = load_trust(env["KC_TRUST_STORE"], env.get("KC_TRUST_ROOT"), env.get("KC_POLICY_FILE"))
     if trust is None:
-        return GlobalConfig(path, cfg.task.name)
-    audit_log = env.get("KC_AUDIT_LOG") or cfg.permission.audit_log
-    floor = newest_recorded_version(audit_log, cfg.task.name) if audit_log else 0
+        return GlobalConfig(path, process.task)
+    audit_log = env.get("KC_AUDIT_LOG") or process.audit_log
+    floor = newest_recorded_version(audit_log, process.task) if audit_log else 0
     if floor:
         log_event(log, "global config floor", version=floor, audit_log=str(audit_log))
-    return GlobalConfig(path, cfg.task.name, trust=trust, job_id=env.get("KC_JOB_ID"), min_version=floor)
+    return GlobalConfig(path, process.task, trust=trust, job_id=env.get("KC_JOB_ID"), min_version=floor)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kuangchao_core.config.settings import ModelBuildSettings
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.compile import compile_layers
@@ -46,19 +47,11 @@ class ParallelModel:
         return {n for n, p in self.model.named_parameters() if p.requires_grad}
 
 
-def _target(mesh: Any, cfg: Any) -> TargetLayout:
-    return TargetLayout(
-        tp=mesh.tp,
-        pp=mesh.pp,
-        tp_rank=mesh.tp_rank,
-        pp_rank=mesh.pp_rank,
-        virtual=int(cfg.parallel.virtual_pipeline_size),
-    )
-
-
-def target_layout(mesh: Any, cfg: Any) -> TargetLayout:
+def target_layout(mesh: Any, build: ModelBuildSettings) -> TargetLayout:
     """The checkpoint-resharding view of this rank's place in the mesh."""
-    return _target(mesh, cfg)
+    return TargetLayout(
+        tp=mesh.tp, pp=mesh.pp, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, virtual=build.virtual_pipeline_size
+    )
 
 
 def _prune_to_stage(model: LlamaForCausalLM, owned: set[str]) -> None:
@@ -75,12 +68,13 @@ def _prune_to_stage(model: LlamaForCausalLM, owned: set[str]) -> None:
         model.lm_head = None
 
 
-def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: torch.device) -> ParallelModel:
+def build_parallel_model(
+    build: ModelBuildSettings, llama_cfg: LlamaConfig, mesh: Any, device: torch.device
+) -> ParallelModel:
     """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``; its parameters are
     in the dtype ``train.dtype`` names (initialised in fp32 in every case, so an fp64 job starts from the same
     values as an fp32 one)."""
-    seed = int(cfg.task.seed)
-    par = cfg.parallel
+    seed = build.seed
     if mesh.tp > 1:
         model: LlamaForCausalLM = TPLlamaForCausalLM(llama_cfg, mesh.tp_group)
         init_from_seed(model, seed)
@@ -89,17 +83,17 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
         model = LlamaForCausalLM(llama_cfg)
         model.init_weights(seed)
         loss_fn = causal_lm_loss
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    dtype = param_dtype(cfg.train.dtype)
-    layout = _target(mesh, cfg)
-    lora = LoraSettings.from_config(cfg.model.lora)
+    model.activation_checkpointing = build.activation_checkpointing
+    dtype = param_dtype(build.dtype)
+    layout = target_layout(mesh, build)
+    lora = LoraSettings.from_config(build.lora)
     if lora is not None:  # on every layer before the pipeline prunes: the adapters' draws do not depend on pp
         whole = TargetLayout(mesh.tp, 1, mesh.tp_rank, 0, 1).param_slices(llama_cfg)
         attach_lora(model, lora, whole, seed)
     regions = _with_adapters(layout.param_slices(llama_cfg), lora)
     executor = None
     if mesh.pp > 1:
-        chunks = build_stage_chunks(model, mesh.pp, mesh.pp_rank, int(par.virtual_pipeline_size))
+        chunks = build_stage_chunks(model, mesh.pp, mesh.pp_rank, build.virtual_pipeline_size)
         _prune_to_stage(model, set(regions))
         model = model.to(device=device, dtype=dtype)
         executor = PipelineExecutor(
@@ -107,13 +101,13 @@ def build_parallel_model(cfg: Any, llama_cfg: LlamaConfig, mesh: Any, device: to
             chunks,
             loss_fn,
             llama_cfg.hidden_size,
-            schedule=par.pipeline_schedule,
+            schedule=build.pipeline_schedule,
             device=device,
             dtype=dtype,
         )
     else:
         model = model.to(device=device, dtype=dtype)
-    if cfg.train.compile and int(par.zero_stage) != 3:  # ZeRO-3 wraps each block's forward to gather it
+    if build.compile and build.zero_stage != 3:  # ZeRO-3 wraps each block's forward to gather it
         compile_layers(model, report=mesh.rank == 0)  # rank 0 logs the compile time once
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):

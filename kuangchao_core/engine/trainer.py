@@ -26,7 +26,7 @@ from kuangchao_core.comm import watchdog as comm_watchdog
 from kuangchao_core.comm.group import host_group
 from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.comm.timing import COMM_STATS
-from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
+from kuangchao_core.config.settings import RunSettings
 from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
 from kuangchao_core.engine.anomaly import AnomalyDetector, AnomalyStop
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
@@ -105,13 +105,16 @@ def step_is_finite(loss: float, grad_norm: float) -> bool:
 class Trainer:
     """Builds this rank's model part, data and optimizer for a dp×tp×pp mesh and runs the step loop.
 
+    ``run``: the job's :class:`~kuangchao_core.config.settings.RunSettings` (built once from the validated config,
+    :func:`~kuangchao_core.config.settings.run_settings`); each part gets its own piece of them.
     ``mesh``: a :class:`~kuangchao_core.parallel.mesh.ParallelMesh` (groups built once, passed explicitly);
     ``world_group``: every rank, for device tensors. Host-side agreements (resume plan, barriers, followed config)
     travel on the host group, which the trainer builds (collectively) beside them.
     """
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, device: torch.device, world_group: Any, mesh: Any):
-        self.cfg = cfg
+    def __init__(self, run: RunSettings, rank: int, world_size: int, device: torch.device, world_group: Any, mesh: Any):
+        self.run_settings = run
+        self.train_settings = train = run.train
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -119,15 +122,14 @@ class Trainer:
         self.host_group = host_group()
         self.mesh = mesh
         self.state = TrainState()
-        par = cfg.parallel
-        self._warn_unused(cfg)
+        batches = run.batches
 
-        torch.manual_seed(cfg.task.seed)
-        self.model_config = config_from_model_section(cfg.model)
-        self.parts = build_parallel_model(cfg, self.model_config, mesh, device)
+        torch.manual_seed(train.seed)
+        self.model_config = config_from_model_section(run.model)
+        self.parts = build_parallel_model(run.build, self.model_config, mesh, device)
         self.model = self.parts.model
-        self.sync = make_grad_sync(cfg, self.model, mesh, self.parts.norm_weight)
-        self.precision = mixed_precision_for(cfg, device)
+        self.sync = make_grad_sync(run.grad_sync, self.model, mesh, self.parts.norm_weight)
+        self.precision = mixed_precision_for(run.precision, device)
         self.forward_backward = get_forward_backward(
             self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
         )
@@ -135,34 +137,32 @@ class Trainer:
         if report is not None:
             log_event(log, "zero memory per rank", **report)
 
-        self.dataset = build_dataset(cfg.data, self.model_config.vocab_size)
-        eval_data, no_eval = eval_dataset_for(cfg, self.model_config.vocab_size)
+        self.dataset = build_dataset(run.data, self.model_config.vocab_size)
+        eval_data, no_eval = eval_dataset_for(run.data, batches.no_eval_reason, self.model_config.vocab_size)
         self.evaluator = self.samples = None
         if eval_data is None:
             if rank == 0:
-                log.warning(
-                    "train.eval_interval %d: no held-out loss for this job: %s", cfg.train.eval_interval, no_eval
-                )
+                log.warning("train.eval_interval %d: no held-out loss for this job: %s", train.eval_interval, no_eval)
         else:
-            self.evaluator = held_out_loss_for(cfg, self.parts, mesh, eval_data, device)
+            self.evaluator = held_out_loss_for(batches.micro_batch_size, self.parts, mesh, eval_data, device)
             self.samples, no_samples = sample_evaluator_for(self.parts, mesh, eval_data, device)
             if self.samples is None and rank == 0:
                 log.warning("no greedy samples at evaluations: %s", no_samples)
         self.sampler = ResumableBatchSampler(
             len(self.dataset),
-            micro_batch_size=par.micro_batch_size,
-            grad_accum=par.gradient_accumulation_steps,
+            micro_batch_size=batches.micro_batch_size,
+            grad_accum=batches.gradient_accumulation_steps,
             dp_rank=mesh.dp_rank,
             dp_size=mesh.dp,
-            seed=cfg.task.seed,
-            shuffle=cfg.data.shuffle,
+            seed=train.seed,
+            shuffle=batches.shuffle,
         )
         self.loader: PrefetchLoader | None = None
         self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
         self.lr_scale = 1.0
-        self.anomaly = AnomalyDetector(cfg.train.anomaly, warmup_steps=cfg.train.warmup_steps)
+        self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            cfg,
+            run.checkpoint,
             rank,
             world_size,
             mesh,
@@ -170,17 +170,9 @@ class Trainer:
             self.sync,
             self.host_group,
             self.model_config,
-            target_layout(mesh, cfg),
+            target_layout(mesh, run.build),
             self.barrier,
         )
-
-    def _warn_unused(self, cfg: Any) -> None:
-        """Settings this job accepts but does not use, said once at start (never silently dropped). Under the flow
-        the orchestrator has said them already, from the user's config (the resolved one names every field)."""
-        if self.rank != 0 or os.environ.get(UNUSED_REPORTED_ENV):
-            return
-        for path, why in unused_settings(cfg):
-            log.warning("%s: %s", path, why)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -241,10 +233,10 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns global metrics."""
         t0 = time.perf_counter()
         comm0 = COMM_STATS.total_seconds()
-        train = self.cfg.train
+        train = self.train_settings
         base = lr_at(
             self.state.step,
-            float(self.cfg.optimizer.lr),
+            train.lr,
             train.steps,
             train.warmup_steps,
             train.lr_schedule,
@@ -263,7 +255,7 @@ class Trainer:
         local_loss = self.forward_backward(self.sync, batches, weight)
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
-        norm_t = self.sync.clip_grad_norm(float(self.cfg.optimizer.max_grad_norm or 0.0))
+        norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
         loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
         for group in (self.mesh.pp_group, self.mesh.dp_group):
@@ -301,7 +293,7 @@ class Trainer:
         self.state.bad_in_a_row = self.state.bad_in_a_row + 1 if counts else 0
         if not bad:
             return
-        step, limit = self.state.step + 1, int(self.cfg.train.max_bad_steps)
+        step, limit = self.state.step + 1, self.train_settings.max_bad_steps
         log.warning(
             "step %d skipped on every rank: loss %s, gradient norm %s (not finite; %d skipped in all, %d in a row "
             "of train.max_bad_steps %d)",
@@ -329,7 +321,7 @@ class Trainer:
 
         measured = self.sync.tensor_bytes()
         try:
-            est = explain_plan(self.cfg)["ranks"][self.rank]["memory_bytes"]
+            est = explain_plan(self.run_settings.job)["ranks"][self.rank]["memory_bytes"]
             estimate = int(est["params"] + est["grads"] + est["optimizer"])
         except Exception:  # the estimate is informative only; a job never fails on it
             estimate = None
@@ -374,23 +366,26 @@ class Trainer:
             log_event(log, "checkpoints", lineage=plan.lineage, resume_from=plan.step_dir, reason=plan.reason)
         step_dir = Path(plan.step_dir) if plan.step_dir else None
         # a LoRA checkpoint holds only the adapters: the frozen base comes from model.checkpoint (or the seed) again
-        if self.cfg.model.checkpoint and (step_dir is None or self.parts.lora is not None):
-            self.checkpoints.load_pretrained(self.cfg.model.checkpoint)
+        pretrained = self.train_settings.pretrained
+        if pretrained and (step_dir is None or self.parts.lora is not None):
+            self.checkpoints.load_pretrained(pretrained)
         if step_dir is not None:
             self.load_checkpoint(step_dir)
-        total = self.cfg.train.steps
+        total = self.train_settings.steps
         live = LiveConfig(
             self.global_config,
             self.rank,
             self.world_size,
             self.host_group,
-            LiveSettings(self.lr_scale, max(1, self.cfg.train.log_interval), self.cfg.checkpoint.interval),
+            LiveSettings(self.lr_scale, self.train_settings.log_interval, self.run_settings.checkpoint.interval),
         )
         # a change made before this attempt (or before a resume) applies from its first step
         self.lr_scale = live.follow(self.state.step, first=True).lr_scale
         # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
         pin = self.device.type == "cuda"
-        self.loader = PrefetchLoader(self.dataset, self.sampler, depth=self.cfg.data.prefetch, pin_memory=pin)
+        self.loader = PrefetchLoader(
+            self.dataset, self.sampler, depth=self.run_settings.batches.prefetch, pin_memory=pin
+        )
         last_saved = self.state.step if step_dir is not None else -1
         stop_at = total if max_steps is None else min(total, self.state.step + max_steps)
         start_step = self.state.step
@@ -400,7 +395,7 @@ class Trainer:
                 "start", total_steps=total, start_step=start_step, world_size=self.world_size, lineage=plan.lineage
             )
         snapshot_at = int(os.environ.get(GRAD_SNAPSHOT_ENV, "0") or 0) if os.environ.get("KC_RUN_DIR") else 0
-        if self.evaluator is not None and self.cfg.model.checkpoint and step_dir is None:
+        if self.evaluator is not None and pretrained and step_dir is None:
             # a fine-tune from pretrained weights: its starting point, to read every later evaluation against
             before: dict[str, float] = {}
             self._evaluate(0, before, metric_sink)
@@ -423,7 +418,7 @@ class Trainer:
                     with self.sync.full_parameters():  # collective under ZeRO-3
                         write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
-                if self.evaluator is not None and result.step % self.cfg.train.eval_interval == 0:
+                if self.evaluator is not None and result.step % self.train_settings.eval_interval == 0:
                     self._evaluate(result.step, metrics, metric_sink)
                 if metric_sink is not None and self.rank == 0:
                     metric_sink.log_step(result.step, metrics)

@@ -9,7 +9,9 @@ Environment: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (from torchrun); optional 
 ``KC_TRUST_ROOT`` (the signed trust store and its signer), ``KC_JOB_ID``/``KC_ATTEMPT``,
 ``KC_GLOBAL_CONFIG`` (the job's global configuration file, followed by the trainer); ``KC_RANK_MAP`` /
 ``KC_NODE_OF_RANK`` (the placement: which mesh rank each torch rank plays, and the node of every mesh rank).
-Sequence: device_init → guard → comm groups → model → data → steps → checkpoints.
+Sequence: config → settings → device_init → guard → comm groups → model → data → steps → checkpoints. The worker
+is where the validated config becomes the run's typed settings (:func:`~kuangchao_core.config.settings.run_settings`);
+the trainer and everything below it receive those, not the config.
 """
 
 from __future__ import annotations
@@ -23,23 +25,25 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from kuangchao_core.config import load_config
+from kuangchao_core.config.settings import ProcessSettings, run_settings
+from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
 from kuangchao_core.sched.heartbeat import HeartbeatWriter
 
 log = logging.getLogger("kuangchao.engine.worker")
 
 
-def _install_guard(cfg, rank: int) -> None:
+def _install_guard(process: ProcessSettings, rank: int) -> None:
     """The rank's guards: ``worker-<rank>`` for the process, ``data_loader-<rank>`` for its dataset reads."""
     from kuangchao_core import guard_api
     from kuangchao_core.perm.runtime import install_from_environment, take_environment_tokens
 
     tokens = take_environment_tokens()
-    if cfg.permission.mode == "trusted":
+    if process.permission_mode == "trusted":
         log.warning("permission.mode is TRUSTED: capability checks are OFF for module worker-%d", rank)
         guard_api.install_guard(guard_api.AllowAll())
         return
-    install_from_environment(rank, tokens, os.environ.get("KC_AUDIT_LOG") or cfg.permission.audit_log)
+    install_from_environment(rank, tokens, os.environ.get("KC_AUDIT_LOG") or process.audit_log)
 
 
 @record
@@ -58,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cfg = load_config(args.config)
-    setup_logging(f"worker-{rank}", rank, cfg.logging.level, json_file=_json_log_path(cfg, rank))
+    run = run_settings(cfg)
+    proc = run.process
+    setup_logging(f"worker-{rank}", rank, proc.log_level, json_file=_json_log_path(proc, rank))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if cfg.train.deterministic:  # before device_init: cuBLAS reads its workspace setting at its first handle
+    if proc.deterministic:  # before device_init: cuBLAS reads its workspace setting at its first handle
         from kuangchao_core.hal.determinism import enable_determinism
 
-        enable_determinism(cfg.train.device, os.environ)
+        enable_determinism(proc.device, os.environ)
 
     if os.environ.get("KC_RUN_DIR"):  # SIGUSR1 / a collective timeout: state dumps for `kc debug comm|memory`
         from kuangchao_core.engine.debug_dumps import dump_on_signal
@@ -73,15 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     if heartbeat is not None:
         heartbeat.start()
 
-    _install_guard(cfg, rank)
+    _install_guard(proc, rank)
     from kuangchao_core.comm import init_distributed, world_group
     from kuangchao_core.engine.plan import raise_for_plan
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.hal import device_init
     from kuangchao_core.parallel.mesh import ParallelMesh
 
-    ctx = device_init(cfg.train.device, local_rank=local_rank)
-    init_distributed(backend=cfg.parallel.backend, timeout_ms=cfg.parallel.timeout_ms)
+    ctx = device_init(proc.device, local_rank=local_rank)
+    init_distributed(backend=proc.backend, timeout_ms=proc.timeout_ms)
     raise_for_plan(cfg, world_size)
     world = world_group()
     mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size, node_of_rank=node_of_rank_from_env(world_size))
@@ -92,26 +98,29 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and run_id:
         from kuangchao_core.obs.mlflow_sink import MlflowMetricSink
 
-        sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", cfg.tracking.uri), run_id, task=cfg.task.name)
+        sink = MlflowMetricSink(os.environ.get("KC_TRACKING_URI", proc.tracking_uri), run_id, task=proc.task)
 
     system = None
-    if run_id and local_rank == 0 and cfg.tracking.system_metrics:  # one monitor per node
+    if run_id and local_rank == 0 and proc.system_metrics:  # one monitor per node
         import socket
 
         from kuangchao_core.obs.system_metrics import start_system_metrics
 
         node = os.environ.get("KC_NODE") or socket.gethostname()
-        uri = os.environ.get("KC_TRACKING_URI", cfg.tracking.uri)
-        system = start_system_metrics(uri, run_id, node, cfg.task.name, cfg.tracking.system_metrics_interval_s)
+        uri = os.environ.get("KC_TRACKING_URI", proc.tracking_uri)
+        system = start_system_metrics(uri, run_id, node, proc.task, proc.system_metrics_interval_s)
 
-    trainer = Trainer(cfg, rank, world_size, ctx.device, world, mesh)
+    if rank == 0 and not os.environ.get(UNUSED_REPORTED_ENV):  # under a flow the orchestrator has said them
+        for path, why in unused_settings(cfg):  # never silently dropped
+            log.warning("%s: %s", path, why)
+    trainer = Trainer(run, rank, world_size, ctx.device, world, mesh)
     global_config = os.environ.get("KC_GLOBAL_CONFIG")
     if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
         from kuangchao_core.engine.live_config import worker_global_config
 
         # verified, this job's, and never older than the newest version the job recorded (no rollback)
-        trainer.global_config = worker_global_config(cfg, global_config)
-    resume = args.resume or cfg.checkpoint.resume
+        trainer.global_config = worker_global_config(proc, global_config)
+    resume = args.resume or run.checkpoint.resume
     try:
         # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself
         lineage = os.environ.get("KC_CKPT_LINEAGE") or None
@@ -134,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _json_log_path(cfg, rank: int) -> str | None:
+def _json_log_path(proc: ProcessSettings, rank: int) -> str | None:
     run_dir = os.environ.get("KC_RUN_DIR")
-    if cfg.logging.json_file:
-        return cfg.logging.json_file.replace("{rank}", str(rank))
+    if proc.json_log:
+        return proc.json_log.replace("{rank}", str(rank))
     return os.path.join(run_dir, "logs", f"worker-{rank}.jsonl") if run_dir else None
 
 
@@ -150,7 +159,7 @@ def _final_eval(trainer, sink) -> None:
     if trainer.rank != 0:
         return
     corpus = getattr(trainer.dataset, "corpus", None)
-    documents = trainer.cfg.data.packing == "documents"
+    documents = trainer.run_settings.batches.documents
     floor = float(corpus.loss_floor(documents)) if corpus is not None and hasattr(corpus, "loss_floor") else None
     log_event(log, "eval", heldout_accuracy=accuracy, loss_floor=floor)
     emit_event("eval", heldout_accuracy=accuracy, loss_floor=floor, samples=text)

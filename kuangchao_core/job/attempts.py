@@ -4,11 +4,11 @@ before each restart ``recover`` says the cause and the resume point (``flows/tra
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from kuangchao_core.ckpt.lineage import create_lineage
+from kuangchao_core.ckpt.lineage import create_lineage, lineage_dir
 from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, LeaseKeeper, hold_lineage
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.job.ckpt_mirror import CheckpointMirror, register_mirror
 from kuangchao_core.job.placement_record import finish_cluster_probe
@@ -32,13 +32,14 @@ def hold_job_lineage(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, log
     if job.topology is not None:  # placement reads the matrix
         tracking.log_json_artifact(cfg, job.run_id, job.topology.to_dict(), "topology", "topology.json")
     if job.plan.new:
-        create_lineage(cfg, job.plan.lineage, started_from=job.plan.step_dir)
+        create_lineage(lineage_key(cfg), job.plan.lineage, started_from=job.plan.step_dir)
     lineage_before = job.plan.lineage
-    job.plan, job.lease = hold_lineage(cfg, job.plan, str(job.flow_run_id), logger.warning)  # one writer per lineage
+    job.plan, job.lease = hold_lineage(
+        lineage_key(cfg), job.plan, str(job.flow_run_id), logger.warning
+    )  # one writer per lineage
     job.keeper = LeaseKeeper(job.lease)
     job.keeper.start()
-    lineage_dir = Path(cfg.checkpoint.dir) / cfg.task.name / job.plan.lineage
-    prefect_watch.note(lineage=job.plan.lineage, lineage_dir=str(lineage_dir))
+    prefect_watch.note(lineage=job.plan.lineage, lineage_dir=str(lineage_dir(lineage_key(cfg), job.plan.lineage)))
     if job.plan.lineage != lineage_before:
         tracking.set_tags(cfg, job.run_id, {"kuangchao.lineage": job.plan.lineage})
     if cfg.checkpoint.uri:  # every checkpoint to S3 while the job runs (the orchestrator holds the credentials)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.ckpt.layout import parse_step_dir
-from kuangchao_core.ckpt.lineage import LEGACY, create_lineage, lineage_dir, list_lineages
+from kuangchao_core.ckpt.lineage import LEGACY, create_lineage, lineage_dir, list_lineages, task_dir
 from kuangchao_core.ckpt.reader import find_latest_intact, read_manifest, verify_checkpoint
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import CheckpointCorrupt, CheckpointError
 from kuangchao_core.obs import tracking
 
@@ -30,7 +31,7 @@ log = logging.getLogger("kuangchao.tasks.checkpoint")
 
 def task_dir_of(cfg: Any) -> Path:
     """``<checkpoint.dir>/<task.name>``: the task's lineages live below it."""
-    return Path(cfg.checkpoint.dir) / cfg.task.name
+    return task_dir(lineage_key(cfg))
 
 
 def _s3_task(cfg: Any, lineage: str) -> str:
@@ -88,7 +89,7 @@ def upload_intact(cfg: Any, settings=None, client=None, lineage: str | None = No
     s3_task = _s3_task(cfg, lineage)
     remote = dict(list_checkpoints(uri, s3_task, client=s3))
     out: dict[int, str] = {}
-    tdir = lineage_dir(cfg, lineage)
+    tdir = lineage_dir(lineage_key(cfg), lineage)
     for name in sorted(os.listdir(tdir)) if tdir.is_dir() else []:
         step = parse_step_dir(name)
         if step is None or not (tdir / name).is_dir():
@@ -117,7 +118,7 @@ def verify_and_record(
     lineage's older intact ones) to S3 when ``checkpoint.uri`` is set, log each one's metadata and the newest
     manifest to MLflow; return the newest one's metadata plus ``steps`` (every intact step of the lineage)."""
     lineage = lineage or _newest_lineage(cfg)
-    tdir = lineage_dir(cfg, lineage)
+    tdir = lineage_dir(lineage_key(cfg), lineage)
     step_dir = find_latest_intact(tdir) if tdir.exists() else None
     if step_dir is None:
         raise CheckpointCorrupt(f"no intact checkpoint under {tdir}; the job wrote none or all are corrupt")
@@ -188,7 +189,7 @@ def restore_from_s3(cfg: Any, settings=None, client=None) -> dict[str, Any]:
     skipped: list[dict[str, Any]] = []
     for lineage in _s3_lineages(cfg, s3):
         for step, step_uri in reversed(list_checkpoints(cfg.checkpoint.uri, _s3_task(cfg, lineage), client=s3)):
-            tdir = create_lineage(cfg, lineage) if lineage != LEGACY else task_dir_of(cfg)
+            tdir = create_lineage(lineage_key(cfg), lineage) if lineage != LEGACY else task_dir_of(cfg)
             dest = tdir / step_uri.rsplit("/", 1)[-1]
             try:
                 download_checkpoint(step_uri, dest, client=s3, settings=settings)

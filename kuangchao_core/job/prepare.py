@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.ckpt.lineage import ResumePlan, plan_training
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError
@@ -105,7 +106,9 @@ def prepare_run(
         restored = steps.restore_checkpoint(cfg, None, s3_settings)
         for skip in restored["skipped"]:
             logger.warning("skipped corrupt checkpoint %s (step %s): %s", skip["uri"], skip["step"], skip["reason"])
-    plan = plan_training(cfg, resume_arg, if_finished, logger.info)  # NothingToTrain: kc train's early refusal too
+    plan = plan_training(
+        lineage_key(cfg), resume_arg, if_finished, logger.info
+    )  # NothingToTrain: kc train's early refusal too
     job = JobRun(cfg, run_dir, resolved, flow_run_id, plan, plan.step_dir or "never", s3_settings, base_model)
     if job.nothing_to_train:  # if_finished: skip
         logger.warning("0 steps trained: %s is already at step %d of %d", plan.step_dir, plan.step, cfg.train.steps)

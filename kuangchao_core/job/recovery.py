@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kuangchao_core.ckpt.lineage import plan_resume
+from kuangchao_core.ckpt.lineage import plan_resume, task_dir
 from kuangchao_core.ckpt.reader import read_state
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.obs import tracking
 
 log = logging.getLogger("kuangchao.tasks.recover")
@@ -46,11 +47,11 @@ def plan_recovery(
     """The newest intact checkpoint of the run's ``lineage`` (else the checkpoint the run ``started_from``, else a
     fresh start), with the cause logged and recorded on the MLflow run. Without a lineage: the task's newest."""
     if lineage is not None:
-        plan = plan_resume(cfg, started_from or "never", pinned=lineage)
+        plan = plan_resume(lineage_key(cfg), started_from or "never", pinned=lineage)
         step_dir = Path(plan.step_dir) if plan.step_dir else None
     else:
-        task_dir = Path(cfg.checkpoint.dir) / cfg.task.name
-        found = plan_resume(cfg, "auto") if task_dir.exists() else None
+        key = lineage_key(cfg)
+        found = plan_resume(key, "auto") if task_dir(key).exists() else None
         step_dir = Path(found.step_dir) if found and found.step_dir else None
     plan: dict[str, Any] = {
         "failed_attempt": failed_attempt,

@@ -27,7 +27,7 @@ def topology_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 
 def probe_world(cfg: Any, world_size: int | None) -> int:
-    """The probe's world size: ``world_size``, else ``cfg.parallel.world_size``, at least 2."""
+    """The probe's world size: ``world_size``, else the job's ``parallel.world_size``, at least 2."""
     if world_size is not None:
         return int(world_size)
     return max(2, int(getattr(getattr(cfg, "parallel", None), "world_size", 2) or 2))

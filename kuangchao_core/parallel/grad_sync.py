@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kuangchao_core.comm import primitives as comm
+from kuangchao_core.config.settings import GradSyncSettings
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
@@ -396,18 +397,12 @@ class ShardedAdamW:
             )
 
 
-def make_grad_sync(cfg: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:
+def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
-    opt, par = cfg.optimizer, cfg.parallel
-    hyper = {
-        "lr": float(opt.lr),
-        "betas": tuple(opt.betas),
-        "eps": float(opt.eps),
-        "weight_decay": float(opt.weight_decay),
-    }
-    exclude = tuple(opt.weight_decay_exclude)
+    hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
+    exclude = tuple(par.weight_decay_exclude)
     stage = int(par.zero_stage)
-    if stage == 3 and (mesh.pp > 1 or cfg.model.lora is not None):
+    if stage == 3 and (mesh.pp > 1 or par.lora):
         # pp: per-micro-batch gathers on every stage would multiply the traffic (torchtitan does the same);
         # LoRA: the frozen base is not sharded, the adapters' state is what ZeRO partitions
         stage = 2

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.config.settings import PrecisionSettings
+
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -130,12 +132,11 @@ class MixedPrecision:
         self.hysteresis_left = int(state["hysteresis_left"])
 
 
-def mixed_precision_for(cfg: Any, device: torch.device) -> MixedPrecision:
-    """The job's policy from ``train.dtype`` and ``train.loss_scaling``."""
-    ls = cfg.train.loss_scaling
+def mixed_precision_for(precision: PrecisionSettings, device: torch.device) -> MixedPrecision:
+    """The job's policy from ``train.dtype`` and ``train.loss_scaling`` (:class:`PrecisionSettings`)."""
     scaling = LossScaling(
-        initial_scale=float(ls.initial_scale),
-        growth_interval=int(ls.growth_interval),
-        hysteresis=int(ls.hysteresis),
+        initial_scale=precision.initial_scale,
+        growth_interval=precision.growth_interval,
+        hysteresis=precision.hysteresis,
     )
-    return MixedPrecision(cfg.train.dtype, device.type, scaling)
+    return MixedPrecision(precision.dtype, device.type, scaling)
