@@ -70,6 +70,7 @@ FILE_TIERS = {
     "test_hostile_input.py": "unit",
     "test_import_rules.py": "unit",
     "test_job_lifetime.py": "distributed",
+    "test_job_paths.py": "flows",
     "test_launch.py": "distributed",
     "test_launcher.py": "distributed",
     "test_lineage.py": "unit",
