@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from kuangchao_core.config import load_config
 from kuangchao_core.config.paths import make_paths_absolute, relative_paths
