@@ -35,7 +35,7 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILE = "kuangchao_core/config/schema.py"
+SCHEMA_FILES = ("kuangchao_core/config/schema.py", "kuangchao_core/config/cluster_schema.py", "kuangchao_core/config/section.py")
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 
@@ -256,7 +256,7 @@ def _sources() -> dict[str, str]:
     for top in SOURCE_DIRS:
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel != SCHEMA_FILE:
+            if rel not in SCHEMA_FILES:
                 out[rel] = path.read_text(encoding="utf-8")
     return out
 
