@@ -35,7 +35,11 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILES = ("kuangchao_core/config/schema.py", "kuangchao_core/config/cluster_schema.py", "kuangchao_core/config/section.py")
+SCHEMA_FILES = (
+    "kuangchao_core/config/schema.py",
+    "kuangchao_core/config/cluster_schema.py",
+    "kuangchao_core/config/section.py",
+)
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 
