@@ -35,11 +35,7 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILES = (
-    "kuangchao_core/config/schema.py",
-    "kuangchao_core/config/cluster_schema.py",
-    "kuangchao_core/config/section.py",
-)
+SCHEMA_FILES = tuple(f"kuangchao_core/config/{name}.py" for name in ("schema", "cluster_schema", "section"))
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 
