@@ -111,6 +111,8 @@ FILE_TIERS = {
     "test_s3.py": "unit",
     "test_second_run.py": "flows",
     "test_sft_data.py": "unit",
+    "test_slurm.py": "e2e",
+    "test_slurm_script.py": "unit",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
     "test_step_loss.py": "distributed",

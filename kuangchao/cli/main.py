@@ -40,6 +40,7 @@ _COMMAND_MODULES = [
     "debug",
     "runs",
     "node",
+    "slurm",
     "topology",
     "operator_cmd",
     "token_cmd",

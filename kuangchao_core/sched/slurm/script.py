@@ -51,7 +51,7 @@ def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int) -> list[str]:
     """The ``#SBATCH`` options of the job, from ``cluster.slurm``."""
     slurm = cfg.cluster.slurm
     out = [
-        f"--job-name=kc-{cfg.task.name}",
+        f"--job-name={cfg.task.name}",
         f"--nodes={slurm.nodes}",
         "--ntasks-per-node=1",
         f"--output={slurm_dir(run_dir, attempt) / 'batch-%j.out'}",
@@ -129,7 +129,7 @@ def step_env(cfg: Any, env: dict[str, str] | None = None) -> dict[str, str]:
     return {**kept, **{k: v for k, v in env.items() if k.startswith("SLURM_")}}
 
 
-def example_script(cfg: Any, config_path: str | Path, python: str = sys.executable) -> str:
+def example_script(cfg: Any, config_path: str | Path, overrides: list[str] = (), python: str = sys.executable) -> str:
     """A batch script that runs ``kc train`` inside its own allocation (``kc slurm script``): the training then
     uses the allocation's nodes through ``srun`` instead of submitting a job of its own."""
     opts = [o for o in sbatch_options(cfg, "$SLURM_SUBMIT_DIR", 0) if not o.startswith(("--output", "--chdir"))]
@@ -137,10 +137,17 @@ def example_script(cfg: Any, config_path: str | Path, python: str = sys.executab
     lines = [
         "#!/bin/bash",
         "# `kc train` inside this allocation: cluster.mode slurm then runs on the allocation's nodes (srun), no new job.",
-        "# Submit from the directory that holds the config: sbatch <this file>",
+        "# kc train runs where sbatch was run: its runs/, checkpoints and relative paths resolve there.",
         *[f"#SBATCH {opt}" for opt in opts],
         f"#SBATCH --export={','.join(exported_names(cfg.cluster.slurm)) or 'NONE'}",
         "set -euo pipefail",
-        f"{shlex.quote(python)} -m kuangchao.cli.main train --config {shlex.quote(str(Path(config_path).absolute()))}",
+        " ".join(
+            [
+                shlex.quote(python),
+                "-m kuangchao.cli.main train --config",
+                shlex.quote(str(Path(config_path).absolute())),
+            ]
+            + [f"--set {shlex.quote(o)}" for o in overrides]
+        ),
     ]
     return "\n".join(lines) + "\n"
