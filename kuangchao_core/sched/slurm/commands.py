@@ -93,13 +93,21 @@ def submit(argv: list[str], env: dict[str, str]) -> str:
 
 
 def show_job(job_id: str, env: dict[str, str]) -> dict[str, str] | None:
-    """``scontrol show job -d <id>`` as a dict; None once Slurm has forgotten the job."""
+    """``scontrol show job -d <id>`` as a dict; once the controller has forgotten the job, what ``sacct`` keeps
+    (``JobState``, ``Reason``, ``NodeList``); None when neither knows it."""
     try:
         return parse_record(run(["scontrol", "show", "job", "-d", "-o", str(job_id)], env))
     except SlurmRefused as exc:
-        if "Invalid job id" in str(exc):
-            return None
-        raise
+        if "Invalid job id" not in str(exc):
+            raise
+    try:
+        rows = run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State,Reason,NodeList"], env).splitlines()
+    except SlurmRefused:
+        return None
+    if not rows or rows[0].count("|") != 2:
+        return None
+    state, reason, nodes = rows[0].split("|")
+    return {"JobState": state.split()[0], "Reason": reason, "NodeList": nodes}
 
 
 def hostnames(nodelist: str, env: dict[str, str]) -> list[str]:
