@@ -101,8 +101,10 @@ def one_process_losses(tmp_path_factory, store) -> list[float]:
     return list(per_rank[0][0]["losses"])
 
 
-def _start_train(lab, workdir: Path, overrides: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
-    """``kc train`` from ``workdir`` in the background, its output in files."""
+def _start_train(
+    lab, workdir: Path, overrides: list[str], extra_env: dict[str, str], prefix: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """``kc train`` from ``workdir`` in the background (after ``prefix``: ``salloc …``), its output in files."""
     env = {
         **lab.env,
         **extra_env,
@@ -113,7 +115,7 @@ def _start_train(lab, workdir: Path, overrides: list[str], extra_env: dict[str, 
     }
     for name in ("PREFECT_API_URL", "KC_RUNS_DIR", "PREFECT_PROFILES_PATH"):
         env.pop(name, None)  # the run directory is runs/ under workdir, resolved there (issue 32 §8)
-    argv = [sys.executable, "-m", "kuangchao.cli.main", "train", "--config", TINY, "--json"]
+    argv = [*prefix, sys.executable, "-m", "kuangchao.cli.main", "train", "--config", TINY, "--json"]
     return subprocess.Popen(
         argv + [a for o in overrides for a in ("--set", o)],
         env=env,
@@ -138,6 +140,13 @@ def _summary(text: str) -> dict:
         if isinstance(found, dict) and "mlflow_run_id" in found:
             return found
     raise AssertionError(f"no run summary in the output: {text[-3000:]}")
+
+
+def _assert_losses(store: Path, summary: dict, reference: list[float]) -> None:
+    history = loss_history(f"sqlite:///{store / 'mlflow.db'}", summary["mlflow_run_id"])
+    assert [s for s, _ in history] == list(range(1, STEPS + 1)), "every step exactly once in MLflow"
+    for (step, got), want in zip(history, reference, strict=True):
+        assert abs(got - want) <= FP32_LOSS_REL * abs(want), (step, got, want)
 
 
 def _job_processes(run_dir: Path) -> dict[int, tuple[str, bytes]]:
@@ -196,10 +205,7 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
 
     # the losses are the one-process sequence, every step once in MLflow
     summary = _summary(output)
-    history = loss_history(f"sqlite:///{store / 'mlflow.db'}", summary["mlflow_run_id"])
-    assert [s for s, _ in history] == list(range(1, STEPS + 1)), "every step exactly once in MLflow"
-    for (step, got), want in zip(history, one_process_losses, strict=True):
-        assert abs(got - want) <= FP32_LOSS_REL * abs(want), (step, got, want)
+    _assert_losses(store, summary, one_process_losses)
 
     # Slurm ran it: two nodes, completed; the run directory keeps the batch script, its sbatch line and the states
     assert Path(summary["run_dir"]) == run_dir and run_dir.is_relative_to(tmp_path / "runs")
@@ -243,3 +249,59 @@ def test_a_job_slurm_cannot_schedule_fails_at_once_with_slurms_reason(slurm_clus
     assert not list(tmp_path.glob("runs/*/*/attempt_1")), "a job Slurm refuses is not retried"
     assert not list(tmp_path.glob("runs/*/*/attempt_0/nodes")), "no rank started"
     assert "kc-slurm-badpart" not in lab.run(["squeue", "-h", "-o", "%j"]).stdout
+
+
+def _lab_jobs(lab) -> set[str]:
+    return set(lab.run(["sacct", "-a", "-X", "-n", "-P", "-o", "JobID", "-S", "now-1days"]).stdout.split())
+
+
+def test_inside_an_salloc_allocation_kc_train_uses_its_nodes_without_a_new_job(
+    slurm_cluster, tmp_path, store, one_process_losses
+):
+    """Issue 32 §2: ``salloc -N2 kc train …`` (``SLURM_JOB_ID`` set): the srun step runs on the allocation's two
+    nodes, no job is submitted, and the losses are the one-process ones."""
+    lab = slurm_cluster
+    before = _lab_jobs(lab)
+    salloc = ("salloc", "-N2", "--ntasks-per-node=1", f"--partition={lab.partition}", "--time=15:00")
+    overrides = _overrides(tmp_path, "kc-slurm-salloc", store, **_slurm(lab))
+    code, output = _finish(_start_train(lab, tmp_path, overrides, {}, prefix=salloc), tmp_path)
+    assert code == 0, output[-5000:]
+    summary = _summary(output)
+    _assert_losses(store, summary, one_process_losses)
+    run_dir = Path(summary["run_dir"])
+    submit = json.loads((run_dir / "attempt_0/slurm/submit.json").read_text())
+    assert submit["inside_allocation"] is True and submit["argv"][0] == "bash", submit
+    assert _lab_jobs(lab) - before == {submit["job_id"]}, "only the allocation: kc train submitted no job"
+    states = (run_dir / "attempt_0/slurm/states.log").read_text()
+    assert f"srun step of job {submit['job_id']} ended: exit code 0" in states, states
+    for node in ("n1", "n2"):
+        assert json.loads((run_dir / f"attempt_0/nodes/{node}/result.json").read_text())["ok"] is True
+
+
+def test_scancel_of_the_job_ends_the_run_with_that_reason_and_no_rank_left(slurm_cluster, tmp_path, store):
+    """Issue 32 §3: a job cancelled in Slurm ends ``kc train`` with Slurm's state, not retried, every rank gone."""
+    from kuangchao_core.sched.heartbeat import read_beat
+    from kuangchao_core.sched.lifeline import wait_gone
+
+    lab = slurm_cluster
+    overrides = _overrides(
+        tmp_path, "kc-slurm-scancel", store, **_slurm(lab), **{"train.steps": 5000, "cluster.max_restarts": 2}
+    )
+    proc = _start_train(lab, tmp_path, overrides, {})
+    try:
+        submitted = _wait(lambda: list(tmp_path.glob("runs/*/*/attempt_0/slurm/submit.json")), 300, "the sbatch")
+        run_dir, job = submitted[0].parents[2], json.loads(submitted[0].read_text())["job_id"]
+        beats = _wait(
+            lambda: found if len(found := list((run_dir / "attempt_0/heartbeat").glob("rank_*.hb"))) == 4 else None,
+            400,
+            "four ranks beating",
+        )
+        pids = [b.pid for f in beats if (b := read_beat(f)) is not None]
+        assert lab.run(["scancel", job]).returncode == 0
+        code, output = _finish(proc, tmp_path, timeout_s=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0 and f"Slurm job {job} ended CANCELLED" in output, output[-3000:]
+    assert not list(run_dir.glob("attempt_1")), "a job cancelled in Slurm is not resubmitted"
+    assert len(pids) == 4 and wait_gone(pids, 30) == [], "ranks still running after scancel"

@@ -134,3 +134,26 @@ def test_slurm_records_are_read_as_scontrol_prints_them():
     assert rec["JobState"] == "PENDING" and rec["NodeList"] == "(null)" and rec["TRES"] == "cpu=2,node=2"
     assert rec["Reason"] == "ReqNodeNotAvail, UnavailableNodes:n3"
     assert commands.parse_record("NodeName=n1 Arch=x86_64 NodeAddr=198.18.7.11 State=IDLE")["NodeAddr"] == "198.18.7.11"
+
+
+def test_how_a_slurm_job_ended_decides_retry_or_stop():
+    from kuangchao_core.errors import WorkerFailed
+    from kuangchao_core.sched.slurm.job import _raise_for_end
+
+    ok = {"n1": {"ok": True}, "n2": {"ok": True}}
+    _raise_for_end("COMPLETED", {}, "7", ok)  # every node ok: the attempt succeeded
+    with pytest.raises(WorkerFailed) as failed:
+        _raise_for_end("COMPLETED", {}, "7", {"n1": {"ok": True}, "n2": None})
+    assert "no result from node(s) n2" in failed.value.cause  # completed without a node's word is no success
+    bad = {"n1": {"ok": False, "rank": 1, "cause": "stopped by the orchestrator"}, "n2": {"ok": False, "rank": 3,
+           "cause": "exited with code 1", "exit_code": 1}}  # fmt: skip
+    with pytest.raises(WorkerFailed) as failed:
+        _raise_for_end("FAILED", {"Reason": "NonZeroExitCode"}, "7", bad)
+    assert failed.value.rank == 3 and "on node n2: exited with code 1" in failed.value.cause
+    assert "Slurm job 7 ended FAILED (NonZeroExitCode)" in failed.value.cause
+    with pytest.raises(WorkerFailed) as failed:
+        _raise_for_end("NODE_FAIL", {}, "7", {"n1": {"ok": True}, "n2": None})
+    assert failed.value.node == "n2" and failed.value.rank is None  # a lost node: left out of the next attempt
+    for state in ("CANCELLED", "TIMEOUT"):  # Slurm's or a user's decision: not retried, said with Slurm's state
+        with pytest.raises(commands.SlurmRefused, match=f"Slurm job 7 ended {state}"):
+            _raise_for_end(state, {}, "7", ok)

@@ -93,10 +93,14 @@ class _Follow:
             line = f"Slurm job {self.job_id}: {state}"
             line += f" ({reason})" if reason and reason != "None" else ""
             line += f" on {nodes}" if nodes and nodes != "(null)" else ""
-            with open(self.log, "a", encoding="utf-8") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n")
-            self.say(line)
+            self.note(line)
         return info
+
+    def note(self, line: str) -> None:
+        """Say ``line`` and keep it in ``states.log``."""
+        with open(self.log, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n")
+        self.say(line)
 
     @property
     def state(self) -> str:
@@ -179,7 +183,7 @@ def launch_slurm_attempt(
                 nodes = _start_nodes(cfg, info["NodeList"], env, run_dir, attempt, tokens_for, log_sink, tails)
             if proc is not None and proc.poll() is not None:
                 state = "COMPLETED" if proc.returncode == 0 else "FAILED"
-                follow.say(f"srun step of job {job_id} ended: exit code {proc.returncode}")
+                follow.note(f"srun step of job {job_id} ended: exit code {proc.returncode}")
                 break
             if proc is None and state in commands.TERMINAL or state == "COMPLETED?":
                 state = state.rstrip("?")
