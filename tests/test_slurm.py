@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sqlite3
 import subprocess
 import sys
 import time
@@ -212,6 +213,11 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
     script = (run_dir / "attempt_0/slurm/job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "torch.distributed.run" in script and "--rdzv_backend=c10d" in script
     assert kept["state/script"].rstrip("\0") == script, "Slurm runs the script the run directory keeps"
+    with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as db:  # the flow run's artifact (kc train's server)
+        rows = db.execute("select data from artifact where key = 'kc-slurm-attempt-0'").fetchall()
+    artifact = json.loads(rows[-1][0]) if rows else ""
+    assert script in artifact and "sbatch --parsable --export=" in artifact, "the script and sbatch line as an artifact"
+    kept["Prefect artifact"] = artifact
     states = (run_dir / "attempt_0/slurm/states.log").read_text()
     assert f"Slurm job {job}: RUNNING on n[1-2]" in states and f"Slurm job {job}: COMPLETED" in states, states
     sacct = _wait(
