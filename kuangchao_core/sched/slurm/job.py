@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import WorkerFailed
-from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, _Tail
+from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
 from kuangchao_core.sched.slurm import commands, script
 from kuangchao_core.sched.slurm.commands import SlurmRefused
@@ -155,7 +155,7 @@ def launch_slurm_attempt(
     proc = None
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the nodes stop their ranks when this goes silent
     owner.start()
-    tails: list[_Tail] = []
+    tails: list[LogTail] = []
     job_id = None
     try:
         if inside:
@@ -185,7 +185,7 @@ def launch_slurm_attempt(
                 state = "COMPLETED" if proc.returncode == 0 else "FAILED"
                 follow.note(f"srun step of job {job_id} ended: exit code {proc.returncode}")
                 break
-            if proc is None and state in commands.TERMINAL or state == "COMPLETED?":
+            if proc is None and (state in commands.TERMINAL or state == "COMPLETED?"):  # ? : forgotten
                 state = state.rstrip("?")
                 break
             time.sleep(poll_s)
@@ -217,7 +217,7 @@ def _start_nodes(cfg, nodelist: str, env, run_dir: Path, attempt: int, tokens_fo
             tokens_for(node, list(range(rank * nproc, (rank + 1) * nproc)))
         where = node_dir(run_dir, attempt, node)
         where.mkdir(parents=True, exist_ok=True)
-        tail = _Tail(where / "launcher.log", log_sink)
+        tail = LogTail(where / "launcher.log", log_sink)
         tail.start()
         tails.append(tail)
     return [n for n, _ in order]
