@@ -35,7 +35,7 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILE = "kuangchao_core/config/schema.py"
+SCHEMA_FILES = tuple(f"kuangchao_core/config/{name}.py" for name in ("schema", "cluster_schema", "section"))
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 
@@ -156,7 +156,7 @@ def _candidates(tp: Any, default: Any) -> list[Any]:
         return [a for a in args if a != default] + list(args)
     if origin is list:
         inner = _candidates(args[0], None) if args else ["x"]
-        return [inner[:2], inner[:1]] if inner else [[]]
+        return [inner[:2], inner[:1], inner[-1:]] if inner else [[]]
     if origin is tuple:
         return [list(default)] if default not in (None, PydanticUndefined) else [[0.9, 0.95]]
     if origin is dict:
@@ -169,7 +169,7 @@ def _candidates(tp: Any, default: Any) -> list[Any]:
     if tp is float:
         return out + [0.5, 1.0, 1e-3, 10.0]
     if tp is str:
-        return out + ["my-job", "checkpoints/run", "sqlite:///mlflow.db", "http://127.0.0.1:8080"]
+        return out + ["my-job", "checkpoints/run", "sqlite:///mlflow.db", "http://127.0.0.1:8080", "NCCL_DEBUG"]
     return out
 
 
@@ -185,6 +185,9 @@ EXAMPLES: dict[str, Any] = {
     "checkpoint.resume": "never",
     "data.path": "data/corpus.jsonl",
     "data.eval_path": "data/heldout.jsonl",
+    "cluster.slurm": {"partition": "gpu", "time_limit": "01:00:00"},
+    "cluster.slurm.time_limit": "01:00:00",
+    "cluster.slurm.extra_sbatch_args": ["--mem=64G"],
 }
 
 
@@ -203,6 +206,7 @@ FRAGMENTS: dict[str, dict[str, Any]] = {
             "nodes": [{"host": "10.0.1.1", "gpus": 1}, {"host": "10.0.1.2", "gpus": 1, "role": "coordinator"}],
         }
     },
+    "cluster.slurm.switches_wait": {"cluster": {"mode": "slurm", "slurm": {"switches": 1, "switches_wait": "10:00"}}},
     "checkpoint.uri": {"checkpoint": {"uri": "s3://bucket/kuangchao", "endpoint_url": "http://127.0.0.1:9000"}},
 }
 
@@ -222,9 +226,10 @@ def _accepted(path: str, value: Any, data: dict[str, Any] | None = None) -> bool
 
     data = copy.deepcopy(data) if data is not None else _nest(path, _plain(value))
     data.setdefault("task", {}).setdefault("name", "example")
-    if path.startswith("cluster.") and path != "cluster.mode":
-        data["cluster"].setdefault("mode", "static")
-        data["cluster"].setdefault("nodes", [{"host": "10.0.1.1", "gpus": 1}])
+    if path.startswith("cluster.") and path != "cluster.mode":  # in the mode that uses the field
+        mode = data["cluster"].setdefault("mode", "slurm" if path.startswith("cluster.slurm") else "static")
+        if mode == "static":
+            data["cluster"].setdefault("nodes", [{"host": "10.0.1.1", "gpus": 1}])
     try:
         config_from_dict(data)
     except Exception:
@@ -254,7 +259,7 @@ def _sources() -> dict[str, str]:
     for top in SOURCE_DIRS:
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel != SCHEMA_FILE:
+            if rel not in SCHEMA_FILES:
                 out[rel] = path.read_text(encoding="utf-8")
     return out
 
@@ -411,9 +416,7 @@ def render() -> str:
         "found*); an example the schema accepts, as YAML.",
         "",
     ]
-    queue: list[tuple[str, type[Section]]] = []
-    for attr, info in JobConfig.model_fields.items():
-        queue.append((attr, _nested_section(info.annotation)))
+    queue = [(attr, _nested_section(info.annotation)) for attr, info in JobConfig.model_fields.items()]
     while queue:
         path, cls = queue.pop(0)
         doc = inspect.cleandoc(cls.__doc__ or "")
@@ -423,10 +426,7 @@ def render() -> str:
         whole = _whole_section_readers(path, sources)
         if whole:
             out += ["Code that takes the whole section: " + ", ".join(whole) + ".", ""]
-        out += [
-            "| field | type | default | meaning | read by | example |",
-            "|---|---|---|---|---|---|",
-        ]
+        out += ["| field | type | default | meaning | read by | example |", "|---|---|---|---|---|---|"]
         subs: list = []
         out += _section_rows(cls, path, sources, subs, whole)
         out.append("")

@@ -40,6 +40,7 @@ _COMMAND_MODULES = [
     "debug",
     "runs",
     "node",
+    "slurm",
     "topology",
     "operator_cmd",
     "token_cmd",
@@ -64,7 +65,7 @@ def _root(
 def _modules_for(argv: list[str]) -> list[str]:
     """The command modules to load: run as ``kc <command> …`` (the ``kc`` script or ``python -m``), only that
     command's (each module registers the command named after it, less ``_cmd``): ``kc train`` does not import the
-    other fifteen commands' dependencies, and its refusal stays within 3 s (issue 27 §2). Else, and for
+    other sixteen commands' dependencies, and its refusal stays within 3 s (issue 27 §2). Else, and for
     ``--help`` or a name no module has, every module, in help order."""
     if __name__ == "__main__" or os.path.basename(argv[0] if argv else "") == "kc":
         wanted = argv[1] if len(argv) > 1 else ""

@@ -150,12 +150,40 @@ def _world_size(parallel: Any, cluster: Any) -> Errors:
     )
     if cluster.mode == "local":
         return [("parallel.data_parallel_size", f"{layout}, but cluster.nproc_per_node is {devices}")]
+    if cluster.mode == "slurm":
+        slurm = cluster.slurm
+        provided = (
+            f"cluster.slurm.nodes {slurm.nodes} × cluster.slurm.tasks_per_node {slurm.tasks_per_node} = {devices}"
+        )
+        return [("parallel.data_parallel_size", f"{layout}, but {provided}")]
     workers = cluster.worker_nodes
     if cluster.nproc_per_node is not None:
         provided = f"cluster.nproc_per_node {cluster.nproc_per_node} × {len(workers)} worker nodes = {devices}"
     else:
         provided = f"the cluster's worker nodes have {'+'.join(str(n.gpus) for n in workers) or '0'} = {devices} GPUs"
     return [("parallel.data_parallel_size", f"{layout}, but {provided}")]
+
+
+def _slurm_shape(cluster: Any) -> Errors:
+    """``cluster.slurm`` only with ``mode: slurm``, which needs it and counts its ranks there alone."""
+    if cluster.mode != "slurm":
+        return [("cluster.slurm", f"only used with mode slurm, not {cluster.mode}")] if cluster.slurm else []
+    if cluster.slurm is None:
+        return [("cluster.slurm", "mode slurm needs its settings (nodes, tasks_per_node, partition …)")]
+    errors: Errors = []
+    if cluster.nproc_per_node not in (None, cluster.slurm.tasks_per_node):
+        errors.append(
+            (
+                "cluster.nproc_per_node",
+                f"{cluster.nproc_per_node} differs from cluster.slurm.tasks_per_node {cluster.slurm.tasks_per_node}, "
+                "the ranks per node of mode slurm",
+            )
+        )
+    if cluster.registry:
+        errors.append(("cluster.registry", "mode slurm takes its nodes from Slurm, not from a registry"))
+    if cluster.slurm.switches_wait and cluster.slurm.switches is None:
+        errors.append(("cluster.slurm.switches_wait", "only used with cluster.slurm.switches"))
+    return errors
 
 
 @_check("cluster")
@@ -181,6 +209,7 @@ def _cluster_shape(cluster: Any) -> Errors:
         errors.append(("cluster.nodes", f"nodes are only used with mode static, not {cluster.mode}"))
     if cluster.mode == "dynamic" and not cluster.registry:
         errors.append(("cluster.registry", "mode dynamic needs a registry address"))
+    errors += _slurm_shape(cluster)
     timeout, interval = cluster.heartbeat_timeout_s, cluster.heartbeat_interval_s
     if timeout is not None and timeout <= 2 * interval:
         errors.append(

@@ -4,54 +4,27 @@ A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a
 Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
 with the numbers involved, can be reported at once under its own dotted path.
 
-One file on purpose (a little over 400 lines): it is the config reference, read top to bottom, section by section.
+One file on purpose (a little over 400 lines): it is the config reference, read top to bottom, section by section;
+only what every section shares (:mod:`.section`) and the ``cluster`` section with its Slurm job (:mod:`.cluster_schema`)
+live beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
+from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
 from kuangchao_core.guard_api import INTERFACES
 
 #: interface names the permission layer guards: the one registry, :data:`kuangchao_core.guard_api.INTERFACES`
 KNOWN_INTERFACES: frozenset[str] = INTERFACES
-
-
-def _number(value: Any, kind: type) -> Any:
-    """Refuse booleans where a number is wanted and read numeric strings such as ``"2e-5"`` or ``"8e9"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got the boolean {value!r}")
-    if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        try:
-            number = float(text)
-        except ValueError:
-            return value  # let pydantic report the type error
-        if kind is int:
-            if not math.isfinite(number) or not number.is_integer():
-                raise ValueError(f"expected a whole number, got {value!r}")
-            return int(number)
-        return number
-    if kind is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(lambda v: _number(v, int))]
-Float = Annotated[float, BeforeValidator(lambda v: _number(v, float))]
-
-
-class Section(BaseModel):
-    """Common settings of every config section: unknown keys are errors, numbers may name strings."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class TaskSection(Section):
@@ -378,50 +351,6 @@ class PermissionSection(Section):
     @classmethod
     def _known_interfaces(cls, value: list[str] | None) -> list[str] | None:
         return None if value is None else _check_interfaces(value, allow_star=False)
-
-
-class NodeSpec(Section):
-    """One machine of a static cluster."""
-
-    host: str = Field(min_length=1)
-    gpus: Int = Field(default=0, ge=0)
-    role: Literal["worker", "parameter_server", "coordinator"] = "worker"
-
-
-class ClusterSection(Section):
-    """Where the workers run: this machine (``local``), a fixed node list (``static``) or a registry (``dynamic``).
-
-    Recovery: a failed attempt is restarted at most ``max_restarts`` times; a worker silent for longer than
-    ``heartbeat_timeout_s`` (``None``: never) is treated as hung. ``elastic``: when a lost node leaves too few
-    nodes for the layout, resume with a smaller data-parallel size (same tp×pp and global batch) instead of failing.
-    """
-
-    mode: Literal["local", "static", "dynamic"] = "local"
-    nodes: list[NodeSpec] = Field(default_factory=list)
-    nproc_per_node: Int | None = Field(default=None, ge=1)
-    registry: str | None = None
-    elastic: bool = False
-    placement: Literal["topology", "blind"] = "topology"
-    max_restarts: Int = Field(default=2, ge=0, le=1000)
-    heartbeat_interval_s: Float = Field(default=1.0, gt=0)
-    heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)
-
-    @property
-    def worker_nodes(self) -> list[NodeSpec]:
-        """The nodes that run training processes."""
-        return [node for node in self.nodes if node.role == "worker"]
-
-    @property
-    def devices(self) -> int | None:
-        """Training processes the cluster provides, or None when it does not say."""
-        if self.mode == "local":
-            return self.nproc_per_node
-        if self.mode == "static":
-            workers = self.worker_nodes
-            if self.nproc_per_node is not None:
-                return self.nproc_per_node * len(workers)
-            return sum(node.gpus for node in workers)
-        return None
 
 
 class CheckpointSection(Section):

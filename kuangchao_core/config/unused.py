@@ -56,6 +56,12 @@ def unused_settings(cfg: Any) -> Warnings:
         out.append(
             ("cluster.placement", "only used with cluster.mode static or dynamic; this job runs on this machine")
         )
+    if cluster.mode == "slurm" and _given(cluster, "placement"):
+        out.append(("cluster.placement", "Slurm grants the nodes; ranks fill them in the rendezvous' order"))
+    if cluster.mode == "slurm" and cluster.elastic:
+        out.append(
+            ("cluster.elastic", "not built for cluster.mode slurm yet: a failed attempt resubmits the same shape")
+        )
     if par.grad_compression != "none" and par.zero_stage:
         out.append(
             (

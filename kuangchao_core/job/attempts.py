@@ -64,7 +64,7 @@ def _one_attempt(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger:
             work.parallel.gradient_accumulation_steps,
         )
     placed: dict[str, Any] = {}
-    if cfg.cluster.mode != "local":
+    if cfg.cluster.mode in ("static", "dynamic"):  # Slurm grants its nodes itself
         topology = job.topology.to_dict() if job.topology else None
         placed = steps.place_attempt(work, list(job.lost_nodes), topology, str(job.run_dir), attempt)
         tracking.log_json_artifact(cfg, job.run_id, placed, "placement", f"attempt_{attempt}.json")

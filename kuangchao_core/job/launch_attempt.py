@@ -38,6 +38,8 @@ from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster
 from kuangchao_core.sched.nodes import route_address
 from kuangchao_core.sched.placement import NodeAssignment
 from kuangchao_core.sched.rank_placement import RankPlacement
+from kuangchao_core.sched.slurm.job import launch_slurm_attempt
+from kuangchao_core.sched.slurm.job import reach_address as slurm_reach_address
 
 
 @dataclass
@@ -101,7 +103,8 @@ def launch_workers(
 ) -> LaunchSummary:
     """Run one attempt of the job's workers; raises WorkerFailed naming the rank (or the lost node) on failure.
 
-    ``cluster.mode`` local starts every rank here; static and dynamic clusters run on node agents
+    ``cluster.mode`` local starts every rank here; slurm submits a Slurm job (:mod:`kuangchao_core.sched.slurm`);
+    static and dynamic clusters run on node agents
     (:func:`kuangchao_core.sched.multinode.launch_cluster_attempt`): on ``assignments`` (``NodeAssignment``
     fields) with ``placement`` (``RankPlacement.to_dict()``) when the flow placed the attempt, else on nodes
     chosen here, leaving out ``exclude_nodes``.
@@ -140,7 +143,8 @@ def launch_workers(
     if resume:
         args += ["--resume", resume]
     recovery = cfg.cluster
-    multinode = cfg.cluster.mode != "local"
+    multinode = cfg.cluster.mode in ("static", "dynamic")
+    on_slurm = cfg.cluster.mode == "slurm"
     if multinode and assignments is None:
         nodes, placed = place_cluster_attempt(cfg, exclude_nodes or [], traffic=group_traffic(cfg))
         placement = placed.to_dict()
@@ -158,7 +162,11 @@ def launch_workers(
                 attempt,
                 audit_log=worker_env.get("KC_AUDIT_LOG"),
                 ttl_s=float(cfg.permission.token_ttl_seconds),
-                host=route_address(nodes[0].address) if nodes else "127.0.0.1",
+                host=route_address(nodes[0].address)
+                if nodes
+                else slurm_reach_address(cfg)
+                if on_slurm
+                else "127.0.0.1",
             )
             if worker_env.get("KC_AUDIT_LOG"):  # the audit key and the chain's head, kept outside the log's dir
                 audit_kid, audit_key = authority.audit_signing_key()
@@ -188,6 +196,11 @@ def launch_workers(
                 return node_token_env(base, run_dir, attempt, node.name, ranks)
 
             launch_cluster_attempt(cfg, nodes, run_dir, attempt, args, env_for, view)
+        elif on_slurm:  # each node's tokens in a 0600 file of its own, never in the job Slurm stores
+            tokens_for = (lambda node, ranks: node_token_env({}, run_dir, attempt, node, ranks)) if (
+                "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
+            say = run_logger.info if run_logger is not None else print
+            launch_slurm_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for, view, say=say)
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}
             run_workers(

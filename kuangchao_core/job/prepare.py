@@ -11,6 +11,7 @@ from typing import Any
 
 from kuangchao_core.ckpt.lineage import ResumePlan, plan_training
 from kuangchao_core.config.settings import lineage_key
+from kuangchao_core.config.paths import make_paths_absolute
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError
@@ -56,7 +57,8 @@ class JobRun:
 def make_run_dir(cfg: Any, flow_run_id: str | None) -> Path:
     """``runs/<task>/<UTC time>-<flow run id>/``: resolved config, launcher logs, tokens, reports."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    run_dir = Path(os.environ.get("KC_RUNS_DIR", "runs")) / cfg.task.name / f"{stamp}-{(flow_run_id or 'local')[:8]}"
+    runs = Path(os.environ.get("KC_RUNS_DIR", "runs")).absolute()  # the nodes use this path, not their own cwd's
+    run_dir = runs / cfg.task.name / f"{stamp}-{(flow_run_id or 'local')[:8]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -90,6 +92,7 @@ def prepare_run(
     for path, why in unused_settings(cfg):  # from the user's config: the resolved one names every field
         logger.warning("%s: %s", path, why)
     base_model = resolve_base_model(cfg, logger)
+    make_paths_absolute(cfg)  # issue 32 §8: from where `kc train` ran, once; the nodes and ranks use exactly these
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     run_dir = make_run_dir(cfg, flow_run_id)
@@ -133,6 +136,8 @@ def open_job(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any
     if cfg.cluster.mode == "local":
         with clock.phase("topology"):
             steps.probe_topology(cfg)
+    elif cfg.cluster.mode == "slurm":
+        logger.info("cluster.mode slurm: Slurm grants the nodes; no topology probe before the job runs")
     else:  # the node agents measure every pair of candidate nodes while the data is validated
         job.probing = steps.start_cluster_probe(cfg, job.run_dir, logger)
     with clock.phase("mlflow"):

@@ -159,7 +159,7 @@ def issue_tokens_for_run(
     par = cfg.parallel
     dp, tp, pp = int(par.data_parallel_size), int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
     world = dp * tp * pp
-    nproc = setting(cfg, "cluster.nproc_per_node") or world
+    nproc = setting(cfg, "cluster.nproc_per_node") or setting(cfg, "cluster.slurm.tasks_per_node") or world
     node_of_rank = list(placement["node_of_rank"]) if placement else [0] * world
     if placement:
         slot_of_rank = [0] * world

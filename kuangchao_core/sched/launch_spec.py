@@ -28,7 +28,8 @@ class LaunchSpec:
     A ``stop_file`` that appears makes the launcher SIGKILL the group (the orchestrator stopping a node's share);
     so does an ``owner_beat`` file (the orchestrator's ``{"counter": n}``) that stops changing for
     ``owner_lost_after_s`` (the orchestrator died). ``KC_TOKENS`` in ``env`` is handed out per rank over the
-    lifeline. Every output line goes to ``log_sink``.
+    lifeline. Every output line goes to ``log_sink``. ``command``: a whole torchrun command line to run instead of
+    the one built from the fields (a Slurm batch script's); the launcher adds this node's address and log options.
     """
 
     module: str
@@ -57,3 +58,4 @@ class LaunchSpec:
     python: str = sys.executable
     owner_beat: Path | None = None
     owner_lost_after_s: float = 10.0
+    command: list[str] | None = None

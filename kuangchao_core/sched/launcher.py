@@ -188,6 +188,14 @@ class _OwnerWatch:
         return f"no beat in {silent:.1f} s (limit {self.lost_after_s:g} s)" if silent > self.lost_after_s else None
 
 
+def _given_command(spec: LaunchSpec, log_dir: Path) -> list[str]:
+    """``spec.command`` (a torchrun command line, e.g. from a Slurm batch script) with this node's own options
+    added after ``torch.distributed.run``: its address, its log directory, the rank-prefixed output."""
+    at = spec.command.index("torch.distributed.run") + 1
+    own = [*(["--local-addr", spec.local_addr] if spec.local_addr else []), "--log-dir", str(log_dir), "--tee", "3"]
+    return [*spec.command[:at], *own, "--monitor-interval", str(spec.monitor_interval_s), *spec.command[at:]]
+
+
 def run_workers(spec: LaunchSpec) -> LaunchResult:
     """Run one attempt of ``spec`` (a :class:`~kuangchao_core.sched.launch_spec.LaunchSpec`) and wait for the group
     to finish: ``python -m module *args`` under torchrun, watched as the spec says.
@@ -223,38 +231,42 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     lifeline = Lifeline(tokens, rank_map)
     full_env.update(lifeline.env())
 
-    cmd = [
-        spec.python,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(spec.nnodes),
-        "--node-rank",
-        str(spec.node_rank),
-        "--nproc-per-node",
-        str(spec.nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        spec.rdzv_id or f"kc-{spec.attempt}-{uuid.uuid4().hex[:8]}",
-        *(["--local-addr", spec.local_addr] if spec.local_addr else []),
-        *(["--rdzv-conf", f"is_host={str(spec.rdzv_is_host).lower()}"] if spec.rdzv_is_host is not None else []),
-        "--max-restarts",
-        "0",
-        "--monitor-interval",
-        str(spec.monitor_interval_s),
-        "--shutdown-timeout",
-        str(max(1, int(spec.shutdown_timeout_s))),
-        "--log-dir",
-        str(log_dir),
-        "--tee",
-        "3",
-        "-m",
-        spec.module,
-        *[str(a) for a in spec.args],
-    ]
+    cmd = (
+        _given_command(spec, log_dir)
+        if spec.command
+        else [
+            spec.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(spec.nnodes),
+            "--node-rank",
+            str(spec.node_rank),
+            "--nproc-per-node",
+            str(spec.nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            spec.rdzv_id or f"kc-{spec.attempt}-{uuid.uuid4().hex[:8]}",
+            *(["--local-addr", spec.local_addr] if spec.local_addr else []),
+            *(["--rdzv-conf", f"is_host={str(spec.rdzv_is_host).lower()}"] if spec.rdzv_is_host is not None else []),
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            str(spec.monitor_interval_s),
+            "--shutdown-timeout",
+            str(max(1, int(spec.shutdown_timeout_s))),
+            "--log-dir",
+            str(log_dir),
+            "--tee",
+            "3",
+            "-m",
+            spec.module,
+            *[str(a) for a in spec.args],
+        ]
+    )
 
     tail: deque[str] = deque(maxlen=2000)
     last_by_rank: dict[int, str] = {}

@@ -83,7 +83,7 @@ class _Watch:
     result: dict[str, Any] | None = None
 
 
-class _Tail(threading.Thread):
+class LogTail(threading.Thread):
     """Feeds the lines appended to a node's ``launcher.log`` to ``sink`` until stopped."""
 
     def __init__(self, path: Path, sink: Callable[[str], None] | None):
@@ -172,7 +172,7 @@ def launch_on_nodes(
     rdzv_port = random.randint(*RDZV_PORTS)
     rdzv_id = f"kc-{run_dir.name}-{attempt}-{uuid.uuid4().hex[:6]}"
     watches: dict[str, _Watch] = {}
-    tails: list[_Tail] = []
+    tails: list[LogTail] = []
     t0 = time.monotonic()
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the agents stop their ranks when this goes silent
     owner.start()
@@ -199,7 +199,7 @@ def launch_on_nodes(
             )
             out = node_dir(run_dir, attempt, a.name)
             out.mkdir(parents=True, exist_ok=True)
-            tail = _Tail(out / "launcher.log", log_sink)
+            tail = LogTail(out / "launcher.log", log_sink)
             tail.start()
             tails.append(tail)
             watches[a.name] = _Watch(share, _start_flow_run(deployment, share), changed_at=time.monotonic())

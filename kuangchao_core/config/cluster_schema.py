@@ -1,0 +1,135 @@
+"""The ``cluster`` section: where a job's workers run, and the Slurm job that runs them (``mode: slurm``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from kuangchao_core.config.section import Float, Int, Section
+
+#: what a Slurm name or option value may hold: it is written into ``#SBATCH`` lines, so no spaces or newlines
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=%/\[\]&|!*()-]+$")
+#: Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED
+_SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
+#: sbatch options the Slurm path sets itself (the environment, the script, the node layout)
+_RESERVED = ("--export", "--wrap", "--nodes", "-N", "--ntasks-per-node", "--parsable", "--get-user-env")
+
+
+def _word(value: str | None) -> str | None:
+    if value is not None and not _SLURM_WORD.match(value):
+        raise ValueError(f"{value!r} is not a Slurm name (letters, digits and _.,:@+=%/[]&|!*()- only)")
+    return value
+
+
+class SlurmSection(Section):
+    """The Slurm job of ``cluster.mode: slurm`` (``sbatch``; inside an allocation the job's own nodes via ``srun``).
+
+    Unset names (partition, account, qos …) are left to the site's defaults.
+    """
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    #: the job's wall-clock limit in a Slurm time format (``30``, ``01:30:00``, ``2-00:00:00``); unset: the partition's
+    time_limit: str | None = None
+    nodes: Int = Field(default=1, ge=1, le=4096)
+    #: ranks (torchrun processes) per node
+    tasks_per_node: Int = Field(default=1, ge=1, le=1024)
+    #: GPUs asked of every node (``--gpus-per-node``); 0: none asked
+    gpus_per_node: Int = Field(default=0, ge=0, le=64)
+    constraint: str | None = None
+    exclusive: bool = False
+    #: further ``sbatch`` options, one per item (``--mem=64G``, ``--reservation=r1``); never secrets: Slurm stores them
+    extra_sbatch_args: list[str] = Field(default_factory=list, max_length=64)
+    #: the ``slurm.conf`` the Slurm commands read (``SLURM_CONF``); unset: the machine's
+    slurm_conf: str | None = None
+    #: ask for nodes under at most this many leaf switches (``--switches``, Slurm's tree topology)
+    switches: Int | None = Field(default=None, ge=1, le=64)
+    #: how long the job may wait for ``switches`` (a Slurm time); only with ``switches``
+    switches_wait: str | None = None
+    #: names of further environment variables the nodes get from ``kc train``'s (never secrets: Slurm stores them)
+    export_env: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("partition", "account", "qos", "constraint")
+    @classmethod
+    def _names(cls, value: str | None) -> str | None:
+        return _word(value)
+
+    @field_validator("time_limit", "switches_wait")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None and not _SLURM_TIME.match(value):
+            raise ValueError(f"{value!r} is not a Slurm time (minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED)")
+        return value
+
+    @field_validator("extra_sbatch_args")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if not arg.startswith("-") or any(c in arg for c in "\n\r\0"):
+                raise ValueError(f"{arg!r} is not one sbatch option (--name=value)")
+            name = arg.split("=", 1)[0]
+            if name in _RESERVED:
+                raise ValueError(f"{name} is set by the Slurm path itself (see cluster.slurm's other fields)")
+        return value
+
+    @field_validator("export_env")
+    @classmethod
+    def _env_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if name.startswith("KC_") or name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+                raise ValueError(f"{name} may hold a secret or the job's own settings; the nodes get those otherwise")
+        return value
+
+
+class NodeSpec(Section):
+    """One machine of a static cluster."""
+
+    host: str = Field(min_length=1)
+    gpus: Int = Field(default=0, ge=0)
+    role: Literal["worker", "parameter_server", "coordinator"] = "worker"
+
+
+class ClusterSection(Section):
+    """Where the workers run: this machine (``local``), a fixed node list (``static``), a registry (``dynamic``) or
+    the nodes a Slurm job is granted (``slurm``, settings under ``slurm``).
+
+    Recovery: a failed attempt is restarted at most ``max_restarts`` times; a worker silent for longer than
+    ``heartbeat_timeout_s`` (``None``: never) is treated as hung. ``elastic``: when a lost node leaves too few
+    nodes for the layout, resume with a smaller data-parallel size (same tp×pp and global batch) instead of failing.
+    """
+
+    mode: Literal["local", "static", "dynamic", "slurm"] = "local"
+    nodes: list[NodeSpec] = Field(default_factory=list)
+    nproc_per_node: Int | None = Field(default=None, ge=1)
+    registry: str | None = None
+    elastic: bool = False
+    placement: Literal["topology", "blind"] = "topology"
+    max_restarts: Int = Field(default=2, ge=0, le=1000)
+    heartbeat_interval_s: Float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: Float | None = Field(default=60.0, gt=0)
+    #: the Slurm job of ``mode: slurm`` (``sbatch``, or ``srun`` inside an allocation): partition, nodes, ranks …
+    slurm: SlurmSection | None = None
+
+    @property
+    def worker_nodes(self) -> list[NodeSpec]:
+        """The nodes that run training processes."""
+        return [node for node in self.nodes if node.role == "worker"]
+
+    @property
+    def devices(self) -> int | None:
+        """Training processes the cluster provides, or None when it does not say."""
+        if self.mode == "local":
+            return self.nproc_per_node
+        if self.mode == "slurm":
+            return self.slurm.nodes * self.slurm.tasks_per_node if self.slurm else None
+        if self.mode == "static":
+            workers = self.worker_nodes
+            if self.nproc_per_node is not None:
+                return self.nproc_per_node * len(workers)
+            return sum(node.gpus for node in workers)
+        return None

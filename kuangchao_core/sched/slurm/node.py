@@ -1,0 +1,132 @@
+"""One node's task of a Slurm attempt: ``python -m kuangchao_core.sched.slurm.node --share FILE -- <torchrun …>``.
+
+``srun`` starts this once per node. It reads the attempt's ``share.json`` (the workers' settings; nothing secret),
+finds its own node (``SLURMD_NODENAME``) and rank among the allocation's nodes (the order the c10d rendezvous
+gives: by ``NodeAddr``), waits for the node's token file that the orchestrator writes once the job runs
+(``<run>/tokens/<node>/attempt_<n>.json``, 0600, read and deleted here), and runs the torchrun line through the one
+launcher (:func:`~kuangchao_core.sched.launcher.run_workers`): each rank gets its own tokens over the lifeline,
+never in an environment; rank heartbeats, the orchestrator's beat and stop file are watched as on a node agent.
+Under ``attempt_<n>/nodes/<node>/`` it leaves ``launcher.log``, ``logs/`` and ``result.json`` (as
+:mod:`~kuangchao_core.sched.node_share` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.launch_spec import LaunchSpec
+from kuangchao_core.sched.launcher import run_workers
+from kuangchao_core.sched.node_share import (
+    AGENT_BEAT,
+    ENV_TOKEN_BUNDLE,
+    RESULT,
+    Beat,
+    node_dir,
+    owner_beat_path,
+    stop_path,
+    take_token_bundle,
+)
+from kuangchao_core.sched.slurm import commands
+
+
+def token_file(run_dir: str | Path, node: str, attempt: int) -> Path:
+    """Where the orchestrator puts ``node``'s tokens of ``attempt`` (see ``perm.issuance.node_token_env``)."""
+    return Path(run_dir) / "tokens" / node / f"attempt_{int(attempt)}.json"
+
+
+def _wait_for(path: Path, timeout_s: float, stop: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if stop.exists():
+            raise WorkerFailed(None, f"stopped by the orchestrator ({stop.read_text().strip()})")
+        if time.monotonic() > deadline:
+            raise WorkerFailed(None, f"no token file {path} within {timeout_s:g} s (is the orchestrator running?)")
+        time.sleep(0.2)
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_node(share: dict[str, Any], command: list[str]) -> dict[str, Any]:
+    """This node's ranks of the attempt ``share`` describes, to the end; writes ``result.json``."""
+    env = commands.slurm_env()
+    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    run_dir, attempt = share["run_dir"], int(share["attempt"])
+    out = node_dir(run_dir, attempt, node)
+    out.mkdir(parents=True, exist_ok=True)
+    beat = Beat(out / AGENT_BEAT, 0.5)
+    beat.start()
+    stop = stop_path(run_dir, attempt)
+    try:
+        order = commands.node_order(commands.hostnames(os.environ["SLURM_JOB_NODELIST"], env), env)
+        node_rank = [n for n, _ in order].index(node)
+        worker_env = {**os.environ, **share["env"], "KC_NODE": node}
+        if share.get("tokens"):
+            bundle = token_file(run_dir, node, attempt)
+            _wait_for(bundle, float(share.get("token_wait_s", 300)), stop)
+            worker_env = take_token_bundle({**worker_env, ENV_TOKEN_BUNDLE: str(bundle)})
+        result = run_workers(
+            LaunchSpec(
+                "",
+                [],
+                nproc=int(share["nproc"]),
+                env=worker_env,
+                run_dir=Path(run_dir),
+                heartbeat_timeout_s=share.get("heartbeat_timeout_s"),
+                heartbeat_interval_s=float(share.get("heartbeat_interval_s", 1.0)),
+                attempt=attempt,
+                nnodes=len(order),
+                node_rank=node_rank,
+                master_addr=order[0][1],
+                master_port=int(share["port"]),
+                local_addr=order[node_rank][1],
+                out_dir=out,
+                stop_file=stop,
+                owner_beat=owner_beat_path(run_dir, attempt),
+                owner_lost_after_s=float(share.get("owner_lost_after_s", 10.0)),
+                command=command,
+            )
+        )
+    except WorkerFailed as exc:
+        _write(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})
+        raise
+    except BaseException as exc:
+        _write(out / RESULT, {"ok": False, "rank": None, "cause": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        beat.halt.set()
+    _write(out / RESULT, {"ok": True, "duration_s": result.duration_s, "node_rank": node_rank})
+    return {"ok": True, "node": node}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--share FILE -- <torchrun command>``; exit code 0 when every rank of this node succeeded."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m kuangchao_core.sched.slurm.node --share FILE -- <torchrun command>", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    parser = argparse.ArgumentParser(prog="kuangchao_core.sched.slurm.node")
+    parser.add_argument("--share", required=True)
+    ns = parser.parse_args(argv[:cut])
+    share = json.loads(Path(ns.share).read_text(encoding="utf-8"))
+    try:
+        run_node(share, argv[cut + 1 :])
+    except WorkerFailed as exc:
+        print(f"kuangchao: node failed: rank {exc.rank}: {exc.cause}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
