@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.ckpt.lineage import ResumePlan, plan_training
-from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.config.paths import make_paths_absolute
+from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
 from kuangchao_core.errors import ConfigError
