@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from kuangchao_core.config import load_config
 from tests.conftest_prefect import TINY, loss_history
@@ -30,7 +31,7 @@ STEPS = 8
 #: what a capability token starts with (``kuangchao_core.perm.tokens``): no token may appear in what Slurm keeps
 TOKEN_PREFIX = "kc1.cap."
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def _wait(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
@@ -108,7 +109,6 @@ def _start_train(
     """``kc train`` from ``workdir`` in the background (after ``prefix``: ``salloc …``), its output in files."""
     env = {
         **lab.env,
-        **extra_env,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
         "PREFECT_HOME": str(workdir / "prefect-home"),
@@ -116,6 +116,7 @@ def _start_train(
     }
     for name in ("PREFECT_API_URL", "KC_RUNS_DIR", "PREFECT_PROFILES_PATH"):
         env.pop(name, None)  # the run directory is runs/ under workdir, resolved there (issue 32 §8)
+    env.update(extra_env)  # PREFECT_API_URL: the session's Prefect server (no temporary one per kc train)
     argv = [*prefix, sys.executable, "-m", "kuangchao.cli.main", "train", "--config", TINY, "--json"]
     return subprocess.Popen(
         argv + [a for o in overrides for a in ("--set", o)],
@@ -185,12 +186,17 @@ def _what_slurm_keeps(lab, job: str, run_dir: Path) -> dict[str, str]:
 
 
 def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secret(
-    slurm_cluster, tmp_path, store, one_process_losses
+    prefect_api, slurm_cluster, tmp_path, store, one_process_losses
 ):
     lab = slurm_cluster
     s3_secret = "kcs3secret" + secrets.token_hex(16)  # a user's S3 credential in kc train's environment
     overrides = _overrides(tmp_path, "kc-slurm-dp2tp2", store, **_slurm(lab))
-    proc = _start_train(lab, tmp_path, overrides, {"AWS_ACCESS_KEY_ID": "kcs3id", "AWS_SECRET_ACCESS_KEY": s3_secret})
+    proc = _start_train(
+        lab,
+        tmp_path,
+        overrides,
+        {"AWS_ACCESS_KEY_ID": "kcs3id", "AWS_SECRET_ACCESS_KEY": s3_secret, "PREFECT_API_URL": prefect_api},
+    )
     try:
         submitted = _wait(lambda: list(tmp_path.glob("runs/*/*/attempt_0/slurm/submit.json")), 300, "the sbatch")
         run_dir = submitted[0].parents[2]
@@ -213,9 +219,11 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
     script = (run_dir / "attempt_0/slurm/job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "torch.distributed.run" in script and "--rdzv_backend=c10d" in script
     assert kept["state/script"].rstrip("\0") == script, "Slurm runs the script the run directory keeps"
-    with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as db:  # the flow run's artifact (kc train's server)
-        rows = db.execute("select data from artifact where key = 'kc-slurm-attempt-0'").fetchall()
-    artifact = json.loads(rows[-1][0]) if rows else ""
+    with get_client(sync_client=True) as client:  # the flow run's artifact, on the session's Prefect server
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kc-slurm-attempt-0"]))
+        )
+    artifact = next((a.data for a in found if script in str(a.data)), "")  # this run's (its script names tmp_path)
     assert script in artifact and "sbatch --parsable --export=" in artifact, "the script and sbatch line as an artifact"
     kept["Prefect artifact"] = artifact
     states = (run_dir / "attempt_0/slurm/states.log").read_text()
@@ -244,12 +252,12 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
         assert "KC_TOKENS=" not in text, f"the tokens' variable in {what}"
 
 
-def test_a_job_slurm_cannot_schedule_fails_at_once_with_slurms_reason(slurm_cluster, tmp_path, store):
+def test_a_job_slurm_cannot_schedule_fails_at_once_with_slurms_reason(slurm_cluster, prefect_api, tmp_path, store):
     lab = slurm_cluster
     overrides = _overrides(
         tmp_path, "kc-slurm-badpart", store, **_slurm(lab, partition="nosuchpart"), **{"cluster.max_restarts": 2}
     )
-    code, output = _finish(_start_train(lab, tmp_path, overrides, {}), tmp_path, timeout_s=300)
+    code, output = _finish(_start_train(lab, tmp_path, overrides, {"PREFECT_API_URL": prefect_api}), tmp_path, 300)
     assert code != 0
     assert "Invalid partition name specified" in output, output[-3000:]
     assert not list(tmp_path.glob("runs/*/*/attempt_1")), "a job Slurm refuses is not retried"
@@ -262,7 +270,7 @@ def _lab_jobs(lab) -> set[str]:
 
 
 def test_inside_an_salloc_allocation_kc_train_uses_its_nodes_without_a_new_job(
-    slurm_cluster, tmp_path, store, one_process_losses
+    slurm_cluster, prefect_api, tmp_path, store, one_process_losses
 ):
     """Issue 32 §2: ``salloc -N2 kc train …`` (``SLURM_JOB_ID`` set): the srun step runs on the allocation's two
     nodes, no job is submitted, and the losses are the one-process ones."""
@@ -270,7 +278,9 @@ def test_inside_an_salloc_allocation_kc_train_uses_its_nodes_without_a_new_job(
     before = _lab_jobs(lab)
     salloc = ("salloc", "-N2", "--ntasks-per-node=1", f"--partition={lab.partition}", "--time=15:00")
     overrides = _overrides(tmp_path, "kc-slurm-salloc", store, **_slurm(lab))
-    code, output = _finish(_start_train(lab, tmp_path, overrides, {}, prefix=salloc), tmp_path)
+    code, output = _finish(
+        _start_train(lab, tmp_path, overrides, {"PREFECT_API_URL": prefect_api}, prefix=salloc), tmp_path
+    )
     assert code == 0, output[-5000:]
     summary = _summary(output)
     _assert_losses(store, summary, one_process_losses)
@@ -284,7 +294,7 @@ def test_inside_an_salloc_allocation_kc_train_uses_its_nodes_without_a_new_job(
         assert json.loads((run_dir / f"attempt_0/nodes/{node}/result.json").read_text())["ok"] is True
 
 
-def test_scancel_of_the_job_ends_the_run_with_that_reason_and_no_rank_left(slurm_cluster, tmp_path, store):
+def test_scancel_of_the_job_ends_the_run_with_that_reason_and_no_rank_left(slurm_cluster, prefect_api, tmp_path, store):
     """Issue 32 §3: a job cancelled in Slurm ends ``kc train`` with Slurm's state, not retried, every rank gone."""
     from kuangchao_core.sched.heartbeat import read_beat
     from kuangchao_core.sched.lifeline import wait_gone
@@ -293,7 +303,7 @@ def test_scancel_of_the_job_ends_the_run_with_that_reason_and_no_rank_left(slurm
     overrides = _overrides(
         tmp_path, "kc-slurm-scancel", store, **_slurm(lab), **{"train.steps": 5000, "cluster.max_restarts": 2}
     )
-    proc = _start_train(lab, tmp_path, overrides, {})
+    proc = _start_train(lab, tmp_path, overrides, {"PREFECT_API_URL": prefect_api})
     try:
         submitted = _wait(lambda: list(tmp_path.glob("runs/*/*/attempt_0/slurm/submit.json")), 300, "the sbatch")
         run_dir, job = submitted[0].parents[2], json.loads(submitted[0].read_text())["job_id"]
