@@ -19,8 +19,10 @@ from kuangchao_core.sched.doctor import run_doctor
 from kuangchao_core.sched.slurm.doctor_checks import CONTROLLER_TIMEOUT_S, slurm_checks
 from tests.cluster import netlab
 from tests.conftest_prefect import TINY
+from tests.test_readme import readme_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 #: what a test leaves out of ``run_doctor``: everything but the Slurm checks
 NOT_SLURM = ("versions", "cuda", "gloo", "nodes", "checkpoint_storage", "mlflow", "prefect")
 
@@ -40,7 +42,7 @@ def _by_name(checks) -> dict:
     return {c.name: c for c in checks}
 
 
-def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, tmp_path):
+def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, monkeypatch):
     lab = slurm_cluster
     report = run_doctor(_cfg(lab), skip=NOT_SLURM)  # cluster.mode: slurm turns them on
     checks = _by_name(report.checks)
@@ -53,21 +55,51 @@ def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, tmp_path)
     assert not run_doctor(_cfg(lab), skip=NOT_SLURM, slurm=False).checks, "--no-slurm leaves them out"
     assert lab.run(["squeue", "-h"]).stdout.strip() == "", "the doctor submitted nothing"
 
-    # the command line: `kc doctor --config job.yaml` (cluster.mode: slurm in the file) prints the same checks
+    # `kc doctor --slurm` without a config: SLURM_CONF, the default partition, one node
+    monkeypatch.setenv("SLURM_CONF", str(lab.conf))
+    plain = _by_name(run_doctor(None, skip=NOT_SLURM, slurm=True).checks)
+    assert all(c.ok for c in plain.values()) and len(plain) == 4, plain
+    assert plain["slurm_partition"].detail.startswith("partition debug (the default) is UP")
+    assert plain["slurm_nodes"].detail.startswith("3 of 3 nodes of debug idle, 1 asked")
+
+
+def _readme_config(tmp_path: Path) -> Path:
+    """The README's "Run on Slurm" config fragment as ``job.yaml`` (on top of tiny.yaml, as tests/test_readme.py
+    validates it)."""
+    blocks = [b for b in readme_blocks(README.read_text(encoding="utf-8")) if b.section == "Run on Slurm"]
+    fragment = next(b.text for b in blocks if b.lang == "yaml")
     job = tmp_path / "job.yaml"
-    job.write_text(
-        f"extends: {TINY}\ncluster:\n  mode: slurm\n  nproc_per_node: 1\n  slurm:\n    partition: debug\n"
-        f"    nodes: 2\n    slurm_conf: {lab.conf}\n",
-        encoding="utf-8",
-    )
-    env = {**lab.env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KC_CACHE_DIR": str(tmp_path)}
+    job.write_text(f"extends: {TINY}\n{fragment}\n", encoding="utf-8")
+    return job
+
+
+def _kc(lab, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**lab.env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KC_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("PREFECT_API_URL", None)
-    argv = [sys.executable, "-m", "kuangchao.cli.main", "doctor", "--config", str(job), "--json"]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    names = {c["name"]: c["ok"] for c in json.loads(out.stdout)["checks"]}
-    assert {k: v for k, v in names.items() if k.startswith("slurm_")} == dict.fromkeys(
-        ("slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes"), True
-    ), out.stdout + out.stderr
+    argv = [sys.executable, "-m", "kuangchao.cli.main", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def test_the_readmes_commands_kc_doctor_and_kc_slurm_script_on_the_lab(slurm_cluster, tmp_path):
+    """README "Run on Slurm": ``kc doctor --config job.yaml`` passes every check on the lab (the README's config,
+    its partition ``debug``; only ``slurm_conf`` set to the lab's), and the batch script ``kc slurm script`` prints
+    is one the lab's ``sbatch`` accepts (``--test-only``: its ``#SBATCH`` lines checked by Slurm, nothing queued)."""
+    lab = slurm_cluster
+    job = _readme_config(tmp_path)
+    conf = f"cluster.slurm.slurm_conf={lab.conf}"
+    out = _kc(lab, tmp_path, "doctor", "--config", str(job), "--set", conf, "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["ok"], out.stdout + out.stderr[-3000:]
+    names = [c["name"] for c in report["checks"]]
+    assert names[-4:] == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes"], names
+    assert "3 of 3 nodes of debug idle, 2 asked" in report["checks"][-1]["detail"]
+
+    script = _kc(lab, tmp_path, "slurm", "script", str(job), "--set", conf)
+    assert script.returncode == 0, script.stderr
+    (tmp_path / "job.sbatch").write_text(script.stdout, encoding="utf-8")
+    assert "#SBATCH --nodes=2" in script.stdout and "#SBATCH --partition=debug" in script.stdout
+    test = lab.run(["sbatch", "--test-only", "job.sbatch"], cwd=tmp_path)
+    assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
 
 
 def test_a_missing_partition_fails_naming_it_and_the_partitions_there(slurm_cluster):
