@@ -103,6 +103,7 @@ def check_controller(env: dict[str, str], timeout_s: float = CONTROLLER_TIMEOUT_
     if rc == 0 and " is UP" in said:
         return Check("slurm_controller", True, f"{said.split(' is UP')[0]} is UP ({conf})")
     where = controller_of(conf)
+    said = " ".join(re.sub(r"\*{3,}|\*\*", " ", said).split())  # scontrol's banner around "RESTORE SLURMCTLD …"
     return Check(
         "slurm_controller",
         False,
