@@ -36,13 +36,15 @@ def _publish(report: DoctorReport) -> None:
 def doctor(
     cfg: Any = None,
     gloo_timeout_s: float = 60.0,
-    skip: tuple[str, ...] = (),
+    skip: tuple[str, ...] = ("slurm",),
     reuse_gloo_s: float = FLOW_REUSE_GLOO_S,
 ) -> dict:
     """Run ``run_doctor(cfg)``; publish the report as a markdown artifact; raise ``DoctorFailed`` on any failure.
 
     ``skip`` names check groups to leave out (``versions``, ``cuda``, ``gloo``, ``nodes``, ``checkpoint_storage``,
-    ``mlflow``, ``prefect``). A Gloo check passed on this machine within ``reuse_gloo_s`` is not run again.
+    ``mlflow``, ``prefect``, ``slurm``). A Gloo check passed on this machine within ``reuse_gloo_s`` is not run again.
+    The Slurm checks are ``kc doctor``'s by default: in a flow the launch's ``sbatch`` fails at once with Slurm's own
+    reason, and inside an allocation its nodes are busy by design.
     """
     report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip, reuse_gloo_s=reuse_gloo_s)
     _publish(report)

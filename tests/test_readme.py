@@ -9,7 +9,8 @@ of this checkout or this user is touched. Each command must exit 0. What the run
 - a command already run earlier is not run again (the fine-tuning section repeats ``make demo``);
 - ``make test`` is not run (this test is part of it);
 - the multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
-  hosts made of network namespaces, and this test checks that it still does.
+  hosts made of network namespaces; the Slurm section's need a Slurm cluster: ``tests/test_slurm.py`` and
+  ``tests/test_slurm_doctor.py`` run them on one made of network namespaces; this test checks that they still do.
 
 A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block is a
 config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says
@@ -37,12 +38,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NOT_RUN = {"make test": "the test suite runs this test"}
-#: sections run by another test: that file, and the argument vectors it must still hold (whitespace ignored)
+#: sections run by other tests: each test file, and the argument vectors it must still hold (whitespace ignored)
 ELSEWHERE = {
     "Run on several machines": (
-        "tests/test_cluster.py",
-        ('"server","start","--host"', '"node","start"', '"node","list"'),
-    )
+        ("tests/test_cluster.py", ('"server","start","--host"', '"node","start"', '"node","list"')),
+    ),
+    "Run on Slurm": (
+        (
+            "tests/test_slurm.py",
+            ('"train","--config"', '"salloc","-N2"', '"squeue","-j",job', '"sacct","-j",job', '"scancel",job'),
+        ),
+        (
+            "tests/test_slurm_doctor.py",
+            ('"doctor","--config"', '"slurm","script"', '"sbatch","--test-only","job.sbatch"'),
+        ),
+    ),
 }
 EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}
 COMMAND_TIMEOUT_S = 900
@@ -88,6 +98,15 @@ def commands(block: str) -> list[str]:
             out.append(line.strip())
     assert not pending, f"a continued line never ends: {pending!r}"
     return out
+
+
+def elsewhere_missing(section: str) -> list[str]:
+    """What the tests that run README section ``section`` (:data:`ELSEWHERE`) no longer run: ``file: needle``."""
+    missing = []
+    for test_file, needles in ELSEWHERE[section]:
+        text = re.sub(r"\s+", "", (ROOT / test_file).read_text(encoding="utf-8"))
+        missing += [f"{test_file} no longer runs {n}" for n in needles if n not in text]
+    return missing
 
 
 def _free_port() -> int:
@@ -184,6 +203,14 @@ def test_readme_blocks_are_found_and_named():
     assert shlex.join(shlex.split("make test   # the whole suite", comments=True)) in NOT_RUN
 
 
+def test_sections_run_elsewhere_are_in_the_readme_and_still_run_there():
+    """Every :data:`ELSEWHERE` section is a README section with commands, and its tests still hold its commands."""
+    sections = {b.section for b in readme_blocks(README.read_text(encoding="utf-8")) if b.lang == "bash"}
+    for section in ELSEWHERE:
+        assert section in sections, f"README has no section {section!r} with commands"
+        assert not elsewhere_missing(section), elsewhere_missing(section)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_every_readme_command_runs_in_order(tmp_path):
@@ -206,10 +233,7 @@ def test_every_readme_command_runs_in_order(tmp_path):
         for block in readme_blocks(README.read_text(encoding="utf-8")):
             where = f"README line {block.line} ({block.section})"
             if block.section in ELSEWHERE:
-                test_file, needles = ELSEWHERE[block.section]
-                text = re.sub(r"\s+", "", (ROOT / test_file).read_text(encoding="utf-8"))
-                missing = [n for n in needles if n not in text]
-                assert not missing, f"{where}: {test_file} no longer runs {missing}"
+                assert not elsewhere_missing(block.section), f"{where}: {elsewhere_missing(block.section)}"
                 continue
             if block.lang == "python":
                 name = block.text.splitlines()[0][2:].strip()

@@ -114,6 +114,7 @@ FILE_TIERS = {
     "test_sft_data.py": "unit",
     "test_slurm_lab.py": "e2e",
     "test_slurm.py": "e2e",
+    "test_slurm_doctor.py": "e2e",
     "test_slurm_script.py": "unit",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
@@ -130,6 +131,7 @@ FILE_TIERS = {
 
 TEST_TIERS = {
     "test_readme.py::test_readme_blocks_are_found_and_named": "unit",
+    "test_readme.py::test_sections_run_elsewhere_are_in_the_readme_and_still_run_there": "unit",
     "test_activation_checkpointing.py::test_negative_control_a_recomputation_without_the_rng_state_changes_the_gradients": "unit",
     "test_activation_checkpointing.py::test_no_recomputation_without_autograd": "unit",
     "test_anomaly.py::test_a_scrape_is_a_monitor_read_under_its_roles_rules": "unit",

@@ -1,4 +1,5 @@
-"""``kc doctor``: check versions, Gloo, nodes, checkpoint storage and endpoints; print a fix for each failure."""
+"""``kc doctor``: check versions, Gloo, nodes, checkpoint storage, endpoints and the Slurm path; print a fix for each
+failure."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     serve: bool = typer.Option(False, "--serve", help="Run the version agent on this node for other nodes' doctor."),
     port: int | None = typer.Option(None, "--port", help="Agent port for --serve (default KC_DOCTOR_PORT or 29411)."),
+    slurm: bool | None = typer.Option(
+        None, "--slurm/--no-slurm", help="Check the Slurm path (default: when the config says cluster.mode: slurm)."
+    ),
 ) -> None:
     """Check this machine and the configured cluster; exit 0 when every check passes, 1 otherwise."""
     from kuangchao_core.errors import ConfigError
@@ -37,7 +41,7 @@ def doctor(
     except ConfigError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
-    report = doc.run_doctor(cfg)
+    report = doc.run_doctor(cfg, slurm=slurm)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -50,13 +50,20 @@ def exported_names(slurm: Any, env: dict[str, str] | None = None) -> list[str]:
 def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int) -> list[str]:
     """The ``#SBATCH`` options of the job, from ``cluster.slurm``."""
     slurm = cfg.cluster.slurm
-    out = [
+    return [
         f"--job-name={cfg.task.name}",
         f"--nodes={slurm.nodes}",
         "--ntasks-per-node=1",
         f"--output={slurm_dir(run_dir, attempt) / 'batch-%j.out'}",
         f"--chdir={Path(run_dir)}",
+        *request_options(slurm),
     ]
+
+
+def request_options(slurm: Any) -> list[str]:
+    """What ``cluster.slurm`` asks of the scheduler besides the node count (partition, account, qos, constraint,
+    time, GPUs, exclusivity, switches, extra options): the same in the job and in ``kc doctor``'s ``--test-only``."""
+    out: list[str] = []
     for name in ("partition", "account", "qos", "constraint"):
         if getattr(slurm, name):
             out.append(f"--{name}={getattr(slurm, name)}")
