@@ -191,7 +191,14 @@ class TierError(ValueError):
 #: files that start first when ``make test`` runs them on two workers (``pytest -n 2 --dist loadfile``): the longest,
 #: so that no long file starts last while the other worker has nothing left (then every e2e, flows, distributed and
 #: unit file, in that order: long files first, the many short ones fill the gaps)
-RUN_FIRST = ("test_readme.py", "test_cluster.py", "test_slurm.py", "test_gpu_check.py", "test_recovery.py")
+RUN_FIRST = (
+    "test_readme.py",
+    "test_cluster.py",
+    "test_slurm.py",
+    "test_recovery.py",
+    "test_gpu_check.py",
+    "test_deployment.py",
+)
 
 
 def run_order(file: str) -> tuple[int, int]:
