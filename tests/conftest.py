@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
     if problems:
         raise pytest.UsageError("tests without exactly one tier (see tests/tiers.py):\n  " + "\n  ".join(problems))
-    items.sort(key=lambda item: tiers.run_order(item.path.name))  # stable: a file's tests keep their order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # on workers (TEST_WORKERS=2): the longest files first
+        items.sort(key=lambda item: tiers.run_order(item.path.name))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,7 @@ class TierError(ValueError):
     """A test has no tier or more than one."""
 
 
-#: files that start first when ``make test`` runs them on two workers (``pytest -n 2 --dist loadfile``): the longest,
+#: files that start first when ``make test TEST_WORKERS=2`` runs them on two workers (``--dist loadfile``): the longest,
 #: so that no long file starts last while the other worker has nothing left (then every e2e, flows, distributed and
 #: unit file, in that order: long files first, the many short ones fill the gaps)
 RUN_FIRST = (
