@@ -24,14 +24,15 @@ demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local P
 	# each demo trains from scratch in a new checkpoint lineage (earlier demos' lineages stay as they were)
 	$(VENV)/bin/kc train --config configs/tiny.yaml --resume never
 
-# pytest-xdist workers of `make test` (0: one process, the default). With 2 the suite takes 26-28 min instead of ~40
-# here, but three tests are not yet safe beside another worker (session note of 2026-12-03): a test file runs whole
-# on one worker, the longest first (tests/tiers.py RUN_FIRST)
-TEST_WORKERS ?= 0
+# pytest-xdist workers of `make test` (0: one process). On two a test file runs whole on one worker, the longest
+# first (tests/tiers.py RUN_FIRST), and the few tests marked `serial` (bounds that need the cores to themselves) run
+# after, in one process: 26-28 min on two cores instead of ~42
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-test: setup  ## the whole test suite, every tier (TEST_WORKERS=2: on two pytest-xdist workers)
-	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST)
+test: setup  ## the whole test suite, every tier (TEST_WORKERS=0: in one process)
+	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(if $(XDIST),-m "not serial")
+	$(if $(XDIST),$(PY) -m pytest tests -q -ra --durations=5 -m serial)
 
 test-fast: test-unit  ## the unit tier: in-process tests, under 2 minutes
 

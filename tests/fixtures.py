@@ -56,10 +56,12 @@ def moto_server() -> Iterator[str]:
     Clients need credentials (any: ``AWS_ACCESS_KEY_ID=testing``); buckets start empty."""
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the kernel picks the port as the server binds it (a port chosen before, then freed, can be taken by
+    # another test's server in between: two workers once shared one moto server that way)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    host, port = server.get_host_and_port()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.stop()

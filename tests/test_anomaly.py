@@ -171,6 +171,7 @@ def _run_with_spikes(rank, world_size, cfg, spikes):
     }
 
 
+@pytest.mark.serial  # the communication share of two ranks moves when another worker takes a core
 def test_a_healthy_run_is_quiet_and_a_real_spike_still_fires(tmp_path):
     """Two real Gloo ranks on this machine's shared cores with the default thresholds: the healthy run flags
     nothing (communication share, early loss and gradient norm included); the same run with the loss ×20 at step

@@ -290,12 +290,20 @@ from kuangchao_core.config import config_from_dict
 from kuangchao_core.data import validation as V
 cfg = config_from_dict({"task": {"name": "big"}, "model": {"preset": "tiny"},
                         "data": {"path": sys.argv[1], "seq_len": 16}, "train": {"steps": 1}})
+def raw_pass():  # one plain pass over the bytes, 1 MiB at a time, keeping nothing
+    start = time.monotonic()
+    with open(sys.argv[1], "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            pass
+    return time.monotonic() - start
+raw_pass()  # the first read of a fresh file fills the page cache (seconds on a VM): both timed passes find it warm
+raw = raw_pass()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the interpreter and its imports
 start = time.monotonic()
 records, _ = V.load_records(cfg.data)  # the gate's reader, with the gate's max_record_bytes
 elapsed = time.monotonic() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": elapsed, "peak_bytes": peak, "read_bytes": peak - before, "records": [repr(r)[:80] for r in records]}))
+print(json.dumps({"seconds": elapsed, "raw_seconds": raw, "peak_bytes": peak, "read_bytes": peak - before, "records": [repr(r)[:80] for r in records]}))
 """
 
 
@@ -318,8 +326,12 @@ def test_a_1_gib_single_line_text_file_is_refused_fast_with_bounded_memory(tmp_p
     # it used to read the file whole and split it: 6.8 GB and 116 s before the size check
     assert got["records"] == [f"Oversize(n_bytes={1 << 30}, limit={1 << 20})"]
     assert got["read_bytes"] < 500 << 20, got  # what the read added on top of the imports (which vary by machine)
-    assert got["seconds"] < 10, got
-    print(f"1 GiB one-line file refused in {got['seconds']:.2f} s, peak RSS {got['peak_bytes'] / 2**20:.0f} MiB")
+    # one pass in 1 MiB pieces: a few Python calls per MiB on top of a plain read of the same bytes
+    assert got["seconds"] < 5 * got["raw_seconds"] + 2, got
+    print(
+        f"1 GiB one-line file refused in {got['seconds']:.2f} s (a plain read: {got['raw_seconds']:.2f} s), "
+        f"peak RSS {got['peak_bytes'] / 2**20:.0f} MiB"
+    )
 
 
 def test_the_gate_refuses_nul_escape_sequences_and_oversize_records_naming_file_and_line(tmp_path):
