@@ -119,14 +119,6 @@ def test_kc_trains_line_and_exit_code_per_error():
 # --- the orchestrator's watch: a killed node is lost as soon as its peers report, not after the heartbeat limit
 
 
-def _share(tmp: Path, name: str):
-    from kuangchao_core.sched.multinode import _Watch
-    from kuangchao_core.sched.node_share import NodeShare
-
-    share = NodeShare(str(tmp), 0, name, 0, 2, 2, "h", 1, "id", "a", None, "m", [])
-    return _Watch(share, None, changed_at=time.monotonic())
-
-
 class _Agent(threading.Thread):
     """A node agent's beat; ``result`` is written after ``fail_after_s`` (None: never), ``dies_after_s`` ends it."""
 
@@ -151,15 +143,15 @@ class _Agent(threading.Thread):
 
 
 def _run_watch(tmp: Path, agents: dict[str, _Agent], lost_after: float = 60.0) -> tuple[WorkerFailed, float]:
-    from kuangchao_core.sched.multinode import _watch
+    from kuangchao_core.sched.node_watch import AttemptWatch
 
-    watches = {name: _share(tmp, name) for name in agents}
+    watch = AttemptWatch(tmp, 0, agents, lost_after=lost_after, start_timeout=180.0)
     for agent in agents.values():
         agent.start()
     t0 = time.monotonic()
     try:
         with pytest.raises(WorkerFailed) as info:
-            _watch(watches, tmp, 0, tmp / "attempt_0" / "stop", lost_after, 180.0, t0, 0.05)
+            watch.watch(0.05)
     finally:
         for agent in agents.values():
             agent.halt.set()

@@ -200,7 +200,9 @@ def launch_workers(
             tokens_for = (lambda node, ranks: node_token_env({}, run_dir, attempt, node, ranks)) if (
                 "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
             say = run_logger.info if run_logger is not None else print
-            launch_slurm_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for, view, say=say)
+            launch_slurm_attempt(
+                cfg, run_dir, attempt, args, worker_env, tokens_for, view, say=say, exclude=list(exclude_nodes or [])
+            )
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}
             run_workers(

@@ -13,6 +13,13 @@ from typing import Any
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.sched.placement import NodeUnavailable
 
+#: what brings a lost node's ranks back, per cluster mode
+_REPLACE = {
+    "static": "start a node agent to replace it",
+    "dynamic": "start a node agent to replace it",
+    "slurm": "return a node to the partition (or free one)",
+}
+
 
 def smaller_data_parallel(dp: int, accum: int, per_replica: int, capacity: int) -> tuple[int, int] | None:
     """``(dp', accumulation')`` for ``capacity`` ranks (``per_replica`` = tp×pp each), or None if none fits."""
@@ -20,6 +27,28 @@ def smaller_data_parallel(dp: int, accum: int, per_replica: int, capacity: int) 
         if dp % new_dp == 0 and new_dp * per_replica <= capacity:
             return new_dp, accum * dp // new_dp
     return None
+
+
+def _smaller_fit(cfg: Any, lost: list[str], capacity: int, where: str) -> tuple[int, int]:
+    """``(dp', accumulation')`` of ``cfg`` for ``capacity`` ranks; raises NodeUnavailable naming the ``lost`` nodes
+    when elasticity is off or no smaller layout fits."""
+    par = cfg.parallel
+    needed = f"{par.world_size} ranks (dp {par.data_parallel_size} × tp {par.tensor_parallel_size} × pp {par.pipeline_parallel_size})"
+    if not cfg.cluster.elastic:
+        raise NodeUnavailable(
+            f"lost {', '.join(lost)}: the {where} host {capacity} ranks, the job needs {needed}; "
+            f"{_REPLACE[cfg.cluster.mode]}, or set cluster.elastic: true to resume with a smaller data-parallel size",
+            lost,
+        )
+    per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
+    fit = smaller_data_parallel(par.data_parallel_size, par.gradient_accumulation_steps, per_replica, capacity)
+    if fit is None:
+        raise NodeUnavailable(
+            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (tp×pp = {per_replica}) "
+            f"or no data-parallel size dividing {par.data_parallel_size} fits; the job needs {needed}",
+            lost,
+        )
+    return fit
 
 
 def shrunk_config(cfg: Any, lost: list[str], live: list[Any]) -> Any:
@@ -33,23 +62,8 @@ def shrunk_config(cfg: Any, lost: list[str], live: list[Any]) -> Any:
         kept = []
     per_node = int(cluster.nproc_per_node or (kept[0].gpus if kept else 0) or (live[0].facts.slots if live else 0))
     hosts = len(kept) if cluster.mode == "static" else len(live)
-    capacity = per_node * hosts
-    needed = f"{par.world_size} ranks (dp {par.data_parallel_size} × tp {par.tensor_parallel_size} × pp {par.pipeline_parallel_size})"
-    if not cluster.elastic:
-        raise NodeUnavailable(
-            f"lost {', '.join(lost)}: the remaining live nodes host {capacity} ranks, the job needs {needed}; start "
-            "a node agent to replace it, or set cluster.elastic: true to resume with a smaller data-parallel size",
-            lost,
-        )
+    new_dp, new_accum = _smaller_fit(cfg, lost, per_node * hosts, "remaining live nodes")
     per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
-    fit = smaller_data_parallel(par.data_parallel_size, par.gradient_accumulation_steps, per_replica, capacity)
-    if fit is None:
-        raise NodeUnavailable(
-            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (tp×pp = {per_replica}) "
-            f"or no data-parallel size dividing {par.data_parallel_size} fits; the job needs {needed}",
-            lost,
-        )
-    new_dp, new_accum = fit
     data = cfg.to_dict()
     data["parallel"]["data_parallel_size"] = new_dp
     data["parallel"]["gradient_accumulation_steps"] = new_accum
@@ -61,11 +75,32 @@ def shrunk_config(cfg: Any, lost: list[str], live: list[Any]) -> Any:
     return config_from_dict(data, source=f"elastic re-plan after losing {', '.join(lost)}")
 
 
+def slurm_config_for_attempt(cfg: Any, lost: list[str]) -> Any:
+    """``cfg`` while ``cluster.slurm.partition`` still has ``cluster.slurm.nodes`` usable nodes besides the ``lost``
+    ones, else its elastic re-plan onto the usable nodes there are (fewer nodes, a smaller data-parallel size)."""
+    from kuangchao_core.sched.slurm import commands
+
+    slurm = cfg.cluster.slurm
+    usable = [n for n in commands.usable_nodes(slurm.partition, commands.slurm_env(slurm)) if n not in lost]
+    if len(usable) >= slurm.nodes:
+        return cfg
+    new_dp, new_accum = _smaller_fit(cfg, lost, len(usable) * slurm.tasks_per_node, "usable nodes of the partition")
+    par = cfg.parallel
+    ranks = new_dp * par.tensor_parallel_size * par.pipeline_parallel_size
+    data = cfg.to_dict()
+    data["parallel"]["data_parallel_size"] = new_dp
+    data["parallel"]["gradient_accumulation_steps"] = new_accum
+    data["cluster"]["slurm"]["nodes"] = -(-ranks // slurm.tasks_per_node)
+    return config_from_dict(data, source=f"elastic re-plan after losing {', '.join(lost)}")
+
+
 def config_for_attempt(cfg: Any, lost: list[str]) -> Any:
     """``cfg`` itself while its cluster still fits without the ``lost`` nodes, else its elastic re-plan; raises
     NodeUnavailable (naming the lost nodes and what the job needs) when neither works."""
     if not lost or cfg.cluster.mode == "local":
         return cfg
+    if cfg.cluster.mode == "slurm":
+        return slurm_config_for_attempt(cfg, lost)
     from kuangchao_core.sched.nodes import list_nodes
     from kuangchao_core.sched.placement import choose_nodes, cluster_pool
 

@@ -4,83 +4,28 @@ For each :class:`~kuangchao_core.sched.placement.NodeAssignment` a flow run of t
 started on the node's own work queue, with a :class:`~kuangchao_core.sched.node_share.NodeShare` as parameters
 (a fresh rendezvous id and port on the first node per attempt). While the nodes run, their torchrun output is
 tailed into ``log_sink`` (the live view: steps, events and MLflow metrics from rank 0 as on one node), and each
-node's share files are watched:
-
-- every node reports ``ok`` → the attempt succeeded;
-- a node reports a failure → the other nodes are stopped (``attempt_<n>/stop``) and the failure is raised as
-  ``WorkerFailed`` with its rank and cause — unless a node is found lost meanwhile. A failure whose ranks only saw
-  a peer's connection drop (Gloo's "Connection closed by peer" / "Connection reset by peer", see
-  :func:`peer_dropped`) names a victim, not the culprit: a node that failed for a reason of its own comes first;
-- a node's agent stops beating without a result (its machine died or was cut off), or never starts the share →
-  the node is **lost**: the others are stopped, its flow run is marked Crashed, and ``WorkerFailed(node=...)``
-  names it so that recovery leaves it out. Once another node reported a failure (its ranks saw their peers' connections
-  drop, or its torchrun exited), an agent silent for ``PEER_SILENT_AFTER_S`` counts as lost at once; the heartbeat
-  limit (``lost_after_s``) is the fall-back when nothing else failed (a cut cable that no rank notices). A node whose
-  torchrun was killed by a signal without a worker failure report (all its ranks gone with it) is lost as well.
+node's share files are watched (:class:`~kuangchao_core.sched.node_watch.AttemptWatch`): a lost node is marked
+Crashed on its flow run and raised as ``WorkerFailed(node=...)``; a failed rank as ``WorkerFailed`` with its rank.
 """
 
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kuangchao_core.errors import WorkerFailed
-from kuangchao_core.sched.node_share import (
-    AGENT_BEAT,
-    RESULT,
-    Beat,
-    NodeShare,
-    node_dir,
-    owner_beat_path,
-    read_json,
-    stop_path,
-)
+from kuangchao_core.sched.node_share import Beat, NodeShare, node_dir, owner_beat_path
+from kuangchao_core.sched.node_watch import AttemptWatch
 from kuangchao_core.sched.placement import NodeAssignment
 
 #: rendezvous ports are drawn from this range (the orchestrator cannot probe a port on another machine)
 RDZV_PORTS = (29500, 29999)
 #: how long the agents wait for a silent orchestrator (it beats every 0.5 s) before they stop its ranks
 OWNER_LOST_AFTER_S = 5.0
-#: once the attempt is failing (a node reported), how long a node's agent (it beats every 0.5 s) may stay silent
-#: before the node counts as lost: the surviving ranks already saw its connections drop, no need for the full limit
-PEER_SILENT_AFTER_S = 3.0
-#: what Gloo (and NCCL's socket transport) say when the process at the other end of a connection died
-_PEER_DROP = re.compile(
-    r"connection (closed|reset) by peer|connection reset|broken pipe|socket closed|remote process exited",
-    re.IGNORECASE,
-)
-
-
-def peer_dropped(cause: str | None) -> bool:
-    """Whether a failure's ``cause`` is a rank seeing its peer's connection drop (the peer died, not this rank)."""
-    return bool(cause) and _PEER_DROP.search(str(cause)) is not None
-
-
-def _torchrun_killed(result: dict[str, Any]) -> bool:
-    """A node's result saying its torchrun died from a signal without a worker failure report (its ranks with it)."""
-    code = result.get("exit_code")
-    return (
-        result.get("rank") is None
-        and isinstance(code, int)
-        and code < 0
-        and "without a worker failure report" in str(result.get("cause", ""))
-    )
-
-
-@dataclass
-class _Watch:
-    share: NodeShare
-    flow_run_id: Any = None
-    counter: int | None = None
-    changed_at: float = 0.0
-    result: dict[str, Any] | None = None
 
 
 class LogTail(threading.Thread):
@@ -164,16 +109,20 @@ def launch_on_nodes(
     before the node counts as lost; ``start_timeout_s`` how long a node may take to start its share.
     """
     run_dir = Path(run_dir)
-    stop = stop_path(run_dir, attempt)
-    stop.parent.mkdir(parents=True, exist_ok=True)
-    stop.unlink(missing_ok=True)
     lost_after = float(lost_after_s or max(3.0, heartbeat_timeout_s or 10.0))
+    watch = AttemptWatch(
+        run_dir,
+        attempt,
+        lost_after=lost_after,
+        start_timeout=start_timeout_s,
+        on_lost=lambda name, why, flow_run_id: _mark_crashed(flow_run_id, f"node {name} lost: {why}"),
+    )
+    watch.stop.parent.mkdir(parents=True, exist_ok=True)
+    watch.stop.unlink(missing_ok=True)
     first = assignments[0]
     rdzv_port = random.randint(*RDZV_PORTS)
     rdzv_id = f"kc-{run_dir.name}-{attempt}-{uuid.uuid4().hex[:6]}"
-    watches: dict[str, _Watch] = {}
     tails: list[LogTail] = []
-    t0 = time.monotonic()
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the agents stop their ranks when this goes silent
     owner.start()
     try:
@@ -202,87 +151,14 @@ def launch_on_nodes(
             tail = LogTail(out / "launcher.log", log_sink)
             tail.start()
             tails.append(tail)
-            watches[a.name] = _Watch(share, _start_flow_run(deployment, share), changed_at=time.monotonic())
-        _watch(watches, run_dir, attempt, stop, lost_after, start_timeout_s, t0, poll_s)
+            watch.add(a.name, _start_flow_run(deployment, share))
+        watch.watch(poll_s)
     finally:
         owner.halt.set()
         for tail in tails:
             tail.halt.set()
         for tail in tails:
             tail.join(timeout=5)
-
-
-def _poll(watches: dict[str, _Watch], run_dir: Path, attempt: int) -> None:
-    now = time.monotonic()
-    for name, w in watches.items():
-        out = node_dir(run_dir, attempt, name)
-        if w.result is None:
-            w.result = read_json(out / RESULT)
-        beat = read_json(out / AGENT_BEAT)
-        counter = beat.get("counter") if beat else None
-        if counter is not None and counter != w.counter:
-            w.counter, w.changed_at = counter, now
-
-
-def _lost(
-    watches: dict[str, _Watch], lost_after: float, start_timeout: float, t0: float, silent_after: float | None = None
-) -> list[tuple[str, str]]:
-    """Nodes lost now, with why: no share started within ``start_timeout``; an agent silent for ``lost_after`` (or
-    for ``silent_after`` once the attempt is failing); a torchrun killed by a signal with no failure report."""
-    now = time.monotonic()
-    limit = min(lost_after, silent_after) if silent_after is not None else lost_after
-    out = []
-    for name, w in watches.items():
-        if w.result is not None:
-            if not w.result.get("ok") and _torchrun_killed(w.result):
-                out.append((name, f"its torchrun died ({w.result.get('cause')})"))
-            continue
-        if w.counter is None and now - t0 > start_timeout:
-            out.append((name, f"its agent did not start the node's share within {start_timeout:g} s"))
-        elif w.counter is not None and now - w.changed_at > limit:
-            silent = now - w.changed_at
-            if limit < lost_after:
-                why = f"its agent and ranks went silent for {silent:.1f} s while its peers' connections to it dropped"
-            else:
-                why = f"its agent and ranks went silent for {silent:.1f} s (limit {lost_after:g} s)"
-            out.append((name, why))
-    return out
-
-
-def _failed(watches: dict[str, _Watch]) -> list[tuple[str, dict[str, Any]]]:
-    return [(n, w.result) for n, w in watches.items() if w.result is not None and not w.result.get("ok")]
-
-
-def _watch(watches, run_dir: Path, attempt: int, stop: Path, lost_after, start_timeout, t0, poll_s) -> None:
-    while True:
-        time.sleep(poll_s)
-        _poll(watches, run_dir, attempt)
-        failed = _failed(watches)
-        # a node that reported a failure (its ranks saw a peer drop, or its torchrun exited): the attempt is
-        # failing, and a node that went silent meanwhile is the one whose ranks died
-        lost = _lost(watches, lost_after, start_timeout, t0, PEER_SILENT_AFTER_S if failed else None)
-        if all(w.result is not None and w.result.get("ok") for w in watches.values()):
-            return
-        if not lost and not failed:
-            continue
-        stop.write_text(f"attempt {attempt} failed on {(lost or failed)[0][0]}", encoding="utf-8")
-        # give the others the time to report (or to be found lost as well) before naming the culprit
-        deadline = time.monotonic() + min(lost_after, PEER_SILENT_AFTER_S) + 5
-        while time.monotonic() < deadline and not lost:
-            time.sleep(poll_s)
-            _poll(watches, run_dir, attempt)
-            lost = _lost(watches, lost_after, start_timeout, t0, PEER_SILENT_AFTER_S)
-            if all(w.result is not None for w in watches.values()):
-                break
-        if lost:
-            name, why = lost[0]
-            _mark_crashed(watches[name].flow_run_id, f"node {name} lost: {why}")
-            raise WorkerFailed(None, f"lost: {why}", node=name)
-        failed = _failed(watches)
-        real = [(n, r) for n, r in failed if not str(r.get("cause", "")).startswith("stopped by the orchestrator")]
-        own = [(n, r) for n, r in real if not peer_dropped(r.get("cause"))]  # victims of a peer's death come last
-        name, res = (own or real or failed)[0]
-        raise WorkerFailed(res.get("rank"), f"on node {name}: {res.get('cause')}", res.get("exit_code"))
 
 
 def choose_cluster_nodes(

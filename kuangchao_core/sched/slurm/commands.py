@@ -44,6 +44,10 @@ HOPELESS = {
 }
 
 
+#: ``sinfo`` node states (``%t``) a job may be given: the rest are down, drained, failing or in maintenance
+USABLE_STATES = {"idle", "mix", "alloc", "comp", "plnd"}
+
+
 class SlurmRefused(KuangchaoError):
     """Slurm refused or could not run what was asked (the job cannot be scheduled, a command failed): its words."""
 
@@ -145,3 +149,15 @@ def cancel(job_id: str, env: dict[str, str]) -> None:
         run(["scancel", str(job_id)], env)
     except SlurmRefused:
         pass
+
+
+def usable_nodes(partition: str | None, env: dict[str, str]) -> list[str]:
+    """The nodes of ``partition`` (the default one when None) that a job may be given now: responding, neither
+    down nor drained (``sinfo -N``; a ``*`` after the state means not responding)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
+    out = []
+    for line in run(argv, env).splitlines():
+        name, _, state = line.strip().partition(" ")
+        if name and state.strip() in USABLE_STATES and name not in out:
+            out.append(name)
+    return out

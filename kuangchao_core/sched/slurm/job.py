@@ -30,17 +30,20 @@ from typing import Any
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
+from kuangchao_core.sched.node_watch import AttemptWatch
 from kuangchao_core.sched.slurm import commands, script
 from kuangchao_core.sched.slurm.commands import SlurmRefused
 
 #: states a job ends in that are Slurm's (or a user's) decision, not a failure to retry
 ENDED_BY_SLURM = {"CANCELLED", "TIMEOUT", "DEADLINE", "PREEMPTED", "REVOKED"}
+#: how long the nodes' launchers may take to start beating once the job runs
+NODE_START_TIMEOUT_S = 180.0
 #: kept out of ``share.json`` whatever the caller passed (tokens travel only in their nodes' 0600 files)
 _SECRET_KEYS = (ENV_TOKENS, ENV_TOKEN_BUNDLE)
 
 
 def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker_env: dict[str, str],
-                  tokens: bool) -> tuple[Path, str]:  # fmt: skip
+                  tokens: bool, exclude: list[str] | tuple[str, ...] = ()) -> tuple[Path, str]:  # fmt: skip
     """``share.json`` and ``job.sbatch`` of the attempt; returns the script's path and its text."""
     out = script.slurm_dir(run_dir, attempt)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +59,7 @@ def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker
         "owner_lost_after_s": OWNER_LOST_AFTER_S,
     }
     (out / "share.json").write_text(json.dumps(share, indent=1), encoding="utf-8")
-    text = script.render_script(cfg, run_dir, attempt, args, share["port"])
+    text = script.render_script(cfg, run_dir, attempt, args, share["port"], exclude=exclude)
     path = out / "job.sbatch"
     path.write_text(text, encoding="utf-8")
     return path, text
@@ -126,12 +129,13 @@ def _raise_for_end(state: str, info: dict[str, str], job_id: str, results: dict[
     said = f"Slurm job {job_id} ended {state}" + (f" ({reason})" if reason and reason != "None" else "")
     if state in ENDED_BY_SLURM:
         raise SlurmRefused(said)
+    missing = [n for n, r in results.items() if r is None]
+    if state == "NODE_FAIL" and missing:  # Slurm found a node dead: the others' failures are its victims
+        raise WorkerFailed(None, f"{said}; no result from node {missing[0]}", node=missing[0])
     if real or failed:
         name, res = (real or failed)[0]
         raise WorkerFailed(res.get("rank"), f"on node {name}: {res.get('cause')} [{said}]", res.get("exit_code"))
-    missing = [n for n, r in results.items() if r is None]
-    node = missing[0] if state == "NODE_FAIL" and missing else None
-    raise WorkerFailed(None, f"{said}; no result from node(s) {', '.join(missing) or '-'}", node=node)
+    raise WorkerFailed(None, f"{said}; no result from node(s) {', '.join(missing) or '-'}")
 
 
 def launch_slurm_attempt(
@@ -144,14 +148,18 @@ def launch_slurm_attempt(
     log_sink: Callable[[str], None] | None = None,
     say: Callable[[str], None] = print,
     poll_s: float = 0.5,
+    exclude: list[str] | tuple[str, ...] = (),
 ) -> str:
     """Run attempt ``attempt`` as a Slurm job (or a step of the allocation ``kc train`` runs in) and return the job
-    id once it completed; ``tokens_for(node, ranks)`` writes a node's token file (None: no tokens, trusted mode)."""
+    id once it completed; ``tokens_for(node, ranks)`` writes a node's token file (None: no tokens, trusted mode).
+    ``exclude``: nodes lost in earlier attempts, left out of the job (``--exclude``)."""
     run_dir = Path(run_dir).absolute()
     env = commands.slurm_env(cfg.cluster.slurm)
-    path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None)
-    out = script.slurm_dir(run_dir, attempt)
     inside = os.environ.get("SLURM_JOB_ID")
+    if inside and exclude:  # the allocation's nodes are the job's: a lost one cannot be left out of it
+        raise SlurmRefused(f"node(s) {', '.join(exclude)} of allocation {inside} lost; run kc train in a new one")
+    path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None, exclude)
+    out = script.slurm_dir(run_dir, attempt)
     proc = None
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the nodes stop their ranks when this goes silent
     owner.start()
@@ -173,6 +181,7 @@ def launch_slurm_attempt(
         _artifact(text, argv, job_id, attempt)
         follow = _Follow(job_id, env, out, say)
         nodes: list[str] = []
+        watch: AttemptWatch | None = None
         while True:
             info = follow.poll()
             state = follow.state
@@ -181,6 +190,9 @@ def launch_slurm_attempt(
                 raise SlurmRefused(f"Slurm cannot run job {job_id}: pending ({info['Reason']})")
             if not nodes and (state == "RUNNING" or inside) and info.get("NodeList", "(null)") != "(null)":
                 nodes = _start_nodes(cfg, info["NodeList"], env, run_dir, attempt, tokens_for, log_sink, tails)
+                watch = _watch_nodes(cfg, run_dir, attempt, nodes)
+            if watch is not None and state not in ENDED_BY_SLURM:
+                _check_nodes(watch, follow, poll_s)
             if proc is not None and proc.poll() is not None:
                 state = "COMPLETED" if proc.returncode == 0 else "FAILED"
                 follow.note(f"srun step of job {job_id} ended: exit code {proc.returncode}")
@@ -205,6 +217,25 @@ def launch_slurm_attempt(
             tail.halt.set()
         for tail in tails:
             tail.join(timeout=5)
+
+
+def _watch_nodes(cfg: Any, run_dir: Path, attempt: int, nodes: list[str]) -> AttemptWatch:
+    """The watch of the job's nodes (their launchers' beats and results), as on the node-agent path."""
+    lost_after = max(3.0, float(cfg.cluster.heartbeat_timeout_s or 10.0))
+    return AttemptWatch(run_dir, attempt, nodes, lost_after=lost_after, start_timeout=NODE_START_TIMEOUT_S)
+
+
+def _check_nodes(watch: AttemptWatch, follow: _Follow, poll_s: float) -> None:
+    """Raise the nodes' verdict once one failed or was lost — unless Slurm itself ended the job meanwhile (a
+    ``scancel`` kills the ranks too: its reason, not theirs)."""
+    try:
+        watch.check(poll_s)
+    except WorkerFailed as exc:
+        follow.poll()
+        if follow.state in ENDED_BY_SLURM:
+            return
+        follow.note(f"attempt {watch.attempt}: " + (f"node {exc.node} lost" if exc.node else f"rank {exc.rank} failed"))
+        raise
 
 
 def _start_nodes(cfg, nodelist: str, env, run_dir: Path, attempt: int, tokens_for, log_sink, tails) -> list[str]:

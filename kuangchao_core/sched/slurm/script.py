@@ -47,8 +47,8 @@ def exported_names(slurm: Any, env: dict[str, str] | None = None) -> list[str]:
     return [name for i, name in enumerate(wanted) if name in env and name not in wanted[:i]]
 
 
-def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int) -> list[str]:
-    """The ``#SBATCH`` options of the job, from ``cluster.slurm``."""
+def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int, exclude: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The ``#SBATCH`` options of the job, from ``cluster.slurm`` (``exclude``: nodes lost in earlier attempts)."""
     slurm = cfg.cluster.slurm
     return [
         f"--job-name={cfg.task.name}",
@@ -56,6 +56,7 @@ def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int) -> list[str]:
         "--ntasks-per-node=1",
         f"--output={slurm_dir(run_dir, attempt) / 'batch-%j.out'}",
         f"--chdir={Path(run_dir)}",
+        *([f"--exclude={','.join(exclude)}"] if exclude else []),
         *request_options(slurm),
     ]
 
@@ -97,7 +98,13 @@ def torchrun_line(cfg: Any, args: list[str], port: int, attempt: int, python: st
 
 
 def render_script(
-    cfg: Any, run_dir: str | Path, attempt: int, args: list[str], port: int, python: str = sys.executable
+    cfg: Any,
+    run_dir: str | Path,
+    attempt: int,
+    args: list[str],
+    port: int,
+    python: str = sys.executable,
+    exclude: list[str] | tuple[str, ...] = (),
 ) -> str:
     """The batch script of ``attempt`` (also run as is with ``bash`` inside an allocation: ``#SBATCH`` lines are
     comments there)."""
@@ -112,7 +119,7 @@ def render_script(
         f"# Kuangchao job {cfg.task.name}, attempt {attempt}: written by `kc train` (cluster.mode: slurm).",
         "# One task per node: Kuangchao's node launcher starts torchrun for that node's ranks and hands each rank its",
         "# tokens (read from a 0600 file in the run directory; nothing secret is in this script or its environment).",
-        *[f"#SBATCH {opt}" for opt in sbatch_options(cfg, run_dir, attempt)],
+        *[f"#SBATCH {opt}" for opt in sbatch_options(cfg, run_dir, attempt, exclude)],
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "head_addr=$(scontrol show node -o \"$head_node\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
