@@ -25,8 +25,7 @@ from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import is_alive, wait_gone
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.conftest_prefect import TINY, loss_history
-from tests.engine_helpers import run_trainers
-from tests.mp import run_distributed
+from tests.engine_helpers import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,19 +199,7 @@ def store(tmp_path_factory) -> Path:
 def one_process_losses(tmp_path_factory, store) -> list[float]:
     """The dp2×tp2 job's losses from one process (same global batch: four micro-batches of 2 per step)."""
     tmp = tmp_path_factory.mktemp("cluster-ref")
-    cfg = load_config(
-        TINY,
-        _overrides(tmp, "kc-cluster-ref", store)
-        + [
-            "parallel.data_parallel_size=1",
-            "parallel.tensor_parallel_size=1",
-            "parallel.gradient_accumulation_steps=2",
-            "cluster.nproc_per_node=1",
-            "permission.mode=trusted",
-        ],
-    )
-    per_rank = run_distributed(run_trainers, 1, args=([{"cfg": cfg, "max_steps": STEPS}],), timeout=300)
-    return list(per_rank[0][0]["losses"])
+    return one_process_reference(TINY, _overrides(tmp, "kc-cluster-ref", store), STEPS, 2)
 
 
 def _start_train(cluster: Cluster, workdir: Path, overrides: list[str]) -> subprocess.Popen:

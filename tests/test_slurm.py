@@ -20,10 +20,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from kuangchao_core.config import load_config
 from tests.conftest_prefect import TINY, loss_history
-from tests.engine_helpers import run_trainers
-from tests.mp import run_distributed
+from tests.engine_helpers import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,20 +85,9 @@ def store(tmp_path_factory) -> Path:
 def one_process_losses(tmp_path_factory, store) -> list[float]:
     """The dp2×tp2 job's losses from one process (same global batch: four micro-batches of 2 per step)."""
     tmp = tmp_path_factory.mktemp("slurm-ref")
-    cfg = load_config(
-        TINY,
-        _overrides(tmp, "kc-slurm-ref", store)
-        + [
-            "parallel.data_parallel_size=1",
-            "parallel.tensor_parallel_size=1",
-            "parallel.gradient_accumulation_steps=2",
-            "cluster.nproc_per_node=1",
-            "permission.mode=trusted",
-            f"checkpoint.dir={tmp / 'ckpt'}",
-        ],
+    return one_process_reference(
+        TINY, _overrides(tmp, "kc-slurm-ref", store) + [f"checkpoint.dir={tmp / 'ckpt'}"], STEPS, 2
     )
-    per_rank = run_distributed(run_trainers, 1, args=([{"cfg": cfg, "max_steps": STEPS}],), timeout=300)
-    return list(per_rank[0][0]["losses"])
 
 
 def _start_train(

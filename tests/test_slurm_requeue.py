@@ -17,8 +17,7 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import KuangchaoError
 from tests.conftest_prefect import TINY
-from tests.engine_helpers import run_trainers
-from tests.mp import run_distributed
+from tests.engine_helpers import one_process_reference
 from tests.test_slurm import STEPS, _assert_losses, _finish, _overrides, _slurm, _start_train, _summary, _wait
 
 #: micro-batches per step on each of the two data-parallel replicas: steps slow enough (about a second each) that
@@ -38,20 +37,9 @@ def store(tmp_path_factory) -> Path:
 def one_process_losses(tmp_path_factory, store) -> list[float]:
     """The dp2×tp2 job's losses from one process (the same global batch: 2 × ACCUM micro-batches of 2 per step)."""
     tmp = tmp_path_factory.mktemp("slurm-requeue-ref")
-    cfg = load_config(
-        TINY,
-        _overrides(tmp, "kc-slurm-requeue-ref", store)
-        + [
-            "parallel.data_parallel_size=1",
-            "parallel.tensor_parallel_size=1",
-            f"parallel.gradient_accumulation_steps={2 * ACCUM}",
-            "cluster.nproc_per_node=1",
-            "permission.mode=trusted",
-            f"checkpoint.dir={tmp / 'ckpt'}",
-        ],
+    return one_process_reference(
+        TINY, _overrides(tmp, "kc-slurm-requeue-ref", store) + [f"checkpoint.dir={tmp / 'ckpt'}"], STEPS, 2 * ACCUM
     )
-    per_rank = run_distributed(run_trainers, 1, args=([{"cfg": cfg, "max_steps": STEPS}],), timeout=300)
-    return list(per_rank[0][0]["losses"])
 
 
 def _slurm_cfg(lab, tmp_path: Path, **extra):
