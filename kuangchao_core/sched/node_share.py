@@ -19,9 +19,11 @@ must not go on writing the lineage).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,17 +132,36 @@ def take_token_bundle(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def reporting(out: Path, beat_interval_s: float) -> Iterator[dict[str, Any]]:
+    """A node's launcher at work: it beats in ``out/agent.json`` while the block runs, and ``out/result.json`` says
+    how the block ended — a failure (``WorkerFailed``'s rank, cause and exit code; re-raised), or ``ok`` with what
+    the block put in the dict it was given."""
+    beat = Beat(out / AGENT_BEAT, beat_interval_s)
+    beat.start()
+    done: dict[str, Any] = {}
+    try:
+        yield done
+    except WorkerFailed as exc:
+        _write_json(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})
+        raise
+    except BaseException as exc:
+        _write_json(out / RESULT, {"ok": False, "rank": None, "cause": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        beat.halt.set()
+    _write_json(out / RESULT, {"ok": True, **done})
+
+
 def run_node_share(share: NodeShare) -> dict[str, Any]:
     """Run this node's ranks to the end; writes ``result.json`` and re-raises a failure as ``WorkerFailed``."""
     out = node_dir(share.run_dir, share.attempt, share.node)
     out.mkdir(parents=True, exist_ok=True)
-    beat = Beat(out / AGENT_BEAT, share.beat_interval_s)
-    beat.start()
     env = take_token_bundle({**os.environ, **share.env, "KC_NODE": share.node})  # tokens: file -> env, file gone
     if share.ifname:
         env.setdefault("GLOO_SOCKET_IFNAME", share.ifname)
         env.setdefault("NCCL_SOCKET_IFNAME", share.ifname)
-    try:
+    with reporting(out, share.beat_interval_s) as done:
         result = run_workers(
             LaunchSpec(
                 share.module,
@@ -164,13 +185,5 @@ def run_node_share(share: NodeShare) -> dict[str, Any]:
                 owner_lost_after_s=share.owner_lost_after_s or 10.0,
             )
         )
-    except WorkerFailed as exc:
-        _write_json(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})
-        raise
-    except BaseException as exc:
-        _write_json(out / RESULT, {"ok": False, "rank": None, "cause": f"{type(exc).__name__}: {exc}"})
-        raise
-    finally:
-        beat.halt.set()
-    _write_json(out / RESULT, {"ok": True, "duration_s": result.duration_s})
+        done["duration_s"] = result.duration_s
     return {"ok": True, "node": share.node, "duration_s": result.duration_s}

@@ -6,8 +6,8 @@ gives: by ``NodeAddr``), waits for the node's token file that the orchestrator w
 (``<run>/tokens/<node>/attempt_<n>.json``, 0600, read and deleted here), and runs the torchrun line through the one
 launcher (:func:`~kuangchao_core.sched.launcher.run_workers`): each rank gets its own tokens over the lifeline,
 never in an environment; rank heartbeats, the orchestrator's beat and stop file are watched as on a node agent.
-Under ``attempt_<n>/nodes/<node>/`` it leaves ``launcher.log``, ``logs/`` and ``result.json`` (as
-:mod:`~kuangchao_core.sched.node_share` does).
+Under ``attempt_<n>/nodes/<node>/`` it leaves ``agent.json`` (its beat while it runs), ``launcher.log``, ``logs/``
+and ``result.json`` (:func:`~kuangchao_core.sched.node_share.reporting`, as a node agent does).
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import run_workers
 from kuangchao_core.sched.node_share import (
-    AGENT_BEAT,
     ENV_TOKEN_BUNDLE,
-    RESULT,
-    Beat,
     node_dir,
     owner_beat_path,
+    reporting,
     stop_path,
     take_token_bundle,
 )
@@ -51,12 +49,6 @@ def _wait_for(path: Path, timeout_s: float, stop: Path) -> None:
         time.sleep(0.2)
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def run_node(share: dict[str, Any], command: list[str]) -> dict[str, Any]:
     """This node's ranks of the attempt ``share`` describes, to the end; writes ``result.json``."""
     env = commands.slurm_env()
@@ -64,10 +56,8 @@ def run_node(share: dict[str, Any], command: list[str]) -> dict[str, Any]:
     run_dir, attempt = share["run_dir"], int(share["attempt"])
     out = node_dir(run_dir, attempt, node)
     out.mkdir(parents=True, exist_ok=True)
-    beat = Beat(out / AGENT_BEAT, 0.5)
-    beat.start()
     stop = stop_path(run_dir, attempt)
-    try:
+    with reporting(out, 0.5) as done:
         order = commands.node_order(commands.hostnames(os.environ["SLURM_JOB_NODELIST"], env), env)
         node_rank = [n for n, _ in order].index(node)
         worker_env = {**os.environ, **share["env"], "KC_NODE": node}
@@ -97,15 +87,7 @@ def run_node(share: dict[str, Any], command: list[str]) -> dict[str, Any]:
                 command=command,
             )
         )
-    except WorkerFailed as exc:
-        _write(out / RESULT, {"ok": False, "rank": exc.rank, "cause": exc.cause, "exit_code": exc.exit_code})
-        raise
-    except BaseException as exc:
-        _write(out / RESULT, {"ok": False, "rank": None, "cause": f"{type(exc).__name__}: {exc}"})
-        raise
-    finally:
-        beat.halt.set()
-    _write(out / RESULT, {"ok": True, "duration_s": result.duration_s, "node_rank": node_rank})
+        done.update(duration_s=result.duration_s, node_rank=node_rank)
     return {"ok": True, "node": node}
 
 
