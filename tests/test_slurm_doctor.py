@@ -48,9 +48,7 @@ def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, monkeypat
     checks = _by_name(report.checks)
     assert list(checks) == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes", "slurm_node_facts"]
     assert report.ok, report.to_dict()
-    assert checks["slurm_node_facts"].detail == (
-        "debug: 3 of 3 nodes idle: 3 with 2 CPUs, 0 GPUs; tree topology, 2 leaf switches: s1 (2 idle), s2 (1 idle)"
-    )
+    assert checks["slurm_node_facts"].detail == ("debug: 3 of 3 nodes idle: 3 with 2 CPUs, 0 GPUs; no tree topology")
     assert "is UP" in checks["slurm_controller"].detail and str(lab.conf) in checks["slurm_controller"].detail
     assert "partition debug is UP: 3 nodes (n[1-3])" in checks["slurm_partition"].detail
     assert checks["slurm_nodes"].detail.startswith("3 of 3 nodes of debug idle, 2 asked")
@@ -111,6 +109,13 @@ def test_a_missing_partition_fails_naming_it_and_the_partitions_there(slurm_clus
     assert not bad.ok and "partition gpu-a100 (cluster.slurm.partition) not found" in bad.detail
     assert bad.fix == "set cluster.slurm.partition to one of: debug"
     assert "slurm_nodes" not in checks, "no node check without a partition"
+
+
+def test_switches_asked_of_a_cluster_without_tree_topology_fail_naming_the_setting(slurm_cluster):
+    """The lab has no ``TopologyPlugin``: Slurm knows no switch and would ignore ``--switches``."""
+    check = _by_name(slurm_checks(_cfg(slurm_cluster, switches=1)))["slurm_node_facts"]
+    assert not check.ok and "Slurm has no tree topology here and would ignore --switches" in check.detail, check
+    assert check.fix.startswith("unset cluster.slurm.switches")
 
 
 def test_more_nodes_than_the_lab_has_gives_slurms_reason(slurm_cluster):

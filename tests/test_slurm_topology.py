@@ -1,4 +1,4 @@
-"""Issue 32 §5 on the real Slurm cluster (``slurm_cluster``: n1..n3 under Slurm's tree topology, leaf switches
+"""Issue 32 §5 on the real Slurm cluster (``slurm_tree_cluster``: n1..n3 under Slurm's tree topology, leaf switches
 ``s1: n1, n2`` and ``s2: n3``): a job with ``cluster.slurm.switches: 1``, submitted as ``kc train`` submits it (the
 batch script :mod:`kuangchao_core.sched.slurm.job` writes, the ``sbatch`` line of ``script.sbatch_argv``), waits
 for two nodes under one leaf switch rather than take the two idle nodes under two; ``nodes.json`` and
@@ -15,7 +15,6 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.sched.slurm import commands, facts, job, script
 from kuangchao_core.sched.slurm.doctor_checks import slurm_checks
-from tests.cluster.slurm_lab import SlurmLab, slurm_unavailable
 from tests.conftest_prefect import TINY
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,8 +45,10 @@ def _until(what: str, ready, timeout_s: float):
     raise AssertionError(f"{what}: not within {timeout_s:g} s")
 
 
-def test_one_leaf_switch_asked_waits_for_it_instead_of_spanning_two_and_the_facts_say_where(slurm_cluster, tmp_path):
-    lab = slurm_cluster
+def test_one_leaf_switch_asked_waits_for_it_instead_of_spanning_two_and_the_facts_say_where(
+    slurm_tree_cluster, tmp_path
+):
+    lab = slurm_tree_cluster
     cfg = _cfg(lab, switches=1, switches_wait="4:00")
     run_dir = tmp_path / "run"
     path, text = job.write_attempt(cfg, run_dir, 0, ["--config", str(tmp_path / "none.yaml")], {}, tokens=False)
@@ -102,22 +103,3 @@ def test_one_leaf_switch_asked_waits_for_it_instead_of_spanning_two_and_the_fact
         f"Slurm node n2 ({lab.node_addr['n2']}): {found[1].state}, 2 CPUs, 0 GPUs, 1000 MB, switch s1",
         "Slurm nodes under 1 leaf switch(es): s1",
     ]
-
-
-def test_switches_asked_of_a_cluster_without_tree_topology_fail_the_doctor():
-    """A lab of one node without ``TopologyPlugin`` (``topology={}``): Slurm reports no switch, so ``--switches``
-    would be ignored there; the doctor's facts check fails naming the setting (and passes when none is asked)."""
-    why = slurm_unavailable()
-    if why:
-        pytest.skip(f"no Slurm lab here: {why}")
-    lab = SlurmLab(1, topology={})
-    try:
-        lab.up()
-        assert facts.read_topology(lab.env) == facts.Topology()
-        plain = {c.name: c for c in slurm_checks(_cfg(lab, nodes=1))}["slurm_node_facts"]
-        asked = {c.name: c for c in slurm_checks(_cfg(lab, nodes=1, switches=1))}["slurm_node_facts"]
-    finally:
-        lab.down()
-    assert plain.ok and plain.detail == "debug: 1 of 1 nodes idle: 1 with 2 CPUs, 0 GPUs; no tree topology", plain
-    assert not asked.ok and "Slurm has no tree topology here and would ignore --switches" in asked.detail, asked
-    assert asked.fix.startswith("unset cluster.slurm.switches")

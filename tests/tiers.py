@@ -19,7 +19,7 @@ from __future__ import annotations
 
 TIERS = ("unit", "distributed", "flows", "e2e")  # what each holds: the markers in pyproject.toml
 
-FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e"}
+FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e", "slurm_tree_cluster": "e2e"}
 
 FILE_TIERS = {
     "test_activation_checkpointing.py": "distributed",

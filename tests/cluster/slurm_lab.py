@@ -52,10 +52,11 @@ class SlurmLab:
     ``slurmd_timeout`` is ``SlurmdTimeout``: with 10 s a killed node's job ends ``NODE_FAIL`` about 28 s after the
     kill (about 47 s with Slurm's default of 30 s; measured here).
 
-    ``topology`` is Slurm's tree topology (``TopologyPlugin=topology/tree`` and ``topology.conf`` beside
-    ``slurm.conf``, as Slurm 22.05 reads it): leaf switch name -> its nodes, with one spine ``s0`` over every leaf.
-    The default (:func:`default_topology`) puts the nodes two by two under leaves ``s1``, ``s2`` …: with 3 nodes
-    ``s1: n1, n2`` and ``s2: n3``. ``topology={}`` leaves the plugin out (Slurm's ``topology/none``).
+    ``topology`` is an optional tree topology (``TopologyPlugin=topology/tree`` and ``topology.conf`` beside
+    ``slurm.conf``, as Slurm 22.05 reads them): leaf switch name -> its nodes, with one spine ``s0`` over every
+    leaf; :func:`default_topology` puts the nodes two by two under leaves ``s1``, ``s2`` … (3 nodes: ``s1: n1, n2``,
+    ``s2: n3``). None (the default) leaves the plugin out (Slurm's ``topology/none``): with a tree, Slurm places a
+    1-node job on the leaf with the fewest free nodes (``n3``), not on ``n1``.
 
     Once up: ``conf`` (slurm.conf), ``env`` (this process's environment without ``SLURM_*``/``SBATCH_*``/
     ``SALLOC_*``/``SRUN_*``, plus ``SLURM_CONF`` and sbin on ``PATH``: what a client needs), ``nodes``,
@@ -75,7 +76,7 @@ class SlurmLab:
     ):
         self.count, self.cpus, self.slurmd_timeout = nodes, cpus, slurmd_timeout
         self.nodes: list[str] = [f"n{i}" for i in range(1, nodes + 1)]
-        self.topology: dict[str, list[str]] = default_topology(self.nodes) if topology is None else topology
+        self.topology: dict[str, list[str]] = topology or {}
         self.node_addr: dict[str, str] = {}
         self.claim: netlab.Claim | None = None
         self._given_directory = directory
