@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -215,6 +216,14 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
     kept["Prefect artifact"] = artifact
     states = (run_dir / "attempt_0/slurm/states.log").read_text()
     assert f"Slurm job {job}: RUNNING on n[1-2]" in states and f"Slurm job {job}: COMPLETED" in states, states
+    # the nodes' facts (issue 32 §5): nodes.json, one line each in the log, and the MLflow run's artifact
+    facts = json.loads((run_dir / "attempt_0/slurm/nodes.json").read_text())["nodes"]
+    assert [(n["name"], n["addr"], n["cpus"]) for n in facts] == [(n, lab.node_addr[n], 2) for n in ("n1", "n2")]
+    assert f"Slurm node n2 ({lab.node_addr['n2']}): " in states
+    logged = MlflowClient(f"sqlite:///{store / 'mlflow.db'}").list_artifacts(
+        summary["mlflow_run_id"], "slurm/attempt_0"
+    )
+    assert [a.path for a in logged] == ["slurm/attempt_0/nodes.json"]
     sacct = _wait(
         lambda: (s if (s := lab.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"]).stdout.strip())
                  not in ("", "RUNNING", "COMPLETING") else None), 120, "sacct showing the job's end",

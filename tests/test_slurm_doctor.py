@@ -46,8 +46,9 @@ def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, monkeypat
     lab = slurm_cluster
     report = run_doctor(_cfg(lab), skip=NOT_SLURM)  # cluster.mode: slurm turns them on
     checks = _by_name(report.checks)
-    assert list(checks) == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes"]
+    assert list(checks) == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes", "slurm_node_facts"]
     assert report.ok, report.to_dict()
+    assert checks["slurm_node_facts"].detail == ("debug: 3 of 3 nodes idle: 3 with 2 CPUs, 0 GPUs; no tree topology")
     assert "is UP" in checks["slurm_controller"].detail and str(lab.conf) in checks["slurm_controller"].detail
     assert "partition debug is UP: 3 nodes (n[1-3])" in checks["slurm_partition"].detail
     assert checks["slurm_nodes"].detail.startswith("3 of 3 nodes of debug idle, 2 asked")
@@ -58,7 +59,7 @@ def test_every_slurm_check_passes_on_the_labs_partition(slurm_cluster, monkeypat
     # `kc doctor --slurm` without a config: SLURM_CONF, the default partition, one node
     monkeypatch.setenv("SLURM_CONF", str(lab.conf))
     plain = _by_name(run_doctor(None, skip=NOT_SLURM, slurm=True).checks)
-    assert all(c.ok for c in plain.values()) and len(plain) == 4, plain
+    assert all(c.ok for c in plain.values()) and len(plain) == 5, plain
     assert plain["slurm_partition"].detail.startswith("partition debug (the default) is UP")
     assert plain["slurm_nodes"].detail.startswith("3 of 3 nodes of debug idle, 1 asked")
 
@@ -91,8 +92,8 @@ def test_the_readmes_commands_kc_doctor_and_kc_slurm_script_on_the_lab(slurm_clu
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["ok"], out.stdout + out.stderr[-3000:]
     names = [c["name"] for c in report["checks"]]
-    assert names[-4:] == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes"], names
-    assert "3 of 3 nodes of debug idle, 2 asked" in report["checks"][-1]["detail"]
+    assert names[-5:] == ["slurm_commands", "slurm_controller", "slurm_partition", "slurm_nodes", "slurm_node_facts"]
+    assert "3 of 3 nodes of debug idle, 2 asked" in report["checks"][-2]["detail"]
 
     script = _kc(lab, tmp_path, "slurm", "script", str(job), "--set", conf)
     assert script.returncode == 0, script.stderr
@@ -108,6 +109,13 @@ def test_a_missing_partition_fails_naming_it_and_the_partitions_there(slurm_clus
     assert not bad.ok and "partition gpu-a100 (cluster.slurm.partition) not found" in bad.detail
     assert bad.fix == "set cluster.slurm.partition to one of: debug"
     assert "slurm_nodes" not in checks, "no node check without a partition"
+
+
+def test_switches_asked_of_a_cluster_without_tree_topology_fail_naming_the_setting(slurm_cluster):
+    """The lab has no ``TopologyPlugin``: Slurm knows no switch and would ignore ``--switches``."""
+    check = _by_name(slurm_checks(_cfg(slurm_cluster, switches=1)))["slurm_node_facts"]
+    assert not check.ok and "Slurm has no tree topology here and would ignore --switches" in check.detail, check
+    assert check.fix.startswith("unset cluster.slurm.switches")
 
 
 def test_more_nodes_than_the_lab_has_gives_slurms_reason(slurm_cluster):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 TIERS = ("unit", "distributed", "flows", "e2e")  # what each holds: the markers in pyproject.toml
 
-FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e"}
+FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e", "slurm_tree_cluster": "e2e"}
 
 FILE_TIERS = {
     "test_activation_checkpointing.py": "distributed",
@@ -116,7 +116,9 @@ FILE_TIERS = {
     "test_slurm.py": "e2e",
     "test_slurm_requeue.py": "e2e",
     "test_slurm_doctor.py": "e2e",
+    "test_slurm_facts.py": "unit",
     "test_slurm_script.py": "unit",
+    "test_slurm_topology.py": "e2e",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
     "test_step_loss.py": "distributed",

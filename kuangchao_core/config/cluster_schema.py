@@ -47,7 +47,8 @@ class SlurmSection(Section):
     slurm_conf: str | None = None
     #: ask for nodes under at most this many leaf switches (``--switches``, Slurm's tree topology)
     switches: Int | None = Field(default=None, ge=1, le=64)
-    #: how long the job may wait for ``switches`` (a Slurm time); only with ``switches``
+    #: how long the job may wait for ``switches`` (a Slurm time; Slurm caps it at the cluster's ``max_switch_wait``,
+    #: 5 minutes unless its admins set more); only with ``switches``
     switches_wait: str | None = None
     #: names of further environment variables the nodes get from ``kc train``'s (never secrets: Slurm stores them)
     export_env: list[str] = Field(default_factory=list, max_length=64)

@@ -20,6 +20,7 @@ from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.job.ckpt_mirror import mirror_for
 from kuangchao_core.job.flow_log import ProgressLog, run_logger_or_none
 from kuangchao_core.job.job_events import JobEvents
+from kuangchao_core.job.slurm_nodes import log_slurm_nodes
 from kuangchao_core.obs import phases
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.obs.prometheus import exporter_for
@@ -200,6 +201,7 @@ def launch_workers(
             tokens_for = (lambda node, ranks: node_token_env({}, run_dir, attempt, node, ranks)) if (
                 "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
             say = run_logger.info if run_logger is not None else print
+            stack.callback(log_slurm_nodes, cfg, mlflow_run_id, run_dir, attempt, say)  # also after a failure
             launch_slurm_attempt(
                 cfg, run_dir, attempt, args, worker_env, tokens_for, view, say=say, exclude=list(exclude_nodes or [])
             )

@@ -52,6 +52,12 @@ class SlurmLab:
     ``slurmd_timeout`` is ``SlurmdTimeout``: with 10 s a killed node's job ends ``NODE_FAIL`` about 28 s after the
     kill (about 47 s with Slurm's default of 30 s; measured here).
 
+    ``topology`` is an optional tree topology (``TopologyPlugin=topology/tree`` and ``topology.conf`` beside
+    ``slurm.conf``, as Slurm 22.05 reads them): leaf switch name -> its nodes, with one spine ``s0`` over every
+    leaf; :func:`default_topology` puts the nodes two by two under leaves ``s1``, ``s2`` … (3 nodes: ``s1: n1, n2``,
+    ``s2: n3``). None (the default) leaves the plugin out (Slurm's ``topology/none``): with a tree, Slurm places a
+    1-node job on the leaf with the fewest free nodes (``n3``), not on ``n1``.
+
     Once up: ``conf`` (slurm.conf), ``env`` (this process's environment without ``SLURM_*``/``SBATCH_*``/
     ``SALLOC_*``/``SRUN_*``, plus ``SLURM_CONF`` and sbin on ``PATH``: what a client needs), ``nodes``,
     ``node_addr`` (node -> address), ``partition``, ``directory``, ``address`` (the controller's, on the bridge),
@@ -60,9 +66,17 @@ class SlurmLab:
 
     partition = "debug"
 
-    def __init__(self, nodes: int = 3, directory: Path | None = None, cpus: int = 2, slurmd_timeout: int = 10):
+    def __init__(
+        self,
+        nodes: int = 3,
+        directory: Path | None = None,
+        cpus: int = 2,
+        slurmd_timeout: int = 10,
+        topology: dict[str, list[str]] | None = None,
+    ):
         self.count, self.cpus, self.slurmd_timeout = nodes, cpus, slurmd_timeout
         self.nodes: list[str] = [f"n{i}" for i in range(1, nodes + 1)]
+        self.topology: dict[str, list[str]] = topology or {}
         self.node_addr: dict[str, str] = {}
         self.claim: netlab.Claim | None = None
         self._given_directory = directory
@@ -227,6 +241,11 @@ class SlurmLab:
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
         ]
+        if self.topology:
+            lines.append("TopologyPlugin=topology/tree")
+            leaves = [f"SwitchName={sw} Nodes={','.join(ns)}" for sw, ns in self.topology.items()]
+            spine = f"SwitchName=s0 Switches={','.join(self.topology)}"
+            (d / "topology.conf").write_text("\n".join([*leaves, spine]) + "\n")
         lines += [
             f"NodeName={n} NodeAddr={a} NodeHostname={n} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
             for n, a in self.node_addr.items()
@@ -295,6 +314,11 @@ class SlurmLab:
         logs = sorted((self.directory / "log").glob(f"{daemon}*"))
         tail = "\n".join(f"--- {p.name}:\n" + p.read_text(errors="replace")[-1500:] for p in logs)
         raise RuntimeError(f"Slurm lab: {what} not ready (exited: {dead or 'none'}); logs:\n{tail}")
+
+
+def default_topology(nodes: list[str]) -> dict[str, list[str]]:
+    """Leaf switches ``s1``, ``s2`` … of two nodes each, in order (3 nodes: ``s1: n1, n2``, ``s2: n3``)."""
+    return {f"s{i // 2 + 1}": nodes[i : i + 2] for i in range(0, len(nodes), 2)}
 
 
 def _accepts(address) -> bool:

@@ -7,7 +7,11 @@
 - ``slurm_partition``: ``cluster.slurm.partition`` (else the default partition) exists and is UP;
 - ``slurm_nodes``: how many of its nodes are idle against ``cluster.slurm.nodes``, and Slurm's own estimate of the
   job's start (``sbatch --test-only`` with the job's request: nodes, partition, account, qos, time …), or Slurm's
-  reason when it would refuse the job. A wait is not a failure: the report says how long.
+  reason when it would refuse the job. A wait is not a failure: the report says how long;
+- ``slurm_node_facts``: the partition's nodes as Slurm describes them (idle ones by CPUs and GPUs, the others by
+  state; :mod:`.facts`) and its tree topology's leaf switches; with ``cluster.slurm.switches``, whether enough idle
+  nodes sit under that many leaf switches now (else the job waits up to ``switches_wait`` for them). Asking for
+  switches of a cluster without a tree topology fails: Slurm would ignore the request.
 
 A check that fails stops the later ones (they need what it checks); its ``fix`` says what to do. Nothing is
 submitted: ``--test-only`` asks the scheduler without queueing a job.
@@ -24,7 +28,8 @@ from typing import Any
 
 from kuangchao_core.config.access import setting
 from kuangchao_core.sched.doctor_report import Check
-from kuangchao_core.sched.slurm.commands import parse_record, slurm_env
+from kuangchao_core.sched.slurm import facts
+from kuangchao_core.sched.slurm.commands import SlurmRefused, parse_record, slurm_env
 from kuangchao_core.sched.slurm.script import request_options
 
 #: the client commands the Slurm path runs
@@ -196,6 +201,47 @@ def check_nodes(slurm: _Settings, partition: dict[str, str], env: dict[str, str]
     return Check("slurm_nodes", True, f"{have}; Slurm expects to start the job {_wait_text(found.group(1))}{on}")
 
 
+def check_facts(slurm: _Settings, partition: dict[str, str], env: dict[str, str]) -> Check:
+    """The partition's node facts and leaf switches; with ``switches`` asked, whether ``nodes`` idle nodes sit
+    under that many leaf switches now."""
+    name = partition["PartitionName"]
+    try:
+        topo = facts.read_topology(env)
+        nodes = facts.read_nodes(env, partition=name, topology=topo)
+    except SlurmRefused as exc:
+        return Check("slurm_node_facts", False, f"cannot read the nodes of {name}: {exc}", "check `scontrol show node`")
+    detail = f"{name}: {facts.summary(nodes)}"
+    idle = facts.idle_by_switch(nodes)
+    leaves = sorted({n.switch for n in nodes if n.switch})
+    if leaves:
+        detail += f"; tree topology, {len(leaves)} leaf switches: " + ", ".join(
+            f"{sw} ({len(idle.get(sw, []))} idle)" for sw in leaves
+        )
+    else:
+        detail += "; no tree topology"
+    if not slurm.switches:
+        return Check("slurm_node_facts", True, detail)
+    asked = f"{slurm.nodes} nodes under {slurm.switches} leaf switch(es) (cluster.slurm.switches)"
+    if not leaves:
+        return Check(
+            "slurm_node_facts",
+            False,
+            f"{detail}: {asked} asked, but Slurm has no tree topology here and would ignore --switches",
+            "unset cluster.slurm.switches, or ask the cluster's admins for TopologyPlugin=topology/tree and a "
+            "topology.conf",
+        )
+    fits, best = facts.switch_fit(nodes, slurm.nodes, slurm.switches)
+    if fits:
+        return Check("slurm_node_facts", True, f"{detail}; {asked}: idle now under {', '.join(best)}")
+    wait = slurm.switches_wait or "Slurm's default wait (MaxSwitchWait)"
+    return Check(
+        "slurm_node_facts",
+        True,
+        f"{detail}; {asked}: not idle now (at most {sum(len(idle[sw]) for sw in best)} under {', '.join(best) or '-'})"
+        f": the job waits up to {wait} for them, then Slurm places it on any switches",
+    )
+
+
 def slurm_checks(cfg: Any) -> list[Check]:
     """Every Slurm check for ``cfg`` (``cluster.slurm``'s settings; defaults when it has none), stopping at the
     first failure (the later checks need what it checks)."""
@@ -209,4 +255,5 @@ def slurm_checks(cfg: Any) -> list[Check]:
         checks.append(partition_check)
         if partition is not None:
             checks.append(check_nodes(slurm, partition, env))
+            checks.append(check_facts(slurm, partition, env))
     return checks

@@ -9,7 +9,8 @@
 3. Follow the job (``scontrol show job``): every change of state is said and kept in ``states.log`` (pending with
    its reason, running on which nodes). A pending reason that never resolves cancels the job and fails at once.
    Once it runs, each node's tokens are written for it alone (0600, ``perm.issuance.node_token_env``; ranks in the
-   rendezvous' node order) and its ``launcher.log`` is tailed into the live view (steps, MLflow metrics).
+   rendezvous' node order) and its ``launcher.log`` is tailed into the live view (steps, MLflow metrics); the
+   nodes' facts (CPUs, GPUs, state, leaf switch: :mod:`.facts`) go to ``nodes.json`` and one line each to the log.
 4. The end: ``COMPLETED`` with every node ``ok`` returns; a failed rank or node raises ``WorkerFailed`` (retried);
    a job cancelled or timed out in Slurm raises ``SlurmRefused`` with that reason. If the orchestrator stops
    first, the job is cancelled (``scancel``), and its ranks stop with the orchestrator's beat in any case.
@@ -31,7 +32,7 @@ from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
 from kuangchao_core.sched.node_watch import AttemptWatch
-from kuangchao_core.sched.slurm import commands, script
+from kuangchao_core.sched.slurm import commands, facts, script
 from kuangchao_core.sched.slurm.commands import SlurmRefused
 
 #: states a job ends in that are Slurm's (or a user's) decision, not a failure to retry
@@ -190,6 +191,7 @@ def launch_slurm_attempt(
                 raise SlurmRefused(f"Slurm cannot run job {job_id}: pending ({info['Reason']})")
             if not nodes and (state == "RUNNING" or inside) and info.get("NodeList", "(null)") != "(null)":
                 nodes = _start_nodes(cfg, info["NodeList"], env, run_dir, attempt, tokens_for, log_sink, tails)
+                facts.record_attempt_nodes(out, nodes, env, follow.note)  # nodes.json: their facts and switches
                 watch = _watch_nodes(cfg, run_dir, attempt, nodes)
             if watch is not None and state not in ENDED_BY_SLURM:
                 _check_nodes(watch, follow, poll_s)
