@@ -6,6 +6,7 @@ with the reference it replaced (repeated K/V and a dense document mask: the ``de
 tests/engine_helpers.py). Losses over three steps and the first step's reduced gradients agree within ``FP64_REL``
 (tests/tolerances.py: the same sums, blocked differently; gradients by relative norm). Negative control: the packed tp2 job with the first
 document boundary of every row ignored differs by at least ``NEGATIVE_MIN``. Each job reports its attention path.
+Last, compiled layers (``train.compile``) keep their graphs across batches with new document boundaries.
 """
 
 from __future__ import annotations
@@ -50,3 +51,38 @@ def test_tp2_and_pp2_attention_equals_the_dense_mask_in_fp64(tmp_path):
                 assert rel <= FP64_REL, (layout, packing, name, rel)
         broken = rank_results[-1]["losses"]
         assert max_rel_diff(broken, by_key[("tp2", "documents", "dense")]["losses"]) >= NEGATIVE_MIN
+
+
+def test_compiled_layers_do_not_recompile_for_new_document_boundaries():
+    """``train.compile``: the per-document attention runs outside the graph, so batches with new document boundaries
+    reuse the compiled graphs (dynamo's ``eager`` backend: the same tracing and guards as inductor, without its
+    compile time) and give the eager layer's output. Without ``torch.compiler.disable`` the spans become graph
+    constants and every new set of boundaries compiles again (one more graph per batch, then the eager fallback)."""
+    import random
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from kuangchao_core.models.attention import Documents
+    from kuangchao_core.models.llama import LlamaForCausalLM
+    from tests.fixtures import tiny_llama
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = LlamaForCausalLM(tiny_llama(hidden_size=32, intermediate_size=64, max_seq_len=64))
+    model.init_weights(0)
+    layer = model.model.layers[0]
+    compiled = torch.compile(layer, backend="eager")
+    h = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rotary(32, h.device, h.dtype)
+    rng = random.Random(0)
+    graphs = []
+    for _ in range(8):
+        seg = torch.zeros(2, 32, dtype=torch.long)
+        for cut in rng.sample(range(1, 32), 3):
+            seg[:, cut:] += 1
+        docs = Documents.from_segment_ids(seg)
+        assert torch.allclose(compiled(h, cos, sin, docs), layer(h, cos, sin, docs), rtol=0, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[-1], graphs  # nothing compiled after the second batch
+    torch._dynamo.reset()

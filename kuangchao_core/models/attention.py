@@ -90,7 +90,10 @@ def attention_path(documents: Documents | None) -> str:
     return "sdpa_documents" if documents.contiguous else "dense_mask"
 
 
+@torch.compiler.disable
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
+    # runs eagerly under ``train.compile``: traced, the spans would be constants of the graph (a recompilation for
+    # every new set of document boundaries); each SDPA call is a fused kernel either way
     groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
     for row, spans in enumerate(documents.spans):
         groups.setdefault(spans, []).append(row)
