@@ -9,7 +9,8 @@ Three paths (:data:`PATHS`), chosen by :func:`attend`:
   what the packer produces. The mask state is the documents' boundaries (:class:`Documents`: O(s) per row, read
   to the host once per forward and shared by every layer); each document is one causal SDPA call on its slice of
   the sequence, so no (s, s) tensor exists and the same fused kernels run per document. Rows with the same
-  boundaries run batched; the outputs are concatenated back in place.
+  boundaries run batched; the outputs are concatenated back in place. Under ``train.compile`` this loop runs
+  outside the compiled graph (traced, the boundaries would be graph constants: a recompilation per batch).
 - ``dense_mask``: the (batch, 1, s, s) boolean mask of :func:`document_mask`, kept only for segment ids that are not
   contiguous runs (a document id that reappears after another document), which no fused causal call can express.
 
