@@ -53,7 +53,7 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Documents:
     """Packed documents of a batch: ``segment_ids`` (batch, seq) and, per row, the ``(start, end)`` token span of
     each document (O(seq) host state). ``contiguous``: every document is one run of tokens (no id reappears after
