@@ -121,7 +121,8 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     to the slice of the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of
     the first step this process ran, ``first_grads`` the gradients after that step's reduction and clipping
     (parameters whose ``.grad`` the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran
-    (a resumed job runs only the remaining ones).
+    (a resumed job runs only the remaining ones), ``attention_path`` the path the job reported
+    (``kuangchao_core.models.attention.PATHS``).
     """
     import torch
 
@@ -186,6 +187,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
                 "first_step": seen[0] if seen else None,
                 "first_grads": grads,
                 "steps_run": calls[0],
+                "attention_path": trainer.attention_path,
             }
         )
         trainer.barrier()
@@ -329,6 +331,52 @@ def _stages_without_documents(trainer):
     return undo
 
 
+def dense_reference_attention(q, k, v, documents=None):
+    """The attention core as it was before issue 29: K/V repeated with ``repeat_interleave`` for grouped-query
+    attention and, for packed documents, the dense (batch, 1, s, s) document mask."""
+    import torch.nn.functional as F
+
+    from kuangchao_core.models.attention import document_mask
+
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents.segment_ids))
+
+
+def _dense_attention(trainer):
+    """Not a control: the model attends through :func:`dense_reference_attention` (the reference path)."""
+    from kuangchao_core.models import llama
+
+    real = llama.attend
+    llama.attend = dense_reference_attention
+
+    def undo():
+        llama.attend = real
+
+    return undo
+
+
+def _first_document_boundary_ignored(trainer):
+    """Packed documents: the first two documents of every row attend to each other (their boundary is lost)."""
+    from kuangchao_core.models import llama
+
+    real = llama.Documents
+
+    class Merged(real):
+        @classmethod
+        def from_segment_ids(cls, segment_ids):
+            return real.from_segment_ids(segment_ids.clamp(min=1))  # document 0 joins document 1
+
+    llama.Documents = Merged
+
+    def undo():
+        llama.Documents = real
+
+    return undo
+
+
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -345,6 +393,8 @@ SABOTAGE = {
     "unsummed_lora_a": _unsummed_lora_a,
     "mean_of_micro_batch_means": _mean_of_micro_batch_means,
     "stages_without_documents": _stages_without_documents,
+    "dense_attention": _dense_attention,
+    "first_document_boundary_ignored": _first_document_boundary_ignored,
 }
 
 

@@ -24,6 +24,8 @@ FIXTURE_TIERS = {"prefect_api": "flows", "slurm_cluster": "e2e", "slurm_tree_clu
 FILE_TIERS = {
     "test_activation_checkpointing.py": "distributed",
     "test_anomaly.py": "distributed",
+    "test_attention_paths.py": "unit",
+    "test_attention_paths_distributed.py": "distributed",
     "test_audit_pins.py": "unit",
     "test_audit_trust.py": "flows",
     "test_bad_steps.py": "distributed",
@@ -133,6 +135,7 @@ FILE_TIERS = {
 }
 
 TEST_TIERS = {
+    "test_attention_paths.py::test_packed_attention_memory_grows_linearly_not_with_s_squared": "distributed",
     "test_readme.py::test_readme_blocks_are_found_and_named": "unit",
     "test_readme.py::test_sections_run_elsewhere_are_in_the_readme_and_still_run_there": "unit",
     "test_activation_checkpointing.py::test_negative_control_a_recomputation_without_the_rng_state_changes_the_gradients": "unit",

@@ -39,6 +39,7 @@ from kuangchao_core.engine.parallel_model import build_parallel_model, target_la
 from kuangchao_core.engine.samples import sample_evaluator_for
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.obs.step_feed import StepFeed
@@ -136,6 +137,10 @@ class Trainer:
         report = self.sync.memory_report() if rank == 0 else None
         if report is not None:
             log_event(log, "zero memory per rank", **report)
+        self.attention_path = job_attention_path(batches.documents)
+        if rank == 0:
+            gqa = self.model_config.num_heads // self.model_config.num_kv_heads
+            log_event(log, "attention", path=self.attention_path, gqa_groups=gqa, repeated_kv=False)
 
         self.dataset = build_dataset(run.data, self.model_config.vocab_size)
         eval_data, no_eval = eval_dataset_for(run.data, batches.no_eval_reason, self.model_config.vocab_size)

@@ -45,3 +45,24 @@ def heap_in_use_bytes() -> int | None:
     fn.restype = _MallInfo2
     info = fn()
     return int(info.uordblks + info.hblkhd)
+
+
+def peak_tensor_bytes(fn: Any) -> tuple[int, Any]:
+    """Run ``fn()`` and return ``(peak, result)``: the most bytes that tensors allocated during the call held at
+    once (every CPU allocator allocation and free, in order, as ``torch.profiler`` with ``profile_memory`` records
+    them; tensors that existed before the call do not count, those still alive after it do). Raises RuntimeError
+    when the profiler recorded no allocation, so a broken measurement cannot read as zero bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    if not events:
+        raise RuntimeError("torch.profiler recorded no memory events; cannot measure peak bytes")
+    held = peak = 0
+    for event in events:
+        held += int(event.nbytes())
+        peak = max(peak, held)
+    return peak, result

@@ -27,6 +27,7 @@ from kuangchao_core.config.access import setting
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
+from kuangchao_core.models.attention import Documents, attend
 from kuangchao_core.models.recompute import run_layer
 
 IGNORE_INDEX = -100
@@ -285,14 +286,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq) boolean attention mask: causal, and only within the same segment (document)."""
-    s = segment_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal).unsqueeze(1)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Rotate the two halves of the last dimension: (x1, x2) -> (-x2, x1)."""
     half = x.shape[-1] // 2
@@ -320,10 +313,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = make_linear(cfg.num_heads * d, cfg.hidden_size, "o_proj")
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        """Causal attention; ``mask`` (batch, 1, seq, seq), True where a query may attend, replaces the plain causal
-        mask (:func:`document_mask`: packed documents that do not see each other)."""
+        """Causal attention; ``documents`` (packed documents that do not see each other) restricts it to each
+        document (:func:`~kuangchao_core.models.attention.attend`: no dense mask, no repeated K/V)."""
         b, s, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
@@ -331,14 +324,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -372,9 +358,9 @@ class LlamaDecoderLayer(nn.Module):
         return x
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        h = h + self._drop(self.self_attn(self.input_layernorm(h), cos, sin, mask))
+        h = h + self._drop(self.self_attn(self.input_layernorm(h), cos, sin, documents))
         return h + self._drop(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -448,9 +434,9 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rotary(h.shape[1], h.device, h.dtype)
         else:
             cos, sin = self.model.rotary_emb(position_ids.to(h.device), h.dtype)
-        mask = None if segment_ids is None else document_mask(segment_ids.to(h.device))
+        documents = None if segment_ids is None else Documents.from_segment_ids(segment_ids.to(h.device))
         for layer in self.model.layers[start:end]:
-            h = run_layer(layer, h, cos, sin, self.activation_checkpointing, mask)
+            h = run_layer(layer, h, cos, sin, self.activation_checkpointing, documents)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -55,12 +55,12 @@ def run_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mode: str,
-    mask: torch.Tensor | None = None,
+    documents: Any = None,
 ) -> torch.Tensor:
-    """``layer(h, cos, sin, mask)`` under activation checkpointing ``mode`` (one of :data:`MODES`); without autograd
-    (evaluation, ``torch.no_grad``) nothing is recomputed, so every mode is a plain call. ``mask``: the packed
-    documents' attention mask, or None for plain causal attention."""
-    args = (h, cos, sin) if mask is None else (h, cos, sin, mask)
+    """``layer(h, cos, sin, documents)`` under activation checkpointing ``mode`` (one of :data:`MODES`); without
+    autograd (evaluation, ``torch.no_grad``) nothing is recomputed, so every mode is a plain call. ``documents``: the
+    packed documents (:class:`~kuangchao_core.models.attention.Documents`), or None for plain causal attention."""
+    args = (h, cos, sin) if documents is None else (h, cos, sin, documents)
     if mode == "none" or not torch.is_grad_enabled():
         return layer(*args)
     if mode == "full":

@@ -1,0 +1,88 @@
+"""Attention without a dense mask under tensor and pipeline parallelism (issue 29, item 3).
+
+Two Gloo processes run the engine in float64 at tp2 and at pp2, packed documents (``data.packing: documents``) and
+plain concatenated sequences, once with the model's attention (per-document causal SDPA, ``enable_gqa``) and once
+with the reference it replaced (repeated K/V and a dense document mask: the ``dense_attention`` job of
+tests/engine_helpers.py). Losses over three steps and the first step's reduced gradients agree within ``FP64_REL``
+(tests/tolerances.py: the same sums, blocked differently; gradients by relative norm). Negative control: the packed tp2 job with the first
+document boundary of every row ignored differs by at least ``NEGATIVE_MIN``. Each job reports its attention path.
+Last, compiled layers (``train.compile``) keep their graphs across batches with new document boundaries.
+"""
+
+from __future__ import annotations
+
+from tests.engine_helpers import run_trainers, tiny_job
+from tests.mp import run_distributed
+from tests.tolerances import FP64_REL, NEGATIVE_MIN, max_rel_diff, worst_rel
+
+
+def _job(tmp_path, name: str, packing: str, sabotage: str | None = None, **parallel):
+    return {
+        "cfg": tiny_job(
+            str(tmp_path / name),
+            data={"seq_len": 32, "packing": packing},
+            parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2, **parallel},
+            train={"steps": 3, "dtype": "fp64"},
+        ),
+        "sabotage": sabotage,
+    }
+
+
+def test_tp2_and_pp2_attention_equals_the_dense_mask_in_fp64(tmp_path):
+    layouts = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+    jobs, keys = [], []
+    for layout, parallel in layouts.items():
+        for packing in ("documents", "concat"):
+            for path in ("new", "dense"):
+                name = f"{layout}_{packing}_{path}"
+                jobs.append(_job(tmp_path, name, packing, "dense_attention" if path == "dense" else None, **parallel))
+                keys.append((layout, packing, path))
+    jobs.append(_job(tmp_path, "tp2_broken", "documents", "first_document_boundary_ignored", **layouts["tp2"]))
+    ranks = run_distributed(run_trainers, 2, args=(jobs,))
+    for rank_results in ranks:
+        by_key = dict(zip(keys, rank_results, strict=False))
+        for layout in layouts:
+            for packing in ("documents", "concat"):
+                new, dense = by_key[(layout, packing, "new")], by_key[(layout, packing, "dense")]
+                assert new["attention_path"] == ("sdpa_documents" if packing == "documents" else "sdpa_causal")
+                assert max_rel_diff(new["losses"], dense["losses"]) <= FP64_REL, (layout, packing)
+                assert new["first_grads"], (layout, packing)
+                name, rel = worst_rel(new["first_grads"], dense["first_grads"])
+                assert rel <= FP64_REL, (layout, packing, name, rel)
+        broken = rank_results[-1]["losses"]
+        assert max_rel_diff(broken, by_key[("tp2", "documents", "dense")]["losses"]) >= NEGATIVE_MIN
+
+
+def test_compiled_layers_do_not_recompile_for_new_document_boundaries():
+    """``train.compile``: the per-document attention runs outside the graph, so batches with new document boundaries
+    reuse the compiled graphs (dynamo's ``eager`` backend: the same tracing and guards as inductor, without its
+    compile time) and give the eager layer's output. Without ``torch.compiler.disable`` the spans become graph
+    constants and every new set of boundaries compiles again (one more graph per batch, then the eager fallback)."""
+    import random
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from kuangchao_core.models.attention import Documents
+    from kuangchao_core.models.llama import LlamaForCausalLM
+    from tests.fixtures import tiny_llama
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = LlamaForCausalLM(tiny_llama(hidden_size=32, intermediate_size=64, max_seq_len=64))
+    model.init_weights(0)
+    layer = model.model.layers[0]
+    compiled = torch.compile(layer, backend="eager")
+    h = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rotary(32, h.device, h.dtype)
+    rng = random.Random(0)
+    graphs = []
+    for _ in range(8):
+        seg = torch.zeros(2, 32, dtype=torch.long)
+        for cut in rng.sample(range(1, 32), 3):
+            seg[:, cut:] += 1
+        docs = Documents.from_segment_ids(seg)
+        assert torch.allclose(compiled(h, cos, sin, docs), layer(h, cos, sin, docs), rtol=0, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[-1], graphs  # nothing compiled after the second batch
+    torch._dynamo.reset()
