@@ -53,6 +53,17 @@ def prefect_api(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+        _drain_prefect_workers(timeout_s=60.0)
+
+
+def _drain_prefect_workers(timeout_s: float) -> None:
+    """Prefect's log and event workers drained within ``timeout_s`` (stopped either way): the harness's own drain
+    waits without a bound, and once hung for 300 s at the end of a loaded two-worker session."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout_s)
 
 
 @pytest.fixture

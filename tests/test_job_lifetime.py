@@ -101,6 +101,7 @@ def _torchrun_pids(orchestrator_pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+@pytest.mark.serial  # "within seconds" of a kill -9: the cores to itself
 @pytest.mark.parametrize("mode", ["hold", "no_lifeline"])
 def test_kill_9_of_the_orchestrator_ends_every_rank_within_seconds(tmp_path, mode):
     proc, out = _start_orchestrator(tmp_path, mode)
