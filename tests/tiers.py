@@ -114,6 +114,7 @@ FILE_TIERS = {
     "test_sft_data.py": "unit",
     "test_slurm_lab.py": "e2e",
     "test_slurm.py": "e2e",
+    "test_slurm_cancel.py": "e2e",
     "test_slurm_doctor.py": "e2e",
     "test_slurm_script.py": "unit",
     "test_startup.py": "e2e",

@@ -17,6 +17,11 @@ Here the flow's process watches the configured API instead:
   ``deadline_s`` after the loss, with one line naming the API, the summary and what became of the model; Prefect's
   own reporting of the flow run's final state (which cannot reach a lost API) is not waited for.
 
+The same thread follows the flow run's own state (``<PREFECT_API_URL>/flow_runs/<id>``, every poll): a flow run
+cancelled in the Prefect UI or API (``prefect flow-run cancel``: Cancelling) while ``kc train`` runs it in its own
+process — no worker to kill it — stops the training the same way (the launcher cancels a Slurm job with ``scancel``
+and ends every rank) and leaves the body as :class:`FlowRunCancelled`; the flow then ends Cancelled (issue 32 §3).
+
 Without a configured ``PREFECT_API_URL`` (Prefect's ephemeral server, a child of this process) nothing is watched.
 """
 
@@ -51,9 +56,18 @@ class PrefectAPILost(KuangchaoError):
     summary is and what became of the model."""
 
 
+class FlowRunCancelled(KuangchaoError):
+    """The flow run was cancelled in Prefect (its state went Cancelling or Cancelled) while this process ran it."""
+
+
 class _Interrupt(BaseException):
     """Raised into the flow's thread while it trains: a BaseException, so no ``except Exception`` (a task engine's
     retry included) swallows it; :func:`watching` turns it into :class:`PrefectAPILost`."""
+
+
+class _Cancel(BaseException):
+    """Raised into the flow's thread when its flow run was cancelled in Prefect; :func:`watching` turns it into
+    :class:`FlowRunCancelled`."""
 
 
 def configured_api_url() -> str | None:
@@ -75,15 +89,46 @@ def api_answers(url: str, timeout_s: float = 3.0) -> str | None:
         return str(getattr(exc, "reason", exc))
 
 
+def _auth_headers() -> dict[str, str]:
+    """What Prefect's own client sends to authenticate (an API key, or a self-hosted server's auth string)."""
+    import base64
+
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    key = api.key.get_secret_value() if api.key else None
+    if key:
+        return {"Authorization": f"Bearer {key}"}
+    auth = api.auth_string.get_secret_value() if api.auth_string else None
+    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+
+
+def flow_run_state(url: str, flow_run_id: str, headers: dict[str, str], timeout_s: float = 3.0) -> tuple[str, str]:
+    """``(type, name)`` of the flow run's state as the API at ``url`` has it (``("", "")`` when it did not say)."""
+    request = urllib.request.Request(f"{url}/flow_runs/{flow_run_id}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            state = json.loads(response.read()).get("state") or {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return "", ""
+    return str(state.get("type") or ""), str(state.get("name") or "")
+
+
 class APIWatch:
     """Polls a Prefect API and declares it lost after ``grace_s`` seconds without an answer (once; final).
 
-    ``record`` gathers what the run's summary needs if it ends early (:meth:`note`); :meth:`interruptible` marks
-    the stretch of the flow (training) into which a loss is raised at once."""
+    With a ``flow_run_id`` it also follows that flow run's state and declares it cancelled (once; final) when it
+    goes Cancelling or Cancelled. ``record`` gathers what the run's summary needs if it ends early (:meth:`note`);
+    :meth:`interruptible` marks the stretch of the flow (training) into which a loss or a cancellation is raised at
+    once."""
 
-    def __init__(self, url: str | None, grace_s: float = DEFAULT_GRACE_S, interval_s: float = 2.0) -> None:
+    def __init__(
+        self, url: str | None, grace_s: float = DEFAULT_GRACE_S, interval_s: float = 2.0, flow_run_id: str | None = None
+    ) -> None:
         self.url, self.grace_s, self.interval_s = url, float(grace_s), float(interval_s)
+        self.flow_run_id = flow_run_id
         self.record: dict[str, Any] = {}
+        self.cancelled: str | None = None  # the flow run's state name once it was cancelled in Prefect
         self.lost_reason: str | None = None
         self.lost_at: float | None = None
         self.body_done = threading.Event()
@@ -114,11 +159,16 @@ class APIWatch:
 
     def _poll(self) -> None:
         silent_since: float | None = None
+        headers = _auth_headers() if self.flow_run_id else {}
         while not self._stop.is_set() and not self.lost:
             problem = api_answers(self.url, timeout_s=min(3.0, self.grace_s / 2 or 1.0))
             now = time.monotonic()
             if problem is None:
                 silent_since = None
+                if self.flow_run_id and not self.cancelled:
+                    kind, name = flow_run_state(self.url, self.flow_run_id, headers)
+                    if kind in ("CANCELLING", "CANCELLED"):
+                        self.declare_cancelled(name or kind.title())
             else:
                 silent_since = silent_since or now
                 if now - silent_since >= self.grace_s:
@@ -142,9 +192,25 @@ class APIWatch:
             except Exception:  # noqa: BLE001 - a hook must not keep the others from running
                 log.exception("Prefect API loss hook failed")
 
+    def declare_cancelled(self, state_name: str) -> None:
+        """Mark the flow run cancelled in Prefect (the first time only) and stop training in progress."""
+        with self._lock:
+            if self.cancelled or self.lost:
+                return
+            self.cancelled = state_name
+            if self._target is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(_Cancel))
+        log.warning("flow run %s was cancelled in Prefect (%s); the run stops", self.flow_run_id, state_name)
+
+    def cancel_line(self) -> str:
+        """One sentence for people: the run was cancelled in Prefect, and where its summary is."""
+        summary = self.record.get("summary_path") or "not written"
+        return f"the run was cancelled in Prefect (flow run {self.flow_run_id}, {self.cancelled}); summary: {summary}"
+
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """The stretch of the flow that a loss interrupts (raised into this thread); entered lost, it raises."""
+        """The stretch of the flow that a loss or a cancellation interrupts (raised into this thread); entered lost
+        or cancelled, it raises."""
         self.raise_if_lost()
         with self._lock:
             self._target = threading.get_ident()
@@ -155,9 +221,12 @@ class APIWatch:
                 self._target = None
 
     def raise_if_lost(self) -> None:
-        """Raise :class:`PrefectAPILost` when the API was declared lost."""
+        """Raise :class:`PrefectAPILost` when the API was declared lost, :class:`FlowRunCancelled` when the flow run
+        was cancelled."""
         if self.lost:
             raise PrefectAPILost(self.line())
+        if self.cancelled:
+            raise FlowRunCancelled(self.cancel_line())
 
     def line(self) -> str:
         """One sentence for people: the API, the summary on disk, the model."""
@@ -191,10 +260,13 @@ def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
     clean-up (the audit seal) is done."""
     global _CURRENT, _LAST
     grace = float(grace_s if grace_s is not None else os.environ.get(ENV_GRACE, DEFAULT_GRACE_S))
-    watch = APIWatch(configured_api_url(), grace).start()
+    watch = APIWatch(configured_api_url(), grace, flow_run_id=_flow_run_id()).start()
     previous, _CURRENT, _LAST = _CURRENT, watch, watch
     try:
         yield watch
+    except (_Cancel, FlowRunCancelled):
+        _write_partial_summary(watch, "cancelled in Prefect", f"flow run {watch.flow_run_id}: {watch.cancelled}")
+        raise FlowRunCancelled(watch.cancel_line()) from None
     except (_Interrupt, PrefectAPILost) as exc:
         watch.declare_lost(watch.lost_reason or str(exc))  # a bounded call failed: the same end
         _write_partial_summary(watch)
@@ -202,6 +274,14 @@ def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
     finally:
         watch.stop()
         _CURRENT = previous
+
+
+def _flow_run_id() -> str | None:
+    """The id of the flow run this code runs in (None outside one)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return str(context.flow_run.id) if context is not None and context.flow_run is not None else None
 
 
 def body_ended() -> None:
@@ -254,14 +334,14 @@ def _newest_checkpoint(lineage_dir: str | None) -> str | None:
     return str(steps[-1]) if steps else None
 
 
-def _write_partial_summary(watch: APIWatch) -> None:
+def _write_partial_summary(watch: APIWatch, outcome: str | None = None, reason: str | None = None) -> None:
     rec = watch.record
     if rec.get("summary_path") or not rec.get("run_dir"):
         return
     summary = {
         "task": rec.get("task"),
-        "outcome": "failed: the Prefect API was lost",
-        "reason": f"the Prefect API at {watch.url}: {watch.lost_reason}",
+        "outcome": outcome or "failed: the Prefect API was lost",
+        "reason": reason or f"the Prefect API at {watch.url}: {watch.lost_reason}",
         "lineage": rec.get("lineage"),
         "newest_checkpoint": _newest_checkpoint(rec.get("lineage_dir")),
         "model_version": None,
@@ -365,7 +445,8 @@ def publish_summary(
         from prefect.artifacts import create_markdown_artifact
 
         try:
-            watch.raise_if_lost()
+            if watch.lost:
+                raise PrefectAPILost(watch.line())
             _bounded(
                 lambda: create_markdown_artifact(
                     markdown, key="kuangchao-run-summary", description="training run summary"

@@ -1,0 +1,132 @@
+"""Cancelling the Prefect flow run of a running ``kc train`` stops the job (issue 32 §3).
+
+``kc train`` runs its flow in its own process (no worker to kill it): the process follows its flow run's state and,
+once the flow run is Cancelling (``prefect flow-run cancel``, the UI's Cancel: the same API call here), stops the
+training (a Slurm job is cancelled with ``scancel``, every rank ends) and the flow run ends Cancelled, not Failed and not
+retried. On the real Slurm lab (``slurm_cluster``) and in local mode, with the session's Prefect server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelling
+
+from kuangchao_core.sched.heartbeat import read_beat
+from kuangchao_core.sched.lifeline import wait_gone
+from tests.test_slurm import _finish, _overrides, _slurm, _start_train, _wait
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+#: cancelled to ended: the poll (2 s), the launcher's unwinding, the flow's end
+CANCEL_BOUND_S = 60
+
+
+def _running_flow_run(task: str):
+    """The running ``kuangchao-train`` flow run of ``task`` on the session's Prefect server (None: not yet)."""
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=running, limit=200)
+    mine = [r for r in runs if f"task.name={task}" in (r.parameters.get("overrides") or [])]
+    return mine[0] if mine else None
+
+
+def _beating_pids(proc, tmp_path: Path, ranks: int) -> tuple[Path, list[int]]:
+    """The run directory and the pids of its ``ranks`` ranks, once all of them beat (fails as soon as ``kc train``
+    ends instead)."""
+
+    def beating():
+        assert proc.poll() is None, f"kc train ended early: {_finish(proc, tmp_path)[1][-3000:]}"
+        hb = next(iter(tmp_path.glob("runs/*/*/attempt_0/heartbeat")), None)
+        found = list(hb.glob("rank_*.hb")) if hb is not None else []
+        return found if len(found) == ranks else None
+
+    beats = _wait(beating, 400, f"{ranks} ranks beating")
+    pids = [b.pid for f in beats if (b := read_beat(f)) is not None]
+    return beats[0].parents[2], pids
+
+
+def _cancel_and_check(proc, tmp_path: Path, task: str, pids: list[int]) -> tuple[str, object]:
+    """Cancel the flow run of ``task`` as ``prefect flow-run cancel`` does; ``kc train`` must end within the bound,
+    non-zero, with one line saying so; its ranks gone; the flow run Cancelled. Returns the output and flow run."""
+    flow_run = _wait(lambda: _running_flow_run(task), 60, "the running flow run")
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
+    cancelled = time.monotonic()
+    code, output = _finish(proc, tmp_path, timeout_s=CANCEL_BOUND_S + 60)
+    took = time.monotonic() - cancelled
+    assert took < CANCEL_BOUND_S, f"kc train ended {took:.0f} s after the cancel: {output[-3000:]}"
+    assert code == 1, output[-3000:]
+    lines = [ln for ln in output.splitlines() if ln.startswith("kc train: the run was cancelled in Prefect")]
+    assert len(lines) == 1 and str(flow_run.id) in lines[0], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert len(pids) >= 2 and wait_gone(pids, 30) == [], "ranks still running after the cancel"
+    with get_client(sync_client=True) as client:
+        final = client.read_flow_run(flow_run.id).state
+    assert final.type == StateType.CANCELLED, f"flow run ended {final.type}: {final.message}"
+    return output, flow_run
+
+
+def test_cancelling_the_flow_run_scancels_the_slurm_job_and_ends_every_rank(
+    slurm_cluster, prefect_api, tmp_path
+):  # fmt: skip
+    lab = slurm_cluster
+    task = "kc-slurm-prefect-cancel"
+    overrides = _overrides(
+        tmp_path,
+        task,
+        tmp_path,
+        **_slurm(lab, nodes=2, tasks=1),
+        **{"parallel.tensor_parallel_size": 1, "train.steps": 5000, "cluster.max_restarts": 2},
+    )
+    proc = _start_train(lab, tmp_path, overrides, {"PREFECT_API_URL": prefect_api})
+    try:
+        run_dir, pids = _beating_pids(proc, tmp_path, 2)
+        job = json.loads((run_dir / "attempt_0/slurm/submit.json").read_text())["job_id"]
+        _cancel_and_check(proc, tmp_path, task, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert job not in lab.run(["squeue", "-h", "-o", "%i"]).stdout.split(), "the Slurm job is still queued"
+    states = (run_dir / "attempt_0/slurm/states.log").read_text()
+    assert f"Slurm job {job}: RUNNING" in states, states
+    assert not list(run_dir.glob("attempt_1")), "a cancelled run is not resubmitted"
+    sacct = _wait(
+        lambda: (s if (s := lab.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"]).stdout.strip())
+                 not in ("", "RUNNING", "COMPLETING") else None), 120, "sacct showing the job's end",
+    )  # fmt: skip
+    assert sacct.startswith("CANCELLED"), sacct
+
+
+def test_cancelling_the_flow_run_of_a_local_job_ends_its_ranks(prefect_api, tmp_path):
+    task = "kc-local-prefect-cancel"
+    overrides = _overrides(
+        tmp_path,
+        task,
+        tmp_path,
+        **{
+            "parallel.tensor_parallel_size": 1,
+            "cluster.nproc_per_node": 2,
+            "train.steps": 5000,
+            "cluster.max_restarts": 2,
+        },
+    )
+    local = SimpleNamespace(env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    proc = _start_train(local, tmp_path, overrides, {"PREFECT_API_URL": prefect_api})
+    try:
+        run_dir, pids = _beating_pids(proc, tmp_path, 2)
+        _cancel_and_check(proc, tmp_path, task, pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(run_dir.glob("attempt_1")), "a cancelled run is not restarted"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "cancelled in Prefect", summary
