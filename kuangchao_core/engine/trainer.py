@@ -162,17 +162,9 @@ class Trainer:
         self.lr_scale = 1.0
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            run.checkpoint,
-            rank,
-            world_size,
-            mesh,
-            self.parts,
-            self.sync,
-            self.host_group,
-            self.model_config,
-            target_layout(mesh, run.build),
-            self.barrier,
-        )
+            run.checkpoint, rank, world_size, mesh, self.parts, self.sync, self.host_group, self.model_config,
+            target_layout(mesh, run.build), self.barrier,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -379,6 +371,7 @@ class Trainer:
             self.host_group,
             LiveSettings(self.lr_scale, self.train_settings.log_interval, self.run_settings.checkpoint.interval),
         )
+        self.stopped_at = None  # the step a stop request ended the run at (the stop file, issue 32 §3)
         # a change made before this attempt (or before a resume) applies from its first step
         self.lr_scale = live.follow(self.state.step, first=True).lr_scale
         # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
@@ -442,6 +435,10 @@ class Trainer:
                     self.save_checkpoint()  # the state that showed it, to look at; then the run ends
                     self.checkpoints.finish()
                     raise AnomalyStop(f"stopped at step {result.step} by anomaly {stop} (train.anomaly.actions)")
+                if live.stop_requested is not None and result.step < stop_at:  # every rank at this same step
+                    self.save_checkpoint()  # published below, before run() returns
+                    self.stopped_at = result.step
+                    break
                 interval = settings.checkpoint_interval
                 if interval and result.step % interval == 0:
                     self.save_checkpoint()

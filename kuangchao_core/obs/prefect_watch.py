@@ -36,13 +36,14 @@ import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.obs import prefect_api as api
+from kuangchao_core.obs.prefect_api import api_answers, client_fails_fast, configured_api_url
+from kuangchao_core.obs.prefect_api import in_flow_run as _in_flow_run
 
 log = logging.getLogger("kuangchao.obs.prefect_watch")
 
@@ -68,50 +69,6 @@ class _Interrupt(BaseException):
 class _Cancel(BaseException):
     """Raised into the flow's thread when its flow run was cancelled in Prefect; :func:`watching` turns it into
     :class:`FlowRunCancelled`."""
-
-
-def configured_api_url() -> str | None:
-    """The configured ``PREFECT_API_URL`` (None: Prefect's ephemeral API, nothing to watch)."""
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    return str(url).rstrip("/") if url else None
-
-
-def api_answers(url: str, timeout_s: float = 3.0) -> str | None:
-    """None when ``<url>/health`` answers (any response below 500), else the reason in a few words."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as exc:
-        return None if exc.code < 500 else f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return str(getattr(exc, "reason", exc))
-
-
-def _auth_headers() -> dict[str, str]:
-    """What Prefect's own client sends to authenticate (an API key, or a self-hosted server's auth string)."""
-    import base64
-
-    from prefect.settings import get_current_settings
-
-    api = get_current_settings().api
-    key = api.key.get_secret_value() if api.key else None
-    if key:
-        return {"Authorization": f"Bearer {key}"}
-    auth = api.auth_string.get_secret_value() if api.auth_string else None
-    return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
-
-
-def flow_run_state(url: str, flow_run_id: str, headers: dict[str, str], timeout_s: float = 3.0) -> tuple[str, str]:
-    """``(type, name)`` of the flow run's state as the API at ``url`` has it (``("", "")`` when it did not say)."""
-    request = urllib.request.Request(f"{url}/flow_runs/{flow_run_id}", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            state = json.loads(response.read()).get("state") or {}
-    except (urllib.error.URLError, OSError, ValueError):
-        return "", ""
-    return str(state.get("type") or ""), str(state.get("name") or "")
 
 
 class APIWatch:
@@ -159,14 +116,14 @@ class APIWatch:
 
     def _poll(self) -> None:
         silent_since: float | None = None
-        headers = _auth_headers() if self.flow_run_id else {}
+        headers = api.auth_headers() if self.flow_run_id else {}
         while not self._stop.is_set() and not self.lost:
             problem = api_answers(self.url, timeout_s=min(3.0, self.grace_s / 2 or 1.0))
             now = time.monotonic()
             if problem is None:
                 silent_since = None
                 if self.flow_run_id and not self.cancelled:
-                    kind, name = flow_run_state(self.url, self.flow_run_id, headers)
+                    kind, name = api.flow_run_state(self.url, self.flow_run_id, headers)
                     if kind in ("CANCELLING", "CANCELLED"):
                         self.declare_cancelled(name or kind.title())
             else:
@@ -185,7 +142,7 @@ class APIWatch:
             if self._target is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(_Interrupt))
         log.error("the Prefect API at %s is lost: %s; the run ends", self.url, reason)
-        _client_fails_fast(True)
+        client_fails_fast(True)
         for hook in list(_HOOKS):
             try:
                 hook(self)
@@ -260,7 +217,7 @@ def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
     clean-up (the audit seal) is done."""
     global _CURRENT, _LAST
     grace = float(grace_s if grace_s is not None else os.environ.get(ENV_GRACE, DEFAULT_GRACE_S))
-    watch = APIWatch(configured_api_url(), grace, flow_run_id=_flow_run_id()).start()
+    watch = APIWatch(configured_api_url(), grace, flow_run_id=api.flow_run_id_here()).start()
     previous, _CURRENT, _LAST = _CURRENT, watch, watch
     try:
         yield watch
@@ -276,43 +233,11 @@ def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
         _CURRENT = previous
 
 
-def _flow_run_id() -> str | None:
-    """The id of the flow run this code runs in (None outside one)."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    return str(context.flow_run.id) if context is not None and context.flow_run is not None else None
-
-
 def body_ended() -> None:
     """The flow's body and its clean-up are over: a pending :func:`exit_when_lost` may end the process now."""
     if _LAST is not None:
         _LAST.body_done.set()
-    _client_fails_fast(False)
-
-
-_SAVED_RETRIES: list[int] = []
-
-
-def _client_fails_fast(on: bool) -> None:
-    """Prefect's client retries a refused connection for about a minute per call (2 + 4 + … + 32 s) once it has
-    reached the server: with the API lost, the calls the flow's clean-up still makes (audit pins, the seal's
-    artifact) fail at once instead (``client.max_retries`` 0 in the process's settings; restored by ``on=False``)."""
-    try:
-        from prefect.context import GLOBAL_SETTINGS_CONTEXT
-        from prefect.settings import get_current_settings
-
-        settings = {id(s): s for s in (GLOBAL_SETTINGS_CONTEXT.settings, get_current_settings())}.values()
-        if on and not _SAVED_RETRIES:
-            _SAVED_RETRIES.append(GLOBAL_SETTINGS_CONTEXT.settings.client.max_retries)
-            for s in settings:
-                s.client.max_retries = 0
-        elif not on and _SAVED_RETRIES:
-            value = _SAVED_RETRIES.pop()
-            for s in settings:
-                s.client.max_retries = value
-    except Exception as exc:  # noqa: BLE001 - another Prefect's settings: the deadline of exit_when_lost still holds
-        log.warning("could not shorten Prefect's client retries: %s", exc)
+    client_fails_fast(False)
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
@@ -467,13 +392,6 @@ def publish_summary(
                 write_summary(run_dir, summary)
             raise PrefectAPILost(watch.line()) from None
     return path
-
-
-def _in_flow_run() -> bool:  # noqa: N802 - reads as a condition
-    """Whether this code runs inside a Prefect flow or task run (an artifact has something to attach to)."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
 @contextlib.contextmanager
