@@ -1,9 +1,14 @@
-"""Cancelling the Prefect flow run of a running ``kc train`` stops the job (issue 32 §3).
+"""Cancelling the Prefect flow run of a running ``kc train`` stops the job; a Slurm time limit close to running out
+checkpoints first (issue 32 §3).
 
 ``kc train`` runs its flow in its own process (no worker to kill it): the process follows its flow run's state and,
 once the flow run is Cancelling (``prefect flow-run cancel``, the UI's Cancel: the same API call here), stops the
 training (a Slurm job is cancelled with ``scancel``, every rank ends) and the flow run ends Cancelled, not Failed and not
 retried. On the real Slurm lab (``slurm_cluster``) and in local mode, with the session's Prefect server.
+
+A job with a one-minute time limit and ``--signal=B:USR1@50`` (``cluster.slurm.checkpoint_before_limit_s``) is
+signalled by Slurm 10 to 60 s after it starts (Slurm's timer is coarse): every rank checkpoints the same step and the
+job ends itself before the limit; ``kc train --resume auto`` continues from that step.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from prefect.states import Cancelling
 
 from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import wait_gone
-from tests.test_slurm import _finish, _overrides, _slurm, _start_train, _wait
+from tests.test_slurm import _finish, _overrides, _slurm, _start_train, _summary, _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -130,3 +135,54 @@ def test_cancelling_the_flow_run_of_a_local_job_ends_its_ranks(prefect_api, tmp_
     assert not list(run_dir.glob("attempt_1")), "a cancelled run is not restarted"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "cancelled in Prefect", summary
+
+
+def test_a_time_limit_close_to_running_out_checkpoints_every_rank_and_resume_auto_continues(
+    slurm_cluster, prefect_api, tmp_path
+):  # fmt: skip
+    lab = slurm_cluster
+    task = "kc-slurm-time-limit"
+    limit = {"cluster.slurm.time_limit": "1", "cluster.slurm.checkpoint_before_limit_s": 50}
+    first = _overrides(
+        tmp_path,
+        task,
+        tmp_path,
+        **{**_slurm(lab, nodes=2, tasks=1), **limit},
+        **{"parallel.tensor_parallel_size": 1, "train.steps": 5000, "checkpoint.interval": 1000},
+    )
+    started = time.monotonic()
+    code, output = _finish(_start_train(lab, tmp_path, first, {"PREFECT_API_URL": prefect_api}), tmp_path, 400)
+    took = time.monotonic() - started
+    assert code == 1, output[-3000:]
+    said = [ln for ln in output.splitlines() if "reached its time limit after checkpointing at step" in ln]
+    assert len(said) == 1 and said[0].startswith("kc train failed: Slurm job"), output[-3000:]
+    step = int(said[0].split("checkpointing at step ")[1].split()[0])
+    assert 0 < step < 5000, said[0]
+    (slurm_dir,) = tmp_path.glob("runs/*/*/attempt_0/slurm")
+    job = json.loads((slurm_dir / "submit.json").read_text())["job_id"]
+    script = (slurm_dir / "job.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@50" in script and "#SBATCH --time=1" in script
+    signalled = (slurm_dir / "time_limit_near").stat().st_mtime  # the batch shell's trap ran
+    (manifest,) = tmp_path.glob(f"ckpt/{task}/*/step_{step:08d}/manifest.json")
+    assert manifest.stat().st_mtime >= signalled, "the checkpoint was written after the signal"
+    assert json.loads((slurm_dir / "time_limit_near.step").read_text())["step"] == step
+    assert not list(slurm_dir.parent.parent.glob("attempt_1")), "a job at its time limit is not resubmitted"
+    sacct = _wait(
+        lambda: (s if (s := lab.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"]).stdout.strip())
+                 not in ("", "RUNNING", "COMPLETING") else None), 120, "sacct showing the job's end",
+    )  # fmt: skip
+    assert sacct == "COMPLETED", f"the job ended {sacct}: it ran out instead of stopping itself ({took:.0f} s)"
+
+    # kc train resuming "auto" (checkpoint.resume, what --resume auto sets) continues from that step: two more steps
+    resume = _overrides(
+        tmp_path,
+        task,
+        tmp_path,
+        **_slurm(lab, nodes=2, tasks=1),
+        **{"parallel.tensor_parallel_size": 1, "train.steps": step + 2, "checkpoint.resume": "auto"},
+    )
+    proc = _start_train(lab, tmp_path, resume, {"PREFECT_API_URL": prefect_api})
+    code, output = _finish(proc, tmp_path, 400)
+    assert code == 0, output[-3000:]
+    summary = _summary(output)
+    assert summary["resumed_from"] == str(manifest.parent), summary

@@ -220,3 +220,18 @@ def test_every_rank_learns_of_the_stop_file_at_the_same_log_boundary_after_a_ste
     live.follow(4, first=False)
     assert live.stop_requested == 4
     assert LiveConfig(None, 0, 1, None, LiveSettings(1.0, 1, None)).follow(5, first=False).log_interval == 1
+
+    # with the job's global config (kc config set) the flag rides in the same broadcast as its settings
+    from kuangchao_core.perm import guard_api
+    from kuangchao_core.perm.audit import AuditLog
+    from kuangchao_core.perm.global_config import GlobalConfig
+
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    try:
+        gc = GlobalConfig(str(tmp_path / "global.json"), "t", audit=AuditLog(str(tmp_path / "audit"), "t"))
+        gc.set("log_interval", 3)
+        live = LiveConfig(gc, 0, 1, None, LiveSettings(1.0, 2, None), stop_file=str(stop))
+        assert live.follow(0, first=True).log_interval == 3 and live.stop_requested is None
+        assert live.follow(6, first=False).log_interval == 3 and live.stop_requested == 6
+    finally:
+        guard_api.install_guard(previous)

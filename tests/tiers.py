@@ -174,6 +174,7 @@ TEST_TIERS = {
     "test_prefect_api_lost.py::test_before_registration_refuses_once_the_api_is_lost": "unit",
     "test_registry_aliases.py::test_the_identity_of_held_out_files_is_their_bytes": "unit",
     "test_slurm_script.py::test_the_time_limit_trap_marks_the_stop_file_and_waits_for_the_step": "distributed",
+    "test_slurm_script.py::test_every_rank_learns_of_the_stop_file_at_the_same_log_boundary_after_a_step": "distributed",
     "test_tensor_parallel.py::test_bad_tp_plan_is_refused_with_numbers": "unit",
     "test_tensor_parallel.py::test_replication_needs_tp_multiple_of_kv_heads": "unit",
     "test_tensor_parallel.py::test_shard_slices_cover_every_full_tensor": "unit",

@@ -102,7 +102,7 @@ class LiveConfig:
             try:
                 snap = gc.snapshot()
                 v = snap.values
-                packet = torch.tensor(
+                packet[:4] = torch.tensor(
                     [snap.version, v.get("lr_scale", 1.0), v.get("log_interval", 0), v.get("checkpoint_interval", 0)],
                     dtype=torch.float64,
                 )
