@@ -100,8 +100,11 @@ def train_flow(
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     try:
-        with prefect_watch.watching():  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
-            return _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+        with prefect_watch.watching() as watch:  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
+            result = _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+            if watch.cancelled:  # cancelled after the training: from Cancelling, Prefect accepts only Cancelled
+                raise prefect_watch.FlowRunCancelled(watch.cancel_line())
+            return result
     except prefect_watch.FlowRunCancelled as exc:  # issue 32 §3: cancelled in Prefect, every rank stopped
         logger.warning("kuangchao-train: %s", exc)
         return Cancelled(message=str(exc))

@@ -198,6 +198,7 @@ RUN_FIRST = (
     "test_readme.py",
     "test_cluster.py",
     "test_slurm.py",
+    "test_slurm_cancel.py",
     "test_recovery.py",
     "test_gpu_check.py",
     "test_deployment.py",
