@@ -2,7 +2,7 @@
 checkpoints first (issue 32 §3).
 
 ``kc train`` runs its flow in its own process (no worker to kill it): the process follows its flow run's state and,
-once the flow run is Cancelling (``prefect flow-run cancel``, the UI's Cancel: the same API call here), stops the
+once the flow run is Cancelling (``prefect flow-run cancel``, as here, or the UI's Cancel), stops the
 training (a Slurm job is cancelled with ``scancel``, every rank ends) and the flow run ends Cancelled, not Failed and not
 retried. On the real Slurm lab (``slurm_cluster``) and in local mode, with the session's Prefect server.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +25,6 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
-from prefect.states import Cancelling
 
 from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import wait_gone
@@ -59,13 +60,20 @@ def _beating_pids(proc, tmp_path: Path, ranks: int) -> tuple[Path, list[int]]:
     return beats[0].parents[2], pids
 
 
-def _cancel_and_check(proc, tmp_path: Path, task: str, pids: list[int]) -> tuple[str, object]:
-    """Cancel the flow run of ``task`` as ``prefect flow-run cancel`` does; ``kc train`` must end within the bound,
-    non-zero, with one line saying so; its ranks gone; the flow run Cancelled. Returns the output and flow run."""
+def _cancel_and_check(proc, tmp_path: Path, task: str, pids: list[int], api: str) -> tuple[str, object]:
+    """Cancel the flow run of ``task`` with ``prefect flow-run cancel`` (the README's command); ``kc train`` must end
+    within the bound, non-zero, with one line saying so; its ranks gone; the flow run Cancelled. Returns the output
+    and the flow run."""
     flow_run = _wait(lambda: _running_flow_run(task), 60, "the running flow run")
-    with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
-    cancelled = time.monotonic()
+    cancelled = time.monotonic()  # the bound includes the Prefect CLI's own start
+    cli = subprocess.run(
+        [sys.executable, "-m", "prefect", "flow-run", "cancel", str(flow_run.id)],
+        env={**os.environ, "PREFECT_API_URL": api},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
     code, output = _finish(proc, tmp_path, timeout_s=CANCEL_BOUND_S + 60)
     took = time.monotonic() - cancelled
     assert took < CANCEL_BOUND_S, f"kc train ended {took:.0f} s after the cancel: {output[-3000:]}"
@@ -96,7 +104,7 @@ def test_cancelling_the_flow_run_scancels_the_slurm_job_and_ends_every_rank(
     try:
         run_dir, pids = _beating_pids(proc, tmp_path, 2)
         job = json.loads((run_dir / "attempt_0/slurm/submit.json").read_text())["job_id"]
-        _cancel_and_check(proc, tmp_path, task, pids)
+        _cancel_and_check(proc, tmp_path, task, pids, prefect_api)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -128,13 +136,17 @@ def test_cancelling_the_flow_run_of_a_local_job_ends_its_ranks(prefect_api, tmp_
     proc = _start_train(local, tmp_path, overrides, {"PREFECT_API_URL": prefect_api})
     try:
         run_dir, pids = _beating_pids(proc, tmp_path, 2)
-        _cancel_and_check(proc, tmp_path, task, pids)
+        _cancel_and_check(proc, tmp_path, task, pids, prefect_api)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert not list(run_dir.glob("attempt_1")), "a cancelled run is not restarted"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "cancelled in Prefect", summary
+    from mlflow.tracking import MlflowClient
+
+    status = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"]).info.status
+    assert status == "KILLED", status
 
 
 def test_a_time_limit_close_to_running_out_checkpoints_every_rank_and_resume_auto_continues(
