@@ -76,6 +76,7 @@ def _cancel_and_check(proc, tmp_path: Path, task: str, pids: list[int], api: str
     assert cli.returncode == 0, cli.stdout + cli.stderr
     code, output = _finish(proc, tmp_path, timeout_s=CANCEL_BOUND_S + 60)
     took = time.monotonic() - cancelled
+    print(f"kc train ended {took:.1f} s after `prefect flow-run cancel` started")  # the figure, with pytest -s
     assert took < CANCEL_BOUND_S, f"kc train ended {took:.0f} s after the cancel: {output[-3000:]}"
     assert code == 1, output[-3000:]
     lines = [ln for ln in output.splitlines() if ln.startswith("kc train: the run was cancelled in Prefect")]
