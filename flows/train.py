@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.states import Cancelled, Completed
 
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import ConfigError, KuangchaoError
@@ -100,8 +100,14 @@ def train_flow(
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     try:
-        with prefect_watch.watching():  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
-            return _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+        with prefect_watch.watching() as watch:  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
+            result = _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+            if watch.cancelled:  # cancelled after the training: from Cancelling, Prefect accepts only Cancelled
+                raise prefect_watch.FlowRunCancelled(watch.cancel_line())
+            return result
+    except prefect_watch.FlowRunCancelled as exc:  # issue 32 §3: cancelled in Prefect, every rank stopped
+        logger.warning("kuangchao-train: %s", exc)
+        return Cancelled(message=str(exc))
     except KuangchaoError as exc:  # the reason, in the flow run's own log (`prefect flow-run logs <id>`)
         logger.error("kuangchao-train failed: %s", exc)
         raise
@@ -137,7 +143,8 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         result = run_attempts(job, STEPS, clock, logger)
         return finish_run(job, result, STEPS, clock, logger)
     except BaseException as exc:
-        tracking.close_run(cfg, job.run_id, "FAILED")
+        cancelled = prefect_watch.current().cancelled is not None
+        tracking.close_run(cfg, job.run_id, "KILLED" if cancelled else "FAILED")
         interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.config.settings import run_settings
+from tests import attention_helpers
 from tests.fixtures import hf_llama_config, tiny_llama
 
 
@@ -331,52 +332,6 @@ def _stages_without_documents(trainer):
     return undo
 
 
-def dense_reference_attention(q, k, v, documents=None):
-    """The attention core as it was before issue 29: K/V repeated with ``repeat_interleave`` for grouped-query
-    attention and, for packed documents, the dense (batch, 1, s, s) document mask."""
-    import torch.nn.functional as F
-
-    from kuangchao_core.models.attention import document_mask
-
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents.segment_ids))
-
-
-def _dense_attention(trainer):
-    """Not a control: the model attends through :func:`dense_reference_attention` (the reference path)."""
-    from kuangchao_core.models import llama
-
-    real = llama.attend
-    llama.attend = dense_reference_attention
-
-    def undo():
-        llama.attend = real
-
-    return undo
-
-
-def _first_document_boundary_ignored(trainer):
-    """Packed documents: the first two documents of every row attend to each other (their boundary is lost)."""
-    from kuangchao_core.models import llama
-
-    real = llama.Documents
-
-    class Merged(real):
-        @classmethod
-        def from_segment_ids(cls, segment_ids):
-            return real.from_segment_ids(segment_ids.clamp(min=1))  # document 0 joins document 1
-
-    llama.Documents = Merged
-
-    def undo():
-        llama.Documents = real
-
-    return undo
-
-
 def _drop_comm_state(trainer):
     """Resume without the gradient-compression residuals the checkpoint holds (they start from zero)."""
     trainer.checkpoints._load_comm_state = lambda step_dir: None
@@ -393,8 +348,8 @@ SABOTAGE = {
     "unsummed_lora_a": _unsummed_lora_a,
     "mean_of_micro_batch_means": _mean_of_micro_batch_means,
     "stages_without_documents": _stages_without_documents,
-    "dense_attention": _dense_attention,
-    "first_document_boundary_ignored": _first_document_boundary_ignored,
+    "dense_attention": attention_helpers.dense_attention,
+    "first_document_boundary_ignored": attention_helpers.first_document_boundary_ignored,
 }
 
 
@@ -426,25 +381,3 @@ def gather_full(results: list[dict[str, Any]], key: str = "params", check_replic
     for name, mask in filled.items():
         assert mask.all(), f"{name}: {int((~mask).sum())} elements held by no rank"
     return full
-
-
-def one_process_reference(config: str, overrides: list[str], steps: int, accumulation: int) -> list[float]:
-    """The losses of the first ``steps`` steps of ``config`` with ``overrides`` trained in one process (dp1×tp1,
-    ``accumulation`` micro-batches per step, trusted mode): the reference of a multi-rank job with the same
-    global batch."""
-    from kuangchao_core.config import load_config
-    from tests.mp import run_distributed
-
-    cfg = load_config(
-        config,
-        list(overrides)
-        + [
-            "parallel.data_parallel_size=1",
-            "parallel.tensor_parallel_size=1",
-            f"parallel.gradient_accumulation_steps={accumulation}",
-            "cluster.nproc_per_node=1",
-            "permission.mode=trusted",
-        ],
-    )
-    per_rank = run_distributed(run_trainers, 1, args=([{"cfg": cfg, "max_steps": steps}],), timeout=300)
-    return list(per_rank[0][0]["losses"])

@@ -22,7 +22,7 @@ from kuangchao_core.hal.heap import peak_tensor_bytes
 from kuangchao_core.models import llama
 from kuangchao_core.models.attention import Documents, attend, attention_path, job_attention_path
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
-from tests.engine_helpers import dense_reference_attention as dense_reference
+from tests.attention_helpers import dense_reference_attention as dense_reference
 from tests.fixtures import tiny_llama
 from tests.tolerances import FP64_REL, NEGATIVE_MIN
 

@@ -25,7 +25,7 @@ from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import is_alive, wait_gone
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.conftest_prefect import TINY, loss_history
-from tests.engine_helpers import one_process_reference
+from tests.reference_runs import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -52,6 +52,7 @@ ELSEWHERE = {
             "tests/test_slurm_doctor.py",
             ('"doctor","--config"', '"slurm","script"', '"sbatch","--test-only","job.sbatch"'),
         ),
+        ("tests/test_slurm_cancel.py", ('"prefect","flow-run","cancel"',)),
     ),
 }
 EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}

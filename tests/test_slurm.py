@@ -22,7 +22,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from tests.conftest_prefect import TINY, loss_history
-from tests.engine_helpers import one_process_reference
+from tests.reference_runs import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import KuangchaoError
 from tests.conftest_prefect import TINY
-from tests.engine_helpers import one_process_reference
+from tests.reference_runs import one_process_reference
 from tests.test_slurm import STEPS, _assert_losses, _finish, _overrides, _slurm, _start_train, _summary, _wait
 
 #: micro-batches per step on each of the two data-parallel replicas: steps slow enough (about a second each) that

@@ -39,6 +39,11 @@ def test_bad_slurm_settings_are_refused_under_their_field_paths():
     assert "cluster.slurm.export_env" in _errors(*SLURM, 'cluster.slurm.export_env=["KC_TOKENS"]')
     assert "cluster.slurm.unknown" in _errors(*SLURM, "cluster.slurm.unknown=1")
     assert "cluster.slurm.switches_wait" in _errors(*SLURM, "cluster.slurm.switches_wait=10")
+    assert "cluster.slurm.checkpoint_before_limit_s" in _errors(*SLURM, "cluster.slurm.checkpoint_before_limit_s=-1")
+    late = _errors(*SLURM, "cluster.slurm.time_limit=2", "cluster.slurm.checkpoint_before_limit_s=120")
+    assert (
+        "120 s is not less than cluster.slurm.time_limit 2 (120 s)" in late["cluster.slurm.checkpoint_before_limit_s"]
+    )
     assert "cluster.slurm" in _errors("cluster.mode=slurm", "cluster.nproc_per_node=null")
     assert "cluster.slurm" in _errors("cluster.slurm.nodes=2")  # settings of a mode the job does not run in
     shape = _errors(*SLURM, "cluster.slurm.nodes=3")
@@ -77,10 +82,11 @@ def test_the_batch_script_runs_one_torchrun_per_node_on_the_first_nodes_address(
         "--exclusive",
         "--switches=1@10:00",
         "--mem=64G",
+        "--signal=B:USR1@120",  # cluster.slurm.checkpoint_before_limit_s's default
     ]
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert 'scontrol show node -o "$head_node"' in text and "NodeAddr=" in text
-    step = shlex.split(text[text.index("srun ") :].replace("\\\n", " "))
+    step = shlex.split(text[text.index("srun ") : text.index(" &\n")].replace("\\\n", " "))
     assert step[:4] == ["srun", "--ntasks-per-node=1", "--nodes=$SLURM_NNODES", "--kill-on-bad-exit=1"]
     run = step.index("torch.distributed.run")
     assert step[run - 2 : run] == ["/py", "-m"] and step[run - 3] == "--"
@@ -157,3 +163,75 @@ def test_how_a_slurm_job_ended_decides_retry_or_stop():
     for state in ("CANCELLED", "TIMEOUT"):  # Slurm's or a user's decision: not retried, said with Slurm's state
         with pytest.raises(commands.SlurmRefused, match=f"Slurm job 7 ended {state}"):
             _raise_for_end(state, {}, "7", ok)
+
+
+def test_the_time_limit_trap_marks_the_stop_file_and_waits_for_the_step(tmp_path):
+    """Issue 32 §3: Slurm's ``--signal=B:USR1@…`` reaches the batch shell; its trap creates the stop file and the
+    script still waits for its step, whose exit code it returns. Real bash, the step a real background process."""
+    import signal
+    import subprocess
+    import time
+
+    from kuangchao_core.sched.slurm import time_limit
+
+    cfg = _cfg("cluster.slurm.checkpoint_before_limit_s=50")
+    assert script.sbatch_options(cfg, tmp_path, 0)[-1] == "--signal=B:USR1@50"
+    assert "--signal" not in script.example_script(cfg, "job.yaml")  # kc train inside an allocation: no trap there
+    off = _cfg("cluster.slurm.checkpoint_before_limit_s=0")
+    off_text = script.render_script(off, tmp_path, 0, [], 29601)
+    assert (
+        "--signal" not in off_text
+        and "trap '" not in off_text
+        and time_limit.worker_env(off.cluster.slurm, tmp_path) == {}
+    )
+    assert time_limit.worker_env(cfg.cluster.slurm, tmp_path) == {"KC_STOP_FILE": str(tmp_path / "time_limit_near")}
+
+    def run(signalled: bool) -> tuple[int, float, str]:
+        (tmp_path / "time_limit_near").unlink(missing_ok=True)
+        body = time_limit.step_lines("bash -c 'sleep 1; exit 3'", tmp_path)
+        path = tmp_path / "job.sh"
+        path.write_text("\n".join(["#!/bin/bash", "set -euo pipefail", *body]) + "\n")
+        started = time.monotonic()
+        env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7"}
+        proc = subprocess.Popen(["bash", str(path)], stdout=subprocess.PIPE, text=True, env=env)
+        if signalled:
+            time.sleep(0.4)
+            proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=30)
+        return proc.returncode, time.monotonic() - started, out
+
+    code, took, out = run(signalled=True)
+    assert code == 3 and took >= 1, (code, took, out)  # the step's own exit code, after the step ended
+    assert (tmp_path / "time_limit_near").exists() and "job 7 near its time limit" in out
+    code, took, out = run(signalled=False)
+    assert code == 3 and not (tmp_path / "time_limit_near").exists() and out == ""
+
+
+def test_every_rank_learns_of_the_stop_file_at_the_same_log_boundary_after_a_step(tmp_path):
+    from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
+
+    stop = tmp_path / "time_limit_near"
+    stop.write_text("now")
+    live = LiveConfig(None, 0, 1, None, LiveSettings(1.0, 2, None), stop_file=str(stop))
+    live.follow(0, first=True)
+    assert live.stop_requested is None, "never before the first step: a checkpoint of the resumed step is no news"
+    live.follow(3, first=False)
+    assert live.stop_requested is None, "only at log boundaries (where rank 0 broadcasts anyway)"
+    live.follow(4, first=False)
+    assert live.stop_requested == 4
+    assert LiveConfig(None, 0, 1, None, LiveSettings(1.0, 1, None)).follow(5, first=False).log_interval == 1
+
+    # with the job's global config (kc config set) the flag rides in the same broadcast as its settings
+    from kuangchao_core.perm import guard_api
+    from kuangchao_core.perm.audit import AuditLog
+    from kuangchao_core.perm.global_config import GlobalConfig
+
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    try:
+        gc = GlobalConfig(str(tmp_path / "global.json"), "t", audit=AuditLog(str(tmp_path / "audit"), "t"))
+        gc.set("log_interval", 3)
+        live = LiveConfig(gc, 0, 1, None, LiveSettings(1.0, 2, None), stop_file=str(stop))
+        assert live.follow(0, first=True).log_interval == 3 and live.stop_requested is None
+        assert live.follow(6, first=False).log_interval == 3 and live.stop_requested == 6
+    finally:
+        guard_api.install_guard(previous)

@@ -85,6 +85,9 @@ def register(app: typer.Typer) -> None:
                 state = train_flow(
                     config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
                 )
+                if state.is_cancelled():  # issue 32 §3: cancelled in the Prefect UI or API; the ranks are stopped
+                    typer.echo(f"kc train: {state.message or 'the run was cancelled in Prefect'}", err=True)
+                    raise typer.Exit(1)
                 summary = state.result()
         except KuangchaoError as exc:  # ConfigError, NothingToTrain, PlanError: exit 2; the others: exit 1
             lines, code = failure_lines(exc, config)

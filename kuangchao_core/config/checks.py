@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kuangchao_core.config.cluster_schema import slurm_time_s
+
 Errors = list[tuple[str, str]]
 _CHECKS: list[tuple[tuple[str, ...], Callable[..., Errors]]] = []
 
@@ -183,6 +185,15 @@ def _slurm_shape(cluster: Any) -> Errors:
         errors.append(("cluster.registry", "mode slurm takes its nodes from Slurm, not from a registry"))
     if cluster.slurm.switches_wait and cluster.slurm.switches is None:
         errors.append(("cluster.slurm.switches_wait", "only used with cluster.slurm.switches"))
+    limit, before = slurm_time_s(cluster.slurm.time_limit), cluster.slurm.checkpoint_before_limit_s
+    if limit is not None and before >= limit:
+        errors.append(
+            (
+                "cluster.slurm.checkpoint_before_limit_s",
+                f"{before} s is not less than cluster.slurm.time_limit {cluster.slurm.time_limit} ({limit} s): "
+                "the checkpoint would be asked for at once (0: no signal)",
+            )
+        )
     return errors
 
 

@@ -17,6 +17,20 @@ _SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
 _RESERVED = ("--export", "--wrap", "--nodes", "-N", "--ntasks-per-node", "--parsable", "--get-user-env")
 
 
+def slurm_time_s(value: str | None) -> int | None:
+    """A Slurm time (``_SLURM_TIME``) in seconds; None for unset or unlimited."""
+    if not value or not value[0].isdigit():
+        return None
+    days, _, rest = value.rpartition("-") if "-" in value else ("0", "", value)
+    parts = [int(x) for x in rest.split(":")]
+    if "-" in value:  # D-HH, D-HH:MM, D-HH:MM:SS
+        parts += [0] * (3 - len(parts))
+        h, m, sec = parts
+    else:  # MM, MM:SS, HH:MM:SS
+        h, m, sec = ([0, *parts, 0] if len(parts) == 1 else [0, *parts] if len(parts) == 2 else parts)[:3]
+    return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+
+
 def _word(value: str | None) -> str | None:
     if value is not None and not _SLURM_WORD.match(value):
         raise ValueError(f"{value!r} is not a Slurm name (letters, digits and _.,:@+=%/[]&|!*()- only)")
@@ -50,6 +64,9 @@ class SlurmSection(Section):
     #: how long the job may wait for ``switches`` (a Slurm time; Slurm caps it at the cluster's ``max_switch_wait``,
     #: 5 minutes unless its admins set more); only with ``switches``
     switches_wait: str | None = None
+    #: seconds before the time limit at which Slurm signals the batch script (``--signal=B:USR1@<s>``; Slurm may
+    #: signal up to a minute earlier): every rank checkpoints the same step and stops; 0: off
+    checkpoint_before_limit_s: Int = Field(default=120, ge=0, le=65535)
     #: names of further environment variables the nodes get from ``kc train``'s (never secrets: Slurm stores them)
     export_env: list[str] = Field(default_factory=list, max_length=64)
 

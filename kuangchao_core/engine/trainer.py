@@ -134,8 +134,7 @@ class Trainer:
         self.forward_backward = get_forward_backward(
             self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
         )
-        report = self.sync.memory_report() if rank == 0 else None
-        if report is not None:
+        if rank == 0 and (report := self.sync.memory_report()) is not None:
             log_event(log, "zero memory per rank", **report)
         self.attention_path = job_attention_path(batches.documents)
         if rank == 0:
@@ -154,30 +153,17 @@ class Trainer:
             if self.samples is None and rank == 0:
                 log.warning("no greedy samples at evaluations: %s", no_samples)
         self.sampler = ResumableBatchSampler(
-            len(self.dataset),
-            micro_batch_size=batches.micro_batch_size,
-            grad_accum=batches.gradient_accumulation_steps,
-            dp_rank=mesh.dp_rank,
-            dp_size=mesh.dp,
-            seed=train.seed,
-            shuffle=batches.shuffle,
-        )
+            len(self.dataset), micro_batch_size=batches.micro_batch_size, grad_accum=batches.gradient_accumulation_steps,
+            dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=train.seed, shuffle=batches.shuffle,
+        )  # fmt: skip
         self.loader: PrefetchLoader | None = None
         self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
         self.lr_scale = 1.0
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            run.checkpoint,
-            rank,
-            world_size,
-            mesh,
-            self.parts,
-            self.sync,
-            self.host_group,
-            self.model_config,
-            target_layout(mesh, run.build),
-            self.barrier,
-        )
+            run.checkpoint, rank, world_size, mesh, self.parts, self.sync, self.host_group, self.model_config,
+            target_layout(mesh, run.build), self.barrier,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -384,6 +370,7 @@ class Trainer:
             self.host_group,
             LiveSettings(self.lr_scale, self.train_settings.log_interval, self.run_settings.checkpoint.interval),
         )
+        self.stopped_at = None  # the step a stop request ended the run at (the stop file, issue 32 §3)
         # a change made before this attempt (or before a resume) applies from its first step
         self.lr_scale = live.follow(self.state.step, first=True).lr_scale
         # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
@@ -447,6 +434,10 @@ class Trainer:
                     self.save_checkpoint()  # the state that showed it, to look at; then the run ends
                     self.checkpoints.finish()
                     raise AnomalyStop(f"stopped at step {result.step} by anomaly {stop} (train.anomaly.actions)")
+                if live.stop_requested is not None and result.step < stop_at:  # every rank at this same step
+                    self.save_checkpoint()  # published below, before run() returns
+                    self.stopped_at = result.step
+                    break
                 interval = settings.checkpoint_interval
                 if interval and result.step % interval == 0:
                     self.save_checkpoint()

@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         # a flow run pins the lineage for all its attempts (KC_CKPT_LINEAGE); a bare worker decides it itself
         lineage = os.environ.get("KC_CKPT_LINEAGE") or None
         state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps, lineage=lineage)
+        if trainer.stopped_at is not None:  # asked to stop (a Slurm time limit close): checkpointed, no final eval
+            if rank == 0:
+                from kuangchao_core.engine.live_config import ENV_STOP_FILE, acknowledge_stop
+
+                acknowledge_stop(os.environ[ENV_STOP_FILE], trainer.stopped_at)
+            return 0
         _final_eval(trainer, sink)  # collective: every rank answers the held-out prompts
         if rank == 0:
             final_loss = state.losses[-1] if state.losses else None

@@ -17,6 +17,11 @@ Here the flow's process watches the configured API instead:
   ``deadline_s`` after the loss, with one line naming the API, the summary and what became of the model; Prefect's
   own reporting of the flow run's final state (which cannot reach a lost API) is not waited for.
 
+The same thread follows the flow run's own state (``<PREFECT_API_URL>/flow_runs/<id>``, every poll): a flow run
+cancelled in the Prefect UI or API (``prefect flow-run cancel``: Cancelling) while ``kc train`` runs it in its own
+process — no worker to kill it — stops the training the same way (the launcher cancels a Slurm job with ``scancel``
+and ends every rank) and leaves the body as :class:`FlowRunCancelled`; the flow then ends Cancelled (issue 32 §3).
+
 Without a configured ``PREFECT_API_URL`` (Prefect's ephemeral server, a child of this process) nothing is watched.
 """
 
@@ -31,13 +36,14 @@ import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.obs import prefect_api as api
+from kuangchao_core.obs.prefect_api import api_answers, client_fails_fast, configured_api_url
+from kuangchao_core.obs.prefect_api import in_flow_run as _in_flow_run
 
 log = logging.getLogger("kuangchao.obs.prefect_watch")
 
@@ -51,39 +57,35 @@ class PrefectAPILost(KuangchaoError):
     summary is and what became of the model."""
 
 
+class FlowRunCancelled(KuangchaoError):
+    """The flow run was cancelled in Prefect (its state went Cancelling or Cancelled) while this process ran it."""
+
+
 class _Interrupt(BaseException):
     """Raised into the flow's thread while it trains: a BaseException, so no ``except Exception`` (a task engine's
     retry included) swallows it; :func:`watching` turns it into :class:`PrefectAPILost`."""
 
 
-def configured_api_url() -> str | None:
-    """The configured ``PREFECT_API_URL`` (None: Prefect's ephemeral API, nothing to watch)."""
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    return str(url).rstrip("/") if url else None
-
-
-def api_answers(url: str, timeout_s: float = 3.0) -> str | None:
-    """None when ``<url>/health`` answers (any response below 500), else the reason in a few words."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as exc:
-        return None if exc.code < 500 else f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return str(getattr(exc, "reason", exc))
+class _Cancel(BaseException):
+    """Raised into the flow's thread when its flow run was cancelled in Prefect; :func:`watching` turns it into
+    :class:`FlowRunCancelled`."""
 
 
 class APIWatch:
     """Polls a Prefect API and declares it lost after ``grace_s`` seconds without an answer (once; final).
 
-    ``record`` gathers what the run's summary needs if it ends early (:meth:`note`); :meth:`interruptible` marks
-    the stretch of the flow (training) into which a loss is raised at once."""
+    With a ``flow_run_id`` it also follows that flow run's state and declares it cancelled (once; final) when it
+    goes Cancelling or Cancelled. ``record`` gathers what the run's summary needs if it ends early (:meth:`note`);
+    :meth:`interruptible` marks the stretch of the flow (training) into which a loss or a cancellation is raised at
+    once."""
 
-    def __init__(self, url: str | None, grace_s: float = DEFAULT_GRACE_S, interval_s: float = 2.0) -> None:
+    def __init__(
+        self, url: str | None, grace_s: float = DEFAULT_GRACE_S, interval_s: float = 2.0, flow_run_id: str | None = None
+    ) -> None:
         self.url, self.grace_s, self.interval_s = url, float(grace_s), float(interval_s)
+        self.flow_run_id = flow_run_id
         self.record: dict[str, Any] = {}
+        self.cancelled: str | None = None  # the flow run's state name once it was cancelled in Prefect
         self.lost_reason: str | None = None
         self.lost_at: float | None = None
         self.body_done = threading.Event()
@@ -114,11 +116,16 @@ class APIWatch:
 
     def _poll(self) -> None:
         silent_since: float | None = None
+        headers = api.auth_headers() if self.flow_run_id else {}
         while not self._stop.is_set() and not self.lost:
             problem = api_answers(self.url, timeout_s=min(3.0, self.grace_s / 2 or 1.0))
             now = time.monotonic()
             if problem is None:
                 silent_since = None
+                if self.flow_run_id and not self.cancelled:
+                    kind, name = api.flow_run_state(self.url, self.flow_run_id, headers)
+                    if kind in ("CANCELLING", "CANCELLED"):
+                        self.declare_cancelled(name or kind.title())
             else:
                 silent_since = silent_since or now
                 if now - silent_since >= self.grace_s:
@@ -135,16 +142,32 @@ class APIWatch:
             if self._target is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(_Interrupt))
         log.error("the Prefect API at %s is lost: %s; the run ends", self.url, reason)
-        _client_fails_fast(True)
+        client_fails_fast(True)
         for hook in list(_HOOKS):
             try:
                 hook(self)
             except Exception:  # noqa: BLE001 - a hook must not keep the others from running
                 log.exception("Prefect API loss hook failed")
 
+    def declare_cancelled(self, state_name: str) -> None:
+        """Mark the flow run cancelled in Prefect (the first time only) and stop training in progress."""
+        with self._lock:
+            if self.cancelled or self.lost:
+                return
+            self.cancelled = state_name
+            if self._target is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(_Cancel))
+        log.warning("flow run %s was cancelled in Prefect (%s); the run stops", self.flow_run_id, state_name)
+
+    def cancel_line(self) -> str:
+        """One sentence for people: the run was cancelled in Prefect, and where its summary is."""
+        summary = self.record.get("summary_path") or "not written"
+        return f"the run was cancelled in Prefect (flow run {self.flow_run_id}, {self.cancelled}); summary: {summary}"
+
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """The stretch of the flow that a loss interrupts (raised into this thread); entered lost, it raises."""
+        """The stretch of the flow that a loss or a cancellation interrupts (raised into this thread); entered lost
+        or cancelled, it raises."""
         self.raise_if_lost()
         with self._lock:
             self._target = threading.get_ident()
@@ -155,9 +178,12 @@ class APIWatch:
                 self._target = None
 
     def raise_if_lost(self) -> None:
-        """Raise :class:`PrefectAPILost` when the API was declared lost."""
+        """Raise :class:`PrefectAPILost` when the API was declared lost, :class:`FlowRunCancelled` when the flow run
+        was cancelled."""
         if self.lost:
             raise PrefectAPILost(self.line())
+        if self.cancelled:
+            raise FlowRunCancelled(self.cancel_line())
 
     def line(self) -> str:
         """One sentence for people: the API, the summary on disk, the model."""
@@ -191,10 +217,13 @@ def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
     clean-up (the audit seal) is done."""
     global _CURRENT, _LAST
     grace = float(grace_s if grace_s is not None else os.environ.get(ENV_GRACE, DEFAULT_GRACE_S))
-    watch = APIWatch(configured_api_url(), grace).start()
+    watch = APIWatch(configured_api_url(), grace, flow_run_id=api.flow_run_id_here()).start()
     previous, _CURRENT, _LAST = _CURRENT, watch, watch
     try:
         yield watch
+    except (_Cancel, FlowRunCancelled):
+        _write_partial_summary(watch, "cancelled in Prefect", f"flow run {watch.flow_run_id}: {watch.cancelled}")
+        raise FlowRunCancelled(watch.cancel_line()) from None
     except (_Interrupt, PrefectAPILost) as exc:
         watch.declare_lost(watch.lost_reason or str(exc))  # a bounded call failed: the same end
         _write_partial_summary(watch)
@@ -208,31 +237,7 @@ def body_ended() -> None:
     """The flow's body and its clean-up are over: a pending :func:`exit_when_lost` may end the process now."""
     if _LAST is not None:
         _LAST.body_done.set()
-    _client_fails_fast(False)
-
-
-_SAVED_RETRIES: list[int] = []
-
-
-def _client_fails_fast(on: bool) -> None:
-    """Prefect's client retries a refused connection for about a minute per call (2 + 4 + … + 32 s) once it has
-    reached the server: with the API lost, the calls the flow's clean-up still makes (audit pins, the seal's
-    artifact) fail at once instead (``client.max_retries`` 0 in the process's settings; restored by ``on=False``)."""
-    try:
-        from prefect.context import GLOBAL_SETTINGS_CONTEXT
-        from prefect.settings import get_current_settings
-
-        settings = {id(s): s for s in (GLOBAL_SETTINGS_CONTEXT.settings, get_current_settings())}.values()
-        if on and not _SAVED_RETRIES:
-            _SAVED_RETRIES.append(GLOBAL_SETTINGS_CONTEXT.settings.client.max_retries)
-            for s in settings:
-                s.client.max_retries = 0
-        elif not on and _SAVED_RETRIES:
-            value = _SAVED_RETRIES.pop()
-            for s in settings:
-                s.client.max_retries = value
-    except Exception as exc:  # noqa: BLE001 - another Prefect's settings: the deadline of exit_when_lost still holds
-        log.warning("could not shorten Prefect's client retries: %s", exc)
+    client_fails_fast(False)
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
@@ -254,14 +259,14 @@ def _newest_checkpoint(lineage_dir: str | None) -> str | None:
     return str(steps[-1]) if steps else None
 
 
-def _write_partial_summary(watch: APIWatch) -> None:
+def _write_partial_summary(watch: APIWatch, outcome: str | None = None, reason: str | None = None) -> None:
     rec = watch.record
     if rec.get("summary_path") or not rec.get("run_dir"):
         return
     summary = {
         "task": rec.get("task"),
-        "outcome": "failed: the Prefect API was lost",
-        "reason": f"the Prefect API at {watch.url}: {watch.lost_reason}",
+        "outcome": outcome or "failed: the Prefect API was lost",
+        "reason": reason or f"the Prefect API at {watch.url}: {watch.lost_reason}",
         "lineage": rec.get("lineage"),
         "newest_checkpoint": _newest_checkpoint(rec.get("lineage_dir")),
         "model_version": None,
@@ -365,7 +370,8 @@ def publish_summary(
         from prefect.artifacts import create_markdown_artifact
 
         try:
-            watch.raise_if_lost()
+            if watch.lost:
+                raise PrefectAPILost(watch.line())
             _bounded(
                 lambda: create_markdown_artifact(
                     markdown, key="kuangchao-run-summary", description="training run summary"
@@ -386,13 +392,6 @@ def publish_summary(
                 write_summary(run_dir, summary)
             raise PrefectAPILost(watch.line()) from None
     return path
-
-
-def _in_flow_run() -> bool:  # noqa: N802 - reads as a condition
-    """Whether this code runs inside a Prefect flow or task run (an artifact has something to attach to)."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
 from kuangchao_core.sched.node_watch import AttemptWatch
-from kuangchao_core.sched.slurm import commands, facts, script
+from kuangchao_core.sched.slurm import commands, facts, script, time_limit
 from kuangchao_core.sched.slurm.commands import SlurmRefused
 
 #: states a job ends in that are Slurm's (or a user's) decision, not a failure to retry
@@ -53,7 +53,8 @@ def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker
         "attempt": attempt,
         "nproc": cfg.cluster.slurm.tasks_per_node,
         "port": random.randint(*RDZV_PORTS),
-        "env": {k: v for k, v in worker_env.items() if k not in _SECRET_KEYS},
+        "env": {k: v for k, v in worker_env.items() if k not in _SECRET_KEYS}
+        | time_limit.worker_env(cfg.cluster.slurm, out),
         "tokens": tokens,
         "heartbeat_timeout_s": cfg.cluster.heartbeat_timeout_s,
         "heartbeat_interval_s": cfg.cluster.heartbeat_interval_s,
@@ -204,6 +205,7 @@ def launch_slurm_attempt(
                 break
             time.sleep(poll_s)
         time.sleep(0.3)  # the last lines of the nodes' logs
+        time_limit.raise_if_stopped(out, job_id, cfg.cluster.slurm)  # checkpointed before the time limit
         _raise_for_end(state, info, job_id, _results(run_dir, attempt, nodes))
         return job_id
     except BaseException:

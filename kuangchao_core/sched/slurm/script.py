@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.sched.slurm import time_limit
+
 #: environment variables the batch job gets from ``kc train``'s (when set), plus ``cluster.slurm.export_env``
 EXPORTED = (
     "PATH",
@@ -58,6 +60,7 @@ def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int, exclude: list[st
         f"--chdir={Path(run_dir)}",
         *([f"--exclude={','.join(exclude)}"] if exclude else []),
         *request_options(slurm),
+        *time_limit.sbatch_options(slurm),
     ]
 
 
@@ -125,8 +128,14 @@ def render_script(
         "head_addr=$(scontrol show node -o \"$head_node\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
         'echo "kuangchao: job $SLURM_JOB_ID attempt ' + str(attempt) + " on $SLURM_JOB_NODELIST, "
         'rendezvous on $head_node ($head_addr)"',
-        " \\\n  ".join([" ".join(step), " ".join(launcher), " ".join(torchrun_line(cfg, args, port, attempt, python))]),
     ]
+    srun = " \\\n  ".join(
+        [" ".join(step), " ".join(launcher), " ".join(torchrun_line(cfg, args, port, attempt, python))]
+    )
+    if time_limit.enabled(cfg.cluster.slurm):  # a checkpoint before the time limit: the step waited for under a trap
+        lines += time_limit.step_lines(srun, slurm_dir(run_dir, attempt))
+    else:
+        lines.append(srun)
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +155,8 @@ def step_env(cfg: Any, env: dict[str, str] | None = None) -> dict[str, str]:
 def example_script(cfg: Any, config_path: str | Path, overrides: list[str] = (), python: str = sys.executable) -> str:
     """A batch script that runs ``kc train`` inside its own allocation (``kc slurm script``): the training then
     uses the allocation's nodes through ``srun`` instead of submitting a job of its own."""
-    opts = [o for o in sbatch_options(cfg, "$SLURM_SUBMIT_DIR", 0) if not o.startswith(("--output", "--chdir"))]
+    skip = ("--output", "--chdir", "--signal")  # the signal is for a job's own batch script (its trap)
+    opts = [o for o in sbatch_options(cfg, "$SLURM_SUBMIT_DIR", 0) if not o.startswith(skip)]
     opts.append("--output=kc-train-%j.out")
     lines = [
         "#!/bin/bash",
