@@ -143,8 +143,7 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         result = run_attempts(job, STEPS, clock, logger)
         return finish_run(job, result, STEPS, clock, logger)
     except BaseException as exc:
-        cancelled = prefect_watch.current().cancelled is not None
-        tracking.close_run(cfg, job.run_id, "KILLED" if cancelled else "FAILED")
+        tracking.close_run(cfg, job.run_id, "KILLED" if prefect_watch.current().cancelled else "FAILED")
         interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:
