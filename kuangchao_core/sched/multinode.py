@@ -26,6 +26,8 @@ from kuangchao_core.sched.placement import NodeAssignment
 RDZV_PORTS = (29500, 29999)
 #: how long the agents wait for a silent orchestrator (it beats every 0.5 s) before they stop its ranks
 OWNER_LOST_AFTER_S = 5.0
+#: how long a static cluster's placement waits for a named node whose agent's heartbeat is late (a loaded machine)
+LATE_AGENT_GRACE_S = 90.0
 
 
 class LogTail(threading.Thread):
@@ -162,15 +164,25 @@ def launch_on_nodes(
 
 
 def choose_cluster_nodes(
-    cfg: Any, exclude: list[str] | tuple[str, ...] = (), topology: Any = None
+    cfg: Any, exclude: list[str] | tuple[str, ...] = (), topology: Any = None, late_grace_s: float = LATE_AGENT_GRACE_S
 ) -> list[NodeAssignment]:
     """The nodes of the next attempt of ``cfg``'s cluster, read from its pool (see :mod:`.placement`), with the
-    node probe's ``topology`` and the pool's current load."""
+    node probe's ``topology`` and the pool's current load. A static cluster's node whose agent is registered but
+    late with its heartbeat is waited for up to ``late_grace_s`` before the placement fails."""
     from kuangchao_core.sched.nodes import list_nodes, running_shares
-    from kuangchao_core.sched.placement import choose_nodes, cluster_pool
+    from kuangchao_core.sched.placement import NodeUnavailable, choose_nodes, cluster_pool
 
     pool = cluster_pool(cfg)
-    return choose_nodes(cfg, list_nodes(pool), set(exclude), topology, running_shares(pool))
+    deadline = time.monotonic() + late_grace_s
+    while True:
+        registered = list_nodes(pool)
+        try:
+            return choose_nodes(cfg, registered, set(exclude), topology, running_shares(pool))
+        except NodeUnavailable as exc:
+            late = [n for n in registered if n.name in exc.nodes and not n.live and n.name not in exclude]
+            if cfg.cluster.mode != "static" or not late or time.monotonic() > deadline:
+                raise
+            time.sleep(5.0)
 
 
 def probe_candidates(cfg: Any) -> list[Any]:
