@@ -53,12 +53,12 @@ def prefect_api(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
-        _drain_prefect_workers(timeout_s=60.0)
+        _drain_prefect_workers(timeout_s=15.0)
 
 
 def _drain_prefect_workers(timeout_s: float) -> None:
     """Prefect's log and event workers drained within ``timeout_s`` (stopped either way): the harness's own drain
-    waits without a bound, and once hung for 300 s at the end of a loaded two-worker session."""
+    waits without a bound: it hung 300 s at the end of a loaded two-worker session (what is left unsent is logs)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 

@@ -16,7 +16,10 @@ SCRIPT = ROOT / "tests" / "scripts" / "sdk_example.py"
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KC_TOKEN")}
+    # nothing of this process's own stores: an MLflow URI set by an earlier test in this process (mlflow's
+    # set_tracking_uri exports MLFLOW_TRACKING_URI) would send `kc audit` to another store
+    dropped = ("KC_TOKEN", "KC_TRACKING_URI", "MLFLOW_TRACKING_URI")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     env.update(
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(ROOT),
