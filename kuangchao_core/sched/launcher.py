@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -36,6 +35,7 @@ from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
+from kuangchao_core.sched.ports import free_port  # noqa: F401 - callers take it from here
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -54,13 +54,6 @@ class LaunchResult:
     rdzv_endpoint: str
     lines: int = 0
     extra: dict = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _proc_children_map() -> dict[int, list[int]]:
