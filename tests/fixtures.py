@@ -7,6 +7,7 @@ a fixture (module constants, bodies run on worker processes) imports them from h
 from __future__ import annotations
 
 import contextlib
+import urllib.request
 from collections.abc import Iterator
 
 __all__ = ["free_port", "hf_llama_config", "moto_server", "tiny_llama"]
@@ -61,7 +62,11 @@ def moto_server() -> Iterator[str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    # moto keeps its buckets in one store per process, shared by every server this process starts: without a reset a
+    # module sees the objects an earlier module on the same test worker left behind
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).close()
     try:
-        yield f"http://{host}:{port}"
+        yield endpoint
     finally:
         server.stop()

@@ -39,3 +39,17 @@ def test_the_s3_endpoint_stores_and_returns_an_object(s3_endpoint, monkeypatch):
     s3.create_bucket(Bucket="kc-fixture")
     s3.put_object(Bucket="kc-fixture", Key="a/b", Body=b"payload")
     assert s3.get_object(Bucket="kc-fixture", Key="a/b")["Body"].read() == b"payload"
+
+
+def test_a_new_s3_server_starts_with_no_bucket_an_earlier_one_held(monkeypatch):
+    import boto3
+
+    from tests.fixtures import moto_server
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with moto_server() as first:
+        boto3.client("s3", endpoint_url=first, region_name="us-east-1").create_bucket(Bucket="kc-leak")
+    with moto_server() as second:
+        names = [b["Name"] for b in boto3.client("s3", endpoint_url=second, region_name="us-east-1").list_buckets()["Buckets"]]
+    assert "kc-leak" not in names
