@@ -145,14 +145,17 @@ def _plan_total(sets: list[str]) -> float:
 
 
 def _recommend(sets: list[str]) -> tuple[float, str]:
-    """(bytes per rank of the config's layout in ``kc recommend --json``, the line its text prints)."""
-    args = ["recommend", "--config", LLAMA8B, "--nodes", "2", "--gpus-per-node", "8", "--top", "1", *sets]
-    res = RUN.invoke(app, [*args, "--json"])
+    """(bytes per rank of the config's layout in ``kc recommend --json``, the line its text prints for it)."""
+    from kuangchao_core.engine.recommend import format_recommendation  # what the command prints without --json
+
+    args = ["recommend", "--config", LLAMA8B, "--nodes", "2", "--gpus-per-node", "8", "--top", "1", *sets, "--json"]
+    res = RUN.invoke(app, args)
     assert res.exit_code == 0, res.output
-    row = json.loads(res.stdout)["current"]["row"]
-    assert row is not None, res.stdout
-    text = RUN.invoke(app, args).stdout
-    return row["memory_per_rank_bytes"]["total"], next(x for x in text.splitlines() if "the config's layout" in x)
+    result = json.loads(res.stdout)
+    assert result["current"]["row"] is not None, res.stdout
+    text = format_recommendation(result)
+    line = next(x for x in text.splitlines() if "the config's layout" in x)
+    return result["current"]["row"]["memory_per_rank_bytes"]["total"], line
 
 
 def _sets(**values) -> list[str]:

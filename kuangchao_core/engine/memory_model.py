@@ -13,7 +13,8 @@ Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_co
 - ``autocast_casts`` (bf16/fp16 only): 2 bytes per element of every weight a matmul reads (the projections and the
   head, or the tied embedding; not the embedding lookup nor the norms) whose copy autograd keeps — with LoRA, a
   frozen projection whose input needs no gradient keeps none (on the first stage, before the first adapter) — times
-  the (micro-batch, chunk) forwards this rank holds at once in its schedule, over ``v`` chunks.
+  the (micro-batch, chunk) forwards this rank holds at once in its schedule, over ``v`` chunks. Under activation
+  checkpointing they are counted as without it (an upper bound: recomputed layers keep fewer; not measured).
 - ``gathered_blocks`` (ZeRO-3): the unit computing and the one prefetched, whole, in the parameters' dtype.
 - ``activations_estimate``: per layer and micro-batch the elements its backward keeps, counted from this model's
   operations (h hidden, q = heads·head_dim, kv = kv_heads·head_dim, I the MLP width, t TP; measured on CPU with
