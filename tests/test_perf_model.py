@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 from kuangchao.cli.main import app
 from kuangchao_core.config import config_from_dict, load_config
 from kuangchao_core.engine.model_shape import shape_for_params, shape_for_section
-from kuangchao_core.engine.plan import explain_plan, state_bytes
-from kuangchao_core.engine.recommend import GpuPool, memory_per_rank, recommend
+from kuangchao_core.engine.plan import explain_plan
+from kuangchao_core.engine.recommend import GpuPool, carried_settings, memory_per_rank, recommend
 from kuangchao_core.models.llama import LlamaConfig
+from kuangchao_core.parallel.state_memory import cast_bytes, effective_zero_stage, state_bytes
 from kuangchao_core.sched.perf_cluster import (
     all_gather_s,
     all_reduce_s,
@@ -282,32 +283,30 @@ def test_bad_inputs_refused():
 # ---- memory and recommend ----
 
 
-def test_state_bytes_bf16_and_fp32():
-    assert state_bytes(1000, 4, 0) == {"params": 4000, "grads": 4000, "optimizer": 8000}
-    z = [sum(state_bytes(1000, 4, stage, "bf16").values()) for stage in (0, 1, 2)]
-    assert z == [16000, 4000 + 12000 / 4, 2000 + 14000 / 4]  # ZeRO paper: 16, 4+12/N, 2+14/N bytes per param
+def test_state_bytes_are_what_the_engine_allocates():
+    # fp32 params (the master weights under autocast), grads and AdamW moments; fp64 twice (test_memory_model.py)
+    for dtype, b in (("fp32", 4), ("bf16", 4), ("fp16", 4), ("fp64", 8)):
+        z = [sum(state_bytes(1000, 4, stage, dtype).values()) for stage in (0, 1, 2, 3)]
+        assert z == [4 * b * 1000, (2 * b + 2 * b / 4) * 1000, (b + 3 * b / 4) * 1000, 4 * b * 1000 / 4]
+    assert cast_bytes(1000, 2, "bf16") == 4000 and cast_bytes(1000, 2, "fp32") == 0  # autocast's copies
+    assert state_bytes(10, 4, 1, "bf16", frozen=1000) == {"params": 4040, "grads": 40, "optimizer": 20}  # LoRA
+    assert [effective_zero_stage(3, pp, lora) for pp, lora in ((2, False), (1, True), (1, False))] == [2, 2, 3]
+    with pytest.raises(ValueError, match="bf16 parameters with fp32 master weights are not built yet"):
+        state_bytes(1000, 4, 1, "bf16", param_dtype="bf16")  # issue 29 item 1's hook, not built
 
 
-def test_memory_per_rank_matches_kc_plan():
-    cfg = config_from_dict(
-        {
-            "task": {"name": "t"},
-            "model": {"num_layers": 4},
-            "data": {"seq_len": 64},
-            "parallel": {
-                "data_parallel_size": 2,
-                "tensor_parallel_size": 2,
-                "pipeline_parallel_size": 2,
-                "gradient_accumulation_steps": 4,
-                "micro_batch_size": 2,
-                "zero_stage": 1,
-            },
-        }
-    )
+def test_memory_per_rank_keeps_the_jobs_lora_and_checkpointing_as_kc_plan_does():
+    par = {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
+    par.update(gradient_accumulation_steps=4, micro_batch_size=2)
+    lora = {"rank": 4, "targets": ["q_proj", "v_proj"]}
+    train = {"dtype": "bf16", "activation_checkpointing": "selective"}
+    cfg = config_from_dict({"task": {"name": "t"}, "model": {"num_layers": 4, "lora": lora}, "data": {"seq_len": 64},
+                            "parallel": par, "train": train})  # fmt: skip
     plan_total = max(r["memory_bytes"]["total"] for r in explain_plan(cfg)["ranks"])
     mcfg = LlamaConfig(**{k: getattr(cfg.model, k) for k in vars(MODEL)})
-    mine = memory_per_rank(mcfg, Layout.from_config(cfg), "fp32")
-    assert mine["total"] == pytest.approx(plan_total, rel=1e-9)
+    mine = memory_per_rank(mcfg, Layout.from_config(cfg), "bf16", carried_settings(cfg))
+    assert mine["total"] == plan_total
+    assert memory_per_rank(mcfg, Layout.from_config(cfg), "bf16")["total"] != plan_total  # without them: not
 
 
 def test_recommend_8b():

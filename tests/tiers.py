@@ -78,6 +78,7 @@ FILE_TIERS = {
     "test_lineage.py": "unit",
     "test_lineage_lease.py": "unit",
     "test_lora.py": "distributed",
+    "test_memory_model.py": "distributed",
     "test_mesh.py": "distributed",
     "test_mixed_precision.py": "distributed",
     "test_mlflow_view_browser.py": "flows",

@@ -84,7 +84,7 @@ def recommend(
 ) -> None:
     """Enumerate dp x tp x pp x ZeRO x micro-batch layouts; print the fastest that fit and why the others do not."""
     from kuangchao_core.config import load_config
-    from kuangchao_core.engine.recommend import GpuPool, format_recommendation
+    from kuangchao_core.engine.recommend import GpuPool, carried_settings, format_recommendation
     from kuangchao_core.engine.recommend import recommend as run
     from kuangchao_core.errors import ConfigError
     from kuangchao_core.sched.perf_model import METHODS, ClusterModel, Layout
@@ -140,7 +140,8 @@ def recommend(
     )
     current = Layout.from_config(cfg) if cfg is not None else None
     pool = GpuPool(cluster, gpu_memory_gb * 1e9, usable)
-    result = run(model_cfg, pool, batch, seq, precision, method, top, current=current)
+    carried = carried_settings(cfg) if cfg is not None else None
+    result = run(model_cfg, pool, batch, seq, precision, method, top, current=current, carried=carried)
     if as_json:
         typer.echo(json.dumps({**result, "model_note": note}))
     else:

@@ -8,23 +8,8 @@
 - :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
   (virtual) stage holds, micro-batches per step, the expected bubble fraction and the estimated memory per rank.
 
-Memory per rank (fp32 AdamW, ``/work/shared/reference/performance.md`` §2.5, Ψ = parameters this rank holds
-after TP/PP, N = DP size): parameters 4Ψ; gradients 4Ψ (ZeRO-2: 4Ψ/N); optimizer m and v 8Ψ (ZeRO-1/2: 8Ψ/N).
-With ``model.lora`` the base is frozen: its 4Ψ parameters stay, gradients and optimizer state count the adapters'
-Ψ_A only (rank·(in + out) per adapted projection, split like its base).
-Activations per layer and micro-batch are the elements its backward keeps, counted from this model's operations
-(h hidden, q = heads·head_dim, kv = kv_heads·head_dim, I the MLP width, t TP; measured on CPU with
-``hal.heap``, ``tests/test_plan_accuracy.py``): 4h + (6q + 4I)/t per token — the two norms' inputs and outputs,
-the rotary inputs and outputs, SDPA's inputs (keys and values after the GQA repeat) and output, o_proj's input, and
-gate, up, SiLU and product for the MLP; ``selective`` checkpointing keeps the layer input and the matmul and
-attention outputs, 3h + (2q + 2kv + 2I)/t; ``full`` only the input, h (plus one layer's whole activations while it
-is recomputed). Elements are 4 bytes in fp32, 2 under bf16/fp16 autocast, 8 in fp64; the micro-batches in flight
-multiply them (1 without a pipeline, m for all-forward-all-backward, min(m, p) for 1F1B, and
-min(m, p)·(1 + (p−1)/(p·v)) for interleaved 1F1B), and the last stage adds its fp32 logits and their log-softmax,
-2·s·b·V/t·4 bytes. :func:`state_bytes`,
-:func:`activation_bytes_per_layer` and :func:`micro_batches_in_flight` hold these formulas (``kc recommend`` reuses
-them); :func:`state_bytes` also knows bf16 mixed precision (2Ψ parameters, 2Ψ gradients, 12Ψ fp32 master copy and
-moments, ZeRO §3: ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N).
+Memory per rank: :func:`rank_memory`, which is ``engine.memory_model.estimate_ranks`` (state bytes from the
+engine's own model ``parallel.state_memory``, autocast's weight copies, activations; ``kc recommend`` uses it too).
 """
 
 from __future__ import annotations
@@ -32,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
 from kuangchao_core.errors import ConfigError, PlanError
 
 Errors = list[tuple[str, str]]
@@ -181,81 +167,6 @@ def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None)
     return fit_problems(par, rank_memory(cfg, first_replica), memory)
 
 
-def _bytes(n: float) -> float:
-    return float(round(n))
-
-
-def _unit_sizes(slices: dict[str, Any]) -> dict[str, int]:
-    """Elements per ZeRO-3 unit (each decoder layer; the embedding, final norm and head on their own)."""
-    units: dict[str, int] = {}
-    for name, region in slices.items():
-        parts = name.split(".")
-        unit = ".".join(parts[:3]) if name.startswith("model.layers.") else name
-        units[unit] = units.get(unit, 0) + region.numel
-    return units
-
-
-def state_bytes(psi: float, dp: int, zero_stage: int, precision: str = "fp32") -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state of a rank holding ``psi`` parameters (module docstring).
-
-    ``precision``: ``fp32`` (fp32 AdamW: 4Ψ + 4Ψ + 8Ψ) or ``bf16`` (mixed precision: 2Ψ + 2Ψ + 12Ψ);
-    ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 the gradients too, ZeRO-3 the parameters too (the engine
-    runs ZeRO-3 as ZeRO-2 under pipeline parallelism: pass 2 there).
-    """
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    low = precision == "bf16"
-    params = (2 if low else 4) * psi
-    grads = (2 if low else 4) * psi
-    optim = (12 if low else 8) * psi
-    return {
-        "params": params / dp if zero_stage >= 3 else params,
-        "grads": grads / dp if zero_stage >= 2 else grads,
-        "optimizer": optim / dp if zero_stage >= 1 else optim,
-    }
-
-
-#: bytes per activation element by ``train.dtype`` (under bf16/fp16 autocast most saved tensors are half)
-ACTIVATION_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def layer_activation_elements(mcfg: Any, tp: int, mode: str = "none") -> float:
-    """Elements per token one decoder layer keeps for its backward (module docstring), by activation
-    checkpointing ``mode``: ``none`` 4h + (6q + 4I)/t, ``selective`` 3h + (2q + 2kv + 2I)/t, ``full`` h."""
-    h = mcfg.hidden_size
-    if mode == "full":
-        return float(h)
-    d = mcfg.head_dim
-    q = mcfg.num_heads * d / tp
-    kv = max(mcfg.num_kv_heads * d / tp, d)  # fewer kv heads than TP ranks: each rank keeps one, replicated
-    inter = mcfg.intermediate_size / tp
-    if mode == "selective":
-        return 3 * h + 2 * q + 2 * kv + 2 * inter
-    return 4 * h + 6 * q + 4 * inter
-
-
-def activation_bytes_per_layer(seq: int, micro_batch: int, mcfg: Any, tp: int, dtype: str, mode: str = "none") -> float:
-    """Bytes one decoder layer keeps for one micro-batch (:func:`layer_activation_elements` × tokens × the
-    bytes of an element under ``dtype``)."""
-    return seq * micro_batch * layer_activation_elements(mcfg, tp, mode) * ACTIVATION_BYTES.get(dtype, 4)
-
-
-def head_activation_bytes(seq: int, micro_batch: int, vocab: int, tp: int) -> float:
-    """Bytes the output head keeps for one micro-batch on the last stage: the fp32 logits and their log-softmax."""
-    return 2 * seq * micro_batch * vocab / tp * 4
-
-
-def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once (module docstring)."""
-    if pp == 1:
-        return 1.0
-    if schedule == "afab":
-        return float(m)
-    if schedule == "interleaved_1f1b":
-        return min(m, pp) * (1 + (pp - 1) / (pp * v))
-    return float(min(m, pp))
-
-
 def _raise_for_layout(cfg: Any) -> None:
     errors = check_plan(cfg)
     if errors:
@@ -264,65 +175,10 @@ def _raise_for_layout(cfg: Any) -> None:
 
 def rank_memory(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[str, Any]]:
     """The estimated memory of each rank in ``ranks`` (default: all) of a layout :func:`check_plan` accepts:
-    ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, activations_estimate, total}}``
-    (formulas in the module docstring). Raises PlanError on a bad plan."""
-    from kuangchao_core.models.layout import slices_for_rank
-    from kuangchao_core.models.lora import LoraSettings, lora_regions
-    from kuangchao_core.parallel.mesh import coords_of
-    from kuangchao_core.parallel.pipeline import partition_layers
-
+    ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, autocast_casts,
+    activations_estimate, [gathered_blocks,] total}}`` (``engine.memory_model``). Raises PlanError on a bad plan."""
     _raise_for_layout(cfg)
-    mcfg = _model_config(cfg)
-    par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
-    v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
-    chunks = partition_layers(mcfg.num_layers, pp, v)
-    seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
-    dtype = getattr(getattr(cfg, "train", None), "dtype", "fp32")
-    recompute = getattr(getattr(cfg, "train", None), "activation_checkpointing", "none")
-    act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
-    kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
-    in_flight = micro_batches_in_flight(pp, m, v, par.pipeline_schedule)
-    lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
-    out = []
-    for rank in range(dp * tp * pp) if ranks is None else ranks:
-        dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
-        slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
-        psi = sum(r.numel for r in slices.values())
-        layers = sum(c.end - c.start for c in chunks[pp_rank])
-        last = any(c.has_head for c in chunks[pp_rank])
-        # the engine's ZeRO-3 under PP or with LoRA is ZeRO-2
-        zero = 2 if par.zero_stage == 3 and (pp > 1 or lora is not None) else par.zero_stage
-        if lora is None:
-            state = state_bytes(psi, dp, zero)
-            params, grads, optim = state["params"], state["grads"], state["optimizer"]
-        else:  # a frozen base, whole on every replica; gradients and AdamW state of the adapters only
-            adapters = sum(r.numel for r in lora_regions(slices, lora).values())
-            state = state_bytes(adapters, dp, zero)
-            params = state_bytes(psi, 1, 0)["params"] + state["params"]
-            grads, optim = state["grads"], state["optimizer"]
-            psi += adapters
-        # ZeRO-3 holds whole blocks while they run: the one computing and the one prefetched
-        gathered = 2 * 4 * max(_unit_sizes(slices).values()) if zero == 3 else 0
-        acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)
-        if recompute != "none" and layers:
-            acts += act_layer  # the layer being recomputed in the backward holds all of its activations
-        out.append(
-            {
-                "rank": rank,
-                "coords": {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank},
-                "parameters": psi,
-                "memory_bytes": {
-                    "params": _bytes(params),
-                    "grads": _bytes(grads),
-                    "optimizer": _bytes(optim),
-                    "activations_estimate": _bytes(acts),
-                    **({"gathered_blocks": _bytes(gathered)} if zero == 3 else {}),
-                    "total": _bytes(params + grads + optim + acts + gathered),
-                },
-            }
-        )
-    return out
+    return estimate_ranks(cfg, ranks)
 
 
 def explain_plan(cfg: Any) -> dict[str, Any]:
@@ -415,14 +271,15 @@ def format_plan(plan: dict[str, Any]) -> str:
         )
     else:
         lines.append("no pipeline: no bubble")
-    lines.append("memory per rank (MiB): params / grads / optimizer / activations (rough) / total")
+    lines.append("memory per rank (MiB): params / grads / optimizer / autocast casts / activations (rough) / total")
     for r in plan["ranks"]:
         mem = r["memory_bytes"]
         c = r["coords"]
         lines.append(
             f"  rank {r['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']}): "
             + " / ".join(
-                f"{mem[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "activations_estimate", "total")
+                f"{mem[k] / 2**20:.2f}"
+                for k in ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")
             )
         )
     return "\n".join(lines)

@@ -172,6 +172,7 @@ def fit_problems(par: Any, ranks: list[dict[str, Any]], memory: DeviceMemory) ->
             ("parameters", "params"),
             ("gradients", "grads"),
             ("optimizer state", "optimizer"),
+            ("autocast casts", "autocast_casts"),
             ("activations", "activations_estimate"),
         )
     )

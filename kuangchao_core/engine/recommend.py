@@ -8,10 +8,10 @@ fixed. A layout is rejected when
 - the config schema or :func:`~kuangchao_core.engine.plan.check_plan` refuses it (TP must divide heads, key/value
   heads, vocabulary and MLP width; layers must divide into pp stages; 1F1B needs enough micro-batches; …);
 - its estimated memory on the fullest rank exceeds the usable GPU memory (``usable_fraction`` of it, for the
-  CUDA context and allocator slack): parameters, gradients and optimizer state by
-  :func:`~kuangchao_core.engine.plan.state_bytes` (fp32 or bf16 mixed precision), activations by ``kc plan``'s
-  estimate (:func:`~kuangchao_core.engine.plan.activation_bytes_per_layer`), on the first and the last pipeline
-  stage.
+  CUDA context and allocator slack): the estimate ``kc plan`` prints for that rank
+  (:func:`~kuangchao_core.engine.memory_model.estimate_ranks`: parameters, gradients and optimizer state as the
+  engine allocates them in fp32 or bf16 autocast — ``parallel.state_memory`` — autocast's weight copies,
+  activations), with the job's LoRA and activation checkpointing when a config is given.
 
 The others are ranked by the step time :func:`~kuangchao_core.sched.perf_model.predict_step` predicts (the
 global batch is the same for all, so this is also tokens/s). Only the 1F1B schedule is considered. The model
@@ -27,16 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kuangchao_core.config import config_from_dict
+from kuangchao_core.engine.memory_model import estimate_ranks
 from kuangchao_core.engine.model_shape import model_section_of
-from kuangchao_core.engine.plan import (
-    activation_bytes_per_layer,
-    check_plan,
-    head_activation_bytes,
-    micro_batches_in_flight,
-    state_bytes,
-)
+from kuangchao_core.engine.plan import check_plan
 from kuangchao_core.errors import ConfigError
-from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step, stage_end_params
+from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 GIB = 2**30
@@ -60,37 +55,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def memory_per_rank(model_cfg: Any, layout: Layout, precision: str = "fp32") -> dict[str, float]:
-    """Estimated bytes on the fullest rank (first or last pipeline stage) with the 1F1B schedule."""
-    tp, pp, b, m, seq = (
-        layout.tp,
-        layout.pp,
-        layout.micro_batch_size,
-        layout.gradient_accumulation_steps,
-        layout.seq_len,
-    )
-    act_layer = activation_bytes_per_layer(seq, b, model_cfg, tp, precision)
-    in_flight = micro_batches_in_flight(pp, m, 1, "1f1b")
-    layers = model_cfg.num_layers // pp
-    logits = head_activation_bytes(seq, b, model_cfg.vocab_size, tp)
-    first, last = stage_end_params(model_cfg, tp, pp)
-    best: dict[str, float] = {}
-    for psi, has_head in ((first, pp == 1), (last, True)):
-        mem = state_bytes(psi, layout.dp, layout.zero_stage, precision)
-        mem["activations_estimate"] = act_layer * layers * in_flight + (logits if has_head else 0.0)
-        mem["total"] = sum(mem.values())
-        mem["parameters"] = float(psi)
-        if mem["total"] > best.get("total", -1.0):
-            best = mem
-    return best
-
-
-def _check_layout(model_cfg: Any, layout: Layout, precision: str) -> list[tuple[str, str]]:
-    data = {
+def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[str, Any] | None) -> dict[str, Any]:
+    """The job config (as a dict) of ``layout``: the model, the batch, ``precision`` and what ``carried`` keeps
+    of the user's job (``model.lora``, ``train.activation_checkpointing``: :func:`carried_settings`)."""
+    carried = carried or {}
+    return {
         "task": {"name": "kc-recommend"},
-        "model": model_section_of(model_cfg),
+        "model": {**model_section_of(model_cfg), "lora": carried.get("lora")},
         "data": {"seq_len": layout.seq_len},
-        "train": {"dtype": precision},
+        "train": {"dtype": precision, "activation_checkpointing": carried.get("activation_checkpointing", "none")},
         "parallel": {
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": layout.tp,
@@ -100,11 +73,42 @@ def _check_layout(model_cfg: Any, layout: Layout, precision: str) -> list[tuple[
             "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         },
     }
+
+
+def carried_settings(cfg: Any) -> dict[str, Any]:
+    """What a job config's memory depends on besides the layout and the dtype: ``model.lora`` and
+    ``train.activation_checkpointing`` (every layout :func:`recommend` tries keeps them)."""
+    lora = cfg.model.lora
+    return {
+        "lora": None if lora is None else cfg.to_dict()["model"]["lora"],
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+    }
+
+
+def _fullest(cfg: Any) -> dict[str, float]:
+    """The largest rank of one replica by ``engine.memory_model.estimate_ranks`` (what ``kc plan`` prints); TP
+    rank 0 of each stage stands for its stage (``check_plan`` made TP split every tensor evenly)."""
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    worst = max(estimate_ranks(cfg, [s * tp for s in range(pp)]), key=lambda r: r["memory_bytes"]["total"])
+    return {**worst["memory_bytes"], "parameters": float(worst["parameters"])}
+
+
+def memory_per_rank(
+    model_cfg: Any, layout: Layout, precision: str = "fp32", carried: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Estimated bytes on the fullest rank of ``layout`` (the 1F1B schedule): the memory ``kc plan`` gives that
+    rank (``engine.memory_model``), with its ``parameters``."""
+    return _fullest(config_from_dict(_layout_data(model_cfg, layout, precision, carried)))
+
+
+def _check_layout(
+    model_cfg: Any, layout: Layout, precision: str, carried: dict[str, Any] | None
+) -> tuple[Any, list[tuple[str, str]]]:
     try:
-        cfg = config_from_dict(data)
+        cfg = config_from_dict(_layout_data(model_cfg, layout, precision, carried))
     except ConfigError as exc:
-        return list(exc.errors)
-    return check_plan(cfg, world_size=layout.world_size)
+        return None, list(exc.errors)
+    return cfg, check_plan(cfg, world_size=layout.world_size)
 
 
 def _layout_dict(layout: Layout) -> dict[str, int]:
@@ -116,21 +120,27 @@ def _reason_key(path: str, message: str) -> str:
 
 
 def evaluate_layout(
-    model_cfg: Any, layout: Layout, pool: GpuPool, precision: str = "bf16", method: str = "hierarchical"
+    model_cfg: Any,
+    layout: Layout,
+    pool: GpuPool,
+    precision: str = "bf16",
+    method: str = "hierarchical",
+    carried: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
     """One layout: ``(row, [])`` with its memory per rank and predicted step when it fits, else ``(None, reasons)``
-    as ``(reason key, message)`` pairs (module docstring)."""
-    errors = _check_layout(model_cfg, layout, precision)
+    as ``(reason key, message)`` pairs (module docstring); ``carried``: :func:`carried_settings` of the job."""
+    cfg, errors = _check_layout(model_cfg, layout, precision, carried)
     if errors:
         return None, [(_reason_key(path, message), f"{path}: {message}") for path, message in errors]
-    mem = memory_per_rank(model_cfg, layout, precision)
+    mem = _fullest(cfg)
     if mem["total"] > pool.usable_bytes:
         return None, [
             (
                 "out of memory: estimated memory per rank exceeds the usable GPU memory",
                 f"needs {mem['total'] / GIB:.1f} GiB per rank (states "
-                f"{(mem['params'] + mem['grads'] + mem['optimizer']) / GIB:.1f}, activations "
-                f"{mem['activations_estimate'] / GIB:.1f}) > {pool.usable_bytes / GIB:.1f} GiB usable",
+                f"{(mem['params'] + mem['grads'] + mem['optimizer']) / GIB:.1f}, autocast casts "
+                f"{mem['autocast_casts'] / GIB:.1f}, activations {mem['activations_estimate'] / GIB:.1f}) > "
+                f"{pool.usable_bytes / GIB:.1f} GiB usable",
             )
         ]
     pred = predict_step(model_cfg, layout, pool.cluster, method=method)
@@ -154,12 +164,14 @@ def recommend(
     method: str = "hierarchical",
     top_k: int = 5,
     current: Layout | None = None,
+    carried: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Enumerate, check, estimate and rank the layouts (module docstring); a JSON-ready result.
 
     ``top``: the best ``top_k`` layouts with memory per rank, step time, tokens/s and MFU; ``rejections``: one
     entry per reason (numbers replaced by N) with its count and one example; a layout may fail several checks.
     ``current`` (e.g. the config's layout): reported as ``current`` with its place in the ranking or its reasons.
+    ``carried``: :func:`carried_settings` of the user's job (LoRA, activation checkpointing), kept by every layout.
     """
     if precision not in ("fp32", "bf16"):
         raise ConfigError([("precision", f"must be fp32 or bf16, got {precision!r}")])
@@ -191,7 +203,7 @@ def recommend(
                             f"micro_batch_size {b} = {dp * b}",
                         )
                         continue
-                    row, reasons = evaluate_layout(model_cfg, layout, pool, precision, method)
+                    row, reasons = evaluate_layout(model_cfg, layout, pool, precision, method, carried)
                     for key, message in reasons:
                         reject(key, layout, message)
                     if row is not None:
@@ -221,7 +233,7 @@ def recommend(
         if current.world_size != world:
             row, reasons = None, [("world size", f"needs {current.world_size} GPUs, the cluster has {world}")]
         else:
-            row, reasons = evaluate_layout(model_cfg, current, pool, precision, method)
+            row, reasons = evaluate_layout(model_cfg, current, pool, precision, method, carried)
         result["current"] = {"layout": key, "rank": place, "row": row, "reasons": [m for _, m in reasons]}
     return result
 

@@ -29,6 +29,7 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
+from kuangchao_core.parallel.state_memory import effective_zero_stage
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
@@ -401,11 +402,8 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    stage = int(par.zero_stage)
-    if stage == 3 and (mesh.pp > 1 or par.lora):
-        # pp: per-micro-batch gathers on every stage would multiply the traffic (torchtitan does the same);
-        # LoRA: the frozen base is not sharded, the adapters' state is what ZeRO partitions
-        stage = 2
+    # ZeRO-3 runs as ZeRO-2 under pp and with LoRA (state_memory.effective_zero_stage, which kc plan uses too)
+    stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora))
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression

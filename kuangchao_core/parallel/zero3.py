@@ -43,6 +43,7 @@ from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
+from kuangchao_core.parallel.state_memory import zero_formula
 from kuangchao_core.parallel.weight_decay import apply_decay
 from kuangchao_core.parallel.zero_layout import Bucket, Slot, owned_sum_of_squares, pieces_of
 
@@ -422,7 +423,8 @@ class Zero3Optimizer:
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank held now for parameters (chunks, plus gathered buckets alive), gradient chunks and AdamW
-        state, beside the formulas 4Ψ/N, 4Ψ/N, 8Ψ/N (fp32; padding included in the measured sizes)."""
+        state, beside the formulas 4Ψ/N, 4Ψ/N, 8Ψ/N (fp32; :func:`~kuangchao_core.parallel.state_memory.zero_formula`;
+        padding included in the measured sizes)."""
         psi, n, b = self.numel, self.size, self._item
         gathered = sum(t.numel() for t in (*self._forward_full.values(), *self._backward_full.values()))
         params = (self.flat_shard.numel() + gathered) * b
@@ -440,12 +442,7 @@ class Zero3Optimizer:
             "padded_numel": self.padded_numel,
             "num_buckets": len(self.buckets),
             "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
-            "formula": {
-                "params": b * psi / n,
-                "grads": b * psi / n,
-                "optimizer_state": 2 * b * psi / n,
-                "total": 4 * b * psi / n,
-            },
+            "formula": zero_formula(psi, n, 3, "fp64" if b == 8 else "fp32"),
             "peak_gathered_bytes": self.peak_gathered_bytes,
         }
 

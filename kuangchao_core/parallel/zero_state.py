@@ -20,6 +20,7 @@ import torch
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import CheckpointError
+from kuangchao_core.parallel.state_memory import zero_formula
 
 if TYPE_CHECKING:
     from kuangchao_core.parallel.zero import ZeroOptimizer
@@ -45,9 +46,10 @@ def adamw_step_count(optimizer: torch.optim.Optimizer) -> float:
 def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
     """Bytes per rank held for parameters, gradients and AdamW state: measured tensors and the formulas.
 
-    Formulas (b = 4 bytes per element in fp32, 8 in fp64; Ψ trainable elements, N = DP size): params bΨ, grads bΨ
-    (stage 1) or bΨ/N (stage 2), Adam ``exp_avg`` + ``exp_avg_sq`` 2bΨ/N. Measured sizes include the padding of
-    each bucket to a multiple of N.
+    Formulas: :func:`~kuangchao_core.parallel.state_memory.zero_formula` (the memory model ``kc plan`` and
+    ``kc recommend`` use; b = 4 bytes per element in fp32, 8 in fp64; Ψ trainable elements, N = DP size): params
+    bΨ, grads bΨ (stage 1) or bΨ/N (stage 2), Adam ``exp_avg`` + ``exp_avg_sq`` 2bΨ/N. Measured sizes include the
+    padding of each bucket to a multiple of N.
     """
     psi, n, b = opt.numel, opt.size, opt.item_bytes
     params = opt.flat_params.numel() * b + sum(
@@ -72,12 +74,7 @@ def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
         "padded_numel": opt.padded_numel,
         "num_buckets": len(opt.buckets),
         "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
-        "formula": {
-            "params": b * psi,
-            "grads": b * psi if opt.stage == 1 else b * psi / n,
-            "optimizer_state": 2 * b * psi / n,
-            "total": b * psi + (b * psi if opt.stage == 1 else b * psi / n) + 2 * b * psi / n,
-        },
+        "formula": zero_formula(psi, n, opt.stage, "fp64" if b == 8 else "fp32"),
         "optimizer_state_elements": optim_elems,
         "peak_transient_grad_bytes": opt.peak_transient_grad_bytes,
     }
