@@ -11,6 +11,9 @@ their spread (``benchmarks/_ratios.py``). Memory: the peak bytes tensors allocat
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attention_packed.py [--blocks 8] [--steps 3] [--seqs 512 2048]
 
+Short rows (why ``short_rows_mask`` up to 128 tokens): ``--seqs 64 128 256 --batch 8 --doc-tokens 8 14
+--per-document`` times the per-document path at every length against the dense mask.
+
 Goal (the issue): memory no longer grows with s² (ratio falls as s grows); time ≤ 1× the dense mask on CPU. Ends
 with ``RESULT {json}``.
 """
@@ -57,18 +60,20 @@ def attending_with(fn):
         llama.attend = real
 
 
-def packed_batch(batch: int, seq: int, seed: int = 0):
-    """:class:`Documents` of ``batch`` rows of packed documents, each row its own boundaries."""
+def packed_batch(batch: int, seq: int, seed: int = 0, doc_tokens: tuple[int, int] | None = None):
+    """:class:`Documents` of ``batch`` rows of packed documents (``doc_tokens`` lowest and highest length, default
+    32..s/4), each row its own boundaries."""
     import torch
 
     from kuangchao_core.models.attention import Documents
 
     gen = torch.Generator().manual_seed(seed)
+    lo, hi = doc_tokens or (32, max(32, seq // 4))
     rows = []
     for _ in range(batch):
         lengths, total = [], 0
         while total < seq:
-            n = min(int(torch.randint(32, max(33, seq // 4), (1,), generator=gen)), seq - total)
+            n = min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), seq - total)
             lengths.append(n)
             total += n
         rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
@@ -81,6 +86,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--doc-tokens", type=int, nargs=2, metavar=("LO", "HI"), help="document lengths (32..s/4)")
+    ap.add_argument("--per-document", action="store_true", help="ours: one SDPA call per document at every length")
     args = ap.parse_args()
 
     import torch
@@ -89,6 +96,10 @@ def main() -> None:
     from kuangchao_core.models.llama import PRESETS, LlamaAttention, LlamaForCausalLM
 
     torch.set_num_threads(1)
+    if args.per_document:
+        from kuangchao_core.models import attention
+
+        attention.SHORT_ROW_TOKENS = 0
     cfg = PRESETS["tiny"]
     model = LlamaForCausalLM(cfg)
     model.init_weights(0)
@@ -98,7 +109,7 @@ def main() -> None:
     mem: dict[int, dict[str, int]] = {}
     docs_per_row: dict[int, float] = {}
     for seq in args.seqs:
-        docs = packed_batch(args.batch, seq)
+        docs = packed_batch(args.batch, seq, doc_tokens=args.doc_tokens)
         docs_per_row[seq] = statistics.mean(len(r) for r in docs.spans)
         x = torch.randn(args.batch, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
         x.requires_grad_(True)
@@ -129,7 +140,8 @@ def main() -> None:
     }
     print(
         f"attention layer: hidden {cfg.hidden_size}, {cfg.num_heads} query / {cfg.num_kv_heads} K/V heads, fp32, "
-        f"batch {args.batch}, packed documents of 32..s/4 tokens; forward + backward"
+        f"batch {args.batch}, packed documents of {'..'.join(map(str, args.doc_tokens or (32, 's/4')))} tokens; "
+        f"ours: {'one call per document' if args.per_document else 'the job path'}; forward + backward"
     )
     result: dict = {"memory_ratio": {}, "peak_bytes": {}}
     for seq in args.seqs:

@@ -48,3 +48,17 @@ def first_document_boundary_ignored(trainer):
         llama.Documents = real
 
     return undo
+
+
+def per_document_attention(trainer):
+    """Not a control: rows of any length take the per-document path (``sdpa_documents``), which the short rows of
+    these tests' jobs (at most ``SHORT_ROW_TOKENS`` tokens) would not."""
+    from kuangchao_core.models import attention
+
+    real = attention.SHORT_ROW_TOKENS
+    attention.SHORT_ROW_TOKENS = 0
+
+    def undo():
+        attention.SHORT_ROW_TOKENS = real
+
+    return undo

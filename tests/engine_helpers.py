@@ -349,6 +349,7 @@ SABOTAGE = {
     "mean_of_micro_batch_means": _mean_of_micro_batch_means,
     "stages_without_documents": _stages_without_documents,
     "dense_attention": attention_helpers.dense_attention,
+    "per_document_attention": attention_helpers.per_document_attention,
     "first_document_boundary_ignored": attention_helpers.first_document_boundary_ignored,
 }
 

@@ -2,7 +2,8 @@
 
 The reference is the attention the model had before: K/V repeated with ``repeat_interleave`` for grouped-query
 attention, and a dense (batch, 1, s, s) document mask for packed documents (``tests.engine_helpers.dense_reference_attention``). In float64 the
-new paths (one causal SDPA per document, ``enable_gqa``) equal it to rounding (``FP64_REL`` of tests/tolerances.py:
+new paths (one causal SDPA per document, ``sdpa_documents``; one masked call for rows of at most
+``SHORT_ROW_TOKENS``, ``short_rows_mask``; both ``enable_gqa``) equal it to rounding (``FP64_REL`` of tests/tolerances.py:
 both compute the same softmax sums, blocked differently), for logits and every parameter's gradient, packed and
 unpacked. Negative controls: one document boundary ignored, and K/V heads grouped the wrong way, each differ by at
 least ``NEGATIVE_MIN``. Memory: the attention's peak allocated bytes for packed documents of a fixed length grow
@@ -19,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kuangchao_core.hal.heap import peak_tensor_bytes
-from kuangchao_core.models import llama
-from kuangchao_core.models.attention import Documents, attend, attention_path, job_attention_path
+from kuangchao_core.models import attention, llama
+from kuangchao_core.models.attention import SHORT_ROW_TOKENS, Documents, attend, attention_path, job_attention_path
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
 from tests.attention_helpers import dense_reference_attention as dense_reference
 from tests.fixtures import tiny_llama
@@ -44,11 +45,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_documents_find_boundaries_and_contiguity():
     docs = Documents.from_segment_ids(_segments([[3, 5, 1], [9]]))
     assert docs.spans == (((0, 3), (3, 8), (8, 9)), ((0, 9),))
-    assert docs.contiguous and attention_path(docs) == "sdpa_documents"
+    assert docs.contiguous and attention_path(docs) == "short_rows_mask"
+    long_rows = Documents.from_segment_ids(_segments([[100, SHORT_ROW_TOKENS + 1 - 100]]))
+    assert attention_path(long_rows) == "sdpa_documents"
     back = Documents.from_segment_ids(torch.tensor([[0, 0, 1, 1, 0, 0]]))  # document 0 again after document 1
     assert not back.contiguous and attention_path(back) == "dense_mask"
     assert attention_path(None) == "sdpa_causal"
-    assert job_attention_path(True) == "sdpa_documents" and job_attention_path(False) == "sdpa_causal"
+    assert job_attention_path(True, SHORT_ROW_TOKENS) == "short_rows_mask"
+    assert job_attention_path(True, SHORT_ROW_TOKENS + 1) == "sdpa_documents"
+    assert job_attention_path(False, 64) == "sdpa_causal"
 
 
 @pytest.mark.parametrize(
@@ -58,7 +63,9 @@ def test_documents_find_boundaries_and_contiguity():
         [[5, 11, 3, 13], [32], [1, 30, 1]],  # different boundaries per row (rows grouped, order restored)
     ],
 )
-def test_packed_paths_equal_the_dense_mask_in_fp64(rows):
+@pytest.mark.parametrize("short_row_tokens", [0, SHORT_ROW_TOKENS], ids=["sdpa_documents", "short_rows_mask"])
+def test_packed_paths_equal_the_dense_mask_in_fp64(monkeypatch, rows, short_row_tokens):
+    monkeypatch.setattr(attention, "SHORT_ROW_TOKENS", short_row_tokens)
     seg = _segments(rows)
     q, k, v = _qkv(seg.shape[0], seg.shape[1], grad=True)
     docs = Documents.from_segment_ids(seg)
@@ -98,9 +105,11 @@ def _model_logits_and_grads(model, ids, segment_ids, positions):
     return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("short_row_tokens", [0, SHORT_ROW_TOKENS], ids=["sdpa_documents", "short_rows_mask"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_the_model_equals_its_dense_mask_self_in_fp64(monkeypatch, packed):
+def test_the_model_equals_its_dense_mask_self_in_fp64(monkeypatch, packed, short_row_tokens):
     """The whole model (GQA: 4 query heads, 2 K/V heads), logits and every parameter's gradient."""
+    monkeypatch.setattr(attention, "SHORT_ROW_TOKENS", short_row_tokens)
     model = LlamaForCausalLM(tiny_llama(hidden_size=32, intermediate_size=64, max_seq_len=64))
     model.init_weights(0)
     model.double()
@@ -135,11 +144,11 @@ def _attention_peak(fn, s: int, doc_len: int = 64) -> int:
 
 
 def test_packed_attention_memory_grows_linearly_not_with_s_squared():
-    """Forward and backward of packed documents of 64 tokens at s = 128 and 1024 (8x): the new path's peak bytes
+    """Forward and backward of packed documents of 64 tokens at s = 256 and 2048 (8x): the job's path's peak bytes
     (outputs, gradients and per-document kernel state: O(s)) grow < 12x, between linear (8x) and the geometric
     midpoint of linear and quadratic (22.6x); the dense mask's (O(s²) mask and scores) grow > 32x (s² alone: 64x)."""
-    new = [_attention_peak(attend, s) for s in (128, 1024)]
-    dense = [_attention_peak(dense_reference, s) for s in (128, 1024)]
+    new = [_attention_peak(attend, s) for s in (256, 2048)]
+    dense = [_attention_peak(dense_reference, s) for s in (256, 2048)]
     assert new[1] / new[0] < 12.0, new
     assert dense[1] / dense[0] > 32.0, dense  # negative control: the measurement sees s² where it exists
     assert new[1] < dense[1] / 8, (new, dense)

@@ -51,5 +51,8 @@ def test_a_new_s3_server_starts_with_no_bucket_an_earlier_one_held(monkeypatch):
     with moto_server() as first:
         boto3.client("s3", endpoint_url=first, region_name="us-east-1").create_bucket(Bucket="kc-leak")
     with moto_server() as second:
-        names = [b["Name"] for b in boto3.client("s3", endpoint_url=second, region_name="us-east-1").list_buckets()["Buckets"]]
+        names = [
+            b["Name"]
+            for b in boto3.client("s3", endpoint_url=second, region_name="us-east-1").list_buckets()["Buckets"]
+        ]
     assert "kc-leak" not in names

@@ -136,7 +136,7 @@ class Trainer:
         )
         if rank == 0 and (report := self.sync.memory_report()) is not None:
             log_event(log, "zero memory per rank", **report)
-        self.attention_path = job_attention_path(batches.documents)
+        self.attention_path = job_attention_path(batches.documents, int(run.data.seq_len))
         if rank == 0:
             gqa = self.model_config.num_heads // self.model_config.num_kv_heads
             log_event(log, "attention", path=self.attention_path, gqa_groups=gqa, repeated_kv=False)

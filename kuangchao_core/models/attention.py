@@ -11,6 +11,10 @@ Three paths (:data:`PATHS`), chosen by :func:`attend`:
   the sequence, so no (s, s) tensor exists and the same fused kernels run per document. Rows with the same
   boundaries run batched; the outputs are concatenated back in place. Under ``train.compile`` this loop runs
   outside the compiled graph (traced, the boundaries would be graph constants: a recompilation per batch).
+- ``short_rows_mask``: packed documents in rows of at most :data:`SHORT_ROW_TOKENS` tokens. One SDPA call with the
+  rows' (s, s) document mask: at most 16 KiB of mask per row, whatever the model's sequence length elsewhere, and
+  1.9-5.5x faster there than one call per document (the demo's rows of 64 tokens hold ~6 problems each; measured
+  below).
 - ``dense_mask``: the (batch, 1, s, s) boolean mask of :func:`document_mask`, kept only for segment ids that are not
   contiguous runs (a document id that reappears after another document), which no fused causal call can express.
 
@@ -31,7 +35,12 @@ measures the chosen path against the dense mask in the engine's layer):
 - SDPA per document: 6.7e-16 from the dense path in fp64; forward+backward 51 ms vs 205 ms (s=512) and 404 ms vs
   4.1 s (s=2048) in fp64, 32 ms vs 57 ms and 249 ms vs 1.26 s in fp32; peak allocated bytes 2.5 MiB vs 8.0 MiB
   (s=512) and 10 MiB vs 80 MiB (s=2048) in fp64 — linear in s where the dense mask grows with s².
-  Its cost is one kernel launch per document and row group, which matters only for many very short documents.
+  Its cost is one kernel launch per document and row group, which matters for many very short documents: with
+  documents of 8-14 tokens (the demo's rows of 64 tokens hold ~6 problems), b=8, fp32, forward+backward of the
+  tiny preset's attention layer, one call per document took 5.5x the dense mask's time at s=64 (IQR 4.6-19),
+  1.9x at s=128 and 1.6x at s=256 (``benchmarks/attention_packed.py --seqs 64 128 256 --batch 8 --doc-tokens 8 14
+  --per-document``). Hence ``short_rows_mask`` up to 128 tokens, where the mask costs at most 16 KiB per row;
+  beyond, the dense mask's bytes grow with s² and the per-document path is kept.
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ import torch
 import torch.nn.functional as F
 
 #: the attention paths, in the words the job reports (:func:`attention_path`)
-PATHS = ("sdpa_causal", "sdpa_documents", "dense_mask")
+PATHS = ("sdpa_causal", "sdpa_documents", "short_rows_mask", "dense_mask")
+#: packed rows up to this many tokens take one masked call (``short_rows_mask``), longer ones one call per document
+SHORT_ROW_TOKENS = 128
 
 
 def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -88,7 +99,9 @@ def attention_path(documents: Documents | None) -> str:
     """Which of :data:`PATHS` :func:`attend` takes for ``documents`` (None: no packed documents)."""
     if documents is None:
         return "sdpa_causal"
-    return "sdpa_documents" if documents.contiguous else "dense_mask"
+    if not documents.contiguous:
+        return "dense_mask"
+    return "short_rows_mask" if documents.segment_ids.shape[-1] <= SHORT_ROW_TOKENS else "sdpa_documents"
 
 
 @torch.compiler.disable
@@ -135,10 +148,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documen
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if path == "sdpa_documents":
         return _per_document(q, k, v, documents)
-    return dense_attention(q, k, v, documents.segment_ids)
+    return dense_attention(q, k, v, documents.segment_ids)  # short_rows_mask and dense_mask
 
 
-def job_attention_path(packed_documents: bool) -> str:
-    """The path a job's batches take: ``sdpa_documents`` with ``data.packing: documents`` (the packer's segments
-    are contiguous runs), else ``sdpa_causal``."""
-    return "sdpa_documents" if packed_documents else "sdpa_causal"
+def job_attention_path(packed_documents: bool, seq_len: int) -> str:
+    """The path a job's batches of ``seq_len`` tokens take: with ``data.packing: documents`` (the packer's segments
+    are contiguous runs) ``short_rows_mask`` up to :data:`SHORT_ROW_TOKENS` tokens, else ``sdpa_documents``;
+    ``sdpa_causal`` without packed documents."""
+    if not packed_documents:
+        return "sdpa_causal"
+    return "short_rows_mask" if seq_len <= SHORT_ROW_TOKENS else "sdpa_documents"
