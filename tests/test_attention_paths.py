@@ -167,3 +167,16 @@ def test_activation_checkpointing_recomputes_packed_attention_exactly(mode):
     model.activation_checkpointing = mode
     _, recomputed = _model_logits_and_grads(model, ids, seg, None)
     assert all(torch.equal(recomputed[n], plain[n]) for n in plain)
+
+
+def test_a_worker_that_does_not_compile_never_imports_dynamo():
+    """Importing dynamo costs every worker process seconds; only ``train.compile`` needs it (``compile_layers``
+    makes the per-document loop eager then)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, kuangchao_core.engine.worker, kuangchao_core.engine.trainer; print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

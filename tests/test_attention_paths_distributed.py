@@ -64,7 +64,7 @@ def test_tp2_and_pp2_attention_equals_the_dense_mask_in_fp64(tmp_path):
 def test_compiled_layers_do_not_recompile_for_new_document_boundaries(monkeypatch, short_row_tokens):
     """``train.compile``: the per-document attention runs outside the graph, so batches with new document boundaries
     reuse the compiled graphs (dynamo's ``eager`` backend: the same tracing and guards as inductor, without its
-    compile time) and give the eager layer's output. Without ``torch.compiler.disable`` the spans become graph
+    compile time) and give the eager layer's output. Without ``keep_documents_out_of_graphs`` the spans become graph
     constants and every new set of boundaries compiles again (one more graph per batch, then the eager fallback).
     The short rows' masked call is traced whole: its mask is computed from the segment ids in the graph."""
     import random
@@ -78,6 +78,7 @@ def test_compiled_layers_do_not_recompile_for_new_document_boundaries(monkeypatc
     from tests.fixtures import tiny_llama
 
     monkeypatch.setattr(attention, "SHORT_ROW_TOKENS", short_row_tokens)
+    attention.keep_documents_out_of_graphs()  # as compile_layers does before it compiles
 
     torch._dynamo.reset()
     counters.clear()
@@ -88,13 +89,24 @@ def test_compiled_layers_do_not_recompile_for_new_document_boundaries(monkeypatc
     h = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
     cos, sin = model.rotary(32, h.device, h.dtype)
     rng = random.Random(0)
-    graphs = []
-    for _ in range(8):
-        seg = torch.zeros(2, 32, dtype=torch.long)
-        for cut in rng.sample(range(1, 32), 3):
-            seg[:, cut:] += 1
-        docs = Documents.from_segment_ids(seg)
-        assert torch.allclose(compiled(h, cos, sin, docs), layer(h, cos, sin, docs), rtol=0, atol=1e-6)
-        graphs.append(counters["stats"]["unique_graphs"])
+
+    def graphs_per_batch(compiled, batches: int) -> list[int]:
+        graphs = []
+        for _ in range(batches):
+            seg = torch.zeros(2, 32, dtype=torch.long)
+            for cut in rng.sample(range(1, 32), 3):
+                seg[:, cut:] += 1
+            docs = Documents.from_segment_ids(seg)
+            assert torch.allclose(compiled(h, cos, sin, docs), layer(h, cos, sin, docs), rtol=0, atol=1e-6)
+            graphs.append(counters["stats"]["unique_graphs"])
+        return graphs
+
+    graphs = graphs_per_batch(compiled, 8)
     assert graphs[1] == graphs[-1], graphs  # nothing compiled after the second batch
+    if short_row_tokens == 0:  # negative control: the loop traced into the graph compiles again for new boundaries
+        monkeypatch.setattr(attention, "_per_document_call", attention._per_document)
+        torch._dynamo.reset()
+        counters.clear()
+        traced = graphs_per_batch(torch.compile(layer, backend="eager"), 3)
+        assert traced[2] > traced[1], traced
     torch._dynamo.reset()

@@ -10,7 +10,8 @@ Three paths (:data:`PATHS`), chosen by :func:`attend`:
   to the host once per forward and shared by every layer); each document is one causal SDPA call on its slice of
   the sequence, so no (s, s) tensor exists and the same fused kernels run per document. Rows with the same
   boundaries run batched; the outputs are concatenated back in place. Under ``train.compile`` this loop runs
-  outside the compiled graph (traced, the boundaries would be graph constants: a recompilation per batch).
+  outside the compiled graph (traced, the boundaries would be graph constants: a recompilation per batch;
+  :func:`keep_documents_out_of_graphs`).
 - ``short_rows_mask``: packed documents in rows of at most :data:`SHORT_ROW_TOKENS` tokens. One SDPA call with the
   rows' (s, s) document mask: at most 16 KiB of mask per row, whatever the model's sequence length elsewhere, and
   1.9-5.5x faster there than one call per document (the demo's rows of 64 tokens hold ~6 problems each; measured
@@ -104,10 +105,7 @@ def attention_path(documents: Documents | None) -> str:
     return "short_rows_mask" if documents.segment_ids.shape[-1] <= SHORT_ROW_TOKENS else "sdpa_documents"
 
 
-@torch.compiler.disable
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
-    # runs eagerly under ``train.compile``: traced, the spans would be constants of the graph (a recompilation for
-    # every new set of document boundaries); each SDPA call is a fused kernel either way
     groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
     for row, spans in enumerate(documents.spans):
         groups.setdefault(spans, []).append(row)
@@ -133,6 +131,20 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
     return torch.cat(outs, dim=0).index_select(0, inverse.to(q.device))
 
 
+#: what :func:`attend` calls for ``sdpa_documents`` (:func:`keep_documents_out_of_graphs` swaps in the eager one)
+_per_document_call = _per_document
+
+
+def keep_documents_out_of_graphs() -> None:
+    """Make the per-document loop run eagerly inside compiled code (:func:`torch.compiler.disable`): traced, the
+    spans would be constants of the graph, a recompilation for every new set of document boundaries. Call it before
+    ``torch.compile`` of the layers (``models.compile.compile_layers`` does); kept out of import time because
+    ``torch.compiler.disable`` imports dynamo (seconds in every worker process that never compiles)."""
+    global _per_document_call
+    if _per_document_call is _per_document:
+        _per_document_call = torch.compiler.disable(_per_document)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """Causal attention within documents through the dense :func:`document_mask` (the ``dense_mask`` path)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(segment_ids), enable_gqa=True)
@@ -147,7 +159,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documen
     if path == "sdpa_causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if path == "sdpa_documents":
-        return _per_document(q, k, v, documents)
+        return _per_document_call(q, k, v, documents)
     return dense_attention(q, k, v, documents.segment_ids)  # short_rows_mask and dense_mask
 
 

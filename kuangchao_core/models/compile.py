@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kuangchao_core.models.attention import keep_documents_out_of_graphs
 from kuangchao_core.parallel.tensor import ColumnParallelLinear, ReplicatedHeadsLinear, tp_size_of
 
 log = logging.getLogger("kuangchao.models.compile")
@@ -101,6 +102,7 @@ def compile_layers(model: nn.Module, backend: str = "inductor", report: bool = F
     compiled. ``report``: this process logs the compile time once, after its first backward pass through them
     (give it to rank 0)."""
     CLOCK.install()
+    keep_documents_out_of_graphs()
     layers = [layer for layer in model.model.layers if not isinstance(layer, nn.Identity)]
     for layer in layers:
         keep_collectives_eager(layer)
