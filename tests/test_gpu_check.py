@@ -51,10 +51,11 @@ def test_a_worker_that_fails_is_reported_with_its_error_not_waited_for(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path):
+def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_api):
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PREFECT_API_URL", None)  # kc train starts its own temporary Prefect server, as on a fresh machine
+    # the session's Prefect server: a temporary one per kc train costs 10-30 s here and is the same flow code
+    # (tests/test_startup.py and make demo start kc train without one)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_API_URL": prefect_api}
     proc = subprocess.run(
         [sys.executable, str(CHECK), "--smoke", "--out", str(out)],
         cwd=ROOT,
