@@ -73,6 +73,14 @@ def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_
     assert math.isfinite(result["bf16_vs_fp32"]["max_rel_loss_diff"])
     assert all(result["llama_1b_step"][side]["tokens_per_s"] > 0 for side in ("ours", "peer"))
 
+    # (f) packed-document attention: the short row takes one masked call, the longer one a call per document; the
+    # figures are the CPU's (tiny heads), only their sanity is checked
+    packed = result["packed_attention"]
+    assert (packed["s64"]["path"], packed["s256"]["path"]) == ("short_rows_mask", "sdpa_documents")
+    for seq in ("s64", "s256"):
+        assert packed[seq]["documents"] >= 2 and min(packed[seq]["peak_bytes"].values()) > 0
+        assert 0 < packed[seq]["ratio"]["ratio_vs_peer"] < math.inf
+
     engine = result["engine"]
     # (c) a real kc train of the job file the check wrote, through the flow, compiled, bf16
     run = engine["kc_train"]

@@ -19,8 +19,12 @@ fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
     peak memory against ``kc plan``'s estimate; its loss against an fp32 run of the same job; a 2-process Gloo job
     on CUDA tensors (both ranks on the one GPU) against one process.
 
-Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (c)-(e) ~6 min (itemised in
-``engine_check.py``); ``--budget-s`` (600) bounds the engine sections, which skip what no longer fits and say so.
+(f) **packed-document attention** (``attention_check.py``, under ``packed_attention``): the path a packed job takes
+    (per-document fused SDPA, no dense mask) against the dense document mask at s = 2048 and 8192, Llama-1B's
+    attention heads in bf16: step time ratio and peak memory of each.
+
+Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (c)-(e) ~6 min
+(itemised in ``engine_check.py``, run last); ``--budget-s`` (600) bounds the engine sections, which skip what no longer fits and say so.
 ``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache.
 
 Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
@@ -297,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{side}: {r['params'] / 1e9:.3f} B params, {r['step_s'] * 1e3:.1f} ms/step, "
             f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak memory {mem}"
         )
+    from attention_check import attention_check
+
+    result["packed_attention"] = attention_check(device, args.smoke)
     out = Path(args.out)
     if not args.skip_engine:
         _release(device)
