@@ -63,7 +63,12 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
         "task": {"name": "kc-recommend"},
         "model": {**model_section_of(model_cfg), "lora": carried.get("lora")},
         "data": {"seq_len": layout.seq_len},
-        "train": {"dtype": precision, "activation_checkpointing": carried.get("activation_checkpointing", "none")},
+        "train": {
+            "dtype": precision,
+            # bf16 parameters (fp32 master weights) only go with bf16 compute
+            "param_dtype": carried.get("param_dtype", "fp32") if precision == "bf16" else "fp32",
+            "activation_checkpointing": carried.get("activation_checkpointing", "none"),
+        },
         "parallel": {
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": layout.tp,
@@ -76,12 +81,13 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
 
 
 def carried_settings(cfg: Any) -> dict[str, Any]:
-    """What a job config's memory depends on besides the layout and the dtype: ``model.lora`` and
-    ``train.activation_checkpointing`` (every layout :func:`recommend` tries keeps them)."""
+    """What a job config's memory depends on besides the layout and the dtype: ``model.lora``,
+    ``train.activation_checkpointing`` and ``train.param_dtype`` (every layout :func:`recommend` tries keeps them)."""
     lora = cfg.model.lora
     return {
         "lora": None if lora is None else cfg.to_dict()["model"]["lora"],
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        "param_dtype": cfg.train.param_dtype,
     }
 
 
