@@ -13,6 +13,8 @@ bf16 spacing is 2^-7 ≈ 0.008 > lr) the update leaves the bound.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -26,6 +28,7 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     parameters updated in place, the negative control); ``round_loaded`` resumes from the checkpoint's weights
     rounded to bf16 (a checkpoint without the masters). Returns losses, the model's parameters and dtypes."""
     from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.comm import primitives as P
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
     from kuangchao_core.perm import guard_api
@@ -37,6 +40,16 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
         cfg = job["cfg"]
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
         trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world_group(), mesh)
+        reduced: set[str] = set()
+        if job.get("record_reduce"):  # the dtypes summed over the DP group (gradient buckets)
+            real = P.all_reduce
+
+            def recording(tensor, group=None, *a, _mesh=mesh, _seen=reduced, _real=real, **k):
+                if group is not None and group is _mesh.dp_group and tensor.numel() > 1:
+                    _seen.add(str(tensor.dtype))
+                return _real(tensor, group, *a, **k)
+
+            P.all_reduce = recording
         if job.get("in_place"):
             step, masters = trainer.sync.step, trainer.sync.masters
 
@@ -68,9 +81,14 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
                 return result
 
             trainer.train_step = counted
-        state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
+        try:
+            state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
+        finally:
+            if job.get("record_reduce"):
+                P.all_reduce = real
         with trainer.sync.full_parameters():
-            masters = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+            masters = {n: p.detach().float().numpy().copy() for n, p in trainer.model.named_parameters()}
+            saved = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
         out.append(
             {
                 "losses": list(state.losses),
@@ -78,8 +96,10 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
                 "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
                 "master_dtypes": sorted({str(p.dtype) for g in trainer.sync.param_groups for p in g["params"]}),
                 "masters": masters,
+                "saved_dtypes": saved,  # what checkpoints save of the trainable parameters
                 "initial": initial,
                 "gathered_bytes": gathered[0],
+                "reduced_dtypes": sorted(reduced),
                 "state_dtypes": sorted({str(t.dtype) for t in trainer.sync.state_tensors()}),
             }
         )
@@ -122,7 +142,7 @@ def test_bf16_params_track_fp32_and_the_masters_keep_what_in_place_bf16_loses(tm
     fp32, bf16p, in_place = run_distributed(_run, 1, args=(jobs,), timeout=300)[0]
     assert bf16p["param_dtypes"] == ["torch.bfloat16"] and bf16p["master_dtypes"] == ["torch.float32"]
     assert bf16p["state_dtypes"] == ["torch.float32"]
-    assert all(v.dtype == np.float32 for v in bf16p["masters"].values())
+    assert bf16p["saved_dtypes"] == ["torch.float32"]
     assert bf16p["losses"] != fp32["losses"]  # it did compute in bf16
     assert _max_rel(bf16p["losses"], fp32["losses"]) <= BF16_REL
     assert bf16p["losses"][-1] < 0.75 * bf16p["losses"][0]  # and it trains
@@ -132,3 +152,100 @@ def test_bf16_params_track_fp32_and_the_masters_keep_what_in_place_bf16_loses(tm
     for name, master in bf16p["masters"].items():
         rounded = torch.from_numpy(master).to(torch.bfloat16).float().numpy()
         assert np.array_equal(bf16p["params"][name], rounded), name
+
+
+LORA = {"rank": 4, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+LAYOUTS = {
+    "dp2": {"data_parallel_size": 2},
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
+    "dp2_zero1": {"data_parallel_size": 2, "zero_stage": 1},
+    "dp2_zero2": {"data_parallel_size": 2, "zero_stage": 2},
+    "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
+}
+
+
+def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(tmp_path):
+    """Every layout of bf16 parameters tracks the fp32 run (dp2, which equals one process) within the bound; the
+    LoRA adapters track fp32 LoRA; gradients are reduced in fp32 unless ``grad_reduce_dtype: bf16``; ZeRO-3's
+    gathers during the steps, counted by the comm layer, are half of an fp32 ZeRO-3 run's."""
+    steps = 4
+    lora_model = {"model": {"preset": "tiny", "num_layers": 2, "lora": LORA}}
+    jobs = {
+        "fp32": {"cfg": _job(tmp_path, "fp32", steps, "fp32", "fp32", parallel=LAYOUTS["dp2"])},
+        "fp32_zero3": {"cfg": _job(tmp_path, "fp32z3", steps, "fp32", "fp32", parallel=LAYOUTS["dp2_zero3"])},
+        "fp32_lora": {"cfg": _job(tmp_path, "fp32l", steps, "fp32", "fp32", parallel=LAYOUTS["dp2"], **lora_model)},
+        **{name: {"cfg": _job(tmp_path, name, steps, parallel=par)} for name, par in LAYOUTS.items()},
+        "dp2_zero1_lora": {"cfg": _job(tmp_path, "lora", steps, parallel=LAYOUTS["dp2_zero1"], **lora_model)},
+        "dp2_reduce_bf16": {
+            "cfg": _job(tmp_path, "r16", steps, parallel={"data_parallel_size": 2, "grad_reduce_dtype": "bf16"})
+        },
+    }
+    jobs["fp32_zero3"]["count_gathers"] = jobs["dp2_zero3"]["count_gathers"] = True
+    for job in jobs.values():
+        job["record_reduce"] = True
+    per_rank = run_distributed(_run, 2, args=(list(jobs.values()),), timeout=400)
+    res = dict(zip(jobs, per_rank[0], strict=True))
+    for name in [*LAYOUTS, "dp2_reduce_bf16"]:
+        got = res[name]
+        assert got["losses"] != res["fp32"]["losses"], name
+        assert _max_rel(got["losses"], res["fp32"]["losses"]) <= BF16_REL, name
+        assert got["param_dtypes"] == ["torch.bfloat16"] and got["master_dtypes"] == ["torch.float32"], name
+    lora = res["dp2_zero1_lora"]
+    assert _max_rel(lora["losses"], res["fp32_lora"]["losses"]) <= BF16_REL
+    assert lora["param_dtypes"] == ["torch.bfloat16"] and lora["master_dtypes"] == ["torch.float32"]
+    assert res["dp2"]["reduced_dtypes"] == ["torch.float32"]
+    assert res["dp2_reduce_bf16"]["reduced_dtypes"] == ["torch.bfloat16"]  # the control: the hook sees it
+    fp32_bytes, bf16_bytes = res["fp32_zero3"]["gathered_bytes"], res["dp2_zero3"]["gathered_bytes"]
+    assert fp32_bytes > 0 and bf16_bytes * 2 == fp32_bytes, (bf16_bytes, fp32_bytes)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(np.array_equal(a["masters"][k], b["masters"][k]) for k in a["masters"])
+
+
+def test_checkpoints_hold_the_fp32_masters_resume_bitwise_and_export_the_asked_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    from kuangchao_core.ckpt.convert import export_hf
+    from kuangchao_core.ckpt.index import CheckpointIndex
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    names, jobs = [], []
+    for layout in ("dp2_zero1", "dp2_zero3"):
+        full, stop = (_job(tmp_path, f"{layout}-{n}", 6, interval=3, parallel=LAYOUTS[layout]) for n in ("a", "b"))
+        names += [f"{layout}-full", f"{layout}-stop", f"{layout}-resumed"]
+        jobs += [{"cfg": full}, {"cfg": stop, "max_steps": 3}, {"cfg": stop, "resume": "auto"}]
+    broken = _job(tmp_path, "broken", 6, interval=3, parallel=LAYOUTS["dp2_zero1"])
+    names += ["control-stop", "control-resumed"]  # resumed from the checkpoint's weights rounded to bf16
+    jobs += [{"cfg": broken, "max_steps": 3}, {"cfg": broken, "resume": "auto", "round_loaded": True}]
+    res = dict(zip(names, run_distributed(_run, 2, args=(jobs,), timeout=400)[0], strict=True))
+    for layout in ("dp2_zero1", "dp2_zero3"):
+        full, resumed = res[f"{layout}-full"], res[f"{layout}-resumed"]
+        assert resumed["losses"][:3] == full["losses"][:3]  # the first attempt's steps, from the checkpoint
+        assert _same(resumed, full), layout
+        assert all(np.array_equal(resumed["params"][k], v) for k, v in full["params"].items()), layout
+    assert res["control-resumed"]["losses"][:3] == res["dp2_zero1-full"]["losses"][:3]
+    assert res["control-resumed"]["losses"][3:] != res["dp2_zero1-full"]["losses"][3:]  # the masters matter
+    # the checkpoint of step 3 holds the fp32 masters, not their bf16 rounding
+    (step_dir,) = (tmp_path / "dp2_zero1-b" / "ckpt").glob("**/step_*3")
+    stop = res["dp2_zero1-stop"]["masters"]
+    previous = install_guard(AllowAll())  # offline reads, as `kc checkpoint convert` does them
+    try:
+        index = CheckpointIndex.open(step_dir)
+        saved = {k.removeprefix("param."): index.read(k) for k in index.keys() if k.startswith("param.")}
+        index.close()
+        exports = {d: load_file(str(export_hf(step_dir, tmp_path / f"hf-{d}", d) / "model.safetensors")) for d in ("fp32", "bf16")}
+    finally:
+        install_guard(previous)
+    assert set(saved) == set(stop)
+    assert {str(t.dtype) for t in saved.values()} == {"torch.float32"}
+    assert all(np.array_equal(saved[k].numpy(), v) for k, v in stop.items())
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in saved.values())  # not bf16 values
+    for dtype, torch_dtype, name in (("fp32", torch.float32, "float32"), ("bf16", torch.bfloat16, "bfloat16")):
+        weights = exports[dtype]
+        assert {t.dtype for t in weights.values()} == {torch_dtype}
+        assert json.loads((tmp_path / f"hf-{dtype}" / "config.json").read_text())["torch_dtype"] == name
+        head = saved["lm_head.weight"] if "lm_head.weight" in saved else saved["model.embed_tokens.weight"]
+        key = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        assert torch.equal(weights[key], head.to(torch_dtype))  # rounded once, from the master
