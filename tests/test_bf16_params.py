@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from kuangchao_core.config.settings import run_settings
+from kuangchao_core.errors import ConfigError
 from tests.engine_helpers import tiny_job
 from tests.mp import run_distributed
 
@@ -127,7 +129,10 @@ BF16_REL = 0.02  # 5u
 
 def _update_error(run: dict, ref: dict) -> float:
     """‖Δw_run − Δw_ref‖ / ‖Δw_ref‖ over every parameter, Δw = final master − initial."""
-    num = sum(np.sum(((run["masters"][k] - run["initial"][k]) - (ref["masters"][k] - ref["initial"][k])) ** 2) for k in ref["masters"])
+    num = sum(
+        np.sum(((run["masters"][k] - run["initial"][k]) - (ref["masters"][k] - ref["initial"][k])) ** 2)
+        for k in ref["masters"]
+    )
     den = sum(np.sum((ref["masters"][k] - ref["initial"][k]) ** 2) for k in ref["masters"])
     return float(np.sqrt(num / den))
 
@@ -235,7 +240,10 @@ def test_checkpoints_hold_the_fp32_masters_resume_bitwise_and_export_the_asked_d
         index = CheckpointIndex.open(step_dir)
         saved = {k.removeprefix("param."): index.read(k) for k in index.keys() if k.startswith("param.")}
         index.close()
-        exports = {d: load_file(str(export_hf(step_dir, tmp_path / f"hf-{d}", d) / "model.safetensors")) for d in ("fp32", "bf16")}
+        exports = {
+            d: load_file(str(export_hf(step_dir, tmp_path / f"hf-{d}", d) / "model.safetensors"))
+            for d in ("fp32", "bf16")
+        }
     finally:
         install_guard(previous)
     assert set(saved) == set(stop)
@@ -249,3 +257,17 @@ def test_checkpoints_hold_the_fp32_masters_resume_bitwise_and_export_the_asked_d
         head = saved["lm_head.weight"] if "lm_head.weight" in saved else saved["model.embed_tokens.weight"]
         key = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         assert torch.equal(weights[key], head.to(torch_dtype))  # rounded once, from the master
+
+
+@pytest.mark.parametrize(
+    "sections, says",
+    [
+        ({"train": {"param_dtype": "bf16", "dtype": "fp32"}}, "need train.dtype bf16"),
+        ({"train": {"param_dtype": "bf16", "dtype": "fp16"}}, "need train.dtype bf16"),
+        ({"train": {"param_dtype": "bf16", "dtype": "bf16"}, "parallel": {"grad_compression": "topk"}}, "topk"),
+    ],
+)
+def test_unsupported_combinations_are_config_errors_naming_the_field(sections, says, tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        tiny_job(str(tmp_path), **sections)
+    assert [p for p, m in exc.value.errors if says in m] == ["train.param_dtype"], exc.value.errors

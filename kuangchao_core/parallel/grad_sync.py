@@ -271,7 +271,7 @@ class ShardedAdamW:
         self.norm_weight = norm_weight
         named = _trainable(model)
         self.names = [n for n, _ in named]
-        no_decay = [n for n, p in named if not decays(n, p.shape, exclude)]
+        hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
         self.optimizer: Any
         zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
         if stage == 3:
@@ -281,9 +281,9 @@ class ShardedAdamW:
                 if getattr(model, "activation_checkpointing", "none") != "none"
                 else []
             )
-            self.optimizer = zero3(model, units, mesh.dp_group, recomputed, no_decay=no_decay, **hyper)
+            self.optimizer = zero3(model, units, mesh.dp_group, recomputed, **hyper)
         else:
-            self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, no_decay=no_decay, **hyper)
+            self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -59,7 +59,9 @@ def master_grad_sync(par: Any, model: torch.nn.Module, mesh: Any, norm_weight: d
         classes = (MasterZeroOptimizer, MasterZero3Optimizer)
         sync = ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
     else:
-        sync = MasterReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude)
+        sync = MasterReplicatedAdamW(
+            model, mesh, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude
+        )
     to_bf16_parameters(model)
     return sync
 

@@ -77,7 +77,9 @@ class MasterZeroOptimizer(ZeroOptimizer):
         return self.master[self._master_offsets[b] : self._master_offsets[b] + self.buckets[b].chunk]
 
     def _grad_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shard[off : off + bk.chunk] for off, bk in zip(self._master_offsets, self.buckets)]
+        return [
+            self.grad_shard[off : off + bk.chunk] for off, bk in zip(self._master_offsets, self.buckets, strict=True)
+        ]
 
     def _broadcast_params(self) -> None:
         """Done in :meth:`_build_layout` (the fp32 values, before the masters are cut)."""
@@ -150,12 +152,16 @@ class MasterZeroOptimizer(ZeroOptimizer):
         fp32 bucket alive; the fp32 moments and masters as ``optimizer_state`` — beside
         :func:`~kuangchao_core.parallel.state_memory.zero_formula` for bf16 parameters."""
         params = self.flat_params.numel() * self.flat_params.element_size()
-        grads = self.grad_shard.numel() * self._item + sum(x.numel() * self._item for x in self.transient_grad_buffers())
+        grads = self.grad_shard.numel() * self._item + sum(
+            x.numel() * self._item for x in self.transient_grad_buffers()
+        )
         if self.stage == 1:
             grads += self.flat_grads.numel() * self.flat_grads.element_size()
         else:
             grads += sum(p.grad.numel() * p.grad.element_size() for _, p in self._named if p.grad is not None)
-        moments = sum(st[k].numel() * st[k].element_size() for st in self.optimizer.state.values() for k in STATE_KEYS if k in st)
+        moments = sum(
+            st[k].numel() * st[k].element_size() for st in self.optimizer.state.values() for k in STATE_KEYS if k in st
+        )
         optim = moments + self.master.numel() * self._item
         return {
             "stage": self.stage,
