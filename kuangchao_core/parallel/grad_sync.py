@@ -402,7 +402,7 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 
-        return master_grad_sync(par, model, mesh, norm_weight, hyper, stage)
+        return master_grad_sync(par, model, mesh, norm_weight, hyper, stage, ShardedAdamW)
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression

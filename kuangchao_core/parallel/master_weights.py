@@ -47,17 +47,19 @@ def to_bf16_parameters(model: torch.nn.Module) -> None:
             p.data = p.data.to(PARAM_DTYPE)
 
 
-def master_grad_sync(par: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict, hyper: dict, stage: int) -> Any:
-    """The GradSync of a bf16-parameter job at ZeRO ``stage`` (0 replicated, 1/2/3 sharded), built while ``model``
-    is still fp32 (its values become the masters); afterwards the model's parameters are bf16."""
-    from kuangchao_core.parallel.grad_sync import ShardedAdamW
+def master_grad_sync(
+    par: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict, hyper: dict, stage: int, sharded: type
+) -> Any:
+    """The GradSync of a bf16-parameter job at ZeRO ``stage`` (0 replicated, 1/2/3 sharded: ``sharded`` is
+    ``grad_sync.ShardedAdamW``, passed in because grad_sync imports this module), built while ``model`` is still
+    fp32 (its values become the masters); afterwards the model's parameters are bf16."""
     from kuangchao_core.parallel.zero3_master import MasterZero3Optimizer
     from kuangchao_core.parallel.zero_master import MasterZeroOptimizer
 
     exclude = tuple(par.weight_decay_exclude)
     if stage:
         classes = (MasterZeroOptimizer, MasterZero3Optimizer)
-        sync = ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
+        sync = sharded(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
     else:
         sync = MasterReplicatedAdamW(
             model, mesh, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude
@@ -75,12 +77,10 @@ class MasterReplicatedAdamW:
     """
 
     def __init__(self, model, mesh, norm_weight, hyper: dict, bucket_mb: float, reduce_dtype: str, exclude=()):
-        from kuangchao_core.parallel.grad_sync import _trainable
-
         self.model = model
         self.mesh = mesh
         self.norm_weight = norm_weight
-        self.named = _trainable(model)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.masters = {n: torch.nn.Parameter(p.detach().to(MASTER_DTYPE).clone()) for n, p in self.named}
         to_bf16_parameters(model)
         compressor = make_compressor("bf16", 0.0, 0) if reduce_dtype == "bf16" and mesh.dp > 1 else None
@@ -133,10 +133,15 @@ class MasterReplicatedAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """See :meth:`GradSync.clip_grad_norm` (the global norm of the fp32 gradients over tp and pp)."""
-        from kuangchao_core.parallel.grad_sync import _apply_clip, _sum_over
-
-        total = _sum_over(self.grad_norm_sq(), self.mesh.tp_group, self.mesh.pp_group).sqrt()
-        _apply_clip(self.local_grads(), total.to(MASTER_DTYPE), max_norm)
+        total = self.grad_norm_sq()
+        for group in (self.mesh.tp_group, self.mesh.pp_group):
+            if group is not None and group.size > 1:
+                comm.all_reduce(total, group=group, op="sum")
+        total = total.sqrt()
+        if max_norm > 0:  # as grad_sync's clipping: x1 leaves a gradient bitwise unchanged
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to(MASTER_DTYPE)
+            for g in self.local_grads():
+                g.mul_(coef)
         return total
 
     @torch.no_grad()
@@ -163,15 +168,13 @@ class MasterReplicatedAdamW:
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The first DP replica's AdamW moments (fp32), sliced like the parameters."""
-        from kuangchao_core.parallel.grad_sync import ADAM_KEYS
-
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
         if self.mesh.dp_rank != 0:
             return tensors, slices
         for name, m in self.masters.items():
             st = self.optimizer.state.get(m) or {}
-            for key in ADAM_KEYS:
+            for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
                     tensors[f"optim.{name}.{key}"] = st[key].detach().cpu().clone()
                     slices[f"optim.{name}.{key}"] = regions[name].to_meta()
