@@ -271,3 +271,14 @@ def test_unsupported_combinations_are_config_errors_naming_the_field(sections, s
     with pytest.raises(ConfigError) as exc:
         tiny_job(str(tmp_path), **sections)
     assert [p for p, m in exc.value.errors if says in m] == ["train.param_dtype"], exc.value.errors
+
+
+def test_the_memory_model_has_bf16_parameters_and_refuses_what_the_engine_does_not_run():
+    from kuangchao_core.parallel.state_memory import precision_bytes, state_bytes
+
+    b = precision_bytes("bf16", "bf16")
+    assert (b.param, b.grad, b.master, b.moments, b.cast, b.master_grad) == (2, 2, 4, 8, 0, 4)
+    # dp4 ZeRO-1: bf16 params and grads, fp32 master gradient, master and moments over 4 ranks
+    assert state_bytes(1000, 4, 1, "bf16", param_dtype="bf16") == {"params": 2000, "grads": 3000, "optimizer": 3000}
+    with pytest.raises(ValueError, match="no memory model for train.dtype 'fp16' with parameters in 'bf16'"):
+        state_bytes(1000, 4, 1, "fp16", param_dtype="bf16")

@@ -183,9 +183,15 @@ ISSUE_LAYOUT = _sets(  # the issue's dp8 x tp2 x ZeRO-1 (its interfaces must all
 )
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16p"])
 def test_kc_plan_and_kc_recommend_print_the_same_bytes_on_the_8b_example(dtype):
-    sets = [*ISSUE_LAYOUT, *_sets(**{"train.dtype": dtype})]
+    sets = [*ISSUE_LAYOUT, *_sets(**{"train.dtype": dtype.removesuffix("p")})]
+    if dtype == "bf16p":  # bf16 parameters: 2 + (2 + 4/8) + 12/8 bytes per parameter against autocast's 4 + 4 + 8/8
+        bf16p = [*sets, *_sets(**{"train.param_dtype": "bf16"})]
+        planned, (recommended, line) = _plan_total(bf16p), _recommend(bf16p)
+        assert recommended == planned and f"{planned / GIB:.1f} GiB per rank" in line, line
+        assert planned < 0.8 * _plan_total(sets)
+        return
     planned = _plan_total(sets)
     recommended, line = _recommend(sets)
     assert recommended == planned
