@@ -43,15 +43,19 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world_size)
         trainer = Trainer(run_settings(cfg), rank, world_size, torch.device("cpu"), world_group(), mesh)
         reduced: set[str] = set()
-        if job.get("record_reduce"):  # the dtypes summed over the DP group (gradient buckets)
-            real = P.all_reduce
+        real = {"all_reduce": P.all_reduce, "reduce_scatter": P.reduce_scatter}
+        if job.get("record_reduce"):  # the dtypes gradients are summed in over the DP group (buckets, chunks)
 
-            def recording(tensor, group=None, *a, _mesh=mesh, _seen=reduced, _real=real, **k):
+            def all_reduce(tensor, group=None, *a, _mesh=mesh, _seen=reduced, _real=real, **k):
                 if group is not None and group is _mesh.dp_group and tensor.numel() > 1:
                     _seen.add(str(tensor.dtype))
-                return _real(tensor, group, *a, **k)
+                return _real["all_reduce"](tensor, group, *a, **k)
 
-            P.all_reduce = recording
+            def reduce_scatter(output, input, *a, _seen=reduced, _real=real, **k):
+                _seen.add(str(input.dtype))
+                return _real["reduce_scatter"](output, input, *a, **k)
+
+            P.all_reduce, P.reduce_scatter = all_reduce, reduce_scatter
         if job.get("in_place"):
             step, masters = trainer.sync.step, trainer.sync.masters
 
@@ -86,8 +90,7 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
         try:
             state = trainer.run(resume=job.get("resume", "never"), max_steps=job.get("max_steps"))
         finally:
-            if job.get("record_reduce"):
-                P.all_reduce = real
+            P.all_reduce, P.reduce_scatter = real["all_reduce"], real["reduce_scatter"]
         with trainer.sync.full_parameters():
             masters = {n: p.detach().float().numpy().copy() for n, p in trainer.model.named_parameters()}
             saved = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})
@@ -182,8 +185,11 @@ def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(t
         "fp32_lora": {"cfg": _job(tmp_path, "fp32l", steps, "fp32", "fp32", parallel=LAYOUTS["dp2"], **lora_model)},
         **{name: {"cfg": _job(tmp_path, name, steps, parallel=par)} for name, par in LAYOUTS.items()},
         "dp2_zero1_lora": {"cfg": _job(tmp_path, "lora", steps, parallel=LAYOUTS["dp2_zero1"], **lora_model)},
-        "dp2_reduce_bf16": {
-            "cfg": _job(tmp_path, "r16", steps, parallel={"data_parallel_size": 2, "grad_reduce_dtype": "bf16"})
+        **{
+            f"{name}_reduce_bf16": {
+                "cfg": _job(tmp_path, f"{name}-r16", steps, parallel={**LAYOUTS[name], "grad_reduce_dtype": "bf16"})
+            }
+            for name in ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3")
         },
     }
     jobs["fp32_zero3"]["count_gathers"] = jobs["dp2_zero3"]["count_gathers"] = True
@@ -191,7 +197,7 @@ def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(t
         job["record_reduce"] = True
     per_rank = run_distributed(_run, 2, args=(list(jobs.values()),), timeout=400)
     res = dict(zip(jobs, per_rank[0], strict=True))
-    for name in [*LAYOUTS, "dp2_reduce_bf16"]:
+    for name in [*LAYOUTS, *(f"{n}_reduce_bf16" for n in ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"))]:
         got = res[name]
         assert got["losses"] != res["fp32"]["losses"], name
         assert _max_rel(got["losses"], res["fp32"]["losses"]) <= BF16_REL, name
@@ -199,8 +205,9 @@ def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(t
     lora = res["dp2_zero1_lora"]
     assert _max_rel(lora["losses"], res["fp32_lora"]["losses"]) <= BF16_REL
     assert lora["param_dtypes"] == ["torch.bfloat16"] and lora["master_dtypes"] == ["torch.float32"]
-    assert res["dp2"]["reduced_dtypes"] == ["torch.float32"]
-    assert res["dp2_reduce_bf16"]["reduced_dtypes"] == ["torch.bfloat16"]  # the control: the hook sees it
+    for name in ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
+        assert res[name]["reduced_dtypes"] == ["torch.float32"], name
+        assert res[f"{name}_reduce_bf16"]["reduced_dtypes"] == ["torch.bfloat16"], name  # the hook sees bf16
     fp32_bytes, bf16_bytes = res["fp32_zero3"]["gathered_bytes"], res["dp2_zero3"]["gathered_bytes"]
     assert fp32_bytes > 0 and bf16_bytes * 2 == fp32_bytes, (bf16_bytes, fp32_bytes)
 
@@ -282,3 +289,13 @@ def test_the_memory_model_has_bf16_parameters_and_refuses_what_the_engine_does_n
     assert state_bytes(1000, 4, 1, "bf16", param_dtype="bf16") == {"params": 2000, "grads": 3000, "optimizer": 3000}
     with pytest.raises(ValueError, match="no memory model for train.dtype 'fp16' with parameters in 'bf16'"):
         state_bytes(1000, 4, 1, "fp16", param_dtype="bf16")
+
+
+def test_grad_reduce_dtype_is_used_by_zero_only_with_bf16_params(tmp_path):
+    from kuangchao_core.config.unused import unused_settings
+
+    par = {"data_parallel_size": 2, "zero_stage": 1, "grad_reduce_dtype": "bf16"}
+    bf16p = tiny_job(str(tmp_path), parallel=par, train={"dtype": "bf16", "param_dtype": "bf16"})
+    mixed = tiny_job(str(tmp_path), parallel=par, train={"dtype": "bf16"})  # the control: ZeRO sums fp32 there
+    assert [p for p, _ in unused_settings(bf16p)] == []
+    assert [p for p, _ in unused_settings(mixed)] == ["parallel.grad_reduce_dtype"]

@@ -6,8 +6,8 @@ ZeRO), then turns every parameter of the model into bf16 (:func:`to_bf16_paramet
 
 - forward and backward run on the bf16 parameters (under bf16 autocast, so norms, softmax and the loss are fp32),
   so the gradients the model produces are bf16;
-- the gradients are reduced over data parallelism in fp32 (``parallel.grad_reduce_dtype: bf16``: summed in bf16
-  at ``zero_stage: 0``), clipped and handed to AdamW as fp32 gradients of the fp32 masters;
+- the gradients are reduced over data parallelism in fp32 (``parallel.grad_reduce_dtype: bf16``: summed in bf16,
+  at every ZeRO stage), clipped and handed to AdamW as fp32 gradients of the fp32 masters;
 - AdamW (fp32 moments) updates the masters, and each master is rounded into its bf16 parameter after every step.
 
 A master absorbs updates far below a bf16 parameter's resolution (2^-8 of its value), which an update applied to
@@ -60,6 +60,8 @@ def master_grad_sync(
     if stage:
         classes = (MasterZeroOptimizer, MasterZero3Optimizer)
         sync = sharded(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
+        if par.grad_reduce_dtype == "bf16":
+            sync.optimizer.reduce_dtype = PARAM_DTYPE
     else:
         sync = MasterReplicatedAdamW(
             model, mesh, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude

@@ -26,7 +26,10 @@ PARAM_DTYPE = torch.bfloat16
 
 class MasterZero3Optimizer(Zero3Optimizer):
     """:class:`Zero3Optimizer` whose units are gathered in bf16 from fp32 master chunks (module docstring). Built
-    while the model is still fp32; the module's (emptied) parameters are bf16 afterwards."""
+    while the model is still fp32; the module's (emptied) parameters are bf16 afterwards. ``reduce_dtype``: what a
+    unit's gradient is summed in (fp32; bf16 for ``parallel.grad_reduce_dtype: bf16``, widened into the chunk)."""
+
+    reduce_dtype = torch.float32
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._gather_master = False
@@ -51,6 +54,25 @@ class MasterZero3Optimizer(Zero3Optimizer):
             return None, full
         handle = comm.all_gather_into(full, chunk, group=self.group, async_op=async_op)
         return (handle if async_op else None), full
+
+    def _reduce_unit(self, i: int, grads: Any) -> torch.Tensor:
+        """Unit ``i``'s bf16 gradients summed over DP in ``reduce_dtype``, averaged into an fp32 chunk (the master's
+        gradient)."""
+        if self.reduce_dtype == self.dtype:
+            return super()._reduce_unit(i, grads)
+        self._backward_full.pop(i, None)
+        self._packed.discard(i)
+        bk = self.buckets[i]
+        flat = torch.zeros(bk.size, dtype=self.reduce_dtype, device=self.device)
+        for s, g in zip(bk.slots, grads, strict=True):
+            if g is not None:
+                flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+        mine = torch.empty(bk.chunk, dtype=self.reduce_dtype, device=self.device)
+        if self.size > 1:
+            comm.reduce_scatter(mine, flat, group=self.group, op="sum")
+        else:
+            mine.copy_(flat)
+        return mine.to(self.dtype).div_(self.size)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -37,7 +37,10 @@ PARAM_DTYPE = torch.bfloat16
 class MasterZeroOptimizer(ZeroOptimizer):
     """:class:`ZeroOptimizer` over fp32 master chunks of bf16 parameters (module docstring). Built while the
     parameters are still fp32 (their values become the masters, broadcast from the group's first rank); the
-    trainable parameters are bf16 views of ``flat_params`` afterwards."""
+    trainable parameters are bf16 views of ``flat_params`` afterwards. ``reduce_dtype``: what buckets are summed
+    in (fp32; bf16 for ``parallel.grad_reduce_dtype: bf16``, then widened into the fp32 chunk)."""
+
+    reduce_dtype = torch.float32
 
     def _build_layout(self, bucket_cap_mb: float) -> None:
         cap = max(1, int(bucket_cap_mb * _MB) // self._item)
@@ -90,14 +93,42 @@ class MasterZeroOptimizer(ZeroOptimizer):
         if self._synced or self.stage != 1:
             return super().finish_gradient_sync()
         for bk, out in zip(self.buckets, self._grad_shards(), strict=True):
-            buf = self.flat_grads[bk.start : bk.start + bk.size].to(self.dtype)
-            self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, buf.numel() * self._item)
-            if self.size > 1:
-                comm.reduce_scatter(out, buf, group=self.group, op="sum")
-                out.div_(self.size)
-            else:
-                out.copy_(buf)
+            buf = self.flat_grads[bk.start : bk.start + bk.size].to(self.reduce_dtype)
+            if buf.dtype != PARAM_DTYPE:  # a copy: alive while its bucket is reduced
+                self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, buf.numel() * buf.element_size())
+            self._reduce_into(out, buf)
         self._synced = True
+
+    def _reduce_into(self, out: torch.Tensor, buf: torch.Tensor) -> None:
+        """This rank's chunk of the sum of ``buf`` over the group (in ``buf``'s dtype), averaged into ``out``."""
+        if self.size == 1:
+            out.copy_(buf)
+            return
+        mine = out if buf.dtype == out.dtype else torch.empty(out.numel(), dtype=buf.dtype, device=out.device)
+        comm.reduce_scatter(mine, buf, group=self.group, op="sum")
+        if mine is not out:
+            out.copy_(mine)
+        out.div_(self.size)
+
+    def _take_gradient(self, b: int, i: int, s: Any) -> None:
+        """Stage 2: as :class:`ZeroOptimizer`, into a bucket of ``reduce_dtype``."""
+        bk = self.buckets[b]
+        if self._bucket_bufs[b] is None:
+            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.reduce_dtype, device=self.device)
+            held = sum(x.numel() * x.element_size() for x in self._bucket_bufs if x is not None)
+            self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
+        if s.param.grad is not None:
+            self._bucket_bufs[b][s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+            s.param.grad = None
+        self._ready[b][i] = True
+
+    def _launch_in_order(self) -> None:
+        shards = self._grad_shards()
+        while self._next_launch < len(self.buckets) and all(self._ready[self._next_launch]):
+            b = self._next_launch
+            self._reduce_into(shards[b], self._bucket_bufs[b])
+            self._bucket_bufs[b] = None
+            self._next_launch += 1
 
     @torch.no_grad()
     def step(self) -> None:
@@ -153,7 +184,7 @@ class MasterZeroOptimizer(ZeroOptimizer):
         :func:`~kuangchao_core.parallel.state_memory.zero_formula` for bf16 parameters."""
         params = self.flat_params.numel() * self.flat_params.element_size()
         grads = self.grad_shard.numel() * self._item + sum(
-            x.numel() * self._item for x in self.transient_grad_buffers()
+            x.numel() * x.element_size() for x in self.transient_grad_buffers()
         )
         if self.stage == 1:
             grads += self.flat_grads.numel() * self.flat_grads.element_size()
