@@ -190,6 +190,8 @@ def test_kc_plan_and_kc_recommend_print_the_same_bytes_on_the_8b_example(dtype):
         bf16p = [*sets, *_sets(**{"train.param_dtype": "bf16"})]
         planned, (recommended, line) = _plan_total(bf16p), _recommend(bf16p)
         assert recommended == planned and f"{planned / GIB:.1f} GiB per rank" in line, line
+        args = ["recommend", "--config", LLAMA8B, "--nodes", "2", "--gpus-per-node", "8", "--top", "1", *bf16p]
+        assert "bf16 (bf16 parameters, fp32 master weights)" in RUN.invoke(app, args).stdout  # the text says it
         assert planned < 0.8 * _plan_total(sets)
         return
     planned = _plan_total(sets)
