@@ -88,7 +88,7 @@ class GradSync(Protocol):
 
     def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
         """Collective: inside the block the model's parameters hold their full values (ZeRO-3 keeps only shards
-        between forwards); with ``writeback`` what was written into them is kept."""
+        between forwards; bf16 parameters show their fp32 masters); with ``writeback`` what was written is kept."""
 
     def comm_state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-exchange state (top-k residuals), saved per rank with a checkpoint; may be empty."""
