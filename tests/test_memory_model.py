@@ -8,6 +8,9 @@
   creation until the tensor is freed; the peak over the step). The plan's figures are within 5 % of them. Negative
   controls: the ZeRO paper's bf16 mixed-precision bytes (2 + 2 + 12/N per parameter, what the planner used) miss
   the engine's ZeRO layouts by more than 5 %, and a bf16 plan without autocast's copies misses bf16's total.
+- bf16 parameters (``train.param_dtype: bf16``, fp32 master weights) at the same layouts, and at dp4 ZeRO-1 their
+  peak bytes per parameter in a step (the tensors after it, autocast's copies and ZeRO's fp32 gradient bucket
+  alive while it is reduce-scattered) are at most 0.8× bf16 autocast's (4 processes).
 - The CLIs: ``kc plan`` and ``kc recommend`` print the same bytes per rank for the 8B example at dp8·tp2·ZeRO-1 in
   bf16 and fp32 (and for its own dp4·tp2·pp2 layout), run in-process.
 """
@@ -48,12 +51,14 @@ LAYOUTS = {
 
 
 def _job(tmp: str, dtype: str, lora: dict | None = None, **parallel):
+    """``dtype`` ``bf16p``: bf16 parameters with fp32 master weights (``train.param_dtype: bf16``)."""
+    param_dtype = "bf16" if dtype == "bf16p" else "fp32"
     return tiny_job(
         tmp,
         model={"preset": "tiny", "num_layers": 4, "lora": lora},
         data={"seq_len": 24},
         parallel={"micro_batch_size": 3, **parallel},
-        train={"dtype": dtype, "steps": 1},
+        train={"dtype": dtype.removesuffix("p"), "param_dtype": param_dtype, "steps": 1},
     )
 
 
@@ -101,7 +106,9 @@ def _measure(rank: int, world_size: int, cfgs: list) -> list[dict]:
         casts = CastBytes(_weight_shapes(trainer))
         with casts:
             trainer.run(resume="never", max_steps=1)
-        out.append({**trainer.sync.tensor_bytes(), "autocast_casts": casts.peak})
+        report = trainer.sync.memory_report() or {}
+        transient = report.get("peak_transient_grad_bytes", 0)  # ZeRO's gradient buckets alive in the step
+        out.append({**trainer.sync.tensor_bytes(), "autocast_casts": casts.peak, "transient": transient})
         trainer.barrier()
     return out
 
@@ -112,7 +119,7 @@ def _paper_bf16(psi: float, dp: int, zero: int) -> float:
 
 
 def test_the_plan_is_within_5_percent_of_the_engines_tensors_in_fp32_and_bf16(tmp_path):
-    jobs = [(name, dtype) for dtype in ("fp32", "bf16") for name in LAYOUTS]
+    jobs = [(name, dtype) for dtype in ("fp32", "bf16", "bf16p") for name in LAYOUTS]
     cfgs = [_job(str(tmp_path / f"{n}-{d}"), d, **LAYOUTS[n]) for n, d in jobs]
     per_rank = run_distributed(_measure, 2, args=(cfgs,), timeout=600)
     for i, (name, dtype) in enumerate(jobs):
@@ -123,7 +130,11 @@ def test_the_plan_is_within_5_percent_of_the_engines_tensors_in_fp32_and_bf16(tm
             where = (name, dtype, rank, plan, got)
             for key in ("params", "grads", "optimizer"):
                 assert abs(plan[key] - got[key]) <= 0.05 * got[key], (key, *where)
-            if dtype == "fp32":
+            if dtype == "bf16p":  # negative control: bf16 autocast's plan (fp32 parameters, no master copy)
+                mixed = rank_memory(cfgs[jobs.index((name, "bf16"))], [rank])[0]["memory_bytes"]
+                for key in ("params", "optimizer"):
+                    assert abs(mixed[key] - got[key]) > 0.05 * got[key], (key, *where)
+            if dtype in ("fp32", "bf16p"):
                 assert plan["autocast_casts"] == 0 and got["autocast_casts"] == 0, where
                 continue
             assert got["autocast_casts"] > 0, where  # the measurement sees autocast's copies at all
@@ -172,9 +183,17 @@ ISSUE_LAYOUT = _sets(  # the issue's dp8 x tp2 x ZeRO-1 (its interfaces must all
 )
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16p"])
 def test_kc_plan_and_kc_recommend_print_the_same_bytes_on_the_8b_example(dtype):
-    sets = [*ISSUE_LAYOUT, *_sets(**{"train.dtype": dtype})]
+    sets = [*ISSUE_LAYOUT, *_sets(**{"train.dtype": dtype.removesuffix("p")})]
+    if dtype == "bf16p":  # bf16 parameters: 2 + (2 + 4/8) + 12/8 bytes per parameter against autocast's 4 + 4 + 8/8
+        bf16p = [*sets, *_sets(**{"train.param_dtype": "bf16"})]
+        planned, (recommended, line) = _plan_total(bf16p), _recommend(bf16p)
+        assert recommended == planned and f"{planned / GIB:.1f} GiB per rank" in line, line
+        args = ["recommend", "--config", LLAMA8B, "--nodes", "2", "--gpus-per-node", "8", "--top", "1", *bf16p]
+        assert "bf16 (bf16 parameters, fp32 master weights)" in RUN.invoke(app, args).stdout  # the text says it
+        assert planned < 0.8 * _plan_total(sets)
+        return
     planned = _plan_total(sets)
     recommended, line = _recommend(sets)
     assert recommended == planned
@@ -189,3 +208,32 @@ def test_kc_plan_and_kc_recommend_print_the_same_bytes_on_the_8b_example(dtype):
 def test_kc_plan_and_kc_recommend_agree_on_the_examples_own_layout():
     recommended, _ = _recommend([])
     assert recommended == _plan_total([])  # dp4 x tp2 x pp2, fp32, the fullest of its stages
+
+
+def _peak_per_parameter(got: dict, record: dict) -> float:
+    return (got["params"] + got["grads"] + got["optimizer"] + got["autocast_casts"] + got["transient"]) / record[
+        "parameters"
+    ]
+
+
+def test_bf16_params_at_dp4_zero1_hold_at_most_0_8x_of_mixed_precision(tmp_path):
+    """Per rank at dp4 ZeRO-1, bytes per parameter: bf16 autocast 4 + 4 + 8/4 plus its bf16 copies of the matmul
+    weights (≈ 2) ≈ 12; bf16 parameters 2 + 2 + (4 + 4 + 8)/4 = 8, plus the one fp32 gradient bucket alive while it
+    is reduce-scattered (≤ ``bucket_size_mb``: a few MiB against a real model's GiB; here 0.05 MiB against the tiny
+    model's 0.5 MiB, the same proportion as 25 MiB against a 250M-parameter model). Negative control: with one
+    bucket for the whole tiny model (the default 25 MiB) the fp32 copy of every gradient is alive at once and the
+    ratio exceeds 0.8 — the measurement sees the transient."""
+    layout = {"data_parallel_size": 4, "zero_stage": 1}
+    cfgs = [
+        _job(str(tmp_path / "mixed"), "bf16", bucket_size_mb=0.05, **layout),
+        _job(str(tmp_path / "bf16p"), "bf16p", bucket_size_mb=0.05, **layout),
+        _job(str(tmp_path / "one-bucket"), "bf16p", **layout),
+    ]
+    per_rank = run_distributed(_measure, 4, args=(cfgs,), timeout=300)
+    for rank in range(4):
+        mixed, bf16p, one_bucket = (
+            _peak_per_parameter(per_rank[rank][i], rank_memory(cfgs[i], [rank])[0]) for i in range(3)
+        )
+        assert per_rank[rank][0]["autocast_casts"] > 0 and per_rank[rank][1]["transient"] > 0
+        assert bf16p <= 0.8 * mixed, (rank, bf16p, mixed)
+        assert one_bucket > 0.8 * mixed, (rank, one_bucket, mixed)

@@ -291,8 +291,8 @@ def test_state_bytes_are_what_the_engine_allocates():
     assert cast_bytes(1000, 2, "bf16") == 4000 and cast_bytes(1000, 2, "fp32") == 0  # autocast's copies
     assert state_bytes(10, 4, 1, "bf16", frozen=1000) == {"params": 4040, "grads": 40, "optimizer": 20}  # LoRA
     assert [effective_zero_stage(3, pp, lora) for pp, lora in ((2, False), (1, True), (1, False))] == [2, 2, 3]
-    with pytest.raises(ValueError, match="bf16 parameters with fp32 master weights are not built yet"):
-        state_bytes(1000, 4, 1, "bf16", param_dtype="bf16")  # issue 29 item 1's hook, not built
+    z = [sum(state_bytes(1000, 4, stage, "bf16", param_dtype="bf16").values()) for stage in (0, 1, 2, 3)]
+    assert z == [2000 + 6000 + 12000, 2000 + 3000 + 3000, 2000 + 1000 + 3000, 500 + 1000 + 3000]  # bf16 params
 
 
 def test_memory_per_rank_keeps_the_jobs_lora_and_checkpointing_as_kc_plan_does():

@@ -30,6 +30,7 @@ FILE_TIERS = {
     "test_audit_trust.py": "flows",
     "test_bad_steps.py": "distributed",
     "test_bench_ratios.py": "unit",
+    "test_bf16_params.py": "distributed",
     "test_blocks.py": "flows",
     "test_bounded_readers.py": "unit",
     "test_check_sizes.py": "unit",

@@ -202,6 +202,7 @@ def convert(
         help="kuangchao (re-laid-out checkpoint), hf (Hugging Face; a LoRA checkpoint merged into its base) or "
         "peft (a LoRA checkpoint's adapters)",
     ),
+    dtype: str = typer.Option("fp32", "--dtype", help="--format hf: the weights' dtype, fp32, bf16 or fp16"),
 ) -> None:
     """Write SRC in another parallel layout, as a Hugging Face Llama directory (--format hf), or a LoRA
     checkpoint's adapters in PEFT's format (--format peft)."""
@@ -210,6 +211,9 @@ def convert(
     from kuangchao_core.errors import CheckpointError, ConfigError
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
+    if dtype not in ("fp32", "bf16", "fp16"):
+        typer.echo(f"error: --dtype {dtype!r}: use fp32, bf16 or fp16", err=True)
+        raise typer.Exit(2)
     if fmt not in ("kuangchao", "hf", "peft"):
         typer.echo(f"error: --format {fmt!r}: use 'kuangchao', 'hf' or 'peft'", err=True)
         raise typer.Exit(2)
@@ -233,7 +237,7 @@ def convert(
     previous = install_guard(AllowAll())
     try:
         if fmt == "hf":
-            out = (export_merged if lora_meta(src) is not None else export_hf)(src, dst)
+            out = (export_merged if lora_meta(src) is not None else export_hf)(src, dst, dtype)
             typer.echo(f"OK wrote {out / 'model.safetensors'} and {out / 'config.json'}")
         elif fmt == "peft":
             out = export_peft(src, dst)

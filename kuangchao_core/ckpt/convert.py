@@ -115,8 +115,9 @@ def relayout_checkpoint(
     return dst / step_dir_name(step)
 
 
-def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Write ``out_dir/model.safetensors`` (full fp32 parameters, HF names) and ``out_dir/config.json``.
+def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "fp32") -> Path:
+    """Write ``out_dir/model.safetensors`` (full parameters in ``dtype``, HF names) and ``out_dir/config.json``.
+    The source is the checkpoint's fp32 parameters — a ``train.param_dtype: bf16`` job's fp32 master weights.
 
     Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``. A LoRA checkpoint (adapters only) is merged into
     its base by :func:`~kuangchao_core.ckpt.lora_export.export_merged` instead.
@@ -139,4 +140,4 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str])
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{step_dir}: parameters missing from the checkpoint: {missing[:5]}")
-    return write_hf_dir(tensors, cfg, out_dir)
+    return write_hf_dir(tensors, cfg, out_dir, dtype)

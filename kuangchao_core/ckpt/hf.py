@@ -94,8 +94,17 @@ def load_hf_weights_for_layout(
     return out
 
 
-def hf_config_dict(cfg: Any) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with the sizes of ``cfg`` (fp32 weights)."""
+#: the weights' dtype an export may ask for (``kc checkpoint convert --dtype``) -> (torch dtype, HF's name)
+EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "fp32": (torch.float32, "float32"),
+    "bf16": (torch.bfloat16, "bfloat16"),
+    "fp16": (torch.float16, "float16"),
+}
+
+
+def hf_config_dict(cfg: Any, dtype: str = "fp32") -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with the sizes of ``cfg`` and weights in
+    ``dtype`` (:data:`EXPORT_DTYPES`)."""
     cfg = _as_llama_config(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -111,7 +120,7 @@ def hf_config_dict(cfg: Any) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
+        "torch_dtype": EXPORT_DTYPES[dtype][1],
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -120,18 +129,21 @@ def hf_config_dict(cfg: Any) -> dict[str, Any]:
     }
 
 
-def write_hf_dir(tensors: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike[str]) -> Path:
-    """Write full parameters ``tensors`` (HF names, in :func:`full_shapes` order) and the ``config.json`` of
-    ``cfg`` into ``out_dir``, each file atomically. Returns ``out_dir``."""
+def write_hf_dir(tensors: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike[str], dtype: str = "fp32") -> Path:
+    """Write full parameters ``tensors`` (HF names, in :func:`full_shapes` order; each rounded once to ``dtype``,
+    :data:`EXPORT_DTYPES`) and the ``config.json`` of ``cfg`` into ``out_dir``, each file atomically. Returns
+    ``out_dir``."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: use one of {', '.join(EXPORT_DTYPES)}")
     from kuangchao_core.models.tp_llama import full_shapes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{SINGLE_FILE}.tmp"
-    ordered = {n: tensors[n].to(torch.float32).contiguous() for n in full_shapes(cfg)}
+    ordered = {n: tensors[n].to(EXPORT_DTYPES[dtype][0]).contiguous() for n in full_shapes(cfg)}
     save_file(ordered, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / SINGLE_FILE)
     cfg_tmp = out / ".config.json.tmp"
-    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(cfg_tmp, out / "config.json")
     return out

@@ -125,7 +125,7 @@ def base_weights(meta: dict[str, Any], cfg: Any) -> dict[str, torch.Tensor]:
     return weights
 
 
-def export_merged(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+def export_merged(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "fp32") -> Path:
     """Write the base with the adapters of ``step_dir`` merged in (``W + alpha/rank · B @ A``, computed in fp64)
     as a Hugging Face Llama directory (``model.safetensors`` + ``config.json``)."""
     step_dir = Path(step_dir)
@@ -142,4 +142,4 @@ def export_merged(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[s
         if a is not None and b is not None:
             delta = (b.double() @ a.double()) * scaling
             weights[name] = (weights[name].double() + delta).to(torch.float32)
-    return write_hf_dir(weights, cfg, out_dir)
+    return write_hf_dir(weights, cfg, out_dir, dtype)

@@ -246,6 +246,28 @@ def _backend_device(parallel: Any, train: Any) -> Errors:
     return []
 
 
+@_check("train", "parallel")
+def _param_dtype(train: Any, parallel: Any) -> Errors:
+    """``train.param_dtype: bf16`` runs with bf16 autocast (norms, softmax and the loss in fp32) and the plain
+    gradient exchange (issue 29 item 1)."""
+    if train.param_dtype != "bf16":
+        return []
+    errors: Errors = []
+    if train.dtype != "bf16":
+        errors.append(
+            ("train.param_dtype", f"bf16 parameters need train.dtype bf16 (their compute dtype), got {train.dtype}")
+        )
+    if parallel.grad_compression != "none":
+        errors.append(
+            (
+                "train.param_dtype",
+                f"bf16 parameters with parallel.grad_compression {parallel.grad_compression} are not supported; "
+                "use grad_compression none (parallel.grad_reduce_dtype bf16 halves the bytes)",
+            )
+        )
+    return errors
+
+
 @_check("data", "model")
 def _data_vs_model(data: Any, model: Any) -> Errors:
     errors: Errors = []

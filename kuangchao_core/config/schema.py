@@ -4,9 +4,8 @@ A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a
 Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
 with the numbers involved, can be reported at once under its own dotted path.
 
-One file on purpose (a little over 400 lines): it is the config reference, read top to bottom, section by section;
-only what every section shares (:mod:`.section`) and the ``cluster`` section with its Slurm job (:mod:`.cluster_schema`)
-live beside it.
+One file on purpose (over 400 lines): the config reference, read top to bottom, section by section; only what
+every section shares (:mod:`.section`) and ``cluster`` with its Slurm job (:mod:`.cluster_schema`) live beside it.
 """
 
 from __future__ import annotations
@@ -277,6 +276,7 @@ class TrainSection(Section):
     eval_interval: Int = Field(default=50, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 parameters, fp32 master weights in the optimizer
     #: recompute decoder layers in the backward instead of keeping their activations: ``full`` keeps each layer's
     #: input only, ``selective`` keeps matmul and attention outputs and recomputes the rest
     activation_checkpointing: Literal["none", "full", "selective"] = "none"

@@ -55,6 +55,7 @@ class ModelBuildSettings:
 
     seed: int
     dtype: str
+    param_dtype: str  # ``train.param_dtype``: fp32, or bf16 (fp32 master weights held by the optimizer)
     activation_checkpointing: str
     compile: bool
     lora: Any  # the ``model.lora`` section or None
@@ -79,6 +80,7 @@ class GradSyncSettings:
     topk_ratio: float
     topk_warmup_steps: int
     lora: bool
+    param_dtype: str = "fp32"  # ``train.param_dtype``: bf16 keeps fp32 master weights in the optimizer
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,7 @@ def run_settings(cfg: Any) -> RunSettings:
         build=ModelBuildSettings(
             seed=seed,
             dtype=train.dtype,
+            param_dtype=train.param_dtype,
             activation_checkpointing=train.activation_checkpointing,
             compile=bool(train.compile),
             lora=cfg.model.lora,
@@ -244,6 +247,7 @@ def run_settings(cfg: Any) -> RunSettings:
             topk_ratio=par.topk_ratio,
             topk_warmup_steps=par.topk_warmup_steps,
             lora=cfg.model.lora is not None,
+            param_dtype=train.param_dtype,
         ),
         batches=BatchSettings(
             micro_batch_size=int(par.micro_batch_size),

@@ -33,7 +33,8 @@ def unused_settings(cfg: Any) -> Warnings:
     )
     if train.dtype != "fp16" and _given(train, "loss_scaling"):
         out.append(("train.loss_scaling", f"only used with train.dtype fp16; this job trains in {train.dtype}"))
-    if par.grad_reduce_dtype != "fp32" and (par.zero_stage or par.grad_compression != "none"):
+    zero_reduces_fp32 = par.zero_stage and train.param_dtype != "bf16"  # bf16 parameters: ZeRO sums as asked
+    if par.grad_reduce_dtype != "fp32" and (zero_reduces_fp32 or par.grad_compression != "none"):
         why = (
             f"ZeRO-{par.zero_stage} reduce-scatters fp32 gradients"
             if par.zero_stage

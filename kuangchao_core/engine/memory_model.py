@@ -7,7 +7,8 @@ model), the half-precision weight copies autocast keeps, and the activations.
 Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_core.models.layout.slices_for_rank`):
 
 - ``params``, ``grads``, ``optimizer``: :func:`~kuangchao_core.parallel.state_memory.state_bytes` at the ZeRO stage
-  the engine runs (:func:`~kuangchao_core.parallel.state_memory.effective_zero_stage`), for ``train.dtype``. With
+  the engine runs (:func:`~kuangchao_core.parallel.state_memory.effective_zero_stage`), for ``train.dtype`` and
+  ``train.param_dtype`` (bf16 parameters: fp32 masters and master gradients, no autocast copies). With
   ``model.lora`` the base is frozen (whole on every rank) and the adapters (rank·(in + out) per adapted projection,
   split like its base) are the trainable elements.
 - ``autocast_casts`` (bf16/fp16 only): 2 bytes per element of every weight a matmul reads (the projections and the
@@ -146,6 +147,8 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     chunks = partition_layers(mcfg.num_layers, pp, v)
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
     dtype = getattr(getattr(cfg, "train", None), "dtype", "fp32")
+    pdt = getattr(getattr(cfg, "train", None), "param_dtype", "fp32")
+    pdt = pdt if pdt == "bf16" else None  # train.param_dtype: bf16 parameters, fp32 master weights
     recompute = getattr(getattr(cfg, "train", None), "activation_checkpointing", "none")
     act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
     kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
@@ -158,16 +161,16 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         psi = sum(r.numel for r in slices.values())
         adapters = lora_regions(slices, lora) if lora is not None else {}
         if lora is None:
-            state = state_bytes(psi, dp, zero, dtype)
+            state = state_bytes(psi, dp, zero, dtype, param_dtype=pdt)
         else:  # a frozen base, whole on every replica; gradients and AdamW state of the adapters only
-            state = state_bytes(sum(r.numel for r in adapters.values()), dp, zero, dtype, frozen=psi)
+            state = state_bytes(sum(r.numel for r in adapters.values()), dp, zero, dtype, frozen=psi, param_dtype=pdt)
             psi += sum(r.numel for r in adapters.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])
         last = any(c.has_head for c in chunks[pp_rank])
         in_flight = rank_in_flight(pp, m, v, par.pipeline_schedule, pp_rank)
-        casts = cast_bytes(kept_cast_elements(slices, adapters, lora, mcfg.tie_embeddings), in_flight, dtype)
+        casts = cast_bytes(kept_cast_elements(slices, adapters, lora, mcfg.tie_embeddings), in_flight, dtype, pdt)
         # ZeRO-3 holds whole blocks while they run: the one computing and the one prefetched
-        gathered = 2 * precision_bytes(dtype).param * max(unit_sizes(slices).values()) if zero == 3 else 0
+        gathered = 2 * precision_bytes(dtype, pdt).param * max(unit_sizes(slices).values()) if zero == 3 else 0
         acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)
         if recompute != "none" and layers:
             acts += act_layer  # the layer being recomputed in the backward holds all of its activations

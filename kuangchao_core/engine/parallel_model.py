@@ -73,7 +73,8 @@ def build_parallel_model(
 ) -> ParallelModel:
     """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``; its parameters are
     in the dtype ``train.dtype`` names (initialised in fp32 in every case, so an fp64 job starts from the same
-    values as an fp32 one)."""
+    values as an fp32 one); with ``train.param_dtype: bf16`` they stay fp32 until the job's GradSync has taken
+    them as its master weights (:mod:`~kuangchao_core.parallel.master_weights`)."""
     seed = build.seed
     if mesh.tp > 1:
         model: LlamaForCausalLM = TPLlamaForCausalLM(llama_cfg, mesh.tp_group)
@@ -103,7 +104,7 @@ def build_parallel_model(
             llama_cfg.hidden_size,
             schedule=build.pipeline_schedule,
             device=device,
-            dtype=dtype,
+            dtype=torch.bfloat16 if build.param_dtype == "bf16" else dtype,  # bf16 parameters: bf16 activations
         )
     else:
         model = model.to(device=device, dtype=dtype)

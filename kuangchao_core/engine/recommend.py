@@ -63,7 +63,12 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
         "task": {"name": "kc-recommend"},
         "model": {**model_section_of(model_cfg), "lora": carried.get("lora")},
         "data": {"seq_len": layout.seq_len},
-        "train": {"dtype": precision, "activation_checkpointing": carried.get("activation_checkpointing", "none")},
+        "train": {
+            "dtype": precision,
+            # bf16 parameters (fp32 master weights) only go with bf16 compute
+            "param_dtype": carried.get("param_dtype", "fp32") if precision == "bf16" else "fp32",
+            "activation_checkpointing": carried.get("activation_checkpointing", "none"),
+        },
         "parallel": {
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": layout.tp,
@@ -76,12 +81,13 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
 
 
 def carried_settings(cfg: Any) -> dict[str, Any]:
-    """What a job config's memory depends on besides the layout and the dtype: ``model.lora`` and
-    ``train.activation_checkpointing`` (every layout :func:`recommend` tries keeps them)."""
+    """What a job config's memory depends on besides the layout and the dtype: ``model.lora``,
+    ``train.activation_checkpointing`` and ``train.param_dtype`` (every layout :func:`recommend` tries keeps them)."""
     lora = cfg.model.lora
     return {
         "lora": None if lora is None else cfg.to_dict()["model"]["lora"],
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        "param_dtype": cfg.train.param_dtype,
     }
 
 
@@ -218,6 +224,7 @@ def recommend(
         "global_batch_size": global_batch_size,
         "seq_len": seq_len,
         "precision": precision,
+        "param_dtype": (carried or {}).get("param_dtype", "fp32") if precision == "bf16" else "fp32",
         "method": method,
         "considered": considered,
         "valid": len(valid),
@@ -238,6 +245,12 @@ def recommend(
     return result
 
 
+def _precision_text(result: dict[str, Any]) -> str:
+    if result.get("param_dtype") == "bf16":
+        return f"{result['precision']} (bf16 parameters, fp32 master weights)"
+    return str(result["precision"])
+
+
 def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
     """Human-readable text of :func:`recommend`'s result."""
     lines = []
@@ -247,7 +260,7 @@ def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
         f"cluster: {result['cluster']}; {result['gpu_memory_bytes'] / 1e9:g} GB per GPU "
         f"({result['usable_memory_bytes'] / GIB:.1f} GiB usable); {result['flops_per_s_per_gpu'] / 1e12:.1f} TFLOP/s "
         "per GPU sustained",
-        f"batch: {result['global_batch_size']} sequences x {result['seq_len']} tokens per step; {result['precision']}; "
+        f"batch: {result['global_batch_size']} sequences x {result['seq_len']} tokens per step; {_precision_text(result)}; "
         f"DP gradients: {result['method']} all-reduce",
         f"{result['valid']} of {result['considered']} layouts fit; the best {len(result['top'])}:",
     ]

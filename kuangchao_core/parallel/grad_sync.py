@@ -88,7 +88,7 @@ class GradSync(Protocol):
 
     def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
         """Collective: inside the block the model's parameters hold their full values (ZeRO-3 keeps only shards
-        between forwards); with ``writeback`` what was written into them is kept."""
+        between forwards; bf16 parameters show their fp32 masters); with ``writeback`` what was written is kept."""
 
     def comm_state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-exchange state (top-k residuals), saved per rank with a checkpoint; may be empty."""
@@ -264,14 +264,16 @@ class ShardedAdamW:
         bucket_mb: float,
         stage: int,
         exclude: tuple[str, ...] = (),
+        classes: tuple[type, type] | None = None,  # ZeRO-1/2 and ZeRO-3 optimizers (parallel.master_weights')
     ):
         self.model = model
         self.mesh = mesh
         self.norm_weight = norm_weight
         named = _trainable(model)
         self.names = [n for n, _ in named]
-        no_decay = [n for n, p in named if not decays(n, p.shape, exclude)]
+        hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
         self.optimizer: Any
+        zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
         if stage == 3:
             units = block_units(model)
             recomputed = (
@@ -279,16 +281,9 @@ class ShardedAdamW:
                 if getattr(model, "activation_checkpointing", "none") != "none"
                 else []
             )
-            self.optimizer = Zero3Optimizer(model, units, mesh.dp_group, recomputed, no_decay=no_decay, **hyper)
+            self.optimizer = zero3(model, units, mesh.dp_group, recomputed, **hyper)
         else:
-            self.optimizer = ZeroOptimizer(
-                named,
-                mesh.dp_group,
-                stage=stage,
-                bucket_cap_mb=bucket_mb,
-                no_decay=no_decay,
-                **hyper,
-            )
+            self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -404,6 +399,10 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     exclude = tuple(par.weight_decay_exclude)
     # ZeRO-3 runs as ZeRO-2 under pp and with LoRA (state_memory.effective_zero_stage, which kc plan uses too)
     stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora))
+    if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
+        from kuangchao_core.parallel.master_weights import master_grad_sync
+
+        return master_grad_sync(par, model, mesh, norm_weight, hyper, stage, ShardedAdamW)
     if stage:
         return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression

@@ -1,17 +1,18 @@
 """Bytes of state a rank holds per parameter, by dtype choice × ZeRO stage × LoRA: the one memory model that
 ``kc plan``, ``kc recommend`` and the engine's own memory report (``GradSync.memory_report``) share.
 
-What the engine allocates today (``train.dtype``; the model's parameters are fp64 for ``fp64``, else fp32:
-``hal.dtypes.param_dtype``), in bytes per element:
+What the engine allocates (``train.dtype``, ``train.param_dtype``; without bf16 parameters the model's parameters
+are fp64 for ``fp64``, else fp32: ``hal.dtypes.param_dtype``), in bytes per element:
 
-=========  =====  =====  ======  =======  =====
-dtype      param  grad   master  moments  cast
-=========  =====  =====  ======  =======  =====
-fp32       4      4      0       8        0
-fp64       8      8      0       16       0
-bf16       4      4      0       8        2
-fp16       4      4      0       8        2
-=========  =====  =====  ======  =======  =====
+=========  ===========  =====  =====  ======  =======  =====  ===========
+dtype      param_dtype  param  grad   master  moments  cast   master_grad
+=========  ===========  =====  =====  ======  =======  =====  ===========
+fp32       fp32         4      4      0       8        0      0
+fp64       fp64         8      8      0       16       0      0
+bf16       fp32         4      4      0       8        2      0
+fp16       fp32         4      4      0       8        2      0
+bf16       bf16         2      2      4       8        0      4
+=========  ===========  =====  =====  ======  =======  =====  ===========
 
 - *param*, *grad*: the model's parameters and their gradients. Under bf16/fp16 **autocast** the parameters stay
   fp32 — they are the master weights, so there is no separate master copy (*master* 0) — and so do the gradients.
@@ -20,17 +21,16 @@ fp16       4      4      0       8        2
   2 bytes per element of those weights, per micro-batch in flight (each forward runs in its own autocast region,
   so each has its own copies). It is not sharded by ZeRO: ZeRO-3 gathers a unit, autocast casts the gathered
   weights and the copies stay until the unit's backward.
+- **bf16 parameters** (``train.param_dtype: bf16``, :mod:`~kuangchao_core.parallel.master_weights`): bf16
+  parameters and gradients, no casts (the weights already are bf16), and the optimizer's fp32 *master* weights and
+  fp32 *master_grad* — the reduced gradient AdamW reads (the fp32 buckets or copies without ZeRO; the rank's chunk
+  under ZeRO, where stage 1 keeps the bf16 gradients beside it and stages 2/3 only the chunk).
 
-ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the moments (and a master copy) by N;
-stage 2 the gradients too; stage 3 the trainable parameters too. With LoRA the base is frozen: its parameters are
-held whole by every rank (no gradients, no optimizer state); the adapters are the trainable parameters.
-:func:`effective_zero_stage` says which stage the engine runs (ZeRO-3 runs as ZeRO-2 under pipeline parallelism
-and with LoRA).
-
-Hook for ``train.param_dtype: bf16`` (issue 29 item 1, not built): parameters and gradients in bf16 with an fp32
-master copy and fp32 moments held (and sharded) by the optimizer would be one more row of :data:`PRECISIONS`,
-keyed ``(dtype, "bf16")``: param 2, grad 2, master 4, moments 8, cast 0. :func:`precision_bytes` refuses a
-``param_dtype`` the engine does not have, so nothing silently plans for it.
+ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the moments, the master copy and the master
+gradient by N; stage 2 the gradients too; stage 3 the trainable parameters too. With LoRA the base is frozen: its
+parameters are held whole by every rank (no gradients, no optimizer state); the adapters are the trainable
+parameters. :func:`effective_zero_stage` says which stage the engine runs (ZeRO-3 runs as ZeRO-2 under pipeline
+parallelism and with LoRA).
 """
 
 from __future__ import annotations
@@ -47,15 +47,17 @@ class PrecisionBytes:
     master: int
     moments: int
     cast: int
+    master_grad: int = 0
 
 
-#: (train.dtype, parameter dtype) -> bytes per element; "fp32" parameters are the engine's only choice today
-#: besides fp64 (where the model itself is fp64).
+#: (train.dtype, parameter dtype) -> bytes per element: fp32 parameters, fp64 ones for fp64, and bf16 parameters
+#: with fp32 master weights (``train.param_dtype: bf16``, which needs ``train.dtype: bf16``).
 PRECISIONS: dict[tuple[str, str], PrecisionBytes] = {
     ("fp32", "fp32"): PrecisionBytes(param=4, grad=4, master=0, moments=8, cast=0),
     ("fp64", "fp64"): PrecisionBytes(param=8, grad=8, master=0, moments=16, cast=0),
     ("bf16", "fp32"): PrecisionBytes(param=4, grad=4, master=0, moments=8, cast=2),
     ("fp16", "fp32"): PrecisionBytes(param=4, grad=4, master=0, moments=8, cast=2),
+    ("bf16", "bf16"): PrecisionBytes(param=2, grad=2, master=4, moments=8, cast=0, master_grad=4),
 }
 
 
@@ -71,8 +73,7 @@ def precision_bytes(dtype: str, param_dtype: str | None = None) -> PrecisionByte
     if key not in PRECISIONS:
         known = ", ".join(f"{d}/{p}" for d, p in PRECISIONS)
         raise ValueError(
-            f"no memory model for train.dtype {key[0]!r} with parameters in {key[1]!r} (the engine runs {known}; "
-            "bf16 parameters with fp32 master weights are not built yet)"
+            f"no memory model for train.dtype {key[0]!r} with parameters in {key[1]!r} (the engine runs {known})"
         )
     return PRECISIONS[key]
 
@@ -97,9 +98,13 @@ def state_bytes(
     b = precision_bytes(dtype, param_dtype)
     shard = max(1, dp)
     trainable_params = b.param * trainable / (shard if zero_stage >= 3 else 1)
+    if zero_stage >= 2:  # the gradient is the (master) chunk
+        grads = (b.master_grad or b.grad) * trainable / shard
+    else:
+        grads = b.grad * trainable + b.master_grad * trainable / (shard if zero_stage else 1)
     return {
         "params": trainable_params + b.param * frozen,
-        "grads": b.grad * trainable / (shard if zero_stage >= 2 else 1),
+        "grads": grads,
         "optimizer": (b.moments + b.master) * trainable / (shard if zero_stage >= 1 else 1),
     }
 
@@ -110,10 +115,12 @@ def cast_bytes(cast_elements: float, copies: float, dtype: str = "fp32", param_d
     return precision_bytes(dtype, param_dtype).cast * cast_elements * copies
 
 
-def zero_formula(trainable: float, dp: int, zero_stage: int, dtype: str) -> dict[str, float]:
+def zero_formula(
+    trainable: float, dp: int, zero_stage: int, dtype: str, param_dtype: str | None = None
+) -> dict[str, float]:
     """The ZeRO optimizer's formula bytes (``params``, ``grads``, ``optimizer_state``, ``total``) for its
     ``trainable`` elements: :func:`state_bytes` in the keys the optimizers' ``memory_report`` uses."""
-    s = state_bytes(trainable, dp, zero_stage, dtype)
+    s = state_bytes(trainable, dp, zero_stage, dtype, param_dtype=param_dtype)
     return {
         "params": s["params"],
         "grads": s["grads"],

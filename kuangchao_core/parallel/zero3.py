@@ -242,7 +242,7 @@ class Zero3Optimizer:
         else:
             _, full = self._issue_gather(i, async_op=False)
         held = sum(t.numel() for t in (*self._forward_full.values(), *self._backward_full.values(), full))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held * self._item)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held * full.element_size())
         return full
 
     def _prefetch(self, i: int) -> None:
