@@ -31,7 +31,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: setup  ## the whole test suite, every tier (TEST_WORKERS=0: in one process)
-	$(PY) -m pytest tests -q -ra --durations=15 $(XDIST) $(if $(XDIST),-m "not serial")
+	$(PY) -m pytest tests -q -ra --durations=40 $(XDIST) $(if $(XDIST),-m "not serial")
 	$(if $(XDIST),$(PY) -m pytest tests -q -ra --durations=5 -m serial)
 
 test-fast: test-unit  ## the unit tier: in-process tests, under 2 minutes
