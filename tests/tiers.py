@@ -123,6 +123,8 @@ FILE_TIERS = {
     "test_slurm_facts.py": "unit",
     "test_slurm_script.py": "unit",
     "test_slurm_topology.py": "e2e",
+    "test_slurm_placement.py": "e2e",
+    "test_slurm_placement_file.py": "unit",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
     "test_step_loss.py": "distributed",
