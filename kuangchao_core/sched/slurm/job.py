@@ -8,9 +8,10 @@
    many nodes) fails at once with Slurm's words (:class:`~.commands.SlurmRefused`, not retried).
 3. Follow the job (``scontrol show job``): every change of state is said and kept in ``states.log`` (pending with
    its reason, running on which nodes). A pending reason that never resolves cancels the job and fails at once.
-   Once it runs, each node's tokens are written for it alone (0600, ``perm.issuance.node_token_env``; ranks in the
-   rendezvous' node order) and its ``launcher.log`` is tailed into the live view (steps, MLflow metrics); the
-   nodes' facts (CPUs, GPUs, state, leaf switch: :mod:`.facts`) go to ``nodes.json`` and one line each to the log.
+   Once it runs, its nodes' facts (CPUs, GPUs, state, leaf switch: :mod:`.facts`) go to ``nodes.json`` and one line
+   each to the log, and each node's ``launcher.log`` is tailed into the live view (steps, MLflow metrics). Once the
+   job placed its ranks (its probe and ``placement.json``, :mod:`.placement`) the placement is said and each node's
+   tokens are written for it alone (0600, ``perm.issuance.node_token_env``; the ranks the placement gives it).
 4. The end: ``COMPLETED`` with every node ``ok`` returns; a failed rank or node raises ``WorkerFailed`` (retried);
    a job cancelled or timed out in Slurm raises ``SlurmRefused`` with that reason. If the orchestrator stops
    first, the job is cancelled (``scancel``), and its ranks stop with the orchestrator's beat in any case.
