@@ -131,3 +131,24 @@ def test_the_batch_script_probes_then_places_then_trains(tmp_path):
     )
     assert "--probe" not in unprobed and "kuangchao_core.sched.slurm.placement" in unprobed
     assert "slurm.placement" not in script.render_script(cfg, tmp_path, 0, ["--config", "c.yaml"], 29500, python="py")
+
+
+def test_the_orchestrator_says_the_placement_then_writes_each_nodes_tokens_for_the_ranks_it_hosts(tmp_path):
+    """``job._take_placement``: nothing before the file exists; then the line in ``states.log``, the record handed
+    to ``on_placement`` (which re-issues the tokens for it) before any node's token file, each for its mesh ranks."""
+    from kuangchao_core.sched.slurm import job
+
+    out = script.slurm_dir(tmp_path, 0)
+    out.mkdir(parents=True)
+    said, calls = [], []
+    follow = job._Follow("42", {}, out, said.append)
+    take = lambda: job._take_placement(  # noqa: E731
+        tmp_path, 0, follow, lambda node, ranks: calls.append((node, ranks)), lambda rec: calls.append("placed")
+    )
+    assert take() is None and calls == [] and said == []
+    _probe_files(tmp_path, "n2")
+    placement.write_placement(placement.placement_path(tmp_path, 0), placement.compute(_share(tmp_path), ORDER))
+    assert take()["placement"]["rank_of_slot"] == [0, 2, 1]
+    assert calls == ["placed", ("n1", [0]), ("n2", [2]), ("n3", [1])]
+    assert said == [placement.describe(json.loads(placement.placement_path(tmp_path, 0).read_text()))]
+    assert said[0] in (out / "states.log").read_text()
