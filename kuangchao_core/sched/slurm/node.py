@@ -5,8 +5,8 @@ finds its own node (``SLURMD_NODENAME``) and rank among the allocation's nodes (
 gives: by ``NodeAddr``), reads the mesh ranks its slots play from the job's ``placement.json`` (:mod:`.placement`;
 refused when missing: the run directory must be shared), waits for the node's token file that the orchestrator
 writes once the job placed its ranks (``<run>/tokens/<node>/attempt_<n>.json``, 0600, read and deleted here), and
-runs the torchrun line through the one launcher (:func:`~kuangchao_core.sched.launcher.run_workers`): each rank gets its own tokens over the lifeline,
-never in an environment; rank heartbeats, the orchestrator's beat and stop file are watched as on a node agent.
+runs the torchrun line through the one launcher (:func:`~kuangchao_core.sched.launcher.run_workers`): each rank
+gets its own tokens over the lifeline, never in an environment; rank heartbeats, the orchestrator's beat and stop file are watched as on a node agent.
 Under ``attempt_<n>/nodes/<node>/`` it leaves ``agent.json`` (its beat while it runs), ``launcher.log``, ``logs/``
 and ``result.json`` (:func:`~kuangchao_core.sched.node_share.reporting`, as a node agent does).
 With ``--probe`` it runs the job's topology probe instead (the batch script's first step, :mod:`.placement`).
