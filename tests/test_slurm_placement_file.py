@@ -82,9 +82,10 @@ def test_a_failed_probe_places_without_measured_links_and_says_so(tmp_path):
     assert record["measured"] is False and record["topology"] is None
     assert "node probe failed (node probe: 2 of 3 ranks wrote their measurements" in record["warning"]
     assert record["placement"]["rank_of_slot"] == [0, 1, 2], "Slurm's (rendezvous) order, ranks by traffic"
-    assert "(topology, no measured links)" in placement.describe(record)
+    assert "(topology, probe failed): n1" in placement.describe(record)
     unprobed = placement.compute(_share(tmp_path, probe=False), ORDER)  # a job that did not probe: no warning
     assert unprobed["warning"] is None and unprobed["placement"]["rank_of_slot"] == [0, 1, 2]
+    assert "(topology, links not probed): n1" in placement.describe(unprobed)
 
 
 def test_the_file_is_written_whole_and_each_launcher_takes_its_slots_from_it(tmp_path):

@@ -150,7 +150,7 @@ def node_env(record: dict[str, Any], node: str, node_rank: int) -> dict[str, str
 def describe(record: dict[str, Any]) -> str:
     """One line: the placement's mode, whether links were measured, and which node hosts which mesh ranks."""
     mode = record["placement"]["mode"]
-    how = "measured links" if record["measured"] else "no measured links"
+    how = "measured links" if record["measured"] else "probe failed" if record.get("warning") else "links not probed"
     nodes = "; ".join(f"{n['name']} ({n['address']}): ranks {n['ranks']}" for n in record["nodes"])
     return f"placement of attempt {record['attempt']} ({mode}, {how}): {nodes}"
 
