@@ -209,6 +209,7 @@ RUN_FIRST = (
     "test_slurm.py",
     "test_slurm_requeue.py",
     "test_slurm_cancel.py",
+    "test_slurm_placement.py",
     "test_recovery.py",
     "test_gpu_check.py",
     "test_deployment.py",
