@@ -153,3 +153,14 @@ def test_the_orchestrator_says_the_placement_then_writes_each_nodes_tokens_for_t
     assert calls == ["placed", ("n1", [0]), ("n2", [2]), ("n3", [1])]
     assert said == [placement.describe(json.loads(placement.placement_path(tmp_path, 0).read_text()))]
     assert said[0] in (out / "states.log").read_text()
+
+
+def test_a_job_that_ended_before_placing_its_ranks_is_explained_by_its_own_last_words(tmp_path):
+    from kuangchao_core.sched.slurm import job
+
+    assert job._said(tmp_path) == f"no output in {tmp_path}"
+    (tmp_path / "batch-7.out").write_text(
+        "kuangchao: job 7 attempt 0 on n[1-3], rendezvous on n1 (10.0.0.11)\nTraceback ...\n"
+        "kuangchao: placement failed: FileNotFoundError: share.json\n"
+    )
+    assert job._said(tmp_path) == "kuangchao: placement failed: FileNotFoundError: share.json"
