@@ -20,7 +20,7 @@ from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.job.ckpt_mirror import mirror_for
 from kuangchao_core.job.flow_log import ProgressLog, run_logger_or_none
 from kuangchao_core.job.job_events import JobEvents
-from kuangchao_core.job.slurm_nodes import log_slurm_nodes
+from kuangchao_core.job.slurm_nodes import log_slurm_nodes, record_slurm_placement
 from kuangchao_core.obs import phases
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.obs.prometheus import exporter_for
@@ -30,7 +30,13 @@ from kuangchao_core.perm.audit import AuditLog
 from kuangchao_core.perm.audit_pins import record_audit_pin_or_log
 from kuangchao_core.perm.audit_seal import register_seal
 from kuangchao_core.perm.global_config import GlobalConfig
-from kuangchao_core.perm.issuance import audit_log_path, authority_for, node_token_env, token_env
+from kuangchao_core.perm.issuance import (
+    audit_log_path,
+    authority_for,
+    issue_tokens_for_run,
+    node_token_env,
+    token_env,
+)
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.perm.tokens import public_raw
 from kuangchao_core.sched.launch_spec import LaunchSpec
@@ -87,6 +93,17 @@ def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, st
             guard_api.install_guard(previous)
         audit.close()
     return path
+
+
+def _slurm_placed(
+    cfg: Any, run_id: str | None, run_dir: Path, attempt: int, say, enforcing: bool, placed: dict
+) -> None:
+    """A Slurm job placed its ranks (``placed``: its ``placement.json``): recorded as on the other paths, and, in an
+    enforcing job, the attempt's tokens issued again for that placement (the device and the node-local groups each
+    token names follow where its rank runs) before any node's token file is written."""
+    record_slurm_placement(cfg, run_id, run_dir, attempt, placed, say)
+    if enforcing:
+        issue_tokens_for_run(cfg, run_dir, attempt, placed["placement"])
 
 
 def launch_workers(
@@ -202,8 +219,19 @@ def launch_workers(
                 "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
             say = run_logger.info if run_logger is not None else print
             stack.callback(log_slurm_nodes, cfg, mlflow_run_id, run_dir, attempt, say)  # also after a failure
+            placed_cb = partial(_slurm_placed, cfg, mlflow_run_id, run_dir, attempt, say, "KC_TRUST_ROOT" in worker_env)
             launch_slurm_attempt(
-                cfg, run_dir, attempt, args, worker_env, tokens_for, view, say=say, exclude=list(exclude_nodes or [])
+                cfg,
+                run_dir,
+                attempt,
+                args,
+                worker_env,
+                tokens_for,
+                view,
+                say=say,
+                exclude=list(exclude_nodes or []),
+                traffic=group_traffic(cfg),  # the job probes its nodes and places its ranks (issue 32 §5)
+                on_placement=placed_cb,
             )
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}

@@ -95,8 +95,14 @@ def place_and_record(
         "links": link_report(placement, cfg),
         "measured": report is not None,
     }
+    save_record(run_dir, attempt, record)
+    return record
+
+
+def save_record(run_dir: str | Path, attempt: int, record: dict[str, Any]) -> Path:
+    """Write an attempt's placement record to ``<run_dir>/placement.attempt_<n>.json`` (atomically)."""
     path = Path(run_dir) / f"placement.attempt_{attempt}.json"
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
     tmp.replace(path)
-    return record
+    return path

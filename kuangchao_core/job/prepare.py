@@ -137,7 +137,7 @@ def open_job(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any
         with clock.phase("topology"):
             steps.probe_topology(cfg)
     elif cfg.cluster.mode == "slurm":
-        logger.info("cluster.mode slurm: Slurm grants the nodes; no topology probe before the job runs")
+        logger.info("cluster.mode slurm: Slurm grants the nodes; the job probes them and places its ranks itself")
     else:  # the node agents measure every pair of candidate nodes while the data is validated
         job.probing = steps.start_cluster_probe(cfg, job.run_dir, logger)
     with clock.phase("mlflow"):

@@ -206,27 +206,17 @@ def place_cluster_attempt(
     """(node assignments, :class:`~kuangchao_core.sched.rank_placement.RankPlacement`) of the next attempt: the
     nodes (cluster level) and which mesh rank each slot plays (node level), from the probe's matrix when given and
     the bytes per step of each group kind (``traffic``, ``engine.traffic.group_traffic``)."""
-    from kuangchao_core.sched.device_topology import device_chain
-    from kuangchao_core.sched.rank_placement import place_ranks
+    from kuangchao_core.sched.rank_placement import place_from_report
 
     assignments = choose_cluster_nodes(cfg, exclude, topology)
-    names = [a.name for a in assignments]
-    nproc = assignments[0].nproc
-    bw = lat = chain = None
-    if topology is not None and all(n in topology.nodes for n in names):
-        bw, lat = topology.submatrix(names, "bandwidth"), topology.submatrix(names, "latency")
-        links = (topology.device_links.get(names[0]) or {}).get("links")
-        chain = device_chain(links, nproc) if links else None
     par = cfg.parallel
-    placement = place_ranks(
+    placement = place_from_report(
         (par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size),
-        names,
-        nproc,
+        [a.name for a in assignments],
+        assignments[0].nproc,
         traffic=traffic,
         mode=cfg.cluster.placement,
-        node_bandwidth=bw,
-        node_latency=lat,
-        device_chain=chain,
+        topology=topology,
     )
     return assignments, placement
 

@@ -63,17 +63,25 @@ def probe_nodes(
         deployment=deployment,
         start_timeout_s=timeout_s,
     )
-    per_rank = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(out.glob("rank_*.json"))]
-    world = len(assignments) * nproc
-    if len(per_rank) != world:
-        raise CommError(f"node probe: {len(per_rank)} of {world} ranks wrote their measurements to {out}")
-    per_rank.sort(key=lambda d: d["rank"])
-    report = assemble_report(per_rank, sizes, iters, [d["node"] for d in per_rank], time.monotonic() - t0)
-    report.flops_per_s = [float(d.get("flops_per_s", 0.0)) for d in per_rank]
-    report.device_links = {d["node"]: d["device_links"] for d in per_rank if "device_links" in d}
+    report = report_from_rank_files(out, len(assignments) * nproc, sizes, iters, time.monotonic() - t0)
     report.fingerprint = pool_fingerprint(nodes, nproc, sizes)
     report.node_facts = {n.name: _facts_key(n) for n in nodes}
     report.nproc = nproc
+    return report
+
+
+def report_from_rank_files(out: str | Path, world: int, sizes=DEFAULT_SIZES, iters: int = 5, elapsed_s: float = 0.0):
+    """The :class:`TopologyReport` of the ``world`` ranks' ``rank_<r>.json`` files that
+    :mod:`~kuangchao_core.sched.probe_worker` wrote under ``out`` (node matrices, compute rates, device links);
+    ``CommError`` when some rank's file is missing."""
+    out = Path(out)
+    per_rank = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(out.glob("rank_*.json"))]
+    if len(per_rank) != world:
+        raise CommError(f"node probe: {len(per_rank)} of {world} ranks wrote their measurements to {out}")
+    per_rank.sort(key=lambda d: d["rank"])
+    report = assemble_report(per_rank, sizes, iters, [d["node"] for d in per_rank], elapsed_s)
+    report.flops_per_s = [float(d.get("flops_per_s", 0.0)) for d in per_rank]
+    report.device_links = {d["node"]: d["device_links"] for d in per_rank if "device_links" in d}
     return report
 
 

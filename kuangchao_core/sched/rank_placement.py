@@ -189,6 +189,31 @@ def place_ranks(
     return RankPlacement(list(nodes), nproc, rank_of_slot, mode, traffic)
 
 
+def place_from_report(
+    sizes: tuple[int, int, int],
+    nodes: list[str],
+    nproc: int,
+    *,
+    traffic: dict[str, float] | None = None,
+    mode: str = "topology",
+    topology: Any = None,
+) -> RankPlacement:
+    """:func:`place_ranks` from a probe's ``topology`` (a ``TopologyReport``, or None): its node matrices restricted
+    to ``nodes`` (rendezvous order) and the first node's device links, when it measured every one of ``nodes``.
+    The one placement of every path: node agents (``multinode.place_cluster_attempt``) and Slurm jobs
+    (``slurm.placement``)."""
+    from kuangchao_core.sched.device_topology import device_chain
+
+    bw = lat = chain = None
+    if topology is not None and all(n in topology.nodes for n in nodes):
+        bw, lat = topology.submatrix(nodes, "bandwidth"), topology.submatrix(nodes, "latency")
+        links = (topology.device_links.get(nodes[0]) or {}).get("links")
+        chain = device_chain(links, nproc) if links else None
+    return place_ranks(
+        sizes, nodes, nproc, traffic=traffic, mode=mode, node_bandwidth=bw, node_latency=lat, device_chain=chain
+    )
+
+
 def apply_rank_map(environ: dict[str, str] | None = None) -> int:
     """Rename this worker to the mesh rank its slot plays (``KC_RANK_MAP``); returns the rank. Call before anything
     reads ``RANK``. The torch rank stays in ``KC_TORCH_RANK``."""

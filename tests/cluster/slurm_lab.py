@@ -86,6 +86,7 @@ class SlurmLab:
         self.address = ""  # the controller's, on the bridge
         self._procs: dict[str, subprocess.Popen] = {}
         self._netns: dict[str, str] = {}
+        self._veth: dict[str, str] = {}  # node -> the root end of its veth (on the lab's bridge)
 
     # -- life --------------------------------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class SlurmLab:
             self.address = netlab.add_bridge(self.claim)
             for i, node in enumerate(self.nodes, 1):
                 self.node_addr[node] = f"{self.claim.subnet}.{10 + i}"
-                self._netns[node], _ = netlab.add_host(self.claim, i, self.node_addr[node])
+                self._netns[node], self._veth[node] = netlab.add_host(self.claim, i, self.node_addr[node])
             self._write_configs()
             self._start_daemons(time.monotonic() + timeout_s)
         except BaseException:
@@ -170,6 +171,15 @@ class SlurmLab:
         service once it registers)."""
         argv = ["slurmd", "-D", "-N", node, "-f", str(self.conf)]
         self._start(f"slurmd-{node}", self.in_node(node, argv))
+
+    def shape_node(self, node: str, rate: str | None) -> None:
+        """Limit every link of ``node`` to ``rate`` (``tc tbf`` on both ends of its veth, as the bench shapes hosts:
+        DESIGN.md §5), or lift the limit (``None``). The qdiscs go with the veth when the lab goes down."""
+        for dev, prefix in ((self._veth[node], []), ("eth0", ["-n", self._netns[node]])):
+            subprocess.run(["tc", *prefix, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if rate:
+                shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+                subprocess.run(["tc", *prefix, "qdisc", "add", "dev", dev, *shape], check=True, capture_output=True)
 
     def node_state(self) -> dict[str, str]:
         """Each node's state as ``sinfo`` says it (``idle``, ``alloc``, ``down*`` ...)."""

@@ -8,9 +8,10 @@
    many nodes) fails at once with Slurm's words (:class:`~.commands.SlurmRefused`, not retried).
 3. Follow the job (``scontrol show job``): every change of state is said and kept in ``states.log`` (pending with
    its reason, running on which nodes). A pending reason that never resolves cancels the job and fails at once.
-   Once it runs, each node's tokens are written for it alone (0600, ``perm.issuance.node_token_env``; ranks in the
-   rendezvous' node order) and its ``launcher.log`` is tailed into the live view (steps, MLflow metrics); the
-   nodes' facts (CPUs, GPUs, state, leaf switch: :mod:`.facts`) go to ``nodes.json`` and one line each to the log.
+   Once it runs, its nodes' facts (CPUs, GPUs, state, leaf switch: :mod:`.facts`) go to ``nodes.json`` and one line
+   each to the log, and each node's ``launcher.log`` is tailed into the live view (steps, MLflow metrics). Once the
+   job placed its ranks (its probe and ``placement.json``, :mod:`.placement`) the placement is said and each node's
+   tokens are written for it alone (0600, ``perm.issuance.node_token_env``; the ranks the placement gives it).
 4. The end: ``COMPLETED`` with every node ``ok`` returns; a failed rank or node raises ``WorkerFailed`` (retried);
    a job cancelled or timed out in Slurm raises ``SlurmRefused`` with that reason. If the orchestrator stops
    first, the job is cancelled (``scancel``), and its ranks stop with the orchestrator's beat in any case.
@@ -32,7 +33,7 @@ from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
 from kuangchao_core.sched.node_watch import AttemptWatch
-from kuangchao_core.sched.slurm import commands, facts, script, time_limit
+from kuangchao_core.sched.slurm import commands, facts, placement, script, time_limit
 from kuangchao_core.sched.slurm.commands import SlurmRefused
 
 #: states a job ends in that are Slurm's (or a user's) decision, not a failure to retry
@@ -44,8 +45,10 @@ _SECRET_KEYS = (ENV_TOKENS, ENV_TOKEN_BUNDLE)
 
 
 def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker_env: dict[str, str],
-                  tokens: bool, exclude: list[str] | tuple[str, ...] = ()) -> tuple[Path, str]:  # fmt: skip
-    """``share.json`` and ``job.sbatch`` of the attempt; returns the script's path and its text."""
+                  tokens: bool, exclude: list[str] | tuple[str, ...] = (),
+                  traffic: dict[str, float] | None = None) -> tuple[Path, str]:  # fmt: skip
+    """``share.json`` and ``job.sbatch`` of the attempt; returns the script's path and its text. With ``traffic``
+    (bytes per step of each group kind) the job probes its nodes and places its ranks first (:mod:`.placement`)."""
     out = script.slurm_dir(run_dir, attempt)
     out.mkdir(parents=True, exist_ok=True)
     share = {
@@ -60,8 +63,12 @@ def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker
         "heartbeat_interval_s": cfg.cluster.heartbeat_interval_s,
         "owner_lost_after_s": OWNER_LOST_AFTER_S,
     }
+    if traffic is not None:
+        probe_port = random.choice([p for p in range(RDZV_PORTS[0], RDZV_PORTS[1] + 1) if p != share["port"]])
+        share["placement"] = placement.request(cfg, traffic, probe_port)
     (out / "share.json").write_text(json.dumps(share, indent=1), encoding="utf-8")
-    text = script.render_script(cfg, run_dir, attempt, args, share["port"], exclude=exclude)
+    text = script.render_script(cfg, run_dir, attempt, args, share["port"], exclude=exclude,
+                                placement=share.get("placement"))  # fmt: skip
     path = out / "job.sbatch"
     path.write_text(text, encoding="utf-8")
     return path, text
@@ -151,16 +158,21 @@ def launch_slurm_attempt(
     say: Callable[[str], None] = print,
     poll_s: float = 0.5,
     exclude: list[str] | tuple[str, ...] = (),
+    traffic: dict[str, float] | None = None,
+    on_placement: Callable[[dict[str, Any]], None] | None = None,
 ) -> str:
     """Run attempt ``attempt`` as a Slurm job (or a step of the allocation ``kc train`` runs in) and return the job
     id once it completed; ``tokens_for(node, ranks)`` writes a node's token file (None: no tokens, trusted mode).
-    ``exclude``: nodes lost in earlier attempts, left out of the job (``--exclude``)."""
+    ``exclude``: nodes lost in earlier attempts, left out of the job (``--exclude``). With ``traffic`` the job
+    places its ranks from its own probe (:mod:`.placement`): once ``placement.json`` appears it is said, given to
+    ``on_placement`` (the orchestrator's record and tokens) and each node's tokens name the ranks it hosts."""
     run_dir = Path(run_dir).absolute()
     env = commands.slurm_env(cfg.cluster.slurm)
     inside = os.environ.get("SLURM_JOB_ID")
     if inside and exclude:  # the allocation's nodes are the job's: a lost one cannot be left out of it
         raise SlurmRefused(f"node(s) {', '.join(exclude)} of allocation {inside} lost; run kc train in a new one")
-    path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None, exclude)
+    path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None, exclude, traffic)
+    placing = traffic is not None
     out = script.slurm_dir(run_dir, attempt)
     proc = None
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the nodes stop their ranks when this goes silent
@@ -184,6 +196,7 @@ def launch_slurm_attempt(
         follow = _Follow(job_id, env, out, say)
         nodes: list[str] = []
         watch: AttemptWatch | None = None
+        placed: dict[str, Any] | None = None
         while True:
             info = follow.poll()
             state = follow.state
@@ -191,9 +204,12 @@ def launch_slurm_attempt(
                 commands.cancel(job_id, env)
                 raise SlurmRefused(f"Slurm cannot run job {job_id}: pending ({info['Reason']})")
             if not nodes and (state == "RUNNING" or inside) and info.get("NodeList", "(null)") != "(null)":
-                nodes = _start_nodes(cfg, info["NodeList"], env, run_dir, attempt, tokens_for, log_sink, tails)
+                nodes = _start_nodes(cfg, info["NodeList"], env, run_dir, attempt, None if placing else tokens_for,
+                                     log_sink, tails)  # fmt: skip
                 facts.record_attempt_nodes(out, nodes, env, follow.note)  # nodes.json: their facts and switches
-                watch = _watch_nodes(cfg, run_dir, attempt, nodes)
+                watch = _watch_nodes(cfg, run_dir, attempt, nodes, placing)
+            if nodes and placing and placed is None:
+                placed = _take_placement(run_dir, attempt, follow, tokens_for, on_placement)
             if watch is not None and state not in ENDED_BY_SLURM:
                 _check_nodes(watch, follow, poll_s)
             if proc is not None and proc.poll() is not None:
@@ -206,6 +222,8 @@ def launch_slurm_attempt(
             time.sleep(poll_s)
         time.sleep(0.3)  # the last lines of the nodes' logs
         time_limit.raise_if_stopped(out, job_id, cfg.cluster.slurm)  # checkpointed before the time limit
+        if placing and placed is None and state not in ENDED_BY_SLURM:
+            raise WorkerFailed(None, f"Slurm job {job_id} ended {state} before it placed its ranks: {_said(out)}")
         _raise_for_end(state, info, job_id, _results(run_dir, attempt, nodes))
         return job_id
     except BaseException:
@@ -223,10 +241,42 @@ def launch_slurm_attempt(
             tail.join(timeout=5)
 
 
-def _watch_nodes(cfg: Any, run_dir: Path, attempt: int, nodes: list[str]) -> AttemptWatch:
-    """The watch of the job's nodes (their launchers' beats and results), as on the node-agent path."""
+def _watch_nodes(cfg: Any, run_dir: Path, attempt: int, nodes: list[str], placing: bool = False) -> AttemptWatch:
+    """The watch of the job's nodes (their launchers' beats and results), as on the node-agent path; their
+    launchers start after the probe and the placement step when the job places its ranks."""
     lost_after = max(3.0, float(cfg.cluster.heartbeat_timeout_s or 10.0))
-    return AttemptWatch(run_dir, attempt, nodes, lost_after=lost_after, start_timeout=NODE_START_TIMEOUT_S)
+    start = NODE_START_TIMEOUT_S + (placement.PROBE_TIMEOUT_S if placing else 0.0)
+    return AttemptWatch(run_dir, attempt, nodes, lost_after=lost_after, start_timeout=start)
+
+
+def _take_placement(run_dir: Path, attempt: int, follow: _Follow, tokens_for, on_placement) -> dict[str, Any] | None:
+    """The job's ``placement.json`` once its placement step wrote it (None before): said (which node hosts which
+    ranks; a failed probe's warning), handed to ``on_placement``, and each node's tokens written for its ranks."""
+    path = placement.placement_path(run_dir, attempt)
+    if not path.exists():
+        return None
+    record = placement.read_placement(path)
+    if record.get("warning"):
+        follow.note(f"attempt {attempt}: warning: {record['warning']}")
+    follow.note(placement.describe(record))
+    if on_placement is not None:
+        on_placement(record)
+    for node in record["nodes"]:
+        if tokens_for is not None:
+            tokens_for(node["name"], list(node["ranks"]))
+    return record
+
+
+def _said(out: Path) -> str:
+    """The job's last ``kuangchao:`` line (its batch output, or the step's inside an allocation)."""
+    lines = [
+        line
+        for f in sorted(out.glob("batch-*.out")) + [out / "step.out"]
+        if f.is_file()
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines()
+        if line.startswith("kuangchao:")
+    ]
+    return lines[-1] if lines else f"no output in {out}"
 
 
 def _check_nodes(watch: AttemptWatch, follow: _Follow, poll_s: float) -> None:
@@ -244,7 +294,7 @@ def _check_nodes(watch: AttemptWatch, follow: _Follow, poll_s: float) -> None:
 
 def _start_nodes(cfg, nodelist: str, env, run_dir: Path, attempt: int, tokens_for, log_sink, tails) -> list[str]:
     """The job runs on ``nodelist``: each node's tokens written for it alone (its ranks in the rendezvous' node
-    order), its ``launcher.log`` tailed into ``log_sink``."""
+    order; None: written once the job placed its ranks), its ``launcher.log`` tailed into ``log_sink``."""
     order = commands.node_order(commands.hostnames(nodelist, env), env)
     nproc = cfg.cluster.slurm.tasks_per_node
     for rank, (node, _addr) in enumerate(order):

@@ -35,6 +35,8 @@ EXPORTED = (
 )
 #: the worker entry point every rank runs
 WORKER = "kuangchao_core.engine.worker"
+#: the topology probe's rank (issue 32 §5)
+PROBE = "kuangchao_core.sched.probe_worker"
 
 
 def slurm_dir(run_dir: str | Path, attempt: int) -> Path:
@@ -82,7 +84,10 @@ def request_options(slurm: Any) -> list[str]:
     return out + list(slurm.extra_sbatch_args)
 
 
-def torchrun_line(cfg: Any, args: list[str], port: int, attempt: int, python: str = sys.executable) -> list[str]:
+def torchrun_line(
+    cfg: Any, args: list[str], port: int, attempt: int, python: str = sys.executable, module: str = WORKER,
+    rdzv_suffix: str = "",
+) -> list[str]:  # fmt: skip
     """The torchrun command every node's launcher runs (shell words; ``$…`` expanded by the batch shell)."""
     return [
         python,
@@ -92,12 +97,42 @@ def torchrun_line(cfg: Any, args: list[str], port: int, attempt: int, python: st
         f"--nproc-per-node={cfg.cluster.slurm.tasks_per_node}",
         "--rdzv_backend=c10d",
         f'--rdzv_endpoint="$head_addr:{port}"',
-        f'--rdzv_id="$SLURM_JOB_ID-{attempt}"',
+        f'--rdzv_id="$SLURM_JOB_ID-{attempt}{rdzv_suffix}"',
         "--max-restarts=0",
         "-m",
-        WORKER,
+        module,
         *[shlex.quote(str(a)) for a in args],
     ]
+
+
+def _step(run_dir: str | Path, attempt: int, output: str) -> str:
+    out = shlex.quote(str(slurm_dir(run_dir, attempt) / output))
+    return f'srun --ntasks-per-node=1 --nodes="$SLURM_NNODES" --kill-on-bad-exit=1 --output={out}'
+
+
+def placement_lines(
+    cfg: Any, run_dir: str | Path, attempt: int, placement: dict[str, Any], python: str = sys.executable
+) -> list[str]:
+    """The steps before training (issue 32 §5): the topology probe when ``placement`` asks for it (a failure is
+    said and the job goes on without measured links), then the placement step that writes ``placement.json``."""
+    share = shlex.quote(str(slurm_dir(run_dir, attempt) / "share.json"))
+    lines = []
+    if placement.get("probe"):
+        out = slurm_dir(run_dir, attempt) / "probe" / "ranks"
+        sizes = placement["probe_sizes"]
+        probe_args = ["--out", out, "--small", sizes[0], "--large", sizes[1], "--iters", placement["probe_iters"]]
+        launcher = [python, "-m", "kuangchao_core.sched.slurm.node", "--share", share, "--probe", "--"]
+        torchrun = torchrun_line(cfg, probe_args, placement["probe_port"], attempt, python, PROBE, "-probe")
+        lines += [
+            "# 1. the links between the allocated nodes, measured as on every path (kuangchao_core.sched.probe_worker)",
+            " \\\n  ".join([_step(run_dir, attempt, "probe-%N.out"), " ".join(launcher), " ".join(torchrun)])
+            + ' \\\n  || echo "kuangchao: warning: the node probe failed (exit $?); see probe-<node>.out"',
+        ]
+    lines += [
+        "# 2. which node hosts which ranks (kuangchao_core.sched.rank_placement), written to placement.json",
+        f"{python} -m kuangchao_core.sched.slurm.placement --share {share}",
+    ]
+    return lines
 
 
 def render_script(
@@ -108,15 +143,12 @@ def render_script(
     port: int,
     python: str = sys.executable,
     exclude: list[str] | tuple[str, ...] = (),
+    placement: dict[str, Any] | None = None,
 ) -> str:
     """The batch script of ``attempt`` (also run as is with ``bash`` inside an allocation: ``#SBATCH`` lines are
-    comments there)."""
+    comments there); ``placement`` (``share.json``'s): the probe and placement steps before training."""
     share = slurm_dir(run_dir, attempt) / "share.json"
     launcher = [python, "-m", "kuangchao_core.sched.slurm.node", "--share", shlex.quote(str(share)), "--"]
-    step = [
-        'srun --ntasks-per-node=1 --nodes="$SLURM_NNODES" --kill-on-bad-exit=1',
-        f"--output={shlex.quote(str(slurm_dir(run_dir, attempt) / 'node-%N.out'))}",
-    ]
     lines = [
         "#!/bin/bash",
         f"# Kuangchao job {cfg.task.name}, attempt {attempt}: written by `kc train` (cluster.mode: slurm).",
@@ -129,13 +161,18 @@ def render_script(
         'echo "kuangchao: job $SLURM_JOB_ID attempt ' + str(attempt) + " on $SLURM_JOB_NODELIST, "
         'rendezvous on $head_node ($head_addr)"',
     ]
+    before = [*placement_lines(cfg, run_dir, attempt, placement, python), "# 3. the training"] if placement else []
     srun = " \\\n  ".join(
-        [" ".join(step), " ".join(launcher), " ".join(torchrun_line(cfg, args, port, attempt, python))]
+        [
+            _step(run_dir, attempt, "node-%N.out"),
+            " ".join(launcher),
+            " ".join(torchrun_line(cfg, args, port, attempt, python)),
+        ]
     )
     if time_limit.enabled(cfg.cluster.slurm):  # a checkpoint before the time limit: the step waited for under a trap
-        lines += time_limit.step_lines(srun, slurm_dir(run_dir, attempt))
+        lines += time_limit.step_lines(srun, slurm_dir(run_dir, attempt), before)
     else:
-        lines.append(srun)
+        lines += [*before, srun]
     return "\n".join(lines) + "\n"
 
 

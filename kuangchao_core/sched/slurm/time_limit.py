@@ -52,14 +52,16 @@ def worker_env(slurm: Any, out: Path) -> dict[str, str]:
     return {ENV_STOP_FILE: str(stop_file(out))} if enabled(slurm) else {}
 
 
-def step_lines(step: str, out: Path) -> list[str]:
+def step_lines(step: str, out: Path, before: list[str] = ()) -> list[str]:
     """The batch script's step under the trap: ``step`` (the srun line) in the background, waited for until it
-    ended (again after the trap ran), its exit code the script's."""
+    ended (again after the trap ran), its exit code the script's; ``before``: lines run under the trap first (the
+    probe and placement steps: a signal meanwhile marks the stop file, the training stops after its first step)."""
     flag = shlex.quote(str(stop_file(out)))
     say = f"kuangchao: job $SLURM_JOB_ID near its time limit: the ranks checkpoint and stop ({SIGNAL})"
     return [
         "near_limit=0",
         f"trap 'near_limit=1; date -u +%Y-%m-%dT%H:%M:%SZ > {flag}; echo \"{say}\"' {SIGNAL}",
+        *before,
         step + " &",
         "step_pid=$!",
         'rc=0; wait "$step_pid" || rc=$?',
