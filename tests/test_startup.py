@@ -40,6 +40,7 @@ def _finished_lineage(tmp_path: Path, overrides: list[str], step: int) -> Path:
         guard_api.install_guard(previous)
 
 
+@pytest.mark.serial  # a bound of 3 s from process start: it measured the other worker's load (3.38 s) beside it
 def test_a_refused_kc_train_exits_2_within_3_s_before_any_prefect_run(tmp_path):
     """The lineage is at step 6, the job asks for 4: one line naming train.steps, exit 2, within 3 s of the
     process's start. The Prefect API configured does not answer: before, kc train said so (exit 1), or on
