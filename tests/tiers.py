@@ -135,6 +135,7 @@ FILE_TIERS = {
     "test_weight_decay.py": "distributed",
     "test_zero.py": "distributed",
     "test_zero3_memory.py": "distributed",
+    "test_zero3_lora.py": "distributed",
 }
 
 TEST_TIERS = {

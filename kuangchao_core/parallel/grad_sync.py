@@ -33,6 +33,7 @@ from kuangchao_core.parallel.state_memory import effective_zero_stage
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
+from kuangchao_core.parallel.zero3_lora import LoraZero3Optimizer
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -275,6 +276,8 @@ class ShardedAdamW:
         self.optimizer: Any
         zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
         if stage == 3:
+            if zero3 is Zero3Optimizer and any(not p.requires_grad for p in model.parameters()):
+                zero3 = LoraZero3Optimizer  # a frozen LoRA base, sharded beside the adapters
             units = block_units(model)
             recomputed = (
                 [i for i, u in enumerate(units) if u in set(model.model.layers)]
@@ -397,8 +400,9 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    # ZeRO-3 runs as ZeRO-2 under pp and with LoRA (state_memory.effective_zero_stage, which kc plan uses too)
-    stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora))
+    # ZeRO-3 runs as ZeRO-2 under pp and with LoRA on bf16 parameters (state_memory.effective_zero_stage, which
+    # kc plan uses too)
+    stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora), par.param_dtype == "bf16")
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 
