@@ -273,11 +273,9 @@ class ShardedAdamW:
         named = _trainable(model)
         self.names = [n for n, _ in named]
         hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
-        self.optimizer: Any
-        zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
+        lora = any(not p.requires_grad for p in model.parameters())  # a frozen base, sharded beside the adapters
+        zero, zero3 = classes or (ZeroOptimizer, LoraZero3Optimizer if lora else Zero3Optimizer)
         if stage == 3:
-            if zero3 is Zero3Optimizer and any(not p.requires_grad for p in model.parameters()):
-                zero3 = LoraZero3Optimizer  # a frozen LoRA base, sharded beside the adapters
             units = block_units(model)
             recomputed = (
                 [i for i, u in enumerate(units) if u in set(model.model.layers)]
@@ -325,8 +323,7 @@ class ShardedAdamW:
         return list(self.optimizer.grad_shards())
 
     def prepare(self) -> None:
-        """Nothing to do: the ZeRO optimizer broadcast rank 0's parameters when it was built and all-gathers after
-        every step."""
+        """Nothing to do: ZeRO broadcast rank 0's parameters when it was built and all-gathers after every step."""
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Each rank's flat ranges without TP; under TP (a ZeRO range of a TP slice has no slice description) the
@@ -400,8 +397,7 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    # ZeRO-3 runs as ZeRO-2 under pp and with LoRA on bf16 parameters (state_memory.effective_zero_stage, which
-    # kc plan uses too)
+    # ZeRO-3 runs as ZeRO-2 under pp and for LoRA on bf16 parameters (as kc plan: state_memory.effective_zero_stage)
     stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora), par.param_dtype == "bf16")
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
