@@ -90,8 +90,11 @@ class CastBytes(TorchDispatchMode):
 
 
 def _weight_shapes(trainer) -> set[tuple[int, ...]]:
-    """2-D parameter shapes of this rank (ZeRO-3 empties the module's parameters: its layout keeps the shapes)."""
-    named = list(trainer.model.named_parameters()) + list(getattr(trainer.sync.optimizer, "named_params", []))
+    """2-D parameter shapes of this rank (ZeRO-3 empties the module's parameters: its layouts keep the shapes, the
+    frozen LoRA base's in its ``base``)."""
+    opt = getattr(trainer.sync, "optimizer", None)
+    named = list(trainer.model.named_parameters()) + list(getattr(opt, "named_params", []))
+    named += [(s.name, s.param) for bk in getattr(getattr(opt, "base", None), "buckets", []) for s in bk.slots]
     return {tuple(p.shape) for _, p in named if len(p.shape) == 2}
 
 

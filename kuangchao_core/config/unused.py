@@ -79,15 +79,6 @@ def unused_settings(cfg: Any) -> Warnings:
                 "gathering them for every micro-batch on every stage would multiply the traffic",
             )
         )
-    bf16_params = train.param_dtype == "bf16"
-    if par.zero_stage == 3 and cfg.model.lora is not None and par.pipeline_parallel_size == 1 and bf16_params:
-        out.append(
-            (
-                "parallel.zero_stage",
-                "3 with model.lora and train.param_dtype bf16 runs as ZeRO-2: the frozen base stays whole, the "
-                "adapters' gradients and AdamW state are partitioned",
-            )
-        )
     if cfg.tracking.register_model and not cfg.tracking.log_model:
         out.append(("tracking.register_model", "needs tracking.log_model true: no model is logged to register"))
     if train.compile and par.zero_stage == 3:

@@ -153,7 +153,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
     kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
     lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
-    zero = effective_zero_stage(par.zero_stage, pp, lora is not None, pdt == "bf16")
+    zero = effective_zero_stage(par.zero_stage, pp)
     out = []
     for rank in range(dp * tp * pp) if ranks is None else ranks:
         dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)

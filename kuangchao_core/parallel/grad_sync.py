@@ -33,7 +33,7 @@ from kuangchao_core.parallel.state_memory import effective_zero_stage
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
-from kuangchao_core.parallel.zero3_lora import LoraZero3Optimizer
+from kuangchao_core.parallel.zero3_lora import with_frozen_base
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -273,15 +273,13 @@ class ShardedAdamW:
         named = _trainable(model)
         self.names = [n for n, _ in named]
         hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
-        lora = any(not p.requires_grad for p in model.parameters())  # a frozen base, sharded beside the adapters
-        zero, zero3 = classes or (ZeroOptimizer, LoraZero3Optimizer if lora else Zero3Optimizer)
+        zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
+        if any(not p.requires_grad for p in model.parameters()):  # a frozen LoRA base, sharded beside the adapters
+            zero3 = with_frozen_base(zero3)
         if stage == 3:
             units = block_units(model)
-            recomputed = (
-                [i for i, u in enumerate(units) if u in set(model.model.layers)]
-                if getattr(model, "activation_checkpointing", "none") != "none"
-                else []
-            )
+            checkpointed = getattr(model, "activation_checkpointing", "none") != "none"
+            recomputed = [i for i, u in enumerate(units) if checkpointed and u in set(model.model.layers)]
             self.optimizer = zero3(model, units, mesh.dp_group, recomputed, **hyper)
         else:
             self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
@@ -397,8 +395,8 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    # ZeRO-3 runs as ZeRO-2 under pp and for LoRA on bf16 parameters (as kc plan: state_memory.effective_zero_stage)
-    stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora), par.param_dtype == "bf16")
+    # ZeRO-3 runs as ZeRO-2 under pp (state_memory.effective_zero_stage, which kc plan uses too)
+    stage = effective_zero_stage(int(par.zero_stage), mesh.pp)
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 

@@ -30,8 +30,7 @@ ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the momen
 gradient by N; stage 2 the gradients too; stage 3 the trainable parameters too. With LoRA the base is frozen: its
 parameters have no gradients and no optimizer state and are held whole by every rank below stage 3, 1/N per rank
 at stage 3 (:mod:`~kuangchao_core.parallel.zero3_lora`); the adapters are the trainable parameters.
-:func:`effective_zero_stage` says which stage the engine runs (ZeRO-3 runs as ZeRO-2 under pipeline parallelism
-and with LoRA on bf16 parameters).
+:func:`effective_zero_stage` says which stage the engine runs (ZeRO-3 runs as ZeRO-2 under pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -79,11 +78,10 @@ def precision_bytes(dtype: str, param_dtype: str | None = None) -> PrecisionByte
     return PRECISIONS[key]
 
 
-def effective_zero_stage(zero_stage: int, pp: int, lora: bool, bf16_params: bool = False) -> int:
+def effective_zero_stage(zero_stage: int, pp: int) -> int:
     """The ZeRO stage the engine runs for ``parallel.zero_stage``: 3 becomes 2 under pipeline parallelism
-    (``pp`` > 1: per-micro-batch gathers on every stage) and with LoRA on bf16 parameters (``bf16_params``: the
-    frozen base is sharded only beside fp32/fp64 parameters, :mod:`~kuangchao_core.parallel.zero3_lora`)."""
-    return 2 if zero_stage == 3 and (pp > 1 or (lora and bf16_params)) else zero_stage
+    (``pp`` > 1: per-micro-batch gathers on every stage). With LoRA, ZeRO-3 shards the frozen base too."""
+    return 2 if zero_stage == 3 and pp > 1 else zero_stage
 
 
 def state_bytes(

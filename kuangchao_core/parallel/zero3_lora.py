@@ -30,6 +30,7 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.parallel.zero3 import Zero3Optimizer
+from kuangchao_core.parallel.zero3_master import PARAM_DTYPE, MasterZero3Optimizer
 from kuangchao_core.parallel.zero3_shards import shard_units
 
 
@@ -62,15 +63,19 @@ class LoraZero3Optimizer(Zero3Optimizer):
         if not self._base_in_gathers:
             return super()._issue_gather(i, async_op)
         bk, fb = self.buckets[i], self.base.buckets[i]
-        full = torch.empty(bk.size + fb.size, dtype=self.dtype, device=self.device)
+        full = torch.empty(bk.size + fb.size, dtype=self.base.flat.dtype, device=self.device)
         self._record("gather", i)
-        pairs = [(full[: bk.size], self.shard_params[i].detach()), (full[bk.size :], self.base.chunk(i))]
+        pairs = [(full[: bk.size], self._trainable_chunk(i)), (full[bk.size :], self.base.chunk(i))]
         if self.size == 1:
             for out, chunk in pairs:
                 out.copy_(chunk)
             return None, full
         handles = [comm.all_gather_into(out, chunk, group=self.group, async_op=async_op) for out, chunk in pairs]
         return (_Both(handles) if async_op else None), full
+
+    def _trainable_chunk(self, i: int) -> torch.Tensor:
+        """What unit ``i``'s adapters are gathered from (this rank's chunk; bf16 parameters: its bf16 rounding)."""
+        return self.shard_params[i].detach()
 
     def _full_for_forward(self, i: int) -> torch.Tensor:
         full = super()._full_for_forward(i)
@@ -107,7 +112,7 @@ class LoraZero3Optimizer(Zero3Optimizer):
         fulls = []
         with torch.no_grad():
             for i, params in enumerate(self.base.params):
-                full = torch.empty(self.base.buckets[i].size, dtype=self.dtype, device=self.device)
+                full = torch.empty(self.base.buckets[i].size, dtype=self.base.flat.dtype, device=self.device)
                 if self.size > 1:
                     comm.all_gather_into(full, self.base.chunk(i), group=self.group)
                 else:
@@ -127,17 +132,39 @@ class LoraZero3Optimizer(Zero3Optimizer):
                     if writeback:
                         self.base.chunk(i).copy_(fulls[i][self.rank * bk.chunk : (self.rank + 1) * bk.chunk])
                     for _, p in params:
-                        p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+                        p.data = torch.empty(0, dtype=self.base.flat.dtype, device=self.device)
 
     def memory_report(self) -> dict[str, Any]:
-        """:meth:`Zero3Optimizer.memory_report` with the base's chunks in ``params`` (measured and formula:
-        ``b·Ψ_b/N`` more); ``base_numel``: the frozen elements."""
+        """The ZeRO-3 optimizer's report with the base's chunks in ``params`` (measured and formula: ``b·Ψ_b/N``
+        more, ``b`` the base's bytes per element); ``base_numel``: the frozen elements."""
         report = super().memory_report()
-        base = self.base.flat.numel() * self._item
+        item = self.base.flat.element_size()
+        base = self.base.flat.numel() * item
         measured = {**report["measured"], "params": report["measured"]["params"] + base}
         measured["total"] += base
         formula = dict(report["formula"])
-        share = self._item * self.base_numel / self.size
+        share = item * self.base_numel / self.size
         formula["params"] += share
         formula["total"] += share
         return {**report, "measured": measured, "formula": formula, "base_numel": self.base_numel}
+
+
+class MasterLoraZero3Optimizer(LoraZero3Optimizer, MasterZero3Optimizer):
+    """:class:`LoraZero3Optimizer` on bf16 parameters (``train.param_dtype: bf16``): the adapters as
+    :class:`~kuangchao_core.parallel.zero3_master.MasterZero3Optimizer` keeps them (fp32 master chunks, gathered in
+    bf16), the base's chunks in bf16 only (it is never updated, so it has no master), gathered with them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.base.flat = self.base.flat.to(PARAM_DTYPE)
+
+    def _trainable_chunk(self, i: int) -> torch.Tensor:
+        if self._gather_master:
+            return super()._trainable_chunk(i)
+        lo = self._shard_offsets[i]
+        return self.param_shard[lo : lo + self.buckets[i].chunk]
+
+
+def with_frozen_base(zero3: type) -> type:
+    """The ZeRO-3 optimizer class that also shards a frozen base, for ``zero3`` (plain or bf16 parameters)."""
+    return MasterLoraZero3Optimizer if issubclass(zero3, MasterZero3Optimizer) else LoraZero3Optimizer
