@@ -6,7 +6,7 @@ The trainer holds one :class:`GradSync` and never asks which kind it is:
   backward) and a plain ``torch.optim.AdamW`` on every DP replica;
 - :class:`ShardedAdamW`: :class:`~kuangchao_core.parallel.zero.ZeroOptimizer` (ZeRO-1/2: reduce-scatter, AdamW on
   this rank's shard, all-gather) or :class:`~kuangchao_core.parallel.zero3.Zero3Optimizer` (ZeRO-3: parameters
-  sharded too, gathered per block for its forward and backward).
+  sharded too, gathered per block for its forward and backward; a frozen LoRA base as well: ``zero3_lora``).
 
 Both clip with the global gradient norm over every group of the mesh, each element counted once (``norm_weight``:
 1 / number of TP ranks holding the same region), and both give their optimizer state for a checkpoint as
@@ -364,8 +364,8 @@ class ShardedAdamW:
         return self.optimizer.memory_report()
 
     def tensor_bytes(self) -> dict[str, int]:
-        """See :meth:`GradSync.tensor_bytes`: ZeRO's flat buffers and shards, plus a frozen LoRA base it does not
-        hold."""
+        """See :meth:`GradSync.tensor_bytes`: ZeRO's flat buffers and shards (a LoRA base's at ZeRO-3), plus a
+        frozen LoRA base it does not hold (below ZeRO-3)."""
         measured = self.optimizer.memory_report()["measured"]
         _, frozen, _ = _model_bytes(self.model)
         return {

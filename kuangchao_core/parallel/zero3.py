@@ -21,6 +21,7 @@ A unit's forward (the module's ``forward`` is wrapped in place, names unchanged)
 Gradient accumulation reduce-scatters every micro-batch (``no_sync`` cannot keep full gradients without their
 memory); the sum of per-micro-batch averages is the average of the sums. With pipeline parallelism the engine runs
 ZeRO-2 instead (per-micro-batch gathers on every stage would multiply the traffic), as torchtitan does.
+Layout: :mod:`~kuangchao_core.parallel.zero3_shards`; a frozen LoRA base: :mod:`~kuangchao_core.parallel.zero3_lora`.
 
 Checkpoints: this rank's AdamW pieces as ZeRO-1/2 write them (:mod:`kuangchao_core.parallel.zero_state`), and
 the full parameters gathered inside :meth:`Zero3Optimizer.full_parameters` — layout-independent, so a ZeRO-3 run
