@@ -3,7 +3,8 @@
 The tiny model (2 layers, base initialised from the seed) fine-tuned with rank-4 adapters on four projections, in
 float64, 4 steps of 4 sequences (2 micro-batches of 2 in one process, 1 × 2 per replica at dp2):
 
-- dp2 with ``zero_stage: 3`` (:class:`~kuangchao_core.parallel.zero3_lora.LoraZero3Optimizer`) equals one process
+- dp2 with ``zero_stage: 3`` (:class:`~kuangchao_core.parallel.zero3_lora.LoraZero3Optimizer`), with and without
+  full activation checkpointing (the recomputation gathers the unit and binds the base again), equals one process
   within ``FP64_REL`` (losses and the adapters after training; tests/tolerances.py derives it), the base is the
   seed's bit for bit, and each rank really holds half of the base (the model's own base parameters are empty);
 - negative control: the first layer's adapter gradients kept per rank instead of reduce-scattered (engine_helpers
@@ -30,14 +31,14 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 ZERO3 = {"data_parallel_size": 2, "zero_stage": 3, "micro_batch_size": 1}
 
 
-def _job(root, parallel: dict, interval: int = 100):
+def _job(root, parallel: dict, interval: int = 100, recompute: str = "none"):
     return tiny_job(
         str(root),
         task={"name": "z3lora", "seed": 3},
         model={"preset": "tiny", "num_layers": 2, "lora": {"rank": 4, "alpha": 8, "targets": TARGETS}},
         data={"seq_len": 16},
         parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2, **parallel},
-        train={"steps": STEPS, "warmup_steps": 0, "dtype": "fp64"},
+        train={"steps": STEPS, "warmup_steps": 0, "dtype": "fp64", "activation_checkpointing": recompute},
         optimizer={"lr": 1e-2},
         checkpoint={"interval": interval},
     )
@@ -66,9 +67,10 @@ def runs(tmp_path_factory):
         {"cfg": _job(tmp / "control", ZERO3), "sabotage": "unreduced_zero3_unit"},
         {"cfg": _job(tmp / "resumed3", ZERO3), "resume": str(step2)},
         {"cfg": _job(tmp / "resumed2", zero2), "resume": str(step2)},
+        {"cfg": _job(tmp / "recomputed", ZERO3, recompute="full")},
     ]
     per_rank = run_distributed(run_trainers, 2, args=(jobs,), timeout=400)
-    for j, label in enumerate(("zero3", "control", "resumed3", "resumed2")):
+    for j, label in enumerate(("zero3", "control", "resumed3", "resumed2", "recomputed")):
         out[label] = [per_rank[r][j] for r in range(2)]
     out["resumed1"] = run_distributed(run_trainers, 1, args=([{"cfg": _job(tmp / "r1", {}), "resume": str(step2)}],))
     out["resumed1"] = [out["resumed1"][0][0]]
@@ -80,8 +82,9 @@ def _adapters(params: dict) -> dict:
     return {n: v for n, v in params.items() if ".lora_" in n}
 
 
-def test_lora_dp2_zero3_trains_like_one_process_in_fp64(runs):
-    ref, got = runs["ref"], runs["zero3"]
+@pytest.mark.parametrize("label", ["zero3", "recomputed"])
+def test_lora_dp2_zero3_trains_like_one_process_in_fp64(runs, label):
+    ref, got = runs["ref"], runs[label]
     assert rel_norm(got[0]["losses"], ref["losses"]) <= FP64_REL, (got[0]["losses"], ref["losses"])
     want = _adapters(ref["params"])
     assert len(want) == 2 * len(TARGETS) * 2
@@ -101,10 +104,16 @@ def test_negative_control_unreduced_adapter_gradients_fail_the_comparison(runs):
 
 
 def test_each_rank_holds_half_of_the_frozen_base(runs):
-    for held in runs["held"]:
+    adapters = sum(v.size for v in _adapters(runs["ref"]["params"]).values())
+    for held, res in zip(runs["held"], runs["zero3"], strict=True):
         assert held["in_model"] == 0  # the model's base parameters are emptied: the shards are all there is
         n = held["base_numel"]
-        assert n / 2 <= held["shard"] <= n / 2 + 2 * 8, held  # half, plus at most one padding element per unit
+        assert n == sum(v.size for k, v in runs["ref"]["params"].items() if ".lora_" not in k)
+        assert n / 2 <= held["shard"] <= n / 2 + 5, held  # half, plus at most one padding element in each of 5 units
+        mem = res["memory"]  # the optimizer's own report: fp64 base and adapters, 1/2 each, beside its formula
+        assert mem["numel"] == adapters and mem["base_numel"] == n
+        assert mem["formula"]["params"] == 8 * (adapters + n) / 2
+        assert 0 <= mem["measured"]["params"] - mem["formula"]["params"] <= 8 * 2 * 5
 
 
 def test_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):

@@ -156,10 +156,10 @@ class Zero3Optimizer:
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self, model: nn.Module) -> None:
+        self.numel = sum(p.numel() for _, p in self._named)  # before the module's parameters are emptied
         shards = shard_units(self._units, self._named, self.group, self.dtype, self.device)
         self.buckets, self._attrs, self._params = shards.buckets, shards.attrs, shards.params
         self.flat_shard, self._shard_offsets = shards.flat, shards.offsets
-        self.numel = sum(p.numel() for _, p in self._named)
         self.padded_numel = sum(bk.size for bk in self.buckets)
 
     def _chunk_view(self, b: int) -> torch.Tensor:
