@@ -226,15 +226,17 @@ def test_checkpoints_hold_the_fp32_masters_resume_bitwise_and_export_the_asked_d
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
     names, jobs = [], []
-    for layout in ("dp2", "dp2_zero1", "dp2_zero3"):
-        full, stop = (_job(tmp_path, f"{layout}-{n}", 6, interval=3, parallel=LAYOUTS[layout]) for n in ("a", "b"))
+    resumable = {"dp2": {}, "dp2_zero1": {}, "dp2_zero3": {}, "dp2_zero3_lora": {"model": {"lora": LORA}}}
+    for layout, more in resumable.items():
+        par = LAYOUTS[layout.removesuffix("_lora")]
+        full, stop = (_job(tmp_path, f"{layout}-{n}", 6, interval=3, parallel=par, **more) for n in ("a", "b"))
         names += [f"{layout}-full", f"{layout}-stop", f"{layout}-resumed"]
         jobs += [{"cfg": full}, {"cfg": stop, "max_steps": 3}, {"cfg": stop, "resume": "auto"}]
     broken = _job(tmp_path, "broken", 6, interval=3, parallel=LAYOUTS["dp2_zero1"])
     names += ["control-stop", "control-resumed"]  # resumed from the checkpoint's weights rounded to bf16
     jobs += [{"cfg": broken, "max_steps": 3}, {"cfg": broken, "resume": "auto", "round_loaded": True}]
     res = dict(zip(names, run_distributed(_run, 2, args=(jobs,), timeout=400)[0], strict=True))
-    for layout in ("dp2", "dp2_zero1", "dp2_zero3"):
+    for layout in resumable:  # LoRA at ZeRO-3: the adapters' masters and the bf16 base shards
         full, resumed = res[f"{layout}-full"], res[f"{layout}-resumed"]
         assert resumed["losses"][:3] == full["losses"][:3]  # the first attempt's steps, from the checkpoint
         assert _same(resumed, full), layout
