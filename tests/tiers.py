@@ -136,6 +136,7 @@ FILE_TIERS = {
     "test_zero.py": "distributed",
     "test_zero3_memory.py": "distributed",
     "test_zero3_lora.py": "distributed",
+    "test_zero3_pp.py": "distributed",
 }
 
 TEST_TIERS = {

@@ -29,7 +29,6 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
-from kuangchao_core.parallel.state_memory import effective_zero_stage
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
@@ -395,8 +394,7 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    # ZeRO-3 runs as ZeRO-2 under pp (state_memory.effective_zero_stage, which kc plan uses too)
-    stage = effective_zero_stage(int(par.zero_stage), mesh.pp)
+    stage = int(par.zero_stage)  # ZeRO-3 under pp: each stage's units over its DP group
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 

@@ -19,8 +19,8 @@ A unit's forward (the module's ``forward`` is wrapped in place, names unchanged)
    recomputation runs the wrapped forward, which gathers.
 
 Gradient accumulation reduce-scatters every micro-batch (``no_sync`` cannot keep full gradients without their
-memory); the sum of per-micro-batch averages is the average of the sums. With pipeline parallelism the engine runs
-ZeRO-2 instead (per-micro-batch gathers on every stage would multiply the traffic), as torchtitan does.
+memory); the sum of per-micro-batch averages is the average of the sums. Under pipeline parallelism each stage
+shards its own units over its DP group and its schedule's forwards and backwards gather them per micro-batch.
 Layout: :mod:`~kuangchao_core.parallel.zero3_shards`; a frozen LoRA base: :mod:`~kuangchao_core.parallel.zero3_lora`.
 
 Checkpoints: this rank's AdamW pieces as ZeRO-1/2 write them (:mod:`kuangchao_core.parallel.zero_state`), and
