@@ -6,7 +6,8 @@ all-forward-all-backward schedules, and with LoRA (the frozen base sharded too),
 ``FP64_REL`` (losses and every parameter; tests/tolerances.py). Negative control: a stage's first unit keeps its
 own gradient chunk instead of the reduce-scattered one (SABOTAGE ``unreduced_zero3_unit``) and misses by
 ≥ ``NEGATIVE_MIN``. Memory, from the optimizers' tensors: each rank's parameter bytes at ZeRO-3 are half of
-ZeRO-2's under the same pipeline (plus the padding of its units), and ``kc plan`` is within 5 % of both.
+ZeRO-2's under the same pipeline (plus the padding of its units), and ``kc plan`` is within 5 % of both. bf16
+parameters (fp32 masters) at dp2 × pp2 with ZeRO-3 track the fp32 run within the bf16 bound.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ LAYOUTS = {
 }
 
 
-def _job(root, parallel: dict, lora: dict | None = None):
+def _job(root, parallel: dict, lora: dict | None = None, dtype: str = "fp64", param_dtype: str = "fp32"):
     return tiny_job(
         str(root),
         task={"name": "z3pp", "seed": 3},
         model={"preset": "tiny", "num_layers": 4, "lora": lora},
         data={"seq_len": 16},
         parallel={"micro_batch_size": 1, "gradient_accumulation_steps": 4, **parallel},
-        train={"steps": 3, "warmup_steps": 0, "dtype": "fp64"},
+        train={"steps": 3, "warmup_steps": 0, "dtype": dtype, "param_dtype": param_dtype},
         optimizer={"lr": 1e-2},
     )
 
@@ -49,6 +50,8 @@ def runs(tmp_path_factory):
     jobs["lora"] = {"cfg": _job(tmp / "lora", PP, LORA)}
     jobs["control"] = {"cfg": _job(tmp / "control", PP), "sabotage": "unreduced_zero3_unit"}
     jobs["zero2"] = {"cfg": _job(tmp / "zero2", {**PP, "zero_stage": 2})}
+    jobs["fp32"] = {"cfg": _job(tmp / "fp32", PP, dtype="fp32")}
+    jobs["bf16p"] = {"cfg": _job(tmp / "bf16p", PP, dtype="bf16", param_dtype="bf16")}
     per_rank = run_distributed(run_trainers, 4, args=(list(jobs.values()),), timeout=400)
     for j, name in enumerate(jobs):
         out[name] = [per_rank[r][j] for r in range(4)]
@@ -64,6 +67,14 @@ def test_dp2_pp2_zero3_trains_like_one_process_in_fp64(runs, layout):
     assert rel_norm(results[-1]["losses"], ref["losses"]) <= FP64_REL  # the last stage reports the loss
     name, worst = worst_rel(gather_full(results), ref["params"])
     assert worst <= FP64_REL, f"{layout}: {name} differs by {worst:.2e}"
+
+
+def test_bf16_parameters_under_pp_and_zero3_track_fp32(runs):
+    """bf16 parameters with fp32 masters (MasterZero3Optimizer per stage) within tests/test_bf16_params.py's bound
+    of the fp32 run, 2 % (5u, u = 2^-8), at every step."""
+    got, want = runs["bf16p"][-1], runs["fp32"][-1]
+    assert got["memory"]["stage"] == 3 and got["losses"] != want["losses"]
+    assert max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"], strict=True)) <= 0.02
 
 
 def test_negative_control_unreduced_unit_fails_the_comparison(runs):
