@@ -279,16 +279,18 @@ def _unreduced_zero_bucket(trainer):
 
 
 def _unreduced_zero3_unit(trainer):
-    """ZeRO-3's first unit keeps this rank's own gradient chunk: no reduce-scatter over DP."""
+    """ZeRO-3's first unit with trainable parameters (the embedding; with LoRA the first layer's adapters) keeps
+    this rank's own gradient chunk: no reduce-scatter over DP."""
     import torch
 
     opt = trainer.sync.optimizer
     honest = opt._reduce_unit
+    first = next(i for i, bk in enumerate(opt.buckets) if bk.slots)
 
     def local_only(i, grads):
-        if i != 0:
+        if i != first:
             return honest(i, grads)
-        bk = opt.buckets[0]
+        bk = opt.buckets[i]
         flat = torch.zeros(bk.size, dtype=opt.dtype)
         for s, g in zip(bk.slots, grads, strict=True):
             if g is not None:

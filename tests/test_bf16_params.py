@@ -174,9 +174,10 @@ LAYOUTS = {
 
 
 def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(tmp_path):
-    """Every layout of bf16 parameters tracks the fp32 run (dp2, which equals one process) within the bound; the
-    LoRA adapters track fp32 LoRA; gradients are reduced in fp32 unless ``grad_reduce_dtype: bf16``; ZeRO-3's
-    gathers during the steps, counted by the comm layer, are half of an fp32 ZeRO-3 run's."""
+    """Every layout of bf16 parameters tracks the fp32 run (dp2, which equals one process) within the bound; LoRA
+    (ZeRO-1, and ZeRO-3 with the base sharded) tracks fp32 LoRA; gradients are reduced in fp32 unless
+    ``grad_reduce_dtype: bf16``; ZeRO-3's gathers during the steps, counted by the comm layer, are half of an fp32
+    ZeRO-3 run's."""
     steps = 4
     lora_model = {"model": {"preset": "tiny", "num_layers": 2, "lora": LORA}}
     jobs = {
@@ -185,6 +186,7 @@ def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(t
         "fp32_lora": {"cfg": _job(tmp_path, "fp32l", steps, "fp32", "fp32", parallel=LAYOUTS["dp2"], **lora_model)},
         **{name: {"cfg": _job(tmp_path, name, steps, parallel=par)} for name, par in LAYOUTS.items()},
         "dp2_zero1_lora": {"cfg": _job(tmp_path, "lora", steps, parallel=LAYOUTS["dp2_zero1"], **lora_model)},
+        "dp2_zero3_lora": {"cfg": _job(tmp_path, "lora3", steps, parallel=LAYOUTS["dp2_zero3"], **lora_model)},
         **{
             f"{name}_reduce_bf16": {
                 "cfg": _job(tmp_path, f"{name}-r16", steps, parallel={**LAYOUTS[name], "grad_reduce_dtype": "bf16"})
@@ -202,9 +204,9 @@ def test_every_layout_trains_with_bf16_params_and_zero3_gathers_half_the_bytes(t
         assert got["losses"] != res["fp32"]["losses"], name
         assert _max_rel(got["losses"], res["fp32"]["losses"]) <= BF16_REL, name
         assert got["param_dtypes"] == ["torch.bfloat16"] and got["master_dtypes"] == ["torch.float32"], name
-    lora = res["dp2_zero1_lora"]
-    assert _max_rel(lora["losses"], res["fp32_lora"]["losses"]) <= BF16_REL
-    assert lora["param_dtypes"] == ["torch.bfloat16"] and lora["master_dtypes"] == ["torch.float32"]
+    for lora in (res["dp2_zero1_lora"], res["dp2_zero3_lora"]):  # ZeRO-3: the base sharded in bf16 (zero3_lora)
+        assert _max_rel(lora["losses"], res["fp32_lora"]["losses"]) <= BF16_REL
+        assert lora["param_dtypes"] == ["torch.bfloat16"] and lora["master_dtypes"] == ["torch.float32"]
     for name in ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3"):
         assert res[name]["reduced_dtypes"] == ["torch.float32"], name
         assert res[f"{name}_reduce_bf16"]["reduced_dtypes"] == ["torch.bfloat16"], name  # the hook sees bf16
@@ -224,15 +226,17 @@ def test_checkpoints_hold_the_fp32_masters_resume_bitwise_and_export_the_asked_d
     from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
     names, jobs = [], []
-    for layout in ("dp2", "dp2_zero1", "dp2_zero3"):
-        full, stop = (_job(tmp_path, f"{layout}-{n}", 6, interval=3, parallel=LAYOUTS[layout]) for n in ("a", "b"))
+    resumable = {"dp2": {}, "dp2_zero1": {}, "dp2_zero3": {}, "dp2_zero3_lora": {"model": {"lora": LORA}}}
+    for layout, more in resumable.items():
+        par = LAYOUTS[layout.removesuffix("_lora")]
+        full, stop = (_job(tmp_path, f"{layout}-{n}", 6, interval=3, parallel=par, **more) for n in ("a", "b"))
         names += [f"{layout}-full", f"{layout}-stop", f"{layout}-resumed"]
         jobs += [{"cfg": full}, {"cfg": stop, "max_steps": 3}, {"cfg": stop, "resume": "auto"}]
     broken = _job(tmp_path, "broken", 6, interval=3, parallel=LAYOUTS["dp2_zero1"])
     names += ["control-stop", "control-resumed"]  # resumed from the checkpoint's weights rounded to bf16
     jobs += [{"cfg": broken, "max_steps": 3}, {"cfg": broken, "resume": "auto", "round_loaded": True}]
     res = dict(zip(names, run_distributed(_run, 2, args=(jobs,), timeout=400)[0], strict=True))
-    for layout in ("dp2", "dp2_zero1", "dp2_zero3"):
+    for layout in resumable:  # LoRA at ZeRO-3: the adapters' masters and the bf16 base shards
         full, resumed = res[f"{layout}-full"], res[f"{layout}-resumed"]
         assert resumed["losses"][:3] == full["losses"][:3]  # the first attempt's steps, from the checkpoint
         assert _same(resumed, full), layout

@@ -1,7 +1,7 @@
 """One memory model (issue 29 item 4): `kc plan` and `kc recommend` agree, and both agree with the engine.
 
-- The engine, measured: two Gloo processes run the Trainer one step at dp2, tp2, pp2, ZeRO-1/2/3, LoRA (tp2 and
-  dp2 ZeRO-1) in fp32 and in bf16 autocast. Per rank, the bytes of the parameters, gradients and AdamW state come
+- The engine, measured: two Gloo processes run the Trainer one step at dp2, tp2, pp2, ZeRO-1/2/3, LoRA (tp2,
+  dp2 ZeRO-1 and dp2 ZeRO-3) in fp32 and in bf16 autocast. Per rank, the bytes of the parameters, gradients and AdamW state come
   from the engine's tensors after the step (``GradSync.tensor_bytes``: the model's parameters and gradients,
   AdamW's moments, ZeRO's flat buffers); the half-precision weight copies autocast keeps are counted as autocast
   makes them (every fp32 -> half ``_to_copy`` of a weight-shaped tensor, seen by a dispatch mode, alive from its
@@ -11,6 +11,9 @@
 - bf16 parameters (``train.param_dtype: bf16``, fp32 master weights) at the same layouts, and at dp4 ZeRO-1 their
   peak bytes per parameter in a step (the tensors after it, autocast's copies and ZeRO's fp32 gradient bucket
   alive while it is reduce-scattered) are at most 0.8× bf16 autocast's (4 processes).
+- LoRA at dp2 ZeRO-3 shards the frozen base: per rank its bytes (the engine's base tensors) are half of ZeRO-2's
+  and every float32 byte the process holds after a step (a walk of the live tensors) is at most 0.55 of ZeRO-2's;
+  the plan agrees with both layouts within 5 %, and a plan that keeps the base whole misses ZeRO-3's by more.
 - The CLIs: ``kc plan`` and ``kc recommend`` print the same bytes per rank for the 8B example at dp8·tp2·ZeRO-1 in
   bf16 and fp32 (and for its own dp4·tp2·pp2 layout), run in-process.
 """
@@ -47,6 +50,7 @@ LAYOUTS = {
     "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
     "tp2_lora": {"tensor_parallel_size": 2, "lora": LORA},
     "dp2_zero1_lora": {"data_parallel_size": 2, "zero_stage": 1, "lora": LORA},
+    "dp2_zero3_lora": {"data_parallel_size": 2, "zero_stage": 3, "lora": LORA},
 }
 
 
@@ -86,8 +90,11 @@ class CastBytes(TorchDispatchMode):
 
 
 def _weight_shapes(trainer) -> set[tuple[int, ...]]:
-    """2-D parameter shapes of this rank (ZeRO-3 empties the module's parameters: its layout keeps the shapes)."""
-    named = list(trainer.model.named_parameters()) + list(getattr(trainer.sync.optimizer, "named_params", []))
+    """2-D parameter shapes of this rank (ZeRO-3 empties the module's parameters: its layouts keep the shapes, the
+    frozen LoRA base's in its ``base``)."""
+    opt = getattr(trainer.sync, "optimizer", None)
+    named = list(trainer.model.named_parameters()) + list(getattr(opt, "named_params", []))
+    named += [(s.name, s.param) for bk in getattr(getattr(opt, "base", None), "buckets", []) for s in bk.slots]
     return {tuple(p.shape) for _, p in named if len(p.shape) == 2}
 
 
@@ -237,3 +244,42 @@ def test_bf16_params_at_dp4_zero1_hold_at_most_0_8x_of_mixed_precision(tmp_path)
         assert per_rank[rank][0]["autocast_casts"] > 0 and per_rank[rank][1]["transient"] > 0
         assert bf16p <= 0.8 * mixed, (rank, bf16p, mixed)
         assert one_bucket > 0.8 * mixed, (rank, one_bucket, mixed)
+
+
+def _lora_held(rank: int, world_size: int, cfgs: list) -> list[dict]:
+    """Per job: the engine's tensor bytes, the frozen base's bytes (the model's frozen parameters and ZeRO-3's base
+    shards) and the float32 bytes every live tensor of the process holds after a step, less those before."""
+    from tests.engine_helpers import trainer_in_process
+    from tests.test_zero3_memory import live_bytes
+
+    out = []
+    for cfg in cfgs:
+        before = live_bytes(torch.float32)
+        trainer = trainer_in_process(cfg, rank, world_size)
+        trainer.run(resume="never", max_steps=1)
+        base = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if not p.requires_grad)
+        shards = getattr(trainer.sync.optimizer, "base", None)
+        base += shards.flat.numel() * shards.flat.element_size() if shards is not None else 0
+        out.append({**trainer.sync.tensor_bytes(), "base": base, "live": live_bytes(torch.float32) - before})
+        trainer.barrier()
+        del trainer
+    return out
+
+
+def test_lora_zero3_holds_half_the_frozen_base_of_zero2_and_the_plan_agrees(tmp_path):
+    """LoRA (rank 4 on four projections of 4 layers: adapters Ψ_a ≈ 4 % of the base Ψ_b) at dp2 in fp32. The base per rank
+    at ZeRO-3 is Ψ_b/2 plus < N padding elements in each of the 7 units; everything held (base, adapters, their gradients and
+    AdamW moments) is (Ψ_b/2 + 2Ψ_a)/(Ψ_b + 2.5Ψ_a) ≈ 0.53 of ZeRO-2's, ≤ 0.55 (ZeRO-2 shards the adapters'
+    gradients and moments, ZeRO-3 their parameters and the base too)."""
+    cfgs = [_job(str(tmp_path / f"z{z}"), "fp32", lora=LORA, data_parallel_size=2, zero_stage=z) for z in (2, 3)]
+    per_rank = run_distributed(_lora_held, 2, args=(cfgs,), timeout=300)
+    for rank in range(2):
+        z2, z3 = per_rank[rank]
+        assert z2["base"] / 2 <= z3["base"] <= z2["base"] / 2 + 7 * 4, (rank, z2, z3)  # one fp32 pad per unit
+        assert z3["live"] <= 0.55 * z2["live"], (rank, z2, z3)
+        for cfg, got in zip(cfgs, (z2, z3), strict=True):
+            plan = rank_memory(cfg, [rank])[0]["memory_bytes"]
+            for key in ("params", "grads", "optimizer"):
+                assert abs(plan[key] - got[key]) <= 0.05 * got[key], (key, rank, plan, got)
+        whole = rank_memory(cfgs[0], [rank])[0]["memory_bytes"]["params"]  # negative control: the base kept whole
+        assert abs(whole - z3["params"]) > 0.05 * z3["params"], (whole, z3)

@@ -19,7 +19,7 @@ from kuangchao_core.engine.model_shape import shape_for_params, shape_for_sectio
 from kuangchao_core.engine.plan import explain_plan
 from kuangchao_core.engine.recommend import GpuPool, carried_settings, memory_per_rank, recommend
 from kuangchao_core.models.llama import LlamaConfig
-from kuangchao_core.parallel.state_memory import cast_bytes, effective_zero_stage, state_bytes
+from kuangchao_core.parallel.state_memory import cast_bytes, state_bytes
 from kuangchao_core.sched.perf_cluster import (
     all_gather_s,
     all_reduce_s,
@@ -290,7 +290,7 @@ def test_state_bytes_are_what_the_engine_allocates():
         assert z == [4 * b * 1000, (2 * b + 2 * b / 4) * 1000, (b + 3 * b / 4) * 1000, 4 * b * 1000 / 4]
     assert cast_bytes(1000, 2, "bf16") == 4000 and cast_bytes(1000, 2, "fp32") == 0  # autocast's copies
     assert state_bytes(10, 4, 1, "bf16", frozen=1000) == {"params": 4040, "grads": 40, "optimizer": 20}  # LoRA
-    assert [effective_zero_stage(3, pp, lora) for pp, lora in ((2, False), (1, True), (1, False))] == [2, 2, 3]
+    assert state_bytes(10, 4, 3, frozen=1000)["params"] == 1010  # ZeRO-3 shards a LoRA base too
     z = [sum(state_bytes(1000, 4, stage, "bf16", param_dtype="bf16").values()) for stage in (0, 1, 2, 3)]
     assert z == [2000 + 6000 + 12000, 2000 + 3000 + 3000, 2000 + 1000 + 3000, 500 + 1000 + 3000]  # bf16 params
 

@@ -43,7 +43,7 @@ def test_settings_carry_the_configs_values(tmp_path):
     assert (run.train.steps, run.train.warmup_steps, run.train.log_interval, run.train.seed) == (9, 2, 4, 7)
     assert run.train.lr == pytest.approx(3e-3) and run.grad_sync.weight_decay == pytest.approx(0.01)
     assert (run.batches.micro_batch_size, run.batches.gradient_accumulation_steps) == (2, 3)
-    assert run.grad_sync.zero_stage == run.build.zero_stage == 1 and not run.grad_sync.lora
+    assert run.grad_sync.zero_stage == run.build.zero_stage == 1 and run.build.lora is None
     assert run.precision.dtype == run.build.dtype == "fp16"
     ck = run.checkpoint
     assert (ck.dir, ck.task, ck.interval, ck.keep_last, ck.async_) == (str(tmp_path / "ck"), "t", 5, 2, True)

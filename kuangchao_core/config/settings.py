@@ -79,7 +79,6 @@ class GradSyncSettings:
     grad_reduce_dtype: str
     topk_ratio: float
     topk_warmup_steps: int
-    lora: bool
     param_dtype: str = "fp32"  # ``train.param_dtype``: bf16 keeps fp32 master weights in the optimizer
 
 
@@ -246,7 +245,6 @@ def run_settings(cfg: Any) -> RunSettings:
             grad_reduce_dtype=par.grad_reduce_dtype,
             topk_ratio=par.topk_ratio,
             topk_warmup_steps=par.topk_warmup_steps,
-            lora=cfg.model.lora is not None,
             param_dtype=train.param_dtype,
         ),
         batches=BatchSettings(

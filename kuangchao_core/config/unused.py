@@ -71,22 +71,6 @@ def unused_settings(cfg: Any) -> Warnings:
                 "uncompressed",
             )
         )
-    if par.zero_stage == 3 and par.pipeline_parallel_size > 1:
-        out.append(
-            (
-                "parallel.zero_stage",
-                "3 with pipeline_parallel_size > 1 runs as ZeRO-2 (parameters replicated within each stage): "
-                "gathering them for every micro-batch on every stage would multiply the traffic",
-            )
-        )
-    if par.zero_stage == 3 and cfg.model.lora is not None and par.pipeline_parallel_size == 1:
-        out.append(
-            (
-                "parallel.zero_stage",
-                "3 with model.lora runs as ZeRO-2: the frozen base stays whole, the adapters' gradients and AdamW "
-                "state are partitioned",
-            )
-        )
     if cfg.tracking.register_model and not cfg.tracking.log_model:
         out.append(("tracking.register_model", "needs tracking.log_model true: no model is logged to register"))
     if train.compile and par.zero_stage == 3:

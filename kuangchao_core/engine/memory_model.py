@@ -7,10 +7,10 @@ model), the half-precision weight copies autocast keeps, and the activations.
 Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_core.models.layout.slices_for_rank`):
 
 - ``params``, ``grads``, ``optimizer``: :func:`~kuangchao_core.parallel.state_memory.state_bytes` at the ZeRO stage
-  the engine runs (:func:`~kuangchao_core.parallel.state_memory.effective_zero_stage`), for ``train.dtype`` and
+  of ``parallel.zero_stage`` (under pp each stage over its DP group), for ``train.dtype`` and
   ``train.param_dtype`` (bf16 parameters: fp32 masters and master gradients, no autocast copies). With
-  ``model.lora`` the base is frozen (whole on every rank) and the adapters (rank·(in + out) per adapted projection,
-  split like its base) are the trainable elements.
+  ``model.lora`` the base is frozen (whole on every rank; 1/N at ZeRO-3) and the adapters (rank·(in + out) per
+  adapted projection, split like its base) are the trainable elements.
 - ``autocast_casts`` (bf16/fp16 only): 2 bytes per element of every weight a matmul reads (the projections and the
   head, or the tied embedding; not the embedding lookup nor the norms) whose copy autograd keeps — with LoRA, a
   frozen projection whose input needs no gradient keeps none (on the first stage, before the first adapter) — times
@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kuangchao_core.parallel.state_memory import cast_bytes, effective_zero_stage, precision_bytes, state_bytes
+from kuangchao_core.parallel.state_memory import cast_bytes, precision_bytes, state_bytes
 
 #: bytes per activation element by ``train.dtype`` (under bf16/fp16 autocast most saved tensors are half)
 ACTIVATION_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -153,7 +153,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
     kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
     lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
-    zero = effective_zero_stage(par.zero_stage, pp, lora is not None)
+    zero = par.zero_stage  # the engine runs it in every layout (ZeRO-3 under pp: per stage)
     out = []
     for rank in range(dp * tp * pp) if ranks is None else ranks:
         dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
@@ -162,7 +162,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         adapters = lora_regions(slices, lora) if lora is not None else {}
         if lora is None:
             state = state_bytes(psi, dp, zero, dtype, param_dtype=pdt)
-        else:  # a frozen base, whole on every replica; gradients and AdamW state of the adapters only
+        else:  # a frozen base (whole on every replica below ZeRO-3); gradients and AdamW state of adapters only
             state = state_bytes(sum(r.numel for r in adapters.values()), dp, zero, dtype, frozen=psi, param_dtype=pdt)
             psi += sum(r.numel for r in adapters.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])

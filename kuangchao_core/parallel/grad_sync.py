@@ -6,7 +6,7 @@ The trainer holds one :class:`GradSync` and never asks which kind it is:
   backward) and a plain ``torch.optim.AdamW`` on every DP replica;
 - :class:`ShardedAdamW`: :class:`~kuangchao_core.parallel.zero.ZeroOptimizer` (ZeRO-1/2: reduce-scatter, AdamW on
   this rank's shard, all-gather) or :class:`~kuangchao_core.parallel.zero3.Zero3Optimizer` (ZeRO-3: parameters
-  sharded too, gathered per block for its forward and backward).
+  sharded too, gathered per block for its forward and backward; a frozen LoRA base as well: ``zero3_lora``).
 
 Both clip with the global gradient norm over every group of the mesh, each element counted once (``norm_weight``:
 1 / number of TP ranks holding the same region), and both give their optimizer state for a checkpoint as
@@ -29,10 +29,10 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
-from kuangchao_core.parallel.state_memory import effective_zero_stage
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
+from kuangchao_core.parallel.zero3_lora import with_frozen_base
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -272,15 +272,13 @@ class ShardedAdamW:
         named = _trainable(model)
         self.names = [n for n, _ in named]
         hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
-        self.optimizer: Any
         zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
+        if any(not p.requires_grad for p in model.parameters()):  # a frozen LoRA base, sharded beside the adapters
+            zero3 = with_frozen_base(zero3)
         if stage == 3:
             units = block_units(model)
-            recomputed = (
-                [i for i, u in enumerate(units) if u in set(model.model.layers)]
-                if getattr(model, "activation_checkpointing", "none") != "none"
-                else []
-            )
+            checkpointed = getattr(model, "activation_checkpointing", "none") != "none"
+            recomputed = [i for i, u in enumerate(units) if checkpointed and u in set(model.model.layers)]
             self.optimizer = zero3(model, units, mesh.dp_group, recomputed, **hyper)
         else:
             self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
@@ -322,8 +320,7 @@ class ShardedAdamW:
         return list(self.optimizer.grad_shards())
 
     def prepare(self) -> None:
-        """Nothing to do: the ZeRO optimizer broadcast rank 0's parameters when it was built and all-gathers after
-        every step."""
+        """Nothing to do: ZeRO broadcast rank 0's parameters when it was built and all-gathers after every step."""
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Each rank's flat ranges without TP; under TP (a ZeRO range of a TP slice has no slice description) the
@@ -366,8 +363,8 @@ class ShardedAdamW:
         return self.optimizer.memory_report()
 
     def tensor_bytes(self) -> dict[str, int]:
-        """See :meth:`GradSync.tensor_bytes`: ZeRO's flat buffers and shards, plus a frozen LoRA base it does not
-        hold."""
+        """See :meth:`GradSync.tensor_bytes`: ZeRO's flat buffers and shards (a LoRA base's at ZeRO-3), plus a
+        frozen LoRA base it does not hold (below ZeRO-3)."""
         measured = self.optimizer.memory_report()["measured"]
         _, frozen, _ = _model_bytes(self.model)
         return {
@@ -397,8 +394,7 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, nor
     """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
-    # ZeRO-3 runs as ZeRO-2 under pp and with LoRA (state_memory.effective_zero_stage, which kc plan uses too)
-    stage = effective_zero_stage(int(par.zero_stage), mesh.pp, bool(par.lora))
+    stage = int(par.zero_stage)  # ZeRO-3 under pp: each stage's units over its DP group
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 

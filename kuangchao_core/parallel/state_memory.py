@@ -28,9 +28,9 @@ bf16       bf16         2      2      4       8        0      4
 
 ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the moments, the master copy and the master
 gradient by N; stage 2 the gradients too; stage 3 the trainable parameters too. With LoRA the base is frozen: its
-parameters are held whole by every rank (no gradients, no optimizer state); the adapters are the trainable
-parameters. :func:`effective_zero_stage` says which stage the engine runs (ZeRO-3 runs as ZeRO-2 under pipeline
-parallelism and with LoRA).
+parameters have no gradients and no optimizer state and are held whole by every rank below stage 3, 1/N per rank
+at stage 3 (:mod:`~kuangchao_core.parallel.zero3_lora`); the adapters are the trainable parameters. The engine runs
+the stage asked for in every layout (under pipeline parallelism each stage shards over its own DP group).
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ def precision_bytes(dtype: str, param_dtype: str | None = None) -> PrecisionByte
     return PRECISIONS[key]
 
 
-def effective_zero_stage(zero_stage: int, pp: int, lora: bool) -> int:
-    """The ZeRO stage the engine runs for ``parallel.zero_stage``: 3 becomes 2 under pipeline parallelism
-    (``pp`` > 1) and with LoRA (per-micro-batch gathers on every stage; a frozen base that is not sharded)."""
-    return 2 if zero_stage == 3 and (pp > 1 or lora) else zero_stage
-
-
 def state_bytes(
     trainable: float,
     dp: int,
@@ -94,7 +88,7 @@ def state_bytes(
 ) -> dict[str, float]:
     """Bytes of ``params`` (trainable and ``frozen``), ``grads`` and ``optimizer`` state (moments and a master
     copy) of a rank holding ``trainable`` + ``frozen`` parameter elements, over a DP group of ``dp`` ranks at
-    ``zero_stage`` (the stage the engine runs: :func:`effective_zero_stage`), under ``dtype`` (module docstring)."""
+    ``zero_stage``, under ``dtype`` (module docstring)."""
     b = precision_bytes(dtype, param_dtype)
     shard = max(1, dp)
     trainable_params = b.param * trainable / (shard if zero_stage >= 3 else 1)
@@ -103,7 +97,7 @@ def state_bytes(
     else:
         grads = b.grad * trainable + b.master_grad * trainable / (shard if zero_stage else 1)
     return {
-        "params": trainable_params + b.param * frozen,
+        "params": trainable_params + b.param * frozen / (shard if zero_stage >= 3 else 1),
         "grads": grads,
         "optimizer": (b.moments + b.master) * trainable / (shard if zero_stage >= 1 else 1),
     }

@@ -19,8 +19,9 @@ A unit's forward (the module's ``forward`` is wrapped in place, names unchanged)
    recomputation runs the wrapped forward, which gathers.
 
 Gradient accumulation reduce-scatters every micro-batch (``no_sync`` cannot keep full gradients without their
-memory); the sum of per-micro-batch averages is the average of the sums. With pipeline parallelism the engine runs
-ZeRO-2 instead (per-micro-batch gathers on every stage would multiply the traffic), as torchtitan does.
+memory); the sum of per-micro-batch averages is the average of the sums. Under pipeline parallelism each stage
+shards its own units over its DP group and its schedule's forwards and backwards gather them per micro-batch.
+Layout: :mod:`~kuangchao_core.parallel.zero3_shards`; a frozen LoRA base: :mod:`~kuangchao_core.parallel.zero3_lora`.
 
 Checkpoints: this rank's AdamW pieces as ZeRO-1/2 write them (:mod:`kuangchao_core.parallel.zero_state`), and
 the full parameters gathered inside :meth:`Zero3Optimizer.full_parameters` — layout-independent, so a ZeRO-3 run
@@ -31,7 +32,6 @@ new tensors and are saved for the backward as usual (2 bytes per element of ever
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +45,8 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
 from kuangchao_core.parallel.state_memory import zero_formula
 from kuangchao_core.parallel.weight_decay import apply_decay
-from kuangchao_core.parallel.zero_layout import Bucket, Slot, owned_sum_of_squares, pieces_of
+from kuangchao_core.parallel.zero3_shards import shard_units
+from kuangchao_core.parallel.zero_layout import Slot, owned_sum_of_squares, pieces_of
 
 
 def block_units(model: nn.Module) -> list[nn.Module]:
@@ -155,64 +156,11 @@ class Zero3Optimizer:
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self, model: nn.Module) -> None:
-        names = {id(p): n for n, p in self._named}
-        owner: dict[int, int] = {}
-        self._attrs: list[list[tuple[nn.Module, str, int]]] = []
-        per_unit: list[list[tuple[str, nn.Parameter]]] = []
-        for i, module in enumerate(self._units):
-            params: list[tuple[str, nn.Parameter]] = []
-            attrs: list[tuple[nn.Module, str, int]] = []
-            for sub in module.modules():
-                for attr, p in sub._parameters.items():
-                    if p is None or id(p) not in names:
-                        continue
-                    if owner.setdefault(id(p), i) != i:
-                        raise KuangchaoError(
-                            f"ZeRO-3: parameter {names[id(p)]} is used by two units (tied embeddings?); "
-                            "set model.tie_embeddings false or parallel.zero_stage 2"
-                        )
-                    if all(q is not p for _, q in params):
-                        params.append((names[id(p)], p))
-                    attrs.append((sub, attr, next(k for k, (_, q) in enumerate(params) if q is p)))
-            per_unit.append(params)
-            self._attrs.append(attrs)
-        missing = [n for n, p in self._named if id(p) not in owner]
-        if missing:
-            raise KuangchaoError(f"ZeRO-3: parameters {missing[:3]} belong to no unit; they would never be gathered")
-        self.buckets: list[Bucket] = []
-        start = 0
-        for params in per_unit:
-            total = sum(p.numel() for _, p in params)
-            padded = max(1, math.ceil(total / self.size)) * self.size
-            bucket = Bucket(start=start, size=padded, slots=[], chunk=padded // self.size)
-            off = 0
-            for name, p in params:
-                placeholder = torch.empty(p.shape, dtype=p.dtype, device="meta")
-                slot = Slot(name, placeholder, len(self.buckets), off, p.numel(), len(bucket.slots))
-                bucket.slots.append(slot)
-                off += p.numel()
-            self.buckets.append(bucket)
-            start += padded
-        self.numel = sum(p.numel() for _, p in self._named)
-        self.padded_numel = start
-        self.flat_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
-        self._shard_offsets = []
-        off = 0
-        for bk in self.buckets:
-            self._shard_offsets.append(off)
-            off += bk.chunk
-        with torch.no_grad():
-            for b, params in enumerate(per_unit):
-                bk = self.buckets[b]
-                full = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
-                for s, (_, p) in zip(bk.slots, params, strict=True):
-                    full[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
-                if self.size > 1:  # every replica starts from the first one's values
-                    comm.broadcast(full, src=self.group.ranks[0], group=self.group)
-                self._chunk_view(b).copy_(full[self.rank * bk.chunk : (self.rank + 1) * bk.chunk])
-                for _, p in params:
-                    p.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        self._params = per_unit
+        self.numel = sum(p.numel() for _, p in self._named)  # before the module's parameters are emptied
+        shards = shard_units(self._units, self._named, self.group, self.dtype, self.device)
+        self.buckets, self._attrs, self._params = shards.buckets, shards.attrs, shards.params
+        self.flat_shard, self._shard_offsets = shards.flat, shards.offsets
+        self.padded_numel = sum(bk.size for bk in self.buckets)
 
     def _chunk_view(self, b: int) -> torch.Tensor:
         return self.flat_shard[self._shard_offsets[b] : self._shard_offsets[b] + self.buckets[b].chunk]

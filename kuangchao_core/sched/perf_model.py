@@ -214,11 +214,11 @@ def _dp_comm(
 ) -> tuple[float, float, float]:
     """(seconds, bytes one rank sends, bytes leaving one node) of one step's DP gradient synchronisation.
 
-    ZeRO-3 (without PP; the engine runs it as ZeRO-2 under PP) gathers the parameters for every micro-batch's
-    forward and again for its backward and reduce-scatters every micro-batch's gradient: per step ``m`` times one
+    ZeRO-3 (under PP too: each stage over its DP group) gathers the parameters for every micro-batch's forward and
+    again for its backward and reduce-scatters every micro-batch's gradient: per step ``m`` times one
     reduce-scatter and two all-gathers, where ZeRO-1/2 do one of each."""
     t, sent, out, gather = _dp_comm_once(psi, layout, cluster, span, method, ratio, index_bytes)
-    if layout.zero_stage >= 3 and layout.pp == 1:
+    if layout.zero_stage >= 3:
         m = layout.gradient_accumulation_steps
         t, sent, out = (m * (x + g) for x, g in zip((t, sent, out), gather, strict=True))
     return t, sent, out
