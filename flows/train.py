@@ -6,8 +6,7 @@
 
 On a static or dynamic cluster the probe measures the links between the candidate nodes through their agents
 (``probe_cluster_topology``, cached by the nodes' fingerprint) and every attempt is placed from that matrix
-(``place_attempt``: which nodes, which mesh rank in which slot), recorded with the run. A Slurm job probes the
-nodes Slurm granted and places its ranks inside the job with the same placement (``sched/slurm/placement.py``).
+(``place_attempt``: which nodes, which mesh rank in which slot), recorded with the run (Slurm: inside the job).
 
 ``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set); a Prefect
 deployment (``deployments/prefect.yaml``) runs the same flow on a worker, so its parameters stay JSON values.
