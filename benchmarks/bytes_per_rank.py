@@ -1,0 +1,146 @@
+"""Bytes per rank from the engine's tensors (issue 29, item 5): bf16 parameters ÷ bf16 mixed precision at dp4
+ZeRO-1, and ZeRO-3 ÷ ZeRO-2 under pipeline parallelism at dp4 × pp2.
+
+Gloo processes run the engine's Trainer (the tiny preset's widths, 4 layers) for one step of each job and report
+``GradSync.tensor_bytes()`` — parameters, gradients and optimizer state (moments, fp32 masters) the rank holds after
+the step — and the largest rank's total is compared:
+
+- dp4, ZeRO-1: ``train.dtype: bf16`` with fp32 parameters (autocast) against ``train.param_dtype: bf16`` (bf16
+  parameters, fp32 masters); 4 processes.
+- dp4 × pp2, 1F1B, fp32: ``zero_stage: 2`` against ``zero_stage: 3`` (each stage's units sharded over its DP
+  group); 8 processes.
+
+Bytes are exact counts, the same on every run: one run, no spread. Autocast's per-step weight copies are not
+tensors the rank holds after the step (``tests/test_memory_model.py`` measures the peak within a step).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bytes_per_rank.py
+
+Ends with ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+JOBS = {
+    "dp4_zero1": (
+        4,
+        {
+            "bf16_autocast": {"parallel": {"zero_stage": 1}, "train": {"dtype": "bf16"}},
+            "bf16_params": {"parallel": {"zero_stage": 1}, "train": {"dtype": "bf16", "param_dtype": "bf16"}},
+        },
+    ),
+    "dp4_pp2": (
+        8,
+        {
+            "zero2": {"parallel": {"zero_stage": 2, "pipeline_parallel_size": 2}},
+            "zero3": {"parallel": {"zero_stage": 3, "pipeline_parallel_size": 2}},
+        },
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, root: str, jobs: dict, queue) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    import torch
+
+    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.config.settings import run_settings
+    from kuangchao_core.engine.trainer import Trainer
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    torch.set_num_threads(1)
+    install_guard(AllowAll())  # trusted mode: this measures tensors, not token checks
+    init_distributed(backend="gloo", timeout_ms=300_000)
+    out = {}
+    for name, extra in jobs.items():
+        base = {
+            "task": {"name": name, "seed": 1},
+            "model": {"preset": "tiny", "num_layers": 4},
+            "data": {"format": "synthetic", "seq_len": 32, "synthetic": {"num_train": 512, "num_eval": 8}},
+            "parallel": {"data_parallel_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+            "optimizer": {"lr": 1e-3},
+            "train": {"steps": 1, "device": "cpu", "log_interval": 100},
+            "permission": {"mode": "trusted"},
+            "checkpoint": {"dir": f"{root}/ckpt", "interval": 100, "resume": "never"},
+            "tracking": {"uri": f"sqlite:///{root}/mlflow.db"},
+        }
+        cfg = config_from_dict(_merge(base, extra))
+        mesh = ParallelMesh.from_config(cfg.parallel, rank, world)
+        trainer = Trainer(run_settings(cfg), rank, world, torch.device("cpu"), world_group(), mesh)
+        trainer.run(resume="never", max_steps=1)
+        out[name] = trainer.sync.tensor_bytes()
+        trainer.barrier()
+    queue.put((rank, out))
+
+
+def measure(world: int, jobs: dict) -> dict[str, dict[str, int]]:
+    """Every rank's ``tensor_bytes`` per job, from ``world`` Gloo processes; ``{job: {"max_total": …, "rank0":
+    {kind: bytes}}}``."""
+    port, ctx = _free_port(), mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as root:
+        procs = [ctx.Process(target=_worker, args=(r, world, port, root, jobs, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        deadline = time.monotonic() + 900
+        while len(results) < world:
+            try:
+                rank, out = queue.get(timeout=2)
+                results[rank] = out
+            except Exception:  # queue.Empty: is a worker gone?
+                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}") from None
+        for p in procs:
+            p.join()
+    return {
+        job: {"max_total": max(sum(results[r][job].values()) for r in range(world)), "rank0": results[0][job]}
+        for job in jobs
+    }
+
+
+def main() -> int:
+    result = {}
+    for layout, (world, jobs) in JOBS.items():
+        measured = measure(world, jobs)
+        (ours, ours_bytes), (peer, peer_bytes) = reversed(list(measured.items()))  # JOBS: the peer first
+        ratio = ours_bytes["max_total"] / peer_bytes["max_total"]
+        for job, m in measured.items():
+            kinds = ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in m["rank0"].items())
+            print(f"{layout} {job}: largest rank {m['max_total'] / 2**10:.1f} KiB (rank 0: {kinds})")
+        print(f"{layout}: {ours} ÷ {peer} = {ratio:.3f}")
+        result[layout] = {"ratio": round(ratio, 4), "jobs": measured}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
