@@ -21,15 +21,13 @@ Ends with ``RESULT {json}``.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import socket
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _engine_ranks import init_rank, run_ranks  # noqa: E402
 
 JOBS = {
     "dp4_zero1": (
@@ -49,12 +47,6 @@ JOBS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _merge(base: dict, extra: dict) -> dict:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section, values in extra.items():
@@ -63,20 +55,15 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, root: str, jobs: dict, queue) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    init_rank(rank, world, port)
     import torch
 
-    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.comm import world_group
     from kuangchao_core.config import config_from_dict
     from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
-    torch.set_num_threads(1)
-    install_guard(AllowAll())  # trusted mode: this measures tensors, not token checks
-    init_distributed(backend="gloo", timeout_ms=300_000)
     out = {}
     for name, extra in jobs.items():
         base = {
@@ -102,25 +89,7 @@ def _worker(rank: int, world: int, port: int, root: str, jobs: dict, queue) -> N
 def measure(world: int, jobs: dict) -> dict[str, dict[str, int]]:
     """Every rank's ``tensor_bytes`` per job, from ``world`` Gloo processes; ``{job: {"max_total": …, "rank0":
     {kind: bytes}}}``."""
-    port, ctx = _free_port(), mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as root:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, root, jobs, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict = {}
-        deadline = time.monotonic() + 900
-        while len(results) < world:
-            try:
-                rank, out = queue.get(timeout=2)
-                results[rank] = out
-            except Exception:  # queue.Empty: is a worker gone?
-                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}") from None
-        for p in procs:
-            p.join()
+    results = run_ranks(world, _worker, (jobs,))
     return {
         job: {"max_total": max(sum(results[r][job].values()) for r in range(world)), "rank0": results[0][job]}
         for job in jobs

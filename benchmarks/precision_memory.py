@@ -20,44 +20,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _engine_ranks import init_rank, run_ranks  # noqa: E402
 from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
 
 MODES = ("none", "full", "selective")
 ZERO_WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _zero_worker(rank: int, port: int, root: str, queue) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(ZERO_WORLD)})
+def _zero_worker(rank: int, world: int, port: int, root: str, queue) -> None:
+    init_rank(rank, world, port)
     import torch
 
-    from kuangchao_core.comm import init_distributed, world_group
+    from kuangchao_core.comm import world_group
     from kuangchao_core.config import config_from_dict
     from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
-    from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
-    torch.set_num_threads(1)
-    install_guard(AllowAll())  # trusted mode: this measures tensors, not token checks
-    init_distributed(backend="gloo", timeout_ms=120_000)
     out = {}
     for stage in (0, 1, 2, 3):
         cfg = config_from_dict(
@@ -84,25 +70,7 @@ def _zero_worker(rank: int, port: int, root: str, queue) -> None:
 
 def zero_memory() -> dict:
     """Bytes per rank (the largest over the four ranks) of parameters + gradients + AdamW state by ZeRO stage."""
-    port, ctx = _free_port(), mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as root:
-        procs = [ctx.Process(target=_zero_worker, args=(r, port, root, queue)) for r in range(ZERO_WORLD)]
-        for p in procs:
-            p.start()
-        results: dict = {}
-        deadline = time.monotonic() + 600
-        while len(results) < ZERO_WORLD:
-            try:
-                rank, out = queue.get(timeout=2)
-                results[rank] = out
-            except Exception:  # queue.Empty: is a worker gone?
-                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise SystemExit(f"a ZeRO worker failed: exit codes {[p.exitcode for p in procs]}") from None
-        for p in procs:
-            p.join()
+    results = run_ranks(ZERO_WORLD, _zero_worker)
     psi = results[0]["psi"]
     per_stage = {stage: max(sum(results[r][stage].values()) for r in range(ZERO_WORLD)) for stage in (0, 1, 2, 3)}
     n = ZERO_WORLD
