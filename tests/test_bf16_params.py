@@ -288,9 +288,12 @@ def test_the_memory_model_has_bf16_parameters_and_refuses_what_the_engine_does_n
     from kuangchao_core.parallel.state_memory import precision_bytes, state_bytes
 
     b = precision_bytes("bf16", "bf16")
-    assert (b.param, b.grad, b.master, b.moments, b.cast, b.master_grad) == (2, 2, 4, 8, 0, 4)
-    # dp4 ZeRO-1: bf16 params and grads, fp32 master gradient, master and moments over 4 ranks
-    assert state_bytes(1000, 4, 1, "bf16", param_dtype="bf16") == {"params": 2000, "grads": 3000, "optimizer": 3000}
+    assert (b.param, b.grad, b.master, b.moments, b.cast, b.master_grad) == (2, 0, 4, 8, 0, 4)
+    # dp4 ZeRO-1: bf16 params, the full fp32 gradient buffer (no bf16 gradient kept), master and moments over 4
+    # ranks: Megatron-Core's 2 + 4 + 12/4; ZeRO-2 shards the fp32 gradient
+    assert state_bytes(1000, 4, 1, "bf16", param_dtype="bf16") == {"params": 2000, "grads": 4000, "optimizer": 3000}
+    assert state_bytes(1000, 4, 2, "bf16", param_dtype="bf16") == {"params": 2000, "grads": 1000, "optimizer": 3000}
+    assert state_bytes(1000, 4, 0, "bf16", param_dtype="bf16")["grads"] == 4000
     with pytest.raises(ValueError, match="no memory model for train.dtype 'fp16' with parameters in 'bf16'"):
         state_bytes(1000, 4, 1, "fp16", param_dtype="bf16")
 

@@ -31,6 +31,7 @@ FILE_TIERS = {
     "test_bad_steps.py": "distributed",
     "test_bench_ratios.py": "unit",
     "test_bf16_params.py": "distributed",
+    "test_fp32_accumulation.py": "distributed",
     "test_blocks.py": "flows",
     "test_bounded_readers.py": "unit",
     "test_check_sizes.py": "unit",

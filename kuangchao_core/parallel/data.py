@@ -15,6 +15,11 @@ How it works:
 - Gradient accumulation: micro-steps run inside ``with dp.no_sync():`` accumulate locally with no communication;
   only the last micro-step's backward communicates. Averaging over micro-steps is the engine's job: scale each
   micro-step's loss by ``1 / grad_accum``.
+- Main gradients (``main_grads=True``, Megatron's ``main_grad``; bf16 parameters with fp32 master weights use it):
+  the buckets (in ``grad_dtype``, built for a group of size 1 too) are where gradients live. Every backward's
+  gradient is added into its parameter's slot by the hook (:func:`accumulate_grad`) and ``param.grad`` is dropped,
+  so gradient accumulation sums in ``grad_dtype`` (fp32), never in the parameters' bf16; the reduction runs on the
+  buckets and nothing is copied back: the caller reads :meth:`DataParallel.main_grad`.
 
 Typical step::
 
@@ -41,6 +46,17 @@ from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 
 _MB = 1024 * 1024
+
+
+def accumulate_grad(dst: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add one backward's gradient ``grad`` into its main-gradient slot ``dst`` (the sum in ``dst``'s dtype: an
+    fp32 slot holds the exact fp32 sum of bf16 gradients, each widened exactly)."""
+    dst.add_(grad.reshape(dst.shape))
+
+
+class _Done:
+    def wait(self) -> None:
+        """Nothing was launched (a group of size 1)."""
 
 
 @dataclass
@@ -71,6 +87,8 @@ class DataParallel(torch.nn.Module):
             from a parameter's dtype the gradient is copied into the bucket and back instead of living in it.
         reducer: how a bucket is summed (:class:`~kuangchao_core.parallel.bucket_reduce.BucketReducer`); default
             one flat asynchronous all-reduce over ``group``.
+        main_grads: the buckets hold the gradients (module docstring): every backward adds into them, under
+            :meth:`no_sync` too, ``param.grad`` is dropped and :meth:`main_grad` is each parameter's averaged sum.
 
     ``forward`` is the wrapped module's; ``dp.module`` is the bare model (use it for checkpoint names).
     A group of size 1 performs no communication at all.
@@ -83,6 +101,7 @@ class DataParallel(torch.nn.Module):
         bucket_cap_mb: float = 25,
         grad_dtype: torch.dtype | None = None,
         reducer=None,
+        main_grads: bool = False,
     ):
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -98,6 +117,7 @@ class DataParallel(torch.nn.Module):
 
             reducer = BucketReducer(group)
         self.reducer = reducer
+        self.main_grads = main_grads
         self._sync_enabled = True
         self._backward_seen = False  # a synchronized backward has produced gradients since the last finish
         self._next_launch = 0
@@ -105,7 +125,7 @@ class DataParallel(torch.nn.Module):
         self._where: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._hooks = []
         self._params = [p for p in module.parameters() if p.requires_grad]
-        if group.size > 1:
+        if group.size > 1 or main_grads:
             self._build_buckets()
         for p in self._params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -136,7 +156,8 @@ class DataParallel(torch.nn.Module):
             for p in params:
                 views.append(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-            bucket = _Bucket(params=params, buffer=buffer, views=views, as_view=(pdtype == rdtype))
+            as_view = pdtype == rdtype and not self.main_grads
+            bucket = _Bucket(params=params, buffer=buffer, views=views, as_view=as_view)
             bucket.reset()
             idx = len(self._buckets)
             self._buckets.append(bucket)
@@ -156,6 +177,12 @@ class DataParallel(torch.nn.Module):
     def num_buckets(self) -> int:
         """How many gradient buckets this replica communicates per step (0 for a group of size 1)."""
         return len(self._buckets)
+
+    def main_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s slot of its bucket, shaped like ``p`` (with ``main_grads``: its gradient summed over this step's
+        backwards, averaged over the group once :meth:`finish_gradient_sync` has run)."""
+        b, i = self._where[p]
+        return self._buckets[b].views[i]
 
     def bucket_params(self) -> list[list[str]]:
         """Parameter names of every bucket, in launch order (for logs and tests)."""
@@ -222,8 +249,9 @@ class DataParallel(torch.nn.Module):
         self._launch_in_order()
         for bucket in self._buckets:
             bucket.handle.wait()
-            bucket.buffer.div_(size)
-            if not bucket.as_view:
+            if size > 1:
+                bucket.buffer.div_(size)
+            if not bucket.as_view and not self.main_grads:
                 for p, view in zip(bucket.params, bucket.views, strict=True):
                     if p.grad is None:
                         p.grad = view.to(p.dtype)
@@ -258,6 +286,11 @@ class DataParallel(torch.nn.Module):
         """Make bucket slot ``i`` hold ``p``'s gradient (bind the view, or copy in for a reduce dtype)."""
         view = bucket.views[i]
         grad = p.grad
+        if self.main_grads:  # the slot keeps what earlier backwards added (zeros after zero_grad)
+            if grad is not None:
+                accumulate_grad(view, grad)
+                p.grad = None
+            return
         if grad is None:
             if missing_is_zero:
                 view.zero_()
@@ -274,7 +307,7 @@ class DataParallel(torch.nn.Module):
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if not self._sync_enabled:
             loc = self._where.get(p)
-            if loc is not None and self._buckets[loc[0]].as_view:
+            if loc is not None and (self._buckets[loc[0]].as_view or self.main_grads):
                 self._take_gradient(self._buckets[loc[0]], loc[1], p, missing_is_zero=False)
             return
         self._backward_seen = True
@@ -298,5 +331,5 @@ class DataParallel(torch.nn.Module):
     def _launch_in_order(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.handle = self.reducer.launch(self._next_launch, bucket.buffer)
+            bucket.handle = self.reducer.launch(self._next_launch, bucket.buffer) if self.group.size > 1 else _Done()
             self._next_launch += 1

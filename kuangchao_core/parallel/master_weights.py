@@ -6,6 +6,11 @@ ZeRO), then turns every parameter of the model into bf16 (:func:`to_bf16_paramet
 
 - forward and backward run on the bf16 parameters (under bf16 autocast, so norms, softmax and the loss are fp32),
   so the gradients the model produces are bf16;
+- each backward's bf16 gradient is added into an fp32 gradient at once (Megatron-Core's ``main_grad``, FSDP2's
+  fp32 ``reduce_dtype``), so the micro-batches of a step (``grad_accum`` > 1, every pipeline schedule) are summed
+  in fp32, never in bf16: zero_stage 0 and ZeRO-1 keep a full fp32 gradient buffer (the parameter's hook adds into
+  its slot and drops the bf16 ``param.grad``), ZeRO-2 adds each micro-batch's reduce-scattered buckets into its
+  fp32 gradient shard (:mod:`~kuangchao_core.parallel.zero_master`), ZeRO-3 each micro-batch's reduced unit;
 - the gradients are reduced over data parallelism in fp32 (``parallel.grad_reduce_dtype: bf16``: summed in bf16,
   at every ZeRO stage), clipped and handed to AdamW as fp32 gradients of the fp32 masters;
 - AdamW (fp32 moments) updates the masters, and each master is rounded into its bf16 parameter after every step.
@@ -73,9 +78,10 @@ def master_grad_sync(
 class MasterReplicatedAdamW:
     """Data parallel with bf16 parameters and an fp32 master copy plus AdamW on every replica (``zero_stage: 0``).
 
-    Gradient buckets are fp32 (DataParallel copies each bf16 gradient into its bucket and sums there; with
-    ``grad_reduce_dtype`` bf16 the sum travels in bf16), and the masters' gradients are the buckets' fp32 views,
-    not the bf16 gradients rounded back. One DP rank (no buckets): the bf16 gradient itself, in fp32.
+    Gradient buckets are fp32 main gradients (``DataParallel(main_grads=True)``, one DP rank too): every
+    backward's bf16 gradient is added into its parameter's fp32 slot and dropped, the buckets are all-reduced as
+    they are (with ``grad_reduce_dtype`` bf16 the sum travels in bf16), and the masters' gradients are the
+    buckets' fp32 views. Per parameter: 2 bytes (bf16) + 4 (fp32 gradient) + 12 (fp32 master and moments).
     """
 
     def __init__(self, model, mesh, norm_weight, hyper: dict, bucket_mb: float, reduce_dtype: str, exclude=()):
@@ -88,7 +94,9 @@ class MasterReplicatedAdamW:
         compressor = make_compressor("bf16", 0.0, 0) if reduce_dtype == "bf16" and mesh.dp > 1 else None
         intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
         self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor)
-        self.dp = DataParallel(model, mesh.dp_group, bucket_mb, grad_dtype=MASTER_DTYPE, reducer=self.reducer)
+        self.dp = DataParallel(
+            model, mesh.dp_group, bucket_mb, grad_dtype=MASTER_DTYPE, reducer=self.reducer, main_grads=True
+        )
         hyper = dict(hyper)
         groups = param_groups(list(self.masters.items()), hyper.pop("weight_decay"), exclude)
         self.optimizer = torch.optim.AdamW(groups, **adamw_kernel(list(self.masters.values())), **hyper)
@@ -109,17 +117,13 @@ class MasterReplicatedAdamW:
             m.grad = None
 
     def finish(self, accumulated: bool = False) -> None:
-        """Reduce the bf16 gradients in fp32 buckets, then hand the fp32 sums to the masters."""
+        """Reduce the fp32 buckets, then hand their fp32 views (the averaged sums) to the masters."""
         if accumulated:
             self.dp.sync_accumulated()
         else:
             self.dp.finish_gradient_sync()
         for name, p in self.named:
-            where = self.dp._where.get(p)
-            if where is not None:  # the bucket's fp32 view holds the averaged gradient before its rounding
-                self.masters[name].grad = self.dp._buckets[where[0]].views[where[1]]
-            elif p.grad is not None:
-                self.masters[name].grad = p.grad.to(MASTER_DTYPE)
+            self.masters[name].grad = self.dp.main_grad(p)
 
     def local_grads(self) -> list[torch.Tensor]:
         """See :meth:`GradSync.local_grads`: the masters' fp32 gradients."""
@@ -200,11 +204,11 @@ class MasterReplicatedAdamW:
         return None
 
     def tensor_bytes(self) -> dict[str, int]:
-        """The bf16 parameters and gradients, the fp32 gradients (buckets or copies), and AdamW's moments with the
-        fp32 masters as ``optimizer``."""
+        """The bf16 parameters, the fp32 gradient buckets (and any bf16 gradient a parameter holds), and AdamW's
+        moments with the fp32 masters as ``optimizer``."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
-        grads += sum(m.grad.numel() * m.grad.element_size() for m in self.masters.values() if m.grad is not None)
+        grads += sum(b.buffer.numel() * b.buffer.element_size() for b in self.dp._buckets)
         optim = sum(t.numel() * t.element_size() for t in self.state_tensors())
         optim += sum(m.numel() * m.element_size() for m in self.masters.values())
         return {"params": params, "grads": grads, "optimizer": optim}

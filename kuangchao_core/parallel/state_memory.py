@@ -11,7 +11,7 @@ fp32       fp32         4      4      0       8        0      0
 fp64       fp64         8      8      0       16       0      0
 bf16       fp32         4      4      0       8        2      0
 fp16       fp32         4      4      0       8        2      0
-bf16       bf16         2      2      4       8        0      4
+bf16       bf16         2      0      4       8        0      4
 =========  ===========  =====  =====  ======  =======  =====  ===========
 
 - *param*, *grad*: the model's parameters and their gradients. Under bf16/fp16 **autocast** the parameters stay
@@ -22,12 +22,13 @@ bf16       bf16         2      2      4       8        0      4
   so each has its own copies). It is not sharded by ZeRO: ZeRO-3 gathers a unit, autocast casts the gathered
   weights and the copies stay until the unit's backward.
 - **bf16 parameters** (``train.param_dtype: bf16``, :mod:`~kuangchao_core.parallel.master_weights`): bf16
-  parameters and gradients, no casts (the weights already are bf16), and the optimizer's fp32 *master* weights and
-  fp32 *master_grad* — the reduced gradient AdamW reads (the fp32 buckets or copies without ZeRO; the rank's chunk
-  under ZeRO, where stage 1 keeps the bf16 gradients beside it and stages 2/3 only the chunk).
+  parameters, no casts (the weights already are bf16), and the optimizer's fp32 *master* weights and fp32
+  *master_grad*, in which every backward's bf16 gradient is summed at once and dropped (*grad* 0: no bf16
+  gradient is kept) — a full fp32 buffer without ZeRO and at stage 1 (whose rank's chunk is a view of it, as
+  Megatron-Core's 2 + 4 + 12/N), the rank's chunk at stages 2 and 3.
 
-ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the moments, the master copy and the master
-gradient by N; stage 2 the gradients too; stage 3 the trainable parameters too. With LoRA the base is frozen: its
+ZeRO over a DP group of N ranks (:func:`state_bytes`): stage 1 divides the moments and the master copy by N;
+stage 2 the gradients (and the master gradient) too; stage 3 the trainable parameters too. With LoRA the base is frozen: its
 parameters have no gradients and no optimizer state and are held whole by every rank below stage 3, 1/N per rank
 at stage 3 (:mod:`~kuangchao_core.parallel.zero3_lora`); the adapters are the trainable parameters. The engine runs
 the stage asked for in every layout (under pipeline parallelism each stage shards over its own DP group).
@@ -57,7 +58,7 @@ PRECISIONS: dict[tuple[str, str], PrecisionBytes] = {
     ("fp64", "fp64"): PrecisionBytes(param=8, grad=8, master=0, moments=16, cast=0),
     ("bf16", "fp32"): PrecisionBytes(param=4, grad=4, master=0, moments=8, cast=2),
     ("fp16", "fp32"): PrecisionBytes(param=4, grad=4, master=0, moments=8, cast=2),
-    ("bf16", "bf16"): PrecisionBytes(param=2, grad=2, master=4, moments=8, cast=0, master_grad=4),
+    ("bf16", "bf16"): PrecisionBytes(param=2, grad=0, master=4, moments=8, cast=0, master_grad=4),
 }
 
 
@@ -92,10 +93,7 @@ def state_bytes(
     b = precision_bytes(dtype, param_dtype)
     shard = max(1, dp)
     trainable_params = b.param * trainable / (shard if zero_stage >= 3 else 1)
-    if zero_stage >= 2:  # the gradient is the (master) chunk
-        grads = (b.master_grad or b.grad) * trainable / shard
-    else:
-        grads = b.grad * trainable + b.master_grad * trainable / (shard if zero_stage else 1)
+    grads = (b.grad + b.master_grad) * trainable / (shard if zero_stage >= 2 else 1)
     return {
         "params": trainable_params + b.param * frozen / (shard if zero_stage >= 3 else 1),
         "grads": grads,
