@@ -150,6 +150,7 @@ LAYOUTS = {
     "dp2_zero1": {"data_parallel_size": 2, "zero_stage": 1},
     "dp2_zero2": {"data_parallel_size": 2, "zero_stage": 2},
     "pp2_zero0": {"pipeline_parallel_size": 2},
+    "pp2_zero2": {"pipeline_parallel_size": 2, "zero_stage": 2},  # buckets reduced inside the schedule's backwards
 }
 
 

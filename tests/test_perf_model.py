@@ -292,7 +292,7 @@ def test_state_bytes_are_what_the_engine_allocates():
     assert state_bytes(10, 4, 1, "bf16", frozen=1000) == {"params": 4040, "grads": 40, "optimizer": 20}  # LoRA
     assert state_bytes(10, 4, 3, frozen=1000)["params"] == 1010  # ZeRO-3 shards a LoRA base too
     z = [sum(state_bytes(1000, 4, stage, "bf16", param_dtype="bf16").values()) for stage in (0, 1, 2, 3)]
-    assert z == [2000 + 6000 + 12000, 2000 + 3000 + 3000, 2000 + 1000 + 3000, 500 + 1000 + 3000]  # bf16 params
+    assert z == [2000 + 4000 + 12000, 2000 + 4000 + 3000, 2000 + 1000 + 3000, 500 + 1000 + 3000]  # 2 + 4 + 12/N
 
 
 def test_memory_per_rank_keeps_the_jobs_lora_and_checkpointing_as_kc_plan_does():
