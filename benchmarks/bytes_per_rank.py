@@ -48,52 +48,82 @@ JOBS = {
 
 
 def _merge(base: dict, extra: dict) -> dict:
+    """``extra``'s sections merged over ``base``'s (one level: a section's keys replace base's)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section, values in extra.items():
         out.setdefault(section, {}).update(values)
     return out
 
 
-def _worker(rank: int, world: int, port: int, root: str, jobs: dict, queue) -> None:
+def job_config(name: str, extra: dict, root: str, setup: dict | None = None):
+    """The benchmark's job ``name``: the tiny preset's widths with 4 layers on the CPU, dp4, 2 micro-batches of 2,
+    with ``extra`` and then ``setup`` (another device, model or batch: ``benchmarks/gpu/memory_check.py``) merged
+    over it section by section."""
+    from kuangchao_core.config import config_from_dict
+
+    base = {
+        "task": {"name": name, "seed": 1},
+        "model": {"preset": "tiny", "num_layers": 4},
+        "data": {"format": "synthetic", "seq_len": 32, "synthetic": {"num_train": 512, "num_eval": 8}},
+        "parallel": {"data_parallel_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+        "optimizer": {"lr": 1e-3},
+        "train": {"steps": 1, "device": "cpu", "log_interval": 100},
+        "permission": {"mode": "trusted"},
+        "checkpoint": {"dir": f"{root}/ckpt", "interval": 100, "resume": "never"},
+        "tracking": {"uri": f"sqlite:///{root}/mlflow.db"},
+    }
+    return config_from_dict(_merge(_merge(base, extra), setup or {}))
+
+
+def _worker(rank: int, world: int, port: int, root: str, jobs: dict, setup: dict | None, queue) -> None:
+    """Each job's Trainer for one step on this rank: its ``tensor_bytes`` and, on CUDA, ``peak_allocated`` (the
+    device memory the job allocated at its peak, above what was allocated before it)."""
     init_rank(rank, world, port)
+    import gc
+
     import torch
 
     from kuangchao_core.comm import world_group
-    from kuangchao_core.config import config_from_dict
     from kuangchao_core.config.settings import run_settings
     from kuangchao_core.engine.trainer import Trainer
     from kuangchao_core.parallel.mesh import ParallelMesh
 
     out = {}
     for name, extra in jobs.items():
-        base = {
-            "task": {"name": name, "seed": 1},
-            "model": {"preset": "tiny", "num_layers": 4},
-            "data": {"format": "synthetic", "seq_len": 32, "synthetic": {"num_train": 512, "num_eval": 8}},
-            "parallel": {"data_parallel_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
-            "optimizer": {"lr": 1e-3},
-            "train": {"steps": 1, "device": "cpu", "log_interval": 100},
-            "permission": {"mode": "trusted"},
-            "checkpoint": {"dir": f"{root}/ckpt", "interval": 100, "resume": "never"},
-            "tracking": {"uri": f"sqlite:///{root}/mlflow.db"},
-        }
-        cfg = config_from_dict(_merge(base, extra))
+        cfg = job_config(name, extra, root, setup)
+        device = torch.device("cuda", 0) if cfg.train.device == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         mesh = ParallelMesh.from_config(cfg.parallel, rank, world)
-        trainer = Trainer(run_settings(cfg), rank, world, torch.device("cpu"), world_group(), mesh)
-        trainer.run(resume="never", max_steps=1)
+        trainer = Trainer(run_settings(cfg), rank, world, device, world_group(), mesh)
+        trainer.run(resume="never", max_steps=cfg.train.steps)
         out[name] = trainer.sync.tensor_bytes()
+        if device.type == "cuda":
+            out[name]["peak_allocated"] = torch.cuda.max_memory_allocated(device) - before
         trainer.barrier()
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     queue.put((rank, out))
 
 
-def measure(world: int, jobs: dict) -> dict[str, dict[str, int]]:
+def measure(world: int, jobs: dict, setup: dict | None = None, timeout_s: float = 900) -> dict[str, dict[str, int]]:
     """Every rank's ``tensor_bytes`` per job, from ``world`` Gloo processes; ``{job: {"max_total": …, "rank0":
-    {kind: bytes}}}``."""
-    results = run_ranks(world, _worker, (jobs,))
-    return {
-        job: {"max_total": max(sum(results[r][job].values()) for r in range(world)), "rank0": results[0][job]}
-        for job in jobs
-    }
+    {kind: bytes}}}`` (the total leaves out ``peak_allocated``, which ``rank0`` and ``max_peak`` show on CUDA)."""
+    results = run_ranks(world, _worker, (jobs, setup), timeout_s)
+    out = {}
+    for job in jobs:
+        per_rank = [results[r][job] for r in range(world)]
+        out[job] = {
+            "max_total": max(sum(v for k, v in b.items() if k != "peak_allocated") for b in per_rank),
+            "rank0": per_rank[0],
+        }
+        if "peak_allocated" in per_rank[0]:
+            out[job]["max_peak"] = max(b["peak_allocated"] for b in per_rank)
+    return out
 
 
 def main() -> int:

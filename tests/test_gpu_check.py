@@ -81,6 +81,14 @@ def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_
         assert packed[seq]["documents"] >= 2 and min(packed[seq]["peak_bytes"].values()) > 0
         assert 0 < packed[seq]["ratio"]["ratio_vs_peer"] < math.inf
 
+    # (g) bytes per rank from the engine's tensors, two Gloo ranks: at dp2 ZeRO-1 bf16 parameters hold
+    # 2 + 4 + 12/2 bytes per parameter, autocast 4 + 4 + 8/2 — the same up to ZeRO's padding; half the parameter bytes
+    mem = result["bytes_per_rank"]
+    assert mem["ranks"] == 2 and mem["dp2_zero1"]["tensor_ratio"] == pytest.approx(1.0, rel=0.01), mem
+    assert "peak_ratio" not in mem["dp2_zero1"]  # a CPU has no allocator peak
+    jobs = mem["jobs"]
+    assert 2 * jobs["zero1_bf16_params"]["rank0"]["params"] == jobs["zero1_bf16_autocast"]["rank0"]["params"], jobs
+
     engine = result["engine"]
     # (c) a real kc train of the job file the check wrote, through the flow, compiled, bf16
     run = engine["kc_train"]

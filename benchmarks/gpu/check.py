@@ -23,8 +23,14 @@ fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
     (per-document fused SDPA, no dense mask) against the dense document mask at s = 2048 and 8192, Llama-1B's
     attention heads in bf16: step time ratio and peak memory of each.
 
-Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (c)-(e) ~6 min
-(itemised in ``engine_check.py``, run last); ``--budget-s`` (600) bounds the engine sections, which skip what no longer fits and say so.
+(g) **bytes per rank** (``memory_check.py``, under ``bytes_per_rank``; issue 29 item 5): bf16 parameters with fp32
+    master weights against bf16 autocast at dp4 ZeRO-1 and ZeRO-2 (four Gloo ranks on the one GPU, the engine's
+    Trainer for one step of a 0.17 B-parameter model): the engine's tensors per rank and
+    ``torch.cuda.max_memory_allocated``, and their ratios (``benchmarks/bytes_per_rank.py``'s worker).
+
+Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (g) < 1 min,
+(c)-(e) ~6 min (itemised in ``engine_check.py``, run last); ``--budget-s`` (600) bounds (g) and the engine sections,
+which skip what no longer fits and say so.
 ``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache.
 
 Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
@@ -305,8 +311,15 @@ def main(argv: list[str] | None = None) -> int:
 
     result["packed_attention"] = attention_check(device, args.smoke)
     out = Path(args.out)
+    _release(device)
+    if budget.allows(90 if not args.smoke else 30):
+        from engine_check import _reported
+        from memory_check import memory_check
+
+        result["bytes_per_rank"] = _reported(memory_check, device, args.smoke)
+    else:
+        result["bytes_per_rank"] = {"skipped": f"budget: {budget.left():.0f} s left"}
     if not args.skip_engine:
-        _release(device)
         result["engine"] = engine_checks(device, args.smoke, out, steps=args.kc_train_steps, budget=budget)
     result["wall_s"] = round(args.budget_s - budget.left(), 1)
     out.mkdir(parents=True, exist_ok=True)
