@@ -31,7 +31,8 @@ fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
 Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (g) < 1 min,
 (c)-(e) ~6 min (itemised in ``engine_check.py``, run last); ``--budget-s`` (600) bounds (g) and the engine sections,
 which skip what no longer fits and say so.
-``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache.
+``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache
+((g): ~10 s, two processes' start).
 
 Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
 """
