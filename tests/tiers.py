@@ -79,6 +79,7 @@ FILE_TIERS = {
     "test_launcher.py": "distributed",
     "test_lineage.py": "unit",
     "test_lineage_lease.py": "unit",
+    "test_mlflow_sink.py": "flows",
     "test_lora.py": "distributed",
     "test_memory_model.py": "distributed",
     "test_mesh.py": "distributed",

@@ -26,19 +26,29 @@ class MlflowMetricSink:
     """
 
     def __init__(self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150):
-        from mlflow.tracking import MlflowClient
-
         guard_api.check("metrics_write", f"metrics:{task}")
 
-        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._tracking_uri = tracking_uri
+        self._client = None  # made on the thread: importing MLflow and opening its store take seconds
         self.run_id = run_id
         self._queue: queue.Queue = queue.Queue()
         self._flush_every_s = flush_every_s
         self._max_batch = max_batch
         self._stop = threading.Event()
-        self.last_logged_step = self._last_step_in_run()
+        self._ready = threading.Event()
+        self.last_logged_step = -1  # the run's last logged step, known once the thread has read it
         self._thread = threading.Thread(target=self._loop, name="kc-mlflow-sink", daemon=True)
         self._thread.start()
+
+    def _open(self) -> None:
+        """The client and the run's last logged step (the thread's first work, while the job starts)."""
+        try:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self._tracking_uri)
+            self.last_logged_step = self._last_step_in_run()
+        finally:
+            self._ready.set()
 
     def _last_step_in_run(self) -> int:
         try:
@@ -49,18 +59,18 @@ class MlflowMetricSink:
         return max((m.step for m in history), default=-1)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Queue one step's metrics; a step already present in the run (from an earlier attempt) is skipped."""
-        if step <= self.last_logged_step:
-            return
-        self._queue.put((step, int(time.time() * 1000), dict(metrics)))
+        """Queue one step's metrics; a step already present in the run (from an earlier attempt) is skipped when
+        the thread logs it."""
+        self._queue.put((step, int(time.time() * 1000), dict(metrics), False))
 
     def log_final(self, metrics: dict[str, float], step: int) -> None:
         """Queue end-of-run metrics (evaluation results) at ``step``, whatever was logged before."""
-        self._queue.put((step, int(time.time() * 1000), dict(metrics)))
+        self._queue.put((step, int(time.time() * 1000), dict(metrics), True))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store ``text`` as the run's artifact ``artifact_file`` (evaluation samples); a failure is logged, never
         raised (the run goes on)."""
+        self._ready.wait(timeout=120)
         try:
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as exc:
@@ -72,13 +82,20 @@ class MlflowMetricSink:
         batch = []
         while len(batch) < self._max_batch:
             try:
-                step, ts, metrics = self._queue.get_nowait()
+                step, ts, metrics, final = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if step <= self.last_logged_step and not final:
+                continue
             batch.extend(Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None)
         return batch
 
     def _loop(self) -> None:
+        try:
+            self._open()
+        except Exception as exc:  # an unreachable store must not stop training
+            log.warning("MLflow store %s not opened, no step metrics logged: %s", self._tracking_uri, exc)
+            return
         while not self._stop.is_set():
             self._stop.wait(self._flush_every_s)
             self._flush()

@@ -5,6 +5,7 @@ MLflow's own system-metrics monitor: one monitor per node (the node's first rank
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from kuangchao_core import guard_api
@@ -12,17 +13,38 @@ from kuangchao_core import guard_api
 log = logging.getLogger("kuangchao.obs.system_metrics")
 
 
-def start_system_metrics(tracking_uri: str, run_id: str, node: str, task: str, interval_s: float = 10.0) -> Any:
-    """Start sampling this machine into run ``run_id`` as ``node`` (``metrics_write`` on ``metrics:<task>`` first);
-    returns the monitor (call ``finish()`` at the end) or None when MLflow cannot sample here."""
+class SystemMetrics:
+    """MLflow's monitor, started on a thread of its own (importing MLflow takes seconds the job's start-up need
+    not wait for); :meth:`finish` stops it."""
+
+    def __init__(self, tracking_uri: str, run_id: str, node: str, interval_s: float):
+        self._args = (tracking_uri, run_id, node, max(0.1, float(interval_s)))
+        self._monitor: Any = None
+        self._starter = threading.Thread(target=self._start, name="kc-system-metrics", daemon=True)
+        self._starter.start()
+
+    def _start(self) -> None:
+        uri, run_id, node, interval = self._args
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        except ImportError as exc:  # psutil missing: the run goes on without them
+            log.warning("system metrics not logged: %s", exc)
+            return
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, node_id=node, tracking_uri=uri)
+        monitor.start()
+        self._monitor = monitor
+
+    def finish(self) -> None:
+        """Stop sampling (after the start, if it is still under way)."""
+        self._starter.join(timeout=120)
+        if self._monitor is not None:
+            self._monitor.finish()
+
+
+def start_system_metrics(
+    tracking_uri: str, run_id: str, node: str, task: str, interval_s: float = 10.0
+) -> SystemMetrics:
+    """Start sampling this machine into run ``run_id`` as ``node`` (``metrics_write`` on ``metrics:<task>`` first,
+    at once); returns the monitor (call ``finish()`` at the end)."""
     guard_api.check("metrics_write", f"metrics:{task}")
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-    except ImportError as exc:  # psutil missing: the run goes on without them
-        log.warning("system metrics not logged: %s", exc)
-        return None
-    monitor = SystemMetricsMonitor(
-        run_id, sampling_interval=max(0.1, float(interval_s)), node_id=node, tracking_uri=tracking_uri
-    )
-    monitor.start()
-    return monitor
+    return SystemMetrics(tracking_uri, run_id, node, interval_s)

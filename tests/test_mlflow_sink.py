@@ -1,0 +1,44 @@
+"""The workers' MLflow metric sink (obs/mlflow_sink.py): the store is opened on the sink's thread, so steps queued
+before it is open are kept, and a resumed attempt still logs each step once."""
+
+from __future__ import annotations
+
+import pytest
+
+from kuangchao_core.obs.mlflow_sink import MlflowMetricSink
+from kuangchao_core.perm import guard_api
+
+
+@pytest.fixture(autouse=True)
+def allow_all():
+    prev = guard_api.current_guard()
+    guard_api.install_guard(guard_api.AllowAll())
+    yield
+    guard_api.install_guard(prev)
+
+
+def _history(client, run_id: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+
+
+def test_a_resumed_sink_logs_each_step_once_and_keeps_steps_queued_before_its_store_opened(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("sink", artifact_location=str(tmp_path / "a"))).info.run_id
+    first = MlflowMetricSink(uri, run_id, task="sink", flush_every_s=0.05)
+    for step in range(1, 6):  # queued at once: the thread may not have opened the store yet
+        first.log_step(step, {"loss": float(step)})
+    first.close()
+    assert _history(client, run_id) == [(s, float(s)) for s in range(1, 6)]
+
+    # a later attempt resumed from step 3 trains steps 4.. again: only steps past the run's last one are logged
+    second = MlflowMetricSink(uri, run_id, task="sink", flush_every_s=0.05)
+    for step in range(4, 9):
+        second.log_step(step, {"loss": 100.0 + step})
+    second.log_final({"loss": 7.5}, 8)  # end-of-run values are logged whatever came before
+    second.close()
+    assert second.last_logged_step == 5
+    expected = [(s, float(s)) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 9)] + [(8, 7.5)]
+    assert _history(client, run_id) == sorted(expected)
