@@ -66,6 +66,35 @@ def _drain_prefect_workers(timeout_s: float) -> None:
         worker.drain_all(timeout=timeout_s)
 
 
+def _prefect_console_on_a_live_stream() -> None:
+    """Prefect's console handler keeps the stderr of the moment Prefect set its logging up; when that was inside a
+    command a test ran in-process (click's CliRunner swaps stderr and closes its own afterwards), every later Prefect
+    log line in this worker fails with "I/O operation on closed file". Such a handler is pointed at today's stderr."""
+    import logging
+
+    if "prefect.logging.handlers" not in sys.modules:
+        return
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for handler in {h for lg in loggers for h in lg.handlers if type(h).__name__ == "PrefectConsoleHandler"}:
+        if getattr(handler.stream, "closed", False):
+            handler.setStream(sys.stderr)
+            handler.console.file = sys.stderr
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_console_before_module_fixtures():
+    """See :func:`_prefect_console_on_a_live_stream` (before a module's fixtures, which may run flows)."""
+    _prefect_console_on_a_live_stream()
+
+
+@pytest.fixture(autouse=True)
+def prefect_console_before_each_test():
+    """See :func:`_prefect_console_on_a_live_stream`."""
+    _prefect_console_on_a_live_stream()
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (more in one test: ``tests.fixtures.free_port()``)."""

@@ -56,3 +56,27 @@ def test_a_new_s3_server_starts_with_no_bucket_an_earlier_one_held(monkeypatch):
             for b in boto3.client("s3", endpoint_url=second, region_name="us-east-1").list_buckets()["Buckets"]
         ]
     assert "kc-leak" not in names
+
+
+def test_a_prefect_console_handler_left_on_a_closed_stream_is_pointed_at_todays_stderr():
+    """tests/conftest.py's guard: a Prefect log line to a stream an in-process command closed fails every later test
+    of the worker (a whole module errored at setup); before each module and test the handler is re-pointed."""
+    import io
+    import logging
+    import sys
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from tests.conftest import _prefect_console_on_a_live_stream
+
+    closed = io.StringIO()
+    handler = PrefectConsoleHandler(stream=closed)
+    closed.close()
+    logger = logging.getLogger("kc-test-closed-console")
+    logger.addHandler(handler)
+    try:
+        _prefect_console_on_a_live_stream()
+        assert handler.stream is sys.stderr and handler.console.file is sys.stderr
+        handler.emit(logger.makeRecord(logger.name, logging.INFO, __file__, 1, "a line", None, None))
+    finally:
+        logger.removeHandler(handler)

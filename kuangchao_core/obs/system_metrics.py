@@ -31,6 +31,9 @@ class SystemMetrics:
             log.warning("system metrics not logged: %s", exc)
             return
         monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, node_id=node, tracking_uri=uri)
+        # a first sample now: MLflow's loop logs only after an interval, which a short job may not outlive
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
         monitor.start()
         self._monitor = monitor
 
