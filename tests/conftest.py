@@ -79,7 +79,9 @@ def _prefect_console_on_a_live_stream() -> None:
     ]
     for handler in {h for lg in loggers for h in lg.handlers if type(h).__name__ == "PrefectConsoleHandler"}:
         if getattr(handler.stream, "closed", False):
-            handler.setStream(sys.stderr)
+            # Not ``setStream``: it flushes the old stream first, which raises on a closed file.
+            with handler.lock:
+                handler.stream = sys.stderr
             handler.console.file = sys.stderr
 
 

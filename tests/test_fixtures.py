@@ -58,10 +58,9 @@ def test_a_new_s3_server_starts_with_no_bucket_an_earlier_one_held(monkeypatch):
     assert "kc-leak" not in names
 
 
-def test_a_prefect_console_handler_left_on_a_closed_stream_is_pointed_at_todays_stderr():
+def test_a_prefect_console_handler_left_on_a_closed_stream_is_pointed_at_todays_stderr(tmp_path):
     """tests/conftest.py's guard: a Prefect log line to a stream an in-process command closed fails every later test
     of the worker (a whole module errored at setup); before each module and test the handler is re-pointed."""
-    import io
     import logging
     import sys
 
@@ -69,7 +68,7 @@ def test_a_prefect_console_handler_left_on_a_closed_stream_is_pointed_at_todays_
 
     from tests.conftest import _prefect_console_on_a_live_stream
 
-    closed = io.StringIO()
+    closed = open(tmp_path / "stderr.txt", "w")  # a real file: its flush raises once closed (a StringIO's does not)
     handler = PrefectConsoleHandler(stream=closed)
     closed.close()
     logger = logging.getLogger("kc-test-closed-console")
