@@ -1,0 +1,194 @@
+"""Ring attention over the context-parallel ranks equals full causal attention in one process (issue 30, item 2).
+
+Real Gloo processes at cp2 and cp4, float64, tiny shapes (batch 2, 4 query heads, head_dim 8, 32 tokens). Every rank
+builds the same full ``q, k, v`` and upstream gradient from a seed, keeps its load-balanced shard
+(``parallel.context``), runs :func:`ring_attend` forward and backward, and gathers the output and the gradients of
+its ``q, k, v`` back into sequence order. The reference is the project's attention (``models.attention.attend``:
+causal SDPA, or the document mask for packed documents) on the full tensors, differentiated by autograd. Cases:
+plain causal (4 K/V heads), grouped-query (2 K/V heads), packed documents whose boundaries fall inside and across
+the CP shards, and the unbalanced path (every block whole and masked) at cp2.
+
+Tolerance: ``FP64_REL`` (tests/tolerances.py), by relative norm. The ring computes the same softmax sums blocked
+differently: each output element is a sum of at most s = 32 products (rounding ≲ s·u relative, u = 2^-53 ≈ 1.1e-16),
+and the log-sum-exp merges add a few ulps per ring step (at most cp = 4 steps), so the difference is ≲ (32 + 4·4)·u
+≈ 5e-15 relative in the worst case; the backward is the same sums again. 1e-10 leaves four orders of magnitude, and
+a broken ring (a skipped step, local positions) moves the result by O(1) relative, far above ``NEGATIVE_MIN``.
+
+Negative controls, in the same processes: one ring step's block skipped in the merge; local positions (0..n-1 on
+every rank) instead of the global ones; the document ids ignored; the dK/dV accumulators kept on the rank that
+computed them instead of travelling back to their owner (output right, K/V gradients wrong). A last run under
+``KC_COMM_RULES=nccl`` (the stand-in device) checks that every rank issued the same point-to-point batches in the
+same order (``comm.order_check``), with device tensors only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mp import run_distributed
+from tests.tolerances import FP64_REL, NEGATIVE_MIN
+
+B, H, S, D = 2, 4, 32, 8
+CASES = {  # name: (kv_heads, packed documents, balanced layout)
+    "causal": (4, False, True),
+    "gqa": (2, False, True),
+    "documents_gqa": (2, True, True),
+    "documents_unbalanced": (2, True, False),
+}
+SABOTAGES = ("skip_step", "local_positions", "documents_ignored", "dkv_not_returned")
+
+
+def _segments():
+    import torch
+
+    seg = torch.zeros(B, S, dtype=torch.long)
+    for row, cuts in enumerate(([5, 13, 14, 27], [9, 17, 30])):  # inside chunks and at chunk edges, for cp2 and cp4
+        for cut in cuts:
+            seg[row, cut:] += 1
+    return seg
+
+
+def _inputs(kv_heads: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _reference(q, k, v, dout, seg):
+    import torch
+
+    from kuangchao_core.models.attention import Documents, attend
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v, None if seg is None else Documents.from_segment_ids(seg))
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _sabotage(name: str | None, rank: int, cp: int):
+    """Break the ring as ``name`` says (in this process); returns an undo."""
+    from kuangchao_core.models import ring_attention as ra
+
+    if name == "skip_step":
+        real = ra._accumulate
+        skipped = (rank - 1) % cp  # the first shard received
+
+        def skip(out, lse, rows, o, l_blk, owner):
+            if owner != skipped:
+                real(out, lse, rows, o, l_blk, owner)
+
+        ra._accumulate = skip
+        return lambda: setattr(ra, "_accumulate", real)
+    if name == "dkv_not_returned":
+        real = ra.ring_backward
+
+        def keep_local(qg, k, v, meta, out, lse, do, ring, scale, balanced):
+            dq, _, _ = real(qg, k, v, meta, out, lse, do, ring, scale, balanced)
+            _, dk, dv = real(qg, k, v, meta, out, lse, do, ra._Ring(None), scale, balanced)  # own shard only
+            return dq, dk, dv
+
+        ra.ring_backward = keep_local
+        return lambda: setattr(ra, "ring_backward", real)
+    return lambda: None
+
+
+def _ring_case(group, kv_heads, documents, balanced, sabotage, seed):
+    import torch
+
+    from kuangchao_core.models.ring_attention import ring_attend
+    from kuangchao_core.parallel.context import gather_sequence, local_positions, shard_sequence
+
+    cp, rank = group.size, group.rank
+    q, k, v, dout = _inputs(kv_heads, seed)
+    seg = _segments() if documents else None
+    want = _reference(q, k, v, dout, seg)
+    local = [shard_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    n = S // cp
+    positions = torch.arange(n) if sabotage == "local_positions" else local_positions(S, cp, rank)
+    seg_local = None if seg is None or sabotage == "documents_ignored" else shard_sequence(seg, cp, rank, dim=1)
+    undo = _sabotage(sabotage, rank, cp)
+    try:
+        out = ring_attend(*local, group, positions, seg_local, balanced=balanced)
+        grads = torch.autograd.grad(out, local, shard_sequence(dout, cp, rank, dim=2))
+    finally:
+        undo()
+    got = [gather_sequence(t.detach(), group, dim=2) for t in (out, *grads)]
+    return {n: float((a - b).norm() / b.norm()) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}
+
+
+def _run(rank: int, world_size: int, cases: dict, sabotages: tuple[str, ...]) -> dict:
+    from kuangchao_core.comm.group import CommGroup, init_distributed
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    init_distributed(backend="gloo", timeout_ms=60_000)
+    group = CommGroup(list(range(world_size)), backend="gloo", timeout_ms=60_000, name="cp")
+    results = {name: _ring_case(group, *spec, None, seed) for seed, (name, spec) in enumerate(cases.items())}
+    for sabotage in sabotages:
+        results[sabotage] = _ring_case(group, 2, True, True, sabotage, 0)
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_full_attention_in_fp64(cp):
+    cases = CASES if cp == 2 else {k: v for k, v in CASES.items() if v[2]}
+    sabotages = SABOTAGES if cp == 4 else ("skip_step",)
+    for rank, results in enumerate(run_distributed(_run, cp, args=(cases, sabotages))):
+        for name in cases:
+            for tensor, rel in results[name].items():
+                assert rel <= FP64_REL, (cp, rank, name, tensor, rel)
+        for sabotage in sabotages:  # each control breaks the check the cases above pass
+            worst = max(results[sabotage].values())
+            assert worst >= NEGATIVE_MIN, (cp, rank, sabotage, results[sabotage])
+        if "dkv_not_returned" in sabotages:  # the forward is right; only the travelling K/V gradients are lost
+            broken = results["dkv_not_returned"]
+            assert broken["out"] <= FP64_REL and broken["dq"] <= FP64_REL, broken
+            assert min(broken["dk"], broken["dv"]) >= NEGATIVE_MIN, broken
+
+
+def _under_nccl_rules(rank: int, world_size: int, host_positions: bool) -> dict:
+    import torch
+
+    from kuangchao_core.comm.group import CommGroup, host_group, init_distributed
+    from kuangchao_core.comm.order_check import verify_order
+    from kuangchao_core.errors import CommError
+    from kuangchao_core.hal import device_init, stand_in
+    from kuangchao_core.models.ring_attention import ring_attend
+    from kuangchao_core.parallel.context import local_positions, shard_sequence
+    from kuangchao_core.perm import guard_api
+
+    guard_api.install_guard(guard_api.AllowAll())
+    dev = device_init("cpu").device
+    init_distributed(backend="gloo", timeout_ms=60_000)
+    group = CommGroup(list(range(world_size)), backend="gloo", timeout_ms=60_000, name="cp")
+    q, k, v, dout = (shard_sequence(t, world_size, rank, dim=2).to(dev) for t in _inputs(2, 0))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seg = None if host_positions else shard_sequence(_segments(), world_size, rank, dim=1).to(dev)
+    positions = local_positions(S, world_size, rank, None if host_positions else dev)
+    try:
+        out = ring_attend(q, k, v, group, positions, seg)
+        torch.autograd.grad(out, (q, k, v), dout)
+    except CommError as exc:
+        return {"error": str(exc)}
+    result = {"stand_in": stand_in.active(), "device_out": stand_in.is_device_tensor(out)}
+    try:
+        verify_order(host_group())
+        result["order"] = "ok"
+    except CommError as exc:
+        result["order"] = str(exc)
+    return result
+
+
+def test_ring_attention_follows_nccl_rules():
+    """Under ``KC_COMM_RULES=nccl`` the ring carries device tensors only and both ranks issue the same batches in
+    the same order; control: positions left on the host (no documents, so
+    they travel alone) are refused before anything is sent."""
+    rules = {"KC_COMM_RULES": "nccl"}
+    for r in run_distributed(_under_nccl_rules, 2, args=(False,), init_pg=False, env=rules):
+        assert r == {"stand_in": True, "device_out": True, "order": "ok"}, r
+    for r in run_distributed(_under_nccl_rules, 2, args=(True,), init_pg=False, env=rules):
+        assert "send on NCCL group 'cp'" in r.get("error", "") and "device tensors only" in r["error"], r
