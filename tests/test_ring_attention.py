@@ -120,6 +120,99 @@ def _ring_case(group, kv_heads, documents, balanced, sabotage, seed):
     return {n: float((a - b).norm() / b.norm()) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs (activation memory)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _memory(group) -> dict:
+    """Activation bytes this rank saves: ring attention on its shard, the project's attention on the whole sequence
+    (one process), and (control) autograd through the same ring forward without the ring-pass backward, which keeps
+    every received K/V shard and every block's scores."""
+    from kuangchao_core.models import ring_attention as ra
+    from kuangchao_core.models.attention import attend
+    from kuangchao_core.parallel.context import local_positions, shard_sequence
+
+    cp, rank = group.size, group.rank
+    q, k, v, _ = _inputs(2, 0)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    local = [shard_sequence(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    positions = local_positions(S, cp, rank)
+    ring = _saved_bytes(lambda: ra.ring_attend(*local, group, positions))
+    qg = local[0].view(B, 2, H // 2, S // cp, D)
+    meta = positions[None]
+    naive = _saved_bytes(lambda: ra.ring_forward(qg, local[1], local[2], meta, ra._Ring(group), D**-0.5, True))
+    return {"ring": ring, "one_process": _saved_bytes(lambda: attend(*full)), "autograd_ring": naive}
+
+
+def _trace(group) -> list[str]:
+    """The order of this rank's ring exchanges, waits and block computations in one forward and backward."""
+    import torch
+
+    from kuangchao_core.models import ring_attention as ra
+    from kuangchao_core.parallel.context import local_positions, shard_sequence
+
+    events: list[str] = []
+    real = {n: getattr(ra, n) for n in ("batch_send_recv", "_block_forward", "_block_backward")}
+
+    class Handle:
+        def __init__(self, handle, what):
+            self.handle, self.what = handle, what
+
+        def wait(self):
+            self.handle.wait()
+            events.append(f"wait_{self.what}")
+
+    def post(sends, recvs, group, tag=0):
+        what = {ra.TAG_KV: "kv", ra.TAG_DKV: "dkv"}[tag]
+        events.append(f"post_{what}")
+        return Handle(real["batch_send_recv"](sends, recvs, group, tag), what)
+
+    def compute(name):
+        def run(*args):
+            events.append("compute")
+            return real[name](*args)
+
+        return run
+
+    ra.batch_send_recv, ra._block_forward, ra._block_backward = (
+        post,
+        compute("_block_forward"),
+        compute("_block_backward"),
+    )
+    try:
+        q, k, v, dout = _inputs(2, 0)
+        local = [shard_sequence(t, group.size, group.rank, dim=2).requires_grad_() for t in (q, k, v)]
+        out = ra.ring_attend(*local, group, local_positions(S, group.size, group.rank))
+        events.append("backward")
+        torch.autograd.grad(out, local, shard_sequence(dout, group.size, group.rank, dim=2))
+    finally:
+        for name, fn in real.items():
+            setattr(ra, name, fn)
+    return events
+
+
+def _expected_trace(cp: int) -> list[str]:
+    """Each K/V exchange posted before the block it overlaps and waited after it; each dK/dV accumulator posted
+    after its block and waited after the next block's compute; ``cp - 1`` K/V exchanges per pass, ``cp``
+    accumulator exchanges."""
+    forward = [*["post_kv", "compute", "wait_kv"] * (cp - 1), "compute"]
+    backward = ["post_kv", "compute", "post_dkv", "wait_kv"]
+    backward += ["post_kv", "compute", "wait_dkv", "post_dkv", "wait_kv"] * (cp - 2)
+    backward += ["compute", "wait_dkv", "post_dkv", "wait_dkv"]
+    return [*forward, "backward", *backward]
+
+
 def _run(rank: int, world_size: int, cases: dict, sabotages: tuple[str, ...]) -> dict:
     from kuangchao_core.comm.group import CommGroup, init_distributed
     from kuangchao_core.perm import guard_api
@@ -130,6 +223,8 @@ def _run(rank: int, world_size: int, cases: dict, sabotages: tuple[str, ...]) ->
     results = {name: _ring_case(group, *spec, None, seed) for seed, (name, spec) in enumerate(cases.items())}
     for sabotage in sabotages:
         results[sabotage] = _ring_case(group, 2, True, True, sabotage, 0)
+    results["memory"] = _memory(group)
+    results["trace"] = _trace(group)
     return results
 
 
@@ -148,6 +243,20 @@ def test_ring_attention_equals_full_attention_in_fp64(cp):
             broken = results["dkv_not_returned"]
             assert broken["out"] <= FP64_REL and broken["dq"] <= FP64_REL, broken
             assert min(broken["dk"], broken["dv"]) >= NEGATIVE_MIN, broken
+        assert results["trace"] == _expected_trace(cp), results["trace"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_saves_only_its_own_shard(cp):
+    """Activation memory per rank: what ring attention saves for backward is this rank's shard (q, k, v, output,
+    log-sum-exp, positions), ``1/cp`` of what the project's attention saves for the whole sequence in one process,
+    so at most 0.55x at cp2 (issue 30's bound). Control: autograd through the same ring without its ring-pass
+    backward keeps the received shards and the scores and is above the bound."""
+    limit = 0.55 if cp == 2 else 0.3
+    for rank, results in enumerate(run_distributed(_run, cp, args=({}, ()))):
+        mem = results["memory"]
+        assert mem["ring"] <= limit * mem["one_process"], (cp, rank, mem)
+        assert mem["autograd_ring"] > limit * mem["one_process"], (cp, rank, mem)
 
 
 def _under_nccl_rules(rank: int, world_size: int, host_positions: bool) -> dict:
