@@ -270,3 +270,16 @@ def ring_attend(
     return RingAttention.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), meta.contiguous(), _Ring(group), scale, balanced
     )
+
+
+def cp_attention(group: CommGroup | None, positions: torch.Tensor, balanced: bool = True):
+    """A function with :func:`~kuangchao_core.models.attention.attend`'s signature, ``(q, k, v, documents=None)``,
+    that runs :func:`ring_attend` for this CP rank's tokens: ``positions`` their global positions
+    (``parallel.context.local_positions``, on the job's device), the documents' ``segment_ids`` the local ones (the
+    batch sharded by ``parallel.context.shard_inputs``). What a model's attention calls under context parallelism."""
+
+    def attend_cp(q, k, v, documents=None):
+        segment_ids = None if documents is None else documents.segment_ids
+        return ring_attend(q, k, v, group, positions, segment_ids, balanced=balanced)
+
+    return attend_cp
