@@ -11,15 +11,18 @@ that the very same check fails by more than ``NEGATIVE_MIN``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from kuangchao_core.ckpt.hf_llava import load_hf_llava, load_hf_llava_config, write_hf_llava_dir
 from kuangchao_core.config import ConfigError, config_from_dict
 from kuangchao_core.config.unused import unused_settings
+from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.llama import LlamaConfig
 from kuangchao_core.models.vision import VisionTower, vision_config
 from kuangchao_core.models.vlm import VisionLanguageModel
@@ -102,13 +105,15 @@ def test_vision_config_absent_keeps_the_text_model_and_present_validates_with_fi
     assert vision_config(None, 64, feature_select="full").tokens_per_image == 17
 
 
-def test_layers_after_the_feature_layer_and_the_pooling_norm_are_frozen():
-    tower = VisionTower(vision_config(None, 64, **VISION))  # feature_layer -2: layer 0 runs, layer 1 never does
-    trainable = {n for n, p in tower.named_parameters() if p.requires_grad}
-    assert any(n.startswith("encoder.layers.0.") for n in trainable)
-    assert not any(n.startswith(("encoder.layers.1.", "post_layernorm.")) for n in trainable)
-    tower(torch.randn(2, 3, 16, 16)).sum().backward()
-    assert all(p.grad is not None for n, p in tower.named_parameters() if n in trainable)
+def test_gradients_reach_every_trainable_weight_and_the_unread_ones_are_frozen():
+    model = VisionLanguageModel(TEXT, vision_config(None, 64, **VISION))  # feature_layer -2: layer 1 never runs
+    model.init_weights(1)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.startswith("vision_tower.encoder.layers.0.") for n in trainable)
+    assert not any(n.startswith(("vision_tower.encoder.layers.1.", "vision_tower.post_layernorm.")) for n in trainable)
+    ids, pixels = _batch()
+    model(ids, pixels.float()).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n in trainable)
 
 
 # ------------------------------------------------------------------------------------------------------- import
@@ -161,9 +166,11 @@ def test_placeholders_must_pair_with_the_features(imported):
 
 
 # ------------------------------------------------------------------------------------------------------- export
-def test_export_loads_in_transformers_with_identical_logits(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers_with_identical_logits(tmp_path, tie):
     torch.manual_seed(4)
-    model = VisionLanguageModel(TEXT, vision_config(None, TEXT.vocab_size, **VISION))
+    text = dataclasses.replace(TEXT, tie_embeddings=tie)
+    model = VisionLanguageModel(text, vision_config(None, TEXT.vocab_size, **VISION))
     model.init_weights(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -172,6 +179,8 @@ def test_export_loads_in_transformers_with_identical_logits(tmp_path):
     model = model.double().eval()
     out = write_hf_llava_dir(model.state_dict(), model.config, model.vision_config, tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert ("language_model.lm_head.weight" in f.keys()) is not tie
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["LlavaForConditionalGeneration"] and conf["image_seq_length"] == TOKENS
     hf, info = transformers.LlavaForConditionalGeneration.from_pretrained(
@@ -202,3 +211,39 @@ def test_transformers_in_memory_names_import_too(imported, tmp_path):
     again = load_hf_llava(tmp_path, dtype=torch.float64).state_dict()
     assert sorted(again) == sorted(ours.state_dict())
     assert all(torch.equal(again[n], t) for n, t in ours.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"model_type": "llama"}, "a LLaVA model"),
+        ({"vision_config": {"model_type": "siglip_vision_model"}}, "only CLIP's"),
+        ({"vision_feature_layer": [-2, -1]}, "only one layer"),
+        ({"image_token_index": 64}, "image_token_id"),
+    ],
+)
+def test_unsupported_llava_configs_are_refused_naming_why(imported, tmp_path, change, words):
+    _, _, d = imported
+    raw = json.loads((d / "config.json").read_text())
+    for key, value in change.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=words):
+        load_hf_llava_config(tmp_path)
+
+
+def test_foreign_or_misshapen_tensors_are_refused_naming_them(imported, tmp_path):
+    _, _, d = imported
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({**tensors, "image_newline": torch.zeros(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="image_newline is not a parameter"):
+        load_hf_llava(tmp_path)
+    name = "multi_modal_projector.linear_1.weight"
+    save_file({**tensors, name: torch.zeros(32, 31)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name} has shape"):
+        load_hf_llava(tmp_path)
+    del tensors[name]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="1 parameters are not in the weights"):
+        load_hf_llava(tmp_path)

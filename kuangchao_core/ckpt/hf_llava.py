@@ -225,7 +225,7 @@ def write_hf_llava_dir(
         raise ValueError(f"export dtype {dtype!r}: use one of {', '.join(EXPORT_DTYPES)}")
     shapes = vlm_full_shapes(cfg, vision)
     if cfg.tie_embeddings:
-        shapes.pop("language_model.lm_head.weight")
+        shapes.pop("language_model.lm_head.weight", None)  # named_parameters lists a tied weight once anyway
     missing = [n for n in shapes if n not in tensors]
     if missing:
         raise CheckpointError(f"export: {len(missing)} parameters missing, e.g. {missing[:3]}")
