@@ -37,12 +37,13 @@ IMAGE_TOKEN = 63  # the vocabulary's last id, the default
 TOKENS = 4  # (16 / 8)**2 patches per image, the class token dropped
 
 
-def _hf_llava(**changes):
+def _hf_llava(hidden_act="quick_gelu", **changes):
     """A transformers LLaVA of the tiny shapes, every weight random (norms and biases too, so a mix-up shows)."""
     torch.manual_seed(3)
     vc = transformers.CLIPVisionConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8
     )
+    vc.hidden_act = hidden_act
     tc = hf_llama_config(TEXT, attn_implementation="sdpa")
     cfg = transformers.LlavaConfig(
         vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN, image_seq_length=TOKENS, **changes
@@ -71,7 +72,10 @@ def _batch(images_per_row=(1, 2), seq=16, seed=0):
 
 def _hf_features(hf, pixels):
     with torch.no_grad():
-        return torch.stack(list(hf.model.get_image_features(pixel_values=pixels).pooler_output))
+        # hidden states asked for explicitly: transformers 5.25 asks for them with the feature layer's index, and
+        # index 0 reads as "no" (its LLaVA then fails on layer 0)
+        out = hf.model.get_image_features(pixel_values=pixels, output_hidden_states=True)
+        return torch.stack(list(out.pooler_output))
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,19 @@ def test_vision_config_absent_keeps_the_text_model_and_present_validates_with_fi
     assert {p for p, _ in info.value.errors} == {"model.vision.tower", "model.vision.depth"}
     assert vision_config(None, 64).image_token_id == 63  # unset: the vocabulary's last id
     assert vision_config(None, 64, feature_select="full").tokens_per_image == 17
+
+
+def test_initialisation_depends_on_the_seed_alone():
+    vision = vision_config(None, 64, **VISION)
+    a, b, c = (VisionLanguageModel(TEXT, vision) for _ in range(3))
+    a.init_weights(5), b.init_weights(5), c.init_weights(6)
+    assert all(torch.equal(t, b.state_dict()[n]) for n, t in a.state_dict().items())
+    assert not torch.equal(a.vision_tower.embeddings.class_embedding, c.vision_tower.embeddings.class_embedding)
+    # the tower's draws are not the decoder's (another generator), and norms start at one
+    assert not torch.equal(
+        a.multi_modal_projector.linear_2.weight, a.language_model.model.layers[0].mlp.up_proj.weight[:32]
+    )
+    assert torch.equal(a.vision_tower.pre_layrnorm.weight, torch.ones(32))
 
 
 def test_gradients_reach_every_trainable_weight_and_the_unread_ones_are_frozen():
@@ -138,6 +155,25 @@ def test_imported_image_features_equal_transformers_and_break_without_cls_drop_o
         assert rel_norm(ours.image_features(pixels), want) > NEGATIVE_MIN
         monkeypatch.setattr(VisionTower, "forward", lambda self, px: self.hidden_state(px, 2)[:, 1:])
         assert rel_norm(ours.image_features(pixels), want) > NEGATIVE_MIN
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"vision_feature_layer": 0, "vision_feature_select_strategy": "full", "projector_hidden_act": "quick_gelu"},
+        {"vision_feature_layer": 1, "projector_hidden_act": "gelu_pytorch_tanh", "multimodal_projector_bias": False},
+        {"vision_feature_layer": -1, "hidden_act": "gelu", "projector_hidden_act": "silu"},
+    ],
+)
+def test_other_feature_layers_strategies_and_activations_import_equal(tmp_path, changes):
+    hf = _hf_llava(**changes)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = load_hf_llava(tmp_path, dtype=torch.float64).eval()
+    _, pixels = _batch()
+    want = _hf_features(hf.double(), pixels)
+    assert want.shape[1] == ours.vision_config.tokens_per_image
+    with torch.no_grad():
+        assert rel_norm(ours.image_features(pixels), want) < FP64_REL
 
 
 def test_imported_logits_equal_transformers_and_a_misplaced_merge_does_not(imported, monkeypatch):

@@ -96,18 +96,23 @@ class VisionLanguageModel(nn.Module):
         h = lm.run_layers(self.embed(input_ids, pixel_values), position_ids=position_ids, segment_ids=segment_ids)
         return lm.head(h)
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """The decoder as :func:`~kuangchao_core.models.llama.init_from_seed`; the tower and projector from a
-        generator seeded ``seed + VISION_SEED_OFFSET``, in parameter-name order: norms' scales one, biases zero,
-        every other weight N(0, 0.02)."""
+        """The decoder as :func:`~kuangchao_core.models.llama.init_from_seed`, then :func:`init_vision_from_seed`."""
         init_from_seed(self.language_model, seed)
-        gen = torch.Generator(device="cpu").manual_seed(int(seed) + VISION_SEED_OFFSET)
-        for prefix in ("vision_tower", "multi_modal_projector"):
-            for name, p in getattr(self, prefix).named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0 if name.endswith("weight") else 0.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+        init_vision_from_seed(self, seed)
+
+
+@torch.no_grad()
+def init_vision_from_seed(model: VisionLanguageModel, seed: int) -> None:
+    """The tower's and projector's initial weights, whatever the decoder's layout: from a CPU generator seeded
+    ``seed + VISION_SEED_OFFSET``, in parameter-name order, norms' scales one, biases zero, every other weight
+    N(0, 0.02)."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed) + VISION_SEED_OFFSET)
+    for prefix in ("vision_tower", "multi_modal_projector"):
+        for name, p in getattr(model, prefix).named_parameters():
+            if "norm" in name:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
