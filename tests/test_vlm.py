@@ -106,6 +106,12 @@ def test_vision_config_absent_keeps_the_text_model_and_present_validates_with_fi
         config_from_dict({"task": {"name": "t"}, "model": {"vision": {"tower": "vit", "depth": 2}}})
     assert {p for p, _ in info.value.errors} == {"model.vision.tower", "model.vision.depth"}
     assert vision_config(None, 64).image_token_id == 63  # unset: the vocabulary's last id
+    with pytest.raises(ConfigError) as info:  # the model's own config names the fields too
+        vision_config({"num_layers": 0, "patch_size": 3}, 64)
+    assert {p for p, _ in info.value.errors} == {"model.vision.num_layers"}
+    with pytest.raises(ConfigError) as info:
+        vision_config({"patch_size": 3}, 64)
+    assert {p for p, _ in info.value.errors} == {"model.vision.patch_size"}
     assert vision_config(None, 64, feature_select="full").tokens_per_image == 17
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
 from kuangchao_core.config.vision_schema import VisionSection, image_tokens_per_image, vision_errors
@@ -82,8 +83,8 @@ def vision_config(section: Any = None, vocab_size: int | None = None, **changes:
         section = section.model_dump()
     try:
         sec = VisionSection(**{**(section or {}), **changes})
-    except ValueError as exc:  # pydantic's ValidationError
-        raise ConfigError([("model.vision", str(exc))]) from None
+    except ValidationError as exc:
+        raise ConfigError([(".".join(["model.vision", *map(str, e["loc"])]), e["msg"]) for e in exc.errors()]) from None
     values = sec.model_dump()
     if values["image_token_id"] is None:
         if vocab_size is None:
