@@ -35,7 +35,7 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILES = tuple(f"kuangchao_core/config/{name}.py" for name in ("schema", "cluster_schema", "section"))
+SCHEMA_FILES = tuple(f"kuangchao_core/config/{n}.py" for n in ("schema", "cluster_schema", "section", "vision_schema"))
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 
@@ -170,7 +170,7 @@ def _candidates(tp: Any, default: Any) -> list[Any]:
         return out + [0.5, 1.0, 1e-3, 10.0]
     if tp is str:
         return out + ["my-job", "checkpoints/run", "sqlite:///mlflow.db", "http://127.0.0.1:8080", "NCCL_DEBUG"]
-    return out
+    return out + ([{}] if isinstance(tp, type) and issubclass(tp, BaseModel) else [])  # a section: its defaults
 
 
 #: examples the schema cannot find on its own (values whose shape a bare type does not tell)

@@ -72,6 +72,7 @@ FILE_TIERS = {
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",
+    "test_vlm.py": "unit",
     "test_hierarchical_allreduce.py": "distributed",
     "test_hostile_input.py": "unit",
     "test_import_rules.py": "unit",

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kuangchao_core.config.cluster_schema import slurm_time_s
+from kuangchao_core.config.vision_schema import vision_errors
 
 Errors = list[tuple[str, str]]
 _CHECKS: list[tuple[tuple[str, ...], Callable[..., Errors]]] = []
@@ -60,6 +61,13 @@ def _model_shape(model: Any) -> Errors:
                 )
             )
     return errors
+
+
+@_check("model")
+def _vision(model: Any) -> Errors:
+    if model.vision is None:
+        return []
+    return vision_errors(model.vision, model.vocab_size)
 
 
 @_check("model", "parallel")

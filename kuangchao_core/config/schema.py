@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
+from kuangchao_core.config.vision_schema import VisionSection
 from kuangchao_core.guard_api import INTERFACES
 
 #: interface names the permission layer guards: the one registry, :data:`kuangchao_core.guard_api.INTERFACES`
@@ -80,6 +81,7 @@ class ModelSection(Section):
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="residual dropout (0 = off)")
     #: fine-tune low-rank adapters instead of every weight (unset: full fine-tuning)
     lora: LoraSection | None = None
+    vision: VisionSection | None = Field(default=None, description="a LLaVA vision tower (unset: text only)")
 
     @model_validator(mode="before")
     @classmethod
@@ -89,8 +91,7 @@ class ModelSection(Section):
         data = dict(data)
         preset = data.get("preset")
         if preset is None and not data.get("checkpoint"):
-            preset = "tiny"
-            data["preset"] = preset
+            data["preset"] = preset = "tiny"
         if isinstance(preset, str) and preset in MODEL_PRESETS:
             for key, value in MODEL_PRESETS[preset].items():
                 if data.get(key) is None:
@@ -210,6 +211,7 @@ class OptimizerSection(Section):
 
 
 AnomalyAction = Literal["warn", "checkpoint", "stop"]
+AnomalyKind = Literal["comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth"]
 #: the action of an anomaly kind that ``train.anomaly.actions`` does not name (any other kind: ``warn``)
 ANOMALY_DEFAULT_ACTIONS: dict[str, str] = {"loss_nan": "stop"}
 
@@ -243,9 +245,7 @@ class AnomalySection(Section):
     loss_spike_min_delta: Float = Field(default=0.5, ge=0)
     window: Int = Field(default=20, ge=3, le=10000)
     memory_growth_mb: Float = Field(default=1024.0, gt=0)
-    actions: dict[Literal["comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth"], AnomalyAction] = Field(
-        default_factory=dict
-    )
+    actions: dict[AnomalyKind, AnomalyAction] = Field(default_factory=dict)
 
     @field_validator("actions")
     @classmethod

@@ -107,6 +107,9 @@ def unused_settings(cfg: Any) -> Warnings:
         for name in ("prometheus_host", "prometheus_grace_s", "prometheus_pushgateway"):
             if _given(cfg.tracking, name):
                 out.append((f"tracking.{name}", "not used: tracking.prometheus_port is null (no metrics endpoint)"))
+    if cfg.model.vision is not None:
+        why = "the trainer does not build the vision tower yet (issue 31); this job trains the text decoder alone"
+        out.append(("model.vision", why))
     if perm.mode == "trusted":
         for name in ("token_ttl_seconds", "roles", "allowed_interfaces", "operators"):
             if _given(perm, name):

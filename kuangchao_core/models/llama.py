@@ -186,15 +186,11 @@ def _hf_sizes(raw: dict, path: Path) -> None:
 def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
     """Read a local Hugging Face Llama ``config.json`` (never the hub) into a LlamaConfig."""
     if str(directory).startswith("models:/"):
-        raise ConfigError(
-            [
-                (
-                    "model.checkpoint",
-                    f"{directory} is a registered MLflow model: `kc train` (the flow) resolves it to its files; "
-                    "elsewhere give its local directory (kc plan --set model.checkpoint=DIR)",
-                )
-            ]
+        msg = (
+            f"{directory} is a registered MLflow model: `kc train` (the flow) resolves it to its files; "
+            "elsewhere give its local directory (kc plan --set model.checkpoint=DIR)"
         )
+        raise ConfigError([("model.checkpoint", msg)])
     path = Path(directory)
     if path.is_dir():
         path = path / "config.json"
@@ -206,13 +202,16 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError([("model.checkpoint", f"cannot read {path}: {exc}")]) from exc
+    return llama_config_from_hf(raw, path)
+
+
+def llama_config_from_hf(raw: Any, path: Path) -> LlamaConfig:
+    """A Hugging Face Llama config (``raw``, the parsed JSON of ``path``) as a validated LlamaConfig."""
     if not isinstance(raw, dict):
         raise ConfigError([("model.checkpoint", f"{path} is not a JSON object (got {type(raw).__name__})")])
     _hf_sizes(raw, path)
     if raw.get("model_type", "llama") != "llama":
-        raise ConfigError(
-            [("model.checkpoint", f"{path} has model_type {raw.get('model_type')!r}; only 'llama' loads")]
-        )
+        raise ConfigError([("model.checkpoint", f"{path}: model_type {raw.get('model_type')!r}; only 'llama' loads")])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError([("model.checkpoint", f"{path}: rope_scaling must be an object, got {rope!r:.40}")])

@@ -1,0 +1,79 @@
+"""The ``model.vision`` section: a LLaVA-style vision tower and projector beside the decoder (issue 31, SPEC L3.8).
+
+Absent (the default), the model is the text-only decoder. Present, a CLIP-style ViT encodes each image into patch
+features, a two-layer MLP projects them to the decoder's width, and they replace the image placeholder tokens of the
+sequence (one placeholder per feature) before the decoder runs. :func:`vision_errors` holds every check that
+involves more than one field; the job config (``config.checks``) and the model's own config
+(``models.vision.VisionConfig``) both run it, so each error names its ``model.vision.…`` path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kuangchao_core.config.section import Float, Int, Section
+
+#: activations the projector may use (transformers' ``ACT2FN`` names)
+PROJECTOR_ACTS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu", "relu")
+#: upper bounds of the tower's sizes (refused before anything is built)
+VISION_LIMITS = {"image_size": 1 << 14, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_layers": 256}
+
+
+class VisionSection(Section):
+    """The vision tower (CLIP ViT, as transformers' ``CLIPVisionModel``) and the LLaVA projector."""
+
+    #: which vision model the tower reproduces (CLIP's; SigLIP is not built yet)
+    tower: Literal["clip"] = "clip"
+    image_size: Int = Field(default=32, ge=1, description="side of the square input image, in pixels")
+    patch_size: Int = Field(default=8, ge=1, description="side of one square patch; must divide image_size")
+    num_channels: Int = Field(default=3, ge=1, le=16)
+    hidden_size: Int = Field(default=64, ge=1, description="the tower's width")
+    intermediate_size: Int = Field(default=256, ge=1, description="width of each encoder layer's MLP")
+    num_layers: Int = Field(default=2, ge=1)
+    num_heads: Int = Field(default=4, ge=1)
+    layer_norm_eps: Float = Field(default=1e-5, gt=0)
+    #: activation of the tower's MLPs (CLIP: ``quick_gelu``, x·sigmoid(1.702·x))
+    hidden_act: Literal["quick_gelu", "gelu"] = "quick_gelu"
+    #: which hidden state feeds the projector: 0 = the embeddings after the pre-norm, k = after encoder layer k,
+    #: negative counts from the end (LLaVA's ``vision_feature_layer``; -2 = the input of the last layer)
+    feature_layer: Int = -2
+    #: ``default`` drops the class token (one feature per patch), ``full`` keeps it (LLaVA's select strategy)
+    feature_select: Literal["default", "full"] = "default"
+    projector_hidden_act: Literal[PROJECTOR_ACTS] = "gelu"
+    projector_bias: bool = True
+    #: the placeholder token id; each image's features replace as many of them (unset: the vocabulary's last id)
+    image_token_id: Int | None = Field(default=None, ge=0)
+
+
+def image_tokens_per_image(v: Any) -> int:
+    """Placeholders one image fills: its patches, plus the class token when ``feature_select`` is ``full``."""
+    return (v.image_size // v.patch_size) ** 2 + (1 if v.feature_select == "full" else 0)
+
+
+def vision_errors(v: Any, vocab_size: int | None = None, prefix: str = "model.vision") -> list[tuple[str, str]]:
+    """``(path, message)`` for each size of ``v`` (a :class:`VisionSection` or the model's ``VisionConfig``) that is
+    inconsistent, out of bounds, or (with ``vocab_size``) a placeholder id outside the vocabulary."""
+    errs: list[tuple[str, str]] = []
+    for name, limit in VISION_LIMITS.items():
+        if int(getattr(v, name)) > limit:
+            errs.append((f"{prefix}.{name}", f"{getattr(v, name)} is above the limit {limit}"))
+    if v.hidden_size % v.num_heads:
+        errs.append((f"{prefix}.num_heads", f"hidden_size {v.hidden_size} is not divisible by num_heads {v.num_heads}"))
+    if v.patch_size > v.image_size or v.image_size % v.patch_size:
+        errs.append(
+            (f"{prefix}.patch_size", f"patch_size {v.patch_size} does not divide image_size {v.image_size} evenly")
+        )
+    if not -(v.num_layers + 1) <= v.feature_layer <= v.num_layers:
+        errs.append(
+            (
+                f"{prefix}.feature_layer",
+                f"{v.feature_layer} is not a hidden state of a {v.num_layers}-layer tower "
+                f"(use {-(v.num_layers + 1)}..{v.num_layers})",
+            )
+        )
+    token = v.image_token_id
+    if vocab_size is not None and token is not None and not 0 <= token < vocab_size:
+        errs.append((f"{prefix}.image_token_id", f"{token} is outside the vocabulary [0, {vocab_size})"))
+    return errs
