@@ -40,7 +40,7 @@ def _smaller_fit(cfg: Any, lost: list[str], capacity: int, where: str) -> tuple[
             f"{_REPLACE[cfg.cluster.mode]}, or set cluster.elastic: true to resume with a smaller data-parallel size",
             lost,
         )
-    per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
+    per_replica = par.world_size // par.data_parallel_size  # one replica: cp × pp × tp ranks
     fit = smaller_data_parallel(par.data_parallel_size, par.gradient_accumulation_steps, per_replica, capacity)
     if fit is None:
         raise NodeUnavailable(
@@ -63,7 +63,7 @@ def shrunk_config(cfg: Any, lost: list[str], live: list[Any]) -> Any:
     per_node = int(cluster.nproc_per_node or (kept[0].gpus if kept else 0) or (live[0].facts.slots if live else 0))
     hosts = len(kept) if cluster.mode == "static" else len(live)
     new_dp, new_accum = _smaller_fit(cfg, lost, per_node * hosts, "remaining live nodes")
-    per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
+    per_replica = par.world_size // par.data_parallel_size  # one replica: cp × pp × tp ranks
     data = cfg.to_dict()
     data["parallel"]["data_parallel_size"] = new_dp
     data["parallel"]["gradient_accumulation_steps"] = new_accum
@@ -86,7 +86,7 @@ def slurm_config_for_attempt(cfg: Any, lost: list[str]) -> Any:
         return cfg
     new_dp, new_accum = _smaller_fit(cfg, lost, len(usable) * slurm.tasks_per_node, "usable nodes of the partition")
     par = cfg.parallel
-    ranks = new_dp * par.tensor_parallel_size * par.pipeline_parallel_size
+    ranks = new_dp * (par.world_size // par.data_parallel_size)
     data = cfg.to_dict()
     data["parallel"]["data_parallel_size"] = new_dp
     data["parallel"]["gradient_accumulation_steps"] = new_accum
