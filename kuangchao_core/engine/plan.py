@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kuangchao_core.axes import MeshAxes
+from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -266,10 +266,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     s = plan["sizes"]
     cp = f"cp={s['cp']} x " if "cp" in s else ""
     lines = [
-        f"layout: dp={s['dp']} x {cp}tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = {s['world_size']} processes",
+        f"layout: dp={s['dp']} x {cp}tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = "
+        f"{s['world_size']} processes",
         f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
     ]
-    for kind in ("tp", "pp", "dp", "cp"):
+    for kind in BUILD_ORDER:
         groups = plan["groups"].get(f"{kind}_groups")
         if groups is None:
             continue

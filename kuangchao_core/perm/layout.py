@@ -9,8 +9,9 @@ tokens always grant the groups the mesh builds.
 
 from __future__ import annotations
 
+from kuangchao_core.axes import group_name
 from kuangchao_core.data.dataset import dataset_name
-from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups, group_name
+from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups
 from kuangchao_core.perm.names import is_canonical_value
 
 #: memory regions the HAL names (``memory_alloc(..., region=...)``); a trainer token grants all of them

@@ -2,8 +2,8 @@
 
 torchrun numbers its processes by node — node ``n`` of ``N`` (in rendezvous order) runs torch ranks
 ``[n * nproc, (n + 1) * nproc)``. The mesh's own rank formula (``kuangchao_core.axes``) puts TP innermost
-(consecutive ranks), then PP, then CP, then DP. A :class:`RankPlacement` maps each torch rank (a *slot*) to the mesh rank it plays; the worker renames itself
-before anything reads ``RANK`` (:func:`apply_rank_map`).
+(consecutive ranks), then PP, then CP, then DP. A :class:`RankPlacement` maps each torch rank (a *slot*) to the
+mesh rank it plays; the worker renames itself before anything reads ``RANK`` (:func:`apply_rank_map`).
 
 Topology-aware placement (``cluster.placement: topology``):
 
