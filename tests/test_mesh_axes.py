@@ -12,13 +12,14 @@
 from __future__ import annotations
 
 import ast
+import re
 from itertools import product
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from kuangchao_core.axes import AXES, MeshAxes, group_name, validated
+from kuangchao_core.axes import AXES, SIZE_KEYS, MeshAxes, group_name, validated
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -190,26 +191,31 @@ def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch():
 
 # --- one rank formula: a scan of the source -------------------------------------------------------------------
 
-_AXIS_NAMES = {"dp", "cp", "pp", "tp", "data_parallel_size", "context_parallel_size"}
-_AXIS_NAMES |= {"pipeline_parallel_size", "tensor_parallel_size"}
+#: the grid's sizes as code names them, each with its axis
+_AXIS_OF = {"dp": "dp", "cp": "cp", "pp": "pp", "tp": "tp", **{key: axis for axis, key in SIZE_KEYS.items()}}
+#: a coordinate along one axis (``cp_rank``, ``tp_idx``): arithmetic inside one axis (a ring's next member) is fine
+_COORD = re.compile(r"^(dp|cp|pp|tp)_(rank|idx|index|i)$")
 
 
-def _names(node: ast.AST) -> list[str]:
-    return [
-        n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute)
-    ]
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
-def _is_axis_product(node: ast.AST) -> bool:
-    """``tp``, ``self.pp``, ``par.tensor_parallel_size``, ``(pp * tp)``: a size of the grid or a product of sizes."""
-    if isinstance(node, ast.Name | ast.Attribute):
-        return (node.id if isinstance(node, ast.Name) else node.attr) in _AXIS_NAMES
-    return (
-        isinstance(node, ast.BinOp)
-        and isinstance(node.op, ast.Mult)
-        and all(_is_axis_product(x) or isinstance(x, ast.Constant) for x in (node.left, node.right))
-        and (_is_axis_product(node.left) or _is_axis_product(node.right))
-    )
+def _global_rank_in(node: ast.AST) -> bool:
+    """Whether ``node`` reads a global rank (a name with ``rank`` in it that is not one axis's coordinate)."""
+    names = (_name(n) for n in ast.walk(node))
+    return any(n and "rank" in n.lower() and not _COORD.match(n) for n in names)
+
+
+def _size_axes(node: ast.AST) -> set[str] | None:
+    """The axes of ``tp``, ``self.pp``, ``par.tensor_parallel_size``, ``(pp * tp)`` (a grid size or a product of
+    sizes); None for anything else."""
+    if _name(node) in _AXIS_OF:
+        return {_AXIS_OF[_name(node)]}
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        left, right = (_size_axes(x) if not isinstance(x, ast.Constant) else set() for x in (node.left, node.right))
+        return None if left is None or right is None or not left | right else left | right
+    return None
 
 
 def _factors(node: ast.AST) -> list[ast.AST]:
@@ -224,23 +230,37 @@ def _terms(node: ast.AST) -> list[ast.AST]:
     return [node]
 
 
+def _is_stride_sum(node: ast.AST) -> bool:
+    """``d * (pp * tp) + p * tp + t``, ``dp_rank * cp + cp_rank``: a sum of coordinates scaled by the sizes of other
+    axes (strides of two or more axes, or one axis's coordinate times another axis's size)."""
+    strides: set[str] = set()
+    crossed = False
+    scaled = []
+    for term in _terms(node):
+        factors = _factors(term)
+        sizes = [axes for f in factors if (axes := _size_axes(f)) is not None]
+        if len(factors) < 2 or not sizes:
+            continue
+        scaled.append(term)
+        strides |= set().union(*sizes)
+        coords = {m.group(1) for f in factors if (m := _COORD.match(_name(f) or ""))}
+        crossed = crossed or bool(coords - set().union(*sizes))
+    rest = [t for t in _terms(node) if t not in scaled and not isinstance(t, ast.Constant)]
+    return bool(scaled and rest) and (len(strides) >= 2 or crossed)
+
+
 def rank_formulas(source: str) -> list[str]:
-    """Expressions of ``source`` that map ranks to mesh coordinates or back: ``rank // (pp * tp)``, ``rank % tp``,
-    ``divmod(rank, tp)`` (a rank divided by grid sizes) and ``d * (pp * tp) + p * tp + t`` (coordinates scaled by
-    grid sizes and summed)."""
+    """Expressions of ``source`` that map ranks to mesh coordinates or back: a global rank divided by grid sizes
+    (``rank // (pp * tp)``, ``rank % tp``, ``divmod(rank, tp)``) or coordinates scaled by grid sizes and summed
+    (:func:`_is_stride_sum`)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv | ast.Mod):
-            hit = any("rank" in n.lower() for n in _names(node.left)) and _is_axis_product(node.right)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "divmod":
-            hit = len(node.args) == 2 and any("rank" in n.lower() for n in _names(node.args[0]))
-            hit = hit and _is_axis_product(node.args[1])
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-            terms = _terms(node)
-            scaled = [t for t in terms if len(_factors(t)) > 1 and any(_is_axis_product(f) for f in _factors(t))]
-            hit = bool(scaled) and any(t not in scaled and not isinstance(t, ast.Constant) for t in terms)
+            hit = _global_rank_in(node.left) and _size_axes(node.right) is not None
+        elif isinstance(node, ast.Call) and _name(node.func) == "divmod" and len(node.args) == 2:
+            hit = _global_rank_in(node.args[0]) and _size_axes(node.args[1]) is not None
         else:
-            hit = False
+            hit = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _is_stride_sum(node)
         if hit:
             found.append(ast.unparse(node))
     return found
@@ -265,6 +285,8 @@ def test_the_scan_finds_a_duplicated_rank_formula():
         "def rank(d, p, t):\n    return d * tp * pp + p * tp + t",
         "cp_rank = (self.rank // (self.pp * self.tp)) % self.cp",
         "rest, tp_rank = divmod(rank, par.tensor_parallel_size)",
+        "replica = dp_rank * cp + cp_rank",
+        "rank = (d * cp + c) * pp * tp + t",
     ]
     for source in duplicated:
         assert rank_formulas(source), source
@@ -275,5 +297,8 @@ def test_the_scan_finds_a_duplicated_rank_formula():
         "node = slot // self.nproc",
         "chunk = m * self.dp_size + self.dp_rank",
         "world = dp * tp * pp",
+        "peer = (cp_rank + 1) % cp",  # a ring's next member: arithmetic inside one axis
+        "chunk = j * cp + cp_rank",
+        "start = tp_rank * (seq // tp)",
     ]
     assert [s for s in clean if rank_formulas(s)] == []
