@@ -1,7 +1,7 @@
 """Elastic re-planning after a lost node (SPEC L4.4, first step of L4.6): a smaller data-parallel size that fits.
 
 When the nodes that remain cannot host the configured layout, a job with ``cluster.elastic: true`` resumes with
-the largest data-parallel size ``dp'`` that divides ``dp`` and fits the remaining ranks, keeping tp×pp and the
+the largest data-parallel size ``dp'`` that divides ``dp`` and fits the remaining ranks, keeping cp×pp×tp and the
 global batch (gradient accumulation × ``dp / dp'``), so the loss sequence continues the uninterrupted run. The
 checkpoint it resumes from is read in the new layout (checkpoints are layout-independent).
 """
@@ -22,7 +22,7 @@ _REPLACE = {
 
 
 def smaller_data_parallel(dp: int, accum: int, per_replica: int, capacity: int) -> tuple[int, int] | None:
-    """``(dp', accumulation')`` for ``capacity`` ranks (``per_replica`` = tp×pp each), or None if none fits."""
+    """``(dp', accumulation')`` for ``capacity`` ranks (``per_replica`` = cp×pp×tp each), or None if none fits."""
     for new_dp in range(dp - 1, 0, -1):
         if dp % new_dp == 0 and new_dp * per_replica <= capacity:
             return new_dp, accum * dp // new_dp
@@ -44,7 +44,7 @@ def _smaller_fit(cfg: Any, lost: list[str], capacity: int, where: str) -> tuple[
     fit = smaller_data_parallel(par.data_parallel_size, par.gradient_accumulation_steps, per_replica, capacity)
     if fit is None:
         raise NodeUnavailable(
-            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (tp×pp = {per_replica}) "
+            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (cp×pp×tp = {per_replica}) "
             f"or no data-parallel size dividing {par.data_parallel_size} fits; the job needs {needed}",
             lost,
         )
