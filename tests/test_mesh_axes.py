@@ -50,6 +50,16 @@ def test_every_rank_round_trips_and_matches_the_stated_formula(dp, cp, pp, tp):
         axes.rank_of(tp=tp)
 
 
+def test_the_reference_comparison_catches_another_axis_order(monkeypatch):
+    """The negative control of the round trip: with CP and PP swapped in the order the formula differs."""
+    import kuangchao_core.axes as axes_module
+
+    axes = MeshAxes(dp=2, cp=2, pp=2, tp=2)
+    assert axes.rank_of(cp=1) == _reference_rank(0, 1, 0, 0, 2, 2, 2) == 4
+    monkeypatch.setattr(axes_module, "AXES", ("dp", "pp", "cp", "tp"))
+    assert axes.rank_of(cp=1) == 2 != _reference_rank(0, 1, 0, 0, 2, 2, 2)
+
+
 @pytest.mark.parametrize("dp,cp,pp,tp", LAYOUTS)
 def test_groups_partition_the_world_along_each_axis(dp, cp, pp, tp):
     axes = MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp)
@@ -157,7 +167,8 @@ def _cfg(cp: int, **parallel):
     )
 
 
-def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch():
+def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch(monkeypatch):
+    from kuangchao_core.engine import plan as plan_module
     from kuangchao_core.engine.plan import check_plan, explain_plan, format_plan, raise_for_plan
     from kuangchao_core.engine.traffic import group_traffic
 
@@ -174,6 +185,11 @@ def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch():
     ((path, message),) = info.value.errors
     assert path == "parallel.context_parallel_size" and "training path is not built yet" in message
     raise_for_plan(_cfg(1), device_memory=2**40)  # the control: the same job at cp 1 is not refused
+    from kuangchao.cli.train import refuse_early  # kc train's check before any Prefect run starts
+
+    cp2 = ["parallel.context_parallel_size=2", "parallel.data_parallel_size=1"]
+    with pytest.raises(PlanError, match="context_parallel_size 2: context parallelism's training path is not built"):
+        refuse_early(str(ROOT / "configs" / "tiny.yaml"), cp2, None, "skip")
     from kuangchao.cli.main import app
 
     res = CliRunner().invoke(
@@ -187,6 +203,8 @@ def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch():
     )
     assert res.exit_code == 0, res.output
     assert "CP groups: cp0=[0, 1]" in res.output and "kc train would refuse this plan" in res.output
+    monkeypatch.setattr(plan_module, "unbuilt_problems", lambda cfg: [])  # sabotage: the refusal removed
+    raise_for_plan(cfg, device_memory=2**40)  # ... and a cp2 job would go on to launch
 
 
 # --- one rank formula: a scan of the source -------------------------------------------------------------------
