@@ -7,7 +7,8 @@ ones ``docs/architecture.md`` states and each package's ``__init__`` docstring r
 - a package imports only the packages below it (``ALLOWED``); there is no way up: the guard interface every layer
   calls to ask permission, with the one registry of interface names, is the leaf ``kuangchao_core.guard_api``
   beside ``errors`` (issue 28), and no package below ``perm`` imports ``perm`` (not even its old
-  ``perm.guard_api`` name, kept for callers above the engine);
+  ``perm.guard_api`` name, kept for callers above the engine); the mesh of named axes, ``kuangchao_core.axes``
+  (issue 30), is a third leaf, so the scheduler and the permission layer read the same rank formula;
 - there is no import cycle among the packages, nor among the modules (a cycle between two modules of one package
   works only by the accident of which is imported first); imports under ``if TYPE_CHECKING:`` do not run and do
   not count.
@@ -25,11 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "kuangchao_core"
 OUTSIDE = ("tasks", "flows", "blocks", "kuangchao")
 
-_LEAVES = {"errors", "guard_api"}
+_LEAVES = {"errors", "guard_api", "axes"}
 _BASE = _LEAVES | {"config"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "guard_api": {"errors"},
+    "axes": {"errors"},
     "config": _LEAVES,
     "hal": _LEAVES,
     "comm": _LEAVES | {"hal"},

@@ -128,3 +128,37 @@ def test_token_group_layout_matches_the_mesh():
         for kind, groups in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
             expected.update({group_name(kind, g): sorted(g) for g in groups})
         assert {k: sorted(v) for k, v in group_layout(dp, tp, pp).items()} == expected
+
+
+def _cp_mesh_body(rank, world_size):
+    from kuangchao_core.comm import primitives as comm
+    from kuangchao_core.comm.registry import all_groups
+    from kuangchao_core.parallel.mesh import ParallelMesh
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    install_guard(AllowAll())
+    sizes = {"context_parallel_size": 2, "tensor_parallel_size": 2, "backend": "gloo", "timeout_ms": 60_000}
+    mesh = ParallelMesh.from_config(sizes)
+    t = torch.tensor([float(rank)])
+    comm.all_reduce(t, group=mesh.cp_group)
+    names = [g.name for g in all_groups() if g.name != "world"]
+    return {
+        "cp_rank": mesh.cp_rank,
+        "cp": mesh.cp_group.ranks,
+        "sum": t.item(),
+        "names": names,
+        "mine": mesh.describe()["mine"],
+    }
+
+
+def test_mesh_builds_cp_groups_after_the_others():
+    """Issue 30: dp1 x cp2 x tp2 — CP groups join ranks one TP group apart, built last on every rank."""
+    for rank, res in enumerate(run_distributed(_cp_mesh_body, 4)):
+        cp_idx, tp_idx = rank // 2, rank % 2  # rank = cp_idx * tp + tp_idx
+        assert res["cp_rank"] == cp_idx and res["cp"] == [tp_idx, tp_idx + 2]
+        assert res["sum"] == float(2 * tp_idx + 2)  # the all-reduce ran over exactly the CP group
+        assert res["names"] == [
+            *("tp[0,1]", "tp[2,3]", "pp[0]", "pp[1]", "pp[2]", "pp[3]"),
+            *("dp[0]", "dp[1]", "dp[2]", "dp[3]", "cp[0,2]", "cp[1,3]"),
+        ]
+        assert res["mine"]["cp"] == f"cp[{tp_idx},{tp_idx + 2}]"

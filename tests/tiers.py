@@ -86,6 +86,7 @@ FILE_TIERS = {
     "test_lora.py": "distributed",
     "test_memory_model.py": "distributed",
     "test_mesh.py": "distributed",
+    "test_mesh_axes.py": "unit",
     "test_mixed_precision.py": "distributed",
     "test_mlflow_view_browser.py": "flows",
     "test_model.py": "unit",

@@ -106,6 +106,10 @@ def plan(
 
         for path, message in memory_problems(cfg):
             typer.echo(f"{config}: warning: {path}: {message}; kc train would refuse this plan here", err=True)
+    from kuangchao_core.engine.plan import unbuilt_problems
+
+    for path, message in unbuilt_problems(cfg):  # described here, refused by kc train (context parallelism)
+        typer.echo(f"{config}: warning: {path}: {message}; kc train would refuse this plan", err=True)
     result = explain_plan(cfg)
     report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
     placement = _placement(cfg)

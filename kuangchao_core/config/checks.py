@@ -153,10 +153,11 @@ def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
     if devices is None or devices == parallel.world_size:
         return []
+    cp = parallel.context_parallel_size
     layout = (
-        f"world size data_parallel_size × tensor_parallel_size × pipeline_parallel_size = "
-        f"{parallel.data_parallel_size}×{parallel.tensor_parallel_size}×{parallel.pipeline_parallel_size} = "
-        f"{parallel.world_size}"
+        f"world size data_parallel_size × {'context_parallel_size × ' if cp != 1 else ''}tensor_parallel_size × "
+        f"pipeline_parallel_size = {parallel.data_parallel_size}×{f'{cp}×' if cp != 1 else ''}"
+        f"{parallel.tensor_parallel_size}×{parallel.pipeline_parallel_size} = {parallel.world_size}"
     )
     if cluster.mode == "local":
         return [("parallel.data_parallel_size", f"{layout}, but cluster.nproc_per_node is {devices}")]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
@@ -101,9 +102,7 @@ class ModelSection(Section):
     @property
     def head_dim(self) -> int | None:
         """Width of one attention head, when the shape is known."""
-        if self.hidden_size and self.num_heads:
-            return self.hidden_size // self.num_heads
-        return None
+        return self.hidden_size // self.num_heads if self.hidden_size and self.num_heads else None
 
 
 class SyntheticSection(Section):
@@ -151,7 +150,7 @@ class DataSection(Section):
 
 
 class ParallelSection(Section):
-    """The layout: data × tensor × pipeline parallel sizes, batches, schedule, ZeRO, buckets.
+    """The layout: data × context × pipeline × tensor parallel sizes (``axes``), batches, schedule, ZeRO, buckets.
 
     DP gradient buckets (``zero_stage: 0``): ``hierarchical_allreduce`` (``auto``: when a DP group spans nodes
     with several members on each) sums them node-locally first; ``grad_compression`` sends them across nodes as
@@ -162,6 +161,7 @@ class ParallelSection(Section):
     data_parallel_size: Int = Field(default=1, ge=1)
     tensor_parallel_size: Int = Field(default=1, ge=1)
     pipeline_parallel_size: Int = Field(default=1, ge=1)
+    context_parallel_size: Int = Field(default=1, ge=1, description="ranks that split each sequence (issue 30)")
     micro_batch_size: Int = Field(default=4, ge=1)
     gradient_accumulation_steps: Int = Field(default=1, ge=1)
     virtual_pipeline_size: Int = Field(default=1, ge=1)
@@ -180,8 +180,8 @@ class ParallelSection(Section):
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: dp × tp × pp."""
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        """Processes the layout needs: dp × cp × pp × tp."""
+        return MeshAxes.from_parallel(self).world_size
 
     @property
     def global_batch_size(self) -> int:
@@ -483,7 +483,7 @@ class JobConfig(Section):
 
     @property
     def world_size(self) -> int:
-        """Processes the job needs: dp × tp × pp."""
+        """Processes the job needs: dp × cp × pp × tp."""
         return self.parallel.world_size
 
     def to_dict(self) -> dict[str, Any]:

@@ -134,10 +134,10 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     """The estimated memory of each rank in ``ranks`` (default: all) of a layout ``engine.plan.check_plan``
     accepts: ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, autocast_casts,
     activations_estimate, [gathered_blocks,] total}}`` (module docstring)."""
+    from kuangchao_core.axes import MeshAxes
     from kuangchao_core.models.layout import slices_for_rank
     from kuangchao_core.models.llama import config_from_model_section
     from kuangchao_core.models.lora import LoraSettings, lora_regions
-    from kuangchao_core.parallel.mesh import coords_of
     from kuangchao_core.parallel.pipeline import partition_layers
 
     mcfg = config_from_model_section(cfg.model)
@@ -155,8 +155,10 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
     zero = par.zero_stage  # the engine runs it in every layout (ZeRO-3 under pp: per stage)
     out = []
-    for rank in range(dp * tp * pp) if ranks is None else ranks:
-        dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
+    axes = MeshAxes.from_parallel(par)
+    for rank in range(axes.world_size) if ranks is None else ranks:
+        at = axes.coords_of(rank)
+        tp_rank, pp_rank = at["tp"], at["pp"]
         slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
         psi = sum(r.numel for r in slices.values())
         adapters = lora_regions(slices, lora) if lora is not None else {}
@@ -185,7 +187,8 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         mem = {k: float(round(x)) for k, x in mem.items()}
         mem["total"] = float(round(sum(mem.values())))
         out.append(
-            {"rank": rank, "coords": {"dp": dp_rank, "tp": tp_rank, "pp": pp_rank}, "parameters": psi,
+            {"rank": rank, "coords": {k: at[k] for k in ("dp", "tp", "pp", "cp") if k != "cp" or axes.cp > 1},
+             "parameters": psi,
              "memory_bytes": mem}
         )  # fmt: skip
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -41,6 +42,7 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
 
     par = cfg.parallel
     dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    cp = getattr(par, "context_parallel_size", 1)
     v, m = par.virtual_pipeline_size, par.gradient_accumulation_steps
     errors: Errors = []
 
@@ -76,15 +78,17 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
             )
         )
     devices = getattr(getattr(cfg, "cluster", None), "devices", None)
-    if world_size is None and devices is not None and devices != dp * tp * pp:
+    world = MeshAxes.from_parallel(par).world_size
+    if world_size is None and devices is not None and devices != world:
+        with_cp = (" x context_parallel_size", f"x{cp}") if cp != 1 else ("", "")
         errors.append(
             (
                 "parallel.data_parallel_size",
-                f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = {dp}x{tp}x{pp} = "
-                f"{dp * tp * pp} processes, but the cluster provides {devices}",
+                f"data_parallel_size{with_cp[0]} x tensor_parallel_size x pipeline_parallel_size = "
+                f"{dp}{with_cp[1]}x{tp}x{pp} = {world} processes, but the cluster provides {devices}",
             )
         )
-    collect(validate_sizes, dp, tp, pp, world_size)
+    collect(validate_sizes, dp, tp, pp, world_size, cp)
     errors.extend(interface_problems(cfg))  # a primitive the job may not use would fail the run at its first call
     unique: Errors = []
     for e in errors:
@@ -96,7 +100,7 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
 def required_primitives(cfg: Any) -> dict[str, str]:
     """The communication primitives the job's layout uses, each with what needs it (empty for one process)."""
     par = cfg.parallel
-    if par.data_parallel_size * par.tensor_parallel_size * par.pipeline_parallel_size == 1:
+    if MeshAxes.from_parallel(par).world_size == 1:
         return {}
     need = {
         "broadcast": "every multi-process job (the checkpoint plan, replicas' first parameters)",
@@ -143,9 +147,25 @@ def raise_for_plan(cfg: Any, world_size: int | None = None, device_memory: Any =
 
     ``device_memory``: bytes per rank (a number) or a ``plan_memory.DeviceMemory``, instead of measuring it here
     (None: measured; skipped where it cannot be known, e.g. a static cluster before launch)."""
-    errors = check_plan(cfg, world_size) or memory_problems(cfg, world_size, device_memory)
+    errors = check_plan(cfg, world_size) or unbuilt_problems(cfg) or memory_problems(cfg, world_size, device_memory)
     if errors:
         raise PlanError(errors)
+
+
+def unbuilt_problems(cfg: Any) -> Errors:
+    """Layouts the planner can describe (``kc plan`` shows their groups) but the trainer cannot run yet, named:
+    context parallelism (``parallel.context_parallel_size`` > 1; issue 30) has its groups, tokens and placement,
+    but no training path splits sequences over it, so such a job is refused rather than run as something else."""
+    cp = getattr(cfg.parallel, "context_parallel_size", 1)
+    if cp == 1:
+        return []
+    return [
+        (
+            "parallel.context_parallel_size",
+            f"context_parallel_size {cp}: context parallelism's training path is not built yet (the mesh builds its "
+            "groups and kc plan shows them, but no step splits sequences over them); set context_parallel_size 1",
+        )
+    ]
 
 
 def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None) -> Errors:
@@ -163,7 +183,7 @@ def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None)
     elif not isinstance(memory, DeviceMemory):
         memory = DeviceMemory(float(memory), "the device", "as given")
     par = cfg.parallel
-    first_replica = range(par.tensor_parallel_size * par.pipeline_parallel_size)  # DP replicas hold the same
+    first_replica = range(MeshAxes.from_parallel(par).world_size // par.data_parallel_size)  # DP replicas hold the same
     return fit_problems(par, rank_memory(cfg, first_replica), memory)
 
 
@@ -194,7 +214,7 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
     par = cfg.parallel
     dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
-    layout = mesh_layout(dp, tp, pp)
+    layout = mesh_layout(dp, tp, pp, cp=getattr(par, "context_parallel_size", 1))
     chunks = partition_layers(mcfg.num_layers, pp, v)
     stages = [
         {
@@ -217,7 +237,7 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
     ranks = rank_memory(cfg)
     bubble = bubble_fraction(pp, m, v if par.pipeline_schedule == "interleaved_1f1b" else 1) if pp > 1 else 0.0
     return {
-        "sizes": {"dp": dp, "tp": tp, "pp": pp, "virtual": v, "world_size": layout.world_size},
+        "sizes": {**layout.describe()["sizes"], "virtual": v, "world_size": layout.world_size},
         "groups": {k: val for k, val in layout.describe().items() if k != "sizes"},
         "stages": stages,
         "batch": {
@@ -244,12 +264,16 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
 def format_plan(plan: dict[str, Any]) -> str:
     """Human-readable text of :func:`explain_plan`'s result."""
     s = plan["sizes"]
+    cp = f"cp={s['cp']} x " if "cp" in s else ""
     lines = [
-        f"layout: dp={s['dp']} x tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = {s['world_size']} processes",
+        f"layout: dp={s['dp']} x {cp}tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = "
+        f"{s['world_size']} processes",
         f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
     ]
-    for kind in ("tp", "pp", "dp"):
-        groups = plan["groups"][f"{kind}_groups"]
+    for kind in BUILD_ORDER:
+        groups = plan["groups"].get(f"{kind}_groups")
+        if groups is None:
+            continue
         lines.append(f"{kind.upper()} groups: " + "  ".join(f"{n}={r}" for n, r in groups.items()))
     for st in plan["stages"]:
         parts = []
@@ -275,8 +299,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     for r in plan["ranks"]:
         mem = r["memory_bytes"]
         c = r["coords"]
+        where = ", ".join(f"{k} {c[k]}" for k in ("dp", "cp", "tp", "pp") if k in c)
         lines.append(
-            f"  rank {r['rank']} (dp {c['dp']}, tp {c['tp']}, pp {c['pp']}): "
+            f"  rank {r['rank']} ({where}): "
             + " / ".join(
                 f"{mem[k] / 2**20:.2f}"
                 for k in ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")

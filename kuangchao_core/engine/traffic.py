@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from kuangchao_core.axes import MeshAxes, group_name
 from kuangchao_core.config.access import setting
 from kuangchao_core.models.layout import slices_for_rank
 from kuangchao_core.models.llama import config_from_model_section
-from kuangchao_core.parallel.mesh import MeshLayout, group_name
 
 
 def group_traffic(cfg: Any) -> dict[str, float]:
-    """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}``.
+    """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}`` and
+    ``"cp"`` when the layout has context parallelism.
 
     With b micro-batch, s sequence length, h hidden size, L layers, m micro-batches per step, e bytes per
     element (4 in fp32), Ψ parameters per rank:
@@ -25,29 +26,36 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
       sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
     - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
-    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``.
+    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``;
+    - CP (ring attention, c ranks, k = key/value width per TP rank): every layer and micro-batch each rank passes
+      its s/c tokens' K and V on c−1 times forward, and in the backward K, V and their gradients:
+      ``6 · (L/p) · m · (c−1) · b·(s/c)·k·e``.
     """
 
     mcfg = config_from_model_section(cfg.model)
     par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    axes = MeshAxes.from_parallel(par)
+    dp, tp, pp, cp = axes.dp, axes.tp, axes.pp, axes.cp
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
     e = 4.0
     act = b * seq * mcfg.hidden_size * e
     psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
-    return {
+    out = {
         "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
         "pp": 2 * v * m * act if pp > 1 else 0.0,
         "dp": 2 * (dp - 1) / dp * psi * 4 if dp > 1 else 0.0,
     }
+    if cp > 1:
+        kv_width = max(mcfg.num_kv_heads // tp, 1) * mcfg.head_dim
+        out["cp"] = 6 * (mcfg.num_layers / pp) * m * (cp - 1) * b * (seq / cp) * kv_width * e
+    return out
 
 
 def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
     """Per node: its ranks, the groups they belong to, and the bytes per step each group sends inside the node
     and over the node's links to other nodes (from :func:`group_traffic`)."""
-    par = cfg.parallel
-    layout = MeshLayout(par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size)
+    axes = MeshAxes.from_parallel(cfg.parallel)
     traffic = placement.traffic or group_traffic(cfg)
     node_of = placement.node_of_rank()
     out = []
@@ -55,8 +63,8 @@ def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
         mine = placement.ranks_of_node(i)
         groups: dict[str, dict[str, Any]] = {}
         inside = across = 0.0
-        for kind, lists in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
-            for ranks in lists:
+        for kind in axes.active():
+            for ranks in axes.groups(kind):
                 members = [r for r in ranks if r in mine]
                 if len(ranks) < 2 or not members:
                     continue
@@ -84,7 +92,7 @@ def described_placement(cfg: Any, report: Any = None) -> dict[str, Any] | None:
     """The placement ``kc plan`` shows for a static cluster's described nodes (``cluster.nodes`` with ``gpus`` or
     ``nproc_per_node``), from ``report`` (a probe's :class:`~kuangchao_core.sched.topology.TopologyReport` of those
     nodes) when given, else from the traffic estimate alone; None for other clusters."""
-    from kuangchao_core.sched.rank_placement import place_ranks
+    from kuangchao_core.sched.rank_placement import place_ranks, placement_sizes
 
     cluster, par = cfg.cluster, cfg.parallel
     workers = cluster.worker_nodes if cluster.mode == "static" else []
@@ -99,7 +107,7 @@ def described_placement(cfg: Any, report: Any = None) -> dict[str, Any] | None:
         bw, lat = report.submatrix(names, "bandwidth"), report.submatrix(names, "latency")
     traffic = group_traffic(cfg)
     placement = place_ranks(
-        (par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size),
+        placement_sizes(par),
         names,
         nproc,
         traffic=traffic,

@@ -1,13 +1,15 @@
-"""The device mesh (SPEC L3.4): one object, built once from the config, that owns every TP, PP and DP group.
+"""The device mesh (SPEC L3.4): one object, built once from the config, that owns every TP, PP, DP and CP group.
 
-Ranks are laid out with tensor parallelism innermost (consecutive ranks, the fastest links), then pipeline, then
+The grid and its rank formula are :mod:`kuangchao_core.axes` (issue 30): axes ``dp``, ``cp``, ``pp``, ``tp``,
+innermost last — tensor parallelism on consecutive ranks (the fastest links), then pipeline, then context, then
 data parallelism::
 
-    rank = dp_idx * (pp * tp) + pp_idx * tp + tp_idx
+    rank = ((dp_idx * cp + cp_idx) * pp + pp_idx) * tp + tp_idx
 
-Every process constructs every group, in the same order (all TP groups, then all PP groups, then all DP groups),
-because group construction is collective. The mesh is passed explicitly to whoever needs a group; there are no
-module-level globals. :func:`mesh_layout` computes the same rank lists without any process group (for ``kc plan``).
+Every process constructs every group, in the same order (all TP groups, then all PP groups, then all DP groups,
+then — when ``cp > 1`` — all CP groups), because group construction is collective. The mesh is passed explicitly
+to whoever needs a group; there are no module-level globals. :func:`mesh_layout` computes the same rank lists
+without any process group (for ``kc plan``).
 """
 
 from __future__ import annotations
@@ -15,82 +17,89 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kuangchao_core.axes import MeshAxes, group_name, validated
 from kuangchao_core.config.access import setting
 from kuangchao_core.errors import PlanError
 
+__all__ = [
+    "MeshLayout",
+    "ParallelMesh",
+    "coords_of",
+    "dp_subgroups",
+    "group_name",
+    "mesh_layout",
+    "rank_of",
+    "validate_sizes",
+]
 
-def validate_sizes(dp: int, tp: int, pp: int, world_size: int | None = None) -> None:
-    """Raise PlanError (every number shown) unless dp, tp, pp are >= 1 and dp*tp*pp equals ``world_size``."""
-    errors: list[tuple[str, str]] = []
-    for key, value in (("data_parallel_size", dp), ("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-        if not isinstance(value, int) or value < 1:
-            errors.append((f"parallel.{key}", f"must be an integer >= 1, got {value!r}"))
-    if not errors and world_size is not None and dp * tp * pp != world_size:
-        errors.append(
-            (
-                "parallel",
-                f"data_parallel_size {dp} x tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {dp * tp * pp}"
-                f" processes, but the world size is {world_size}; change the sizes so their product is {world_size}"
-                f" or launch {dp * tp * pp} processes",
-            )
-        )
-    if errors:
-        raise PlanError(errors)
+
+def validate_sizes(dp: int, tp: int, pp: int, world_size: int | None = None, cp: int = 1) -> None:
+    """Raise PlanError (every number shown) unless dp, tp, pp, cp are >= 1 and dp*cp*tp*pp equals ``world_size``."""
+    validated({"dp": dp, "tp": tp, "pp": pp, "cp": cp}, world_size)
 
 
 def rank_of(dp_idx: int, pp_idx: int, tp_idx: int, tp: int, pp: int) -> int:
-    """Global rank at mesh coordinates (dp_idx, pp_idx, tp_idx) — TP innermost, then PP, then DP."""
-    return dp_idx * (pp * tp) + pp_idx * tp + tp_idx
+    """Global rank at mesh coordinates (dp_idx, pp_idx, tp_idx) of a mesh without CP (``axes.MeshAxes.rank_of``)."""
+    return MeshAxes(dp=dp_idx + 1, pp=pp, tp=tp).rank_of(dp=dp_idx, pp=pp_idx, tp=tp_idx)
 
 
-def group_name(kind: str, ranks) -> str:
-    """The canonical name of a parallel group, ``<kind>[<sorted ranks>]`` (``tp[0,1]``), as tokens list it."""
-    return f"{kind}[{','.join(str(r) for r in sorted(int(r) for r in ranks))}]"
-
-
-def coords_of(rank: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """Mesh coordinates (dp_rank, tp_rank, pp_rank) of a global rank."""
-    return rank // (pp * tp), rank % tp, (rank // tp) % pp
+def coords_of(rank: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
+    """Mesh coordinates (dp_rank, tp_rank, pp_rank) of a global rank (``axes.MeshAxes.coords_of``)."""
+    at = MeshAxes(dp=rank + 1, cp=cp, pp=pp, tp=tp).coords_of(rank)  # dp: any size that holds the rank
+    return at["dp"], at["tp"], at["pp"]
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Rank lists of every group of a dp x tp x pp layout (pure arithmetic; no process groups)."""
+    """Rank lists of every group of a dp x cp x pp x tp layout (pure arithmetic, :class:`~kuangchao_core.axes.MeshAxes`;
+    no process groups)."""
 
     dp: int
     tp: int
     pp: int
+    cp: int = 1
+
+    @property
+    def axes(self) -> MeshAxes:
+        """The grid of named axes."""
+        return MeshAxes(dp=self.dp, cp=self.cp, pp=self.pp, tp=self.tp)
 
     @property
     def world_size(self) -> int:
         """Processes the layout needs."""
-        return self.dp * self.tp * self.pp
+        return self.axes.world_size
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (``tp``, ``pp``, ``dp``, ``cp``); index i is group ``<kind>{i}``."""
+        return self.axes.groups(kind)
+
+    def kinds(self) -> tuple[str, ...]:
+        """The group kinds the mesh builds, in construction order (``cp`` only when ``cp > 1``)."""
+        return self.axes.active()
 
     def tp_groups(self) -> list[list[int]]:
-        """One TP group per (dp, pp) position, consecutive ranks; index i is group ``tp{i}``."""
-        return [
-            [rank_of(d, p, t, self.tp, self.pp) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)
-        ]
+        """One TP group per (dp, cp, pp) position, consecutive ranks; index i is group ``tp{i}``."""
+        return self.groups("tp")
 
     def pp_groups(self) -> list[list[int]]:
-        """One PP group per (dp, tp) position, stages in order; index i is group ``pp{i}``."""
-        return [
-            [rank_of(d, p, t, self.tp, self.pp) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+        """One PP group per (dp, cp, tp) position, stages in order; index i is group ``pp{i}``."""
+        return self.groups("pp")
 
     def dp_groups(self) -> list[list[int]]:
-        """One DP group per (pp, tp) position; index i is group ``dp{i}``."""
-        return [
-            [rank_of(d, p, t, self.tp, self.pp) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
-        ]
+        """One DP group per (cp, pp, tp) position; index i is group ``dp{i}``."""
+        return self.groups("dp")
+
+    def cp_groups(self) -> list[list[int]]:
+        """One CP group per (dp, pp, tp) position, sequence slices in order; index i is group ``cp{i}``."""
+        return self.groups("cp")
 
     def describe(self) -> dict[str, Any]:
-        """Sizes and every group's rank list, keyed by group name."""
+        """Sizes and every group's rank list, keyed by group name (``cp`` only when ``cp > 1``)."""
+        kinds = self.axes.active(("tp", "pp", "dp", "cp"))
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"cp": self.cp} if "cp" in kinds else {})}
         return {
-            "sizes": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "world_size": self.world_size},
-            "tp_groups": {f"tp{i}": g for i, g in enumerate(self.tp_groups())},
-            "pp_groups": {f"pp{i}": g for i, g in enumerate(self.pp_groups())},
-            "dp_groups": {f"dp{i}": g for i, g in enumerate(self.dp_groups())},
+            "sizes": {**sizes, "world_size": self.world_size},
+            **{f"{kind}_groups": self.axes.indexed_groups(kind) for kind in kinds},
         }
 
 
@@ -106,17 +115,18 @@ def dp_subgroups(layout: MeshLayout, node_of_rank: list[int] | None, mode: str) 
     return [("dpn" if kind == "n" else "dpx", ranks) for kind, ranks in subgroup_lists(groups, nodes)]
 
 
-def mesh_layout(dp: int, tp: int, pp: int, world_size: int | None = None) -> MeshLayout:
-    """Validated layout of a dp x tp x pp mesh (raises PlanError with every number)."""
-    validate_sizes(dp, tp, pp, world_size)
-    return MeshLayout(dp, tp, pp)
+def mesh_layout(dp: int, tp: int, pp: int, world_size: int | None = None, cp: int = 1) -> MeshLayout:
+    """Validated layout of a dp x cp x pp x tp mesh (raises PlanError with every number)."""
+    validate_sizes(dp, tp, pp, world_size, cp)
+    return MeshLayout(dp, tp, pp, cp)
 
 
 class ParallelMesh:
-    """This process's place in a dp x tp x pp mesh, and the communication groups it belongs to.
+    """This process's place in a dp x cp x pp x tp mesh, and the communication groups it belongs to.
 
-    Attributes: ``dp``, ``tp``, ``pp`` (sizes), ``rank``, ``world_size``, ``dp_rank``, ``tp_rank``, ``pp_rank``
-    (coordinates), ``tp_group``, ``pp_group``, ``dp_group`` (this rank's :class:`~kuangchao_core.comm.CommGroup`),
+    Attributes: ``dp``, ``tp``, ``pp``, ``cp`` (sizes), ``rank``, ``world_size``, ``dp_rank``, ``tp_rank``,
+    ``pp_rank``, ``cp_rank`` (coordinates), ``tp_group``, ``pp_group``, ``dp_group``, ``cp_group`` (this rank's
+    :class:`~kuangchao_core.comm.CommGroup`; ``cp_group`` is None at ``cp`` 1, where no CP group is built),
     ``layout`` (the :class:`MeshLayout`). Construction is collective: every rank of the job must build the mesh.
     """
 
@@ -131,6 +141,7 @@ class ParallelMesh:
         timeout_ms: int = 300_000,
         node_of_rank: list[int] | None = None,
         hierarchical: str = "off",
+        cp: int = 1,
     ) -> None:
         import torch.distributed as dist
 
@@ -141,16 +152,17 @@ class ParallelMesh:
                 )
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
-        self.layout = mesh_layout(dp, tp, pp, world_size)
+        self.layout = mesh_layout(dp, tp, pp, world_size, cp)
         if not 0 <= rank < world_size:
             raise PlanError([("parallel", f"rank {rank} is outside [0, world size {world_size})")])
-        self.dp, self.tp, self.pp = dp, tp, pp
+        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
         self.rank, self.world_size = rank, world_size
         self.backend, self.timeout_ms = backend, timeout_ms
-        self.dp_rank, self.tp_rank, self.pp_rank = coords_of(rank, tp, pp)
-        self.tp_group = self._build("tp", self.layout.tp_groups())
-        self.pp_group = self._build("pp", self.layout.pp_groups())
-        self.dp_group = self._build("dp", self.layout.dp_groups())
+        at = self.layout.axes.coords_of(rank)
+        self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = at["dp"], at["cp"], at["pp"], at["tp"]
+        self.cp_group = None  # no CP group at cp 1 (the mesh builds the groups of ``layout.kinds()``)
+        for kind in self.layout.kinds():  # tp, pp, dp, then cp: every rank in the same order
+            setattr(self, f"{kind}_group", self._build(kind, self.layout.groups(kind)))
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
         self.dp_intra_group = self.dp_inter_group = None
         if dp_subgroups(self.layout, self.node_of_rank, hierarchical):
@@ -198,6 +210,7 @@ class ParallelMesh:
             timeout_ms=int(setting(parallel_cfg, "timeout_ms", 300_000)),
             node_of_rank=node_of_rank,
             hierarchical=str(setting(parallel_cfg, "hierarchical_allreduce", "off")),
+            cp=int(setting(parallel_cfg, "context_parallel_size", 1) or 1),
         )
 
     @property
@@ -219,11 +232,13 @@ class ParallelMesh:
         """Every group's rank list (as :meth:`MeshLayout.describe`) plus this rank's coordinates and group names."""
         out = self.layout.describe()
         out["rank"] = self.rank
-        out["coords"] = {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}
-        out["mine"] = {"tp": self.tp_group.name, "pp": self.pp_group.name, "dp": self.dp_group.name}
+        kinds = self.layout.kinds()
+        out["coords"] = {k: getattr(self, f"{k}_rank") for k in ("dp", "tp", "pp", "cp") if k in kinds}
+        out["mine"] = {k: getattr(self, f"{k}_group").name for k in kinds}
         return out
 
     def __repr__(self) -> str:
         return (
-            f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, rank={self.rank}, coords(dp,tp,pp)={self.coords})"
+            f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}{f', cp={self.cp}' if self.cp > 1 else ''}, "
+            f"rank={self.rank}, coords(dp,tp,pp)={self.coords}{f', cp_rank={self.cp_rank}' if self.cp > 1 else ''})"
         )

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.access import setting
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.layout import DEFAULT_REGIONS, dataset_resource_name, group_layout, groups_of_rank
@@ -157,8 +158,8 @@ def issue_tokens_for_run(
     ttl = float(setting(perm, "token_ttl_seconds", 3600))
     first_ttl = max(ttl, STARTUP_GRACE_S)
     par = cfg.parallel
-    dp, tp, pp = int(par.data_parallel_size), int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
-    world = dp * tp * pp
+    axes = MeshAxes.from_parallel(par)
+    world = axes.world_size
     nproc = setting(cfg, "cluster.nproc_per_node") or setting(cfg, "cluster.slurm.tasks_per_node") or world
     node_of_rank = list(placement["node_of_rank"]) if placement else [0] * world
     if placement:
@@ -168,7 +169,8 @@ def issue_tokens_for_run(
         local_of_rank = [slot % int(placement["nproc"]) for slot in slot_of_rank]
     else:
         local_of_rank = [r % nproc for r in range(world)]
-    layout = group_layout(dp, tp, pp, node_of_rank, str(setting(par, "hierarchical_allreduce", "off")))
+    hierarchical = str(setting(par, "hierarchical_allreduce", "off"))
+    layout = group_layout(axes.dp, axes.tp, axes.pp, node_of_rank, hierarchical, cp=axes.cp)
     use_cuda = setting(cfg, "train.device", "auto") != "cpu"
     task_name = cfg.task.name
     datasets = [f"dataset:{d}" for d in {dataset_resource_name(cfg.data), "synthetic"} if d]

@@ -1,16 +1,17 @@
 """Which modules a job has and what each one's token may name (used by the ``issue_tokens`` task).
 
 Group names: the world group is ``world``; a parallel group is named by its kind and sorted member ranks,
-``dp[0,2]``, ``tp[0,1]``, ``pp[0,4]`` (:func:`~kuangchao_core.parallel.mesh.group_name`), so a token can list
-exactly the groups its rank belongs to before any group exists. The rank lists are the mesh's own
-(:class:`~kuangchao_core.parallel.mesh.MeshLayout`): one rank formula, so tokens always grant the groups the
-mesh builds.
+``dp[0,2]``, ``tp[0,1]``, ``pp[0,4]``, ``cp[0,2]`` (:func:`~kuangchao_core.axes.group_name`), so a token can
+list exactly the groups its rank belongs to before any group exists. The rank lists are the mesh's own
+(:class:`~kuangchao_core.parallel.mesh.MeshLayout`, which reads ``kuangchao_core.axes``): one rank formula, so
+tokens always grant the groups the mesh builds.
 """
 
 from __future__ import annotations
 
+from kuangchao_core.axes import group_name
 from kuangchao_core.data.dataset import dataset_name
-from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups, group_name
+from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups
 from kuangchao_core.perm.names import is_canonical_value
 
 #: memory regions the HAL names (``memory_alloc(..., region=...)``); a trainer token grants all of them
@@ -21,17 +22,20 @@ __all__ = ["DEFAULT_REGIONS", "dataset_resource_name", "group_layout", "group_na
 
 
 def group_layout(
-    dp: int, tp: int = 1, pp: int = 1, node_of_rank: list[int] | None = None, hierarchical: str = "off"
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    node_of_rank: list[int] | None = None,
+    hierarchical: str = "off",
+    cp: int = 1,
 ) -> dict[str, list[int]]:
-    """Every group of a dp×tp×pp job: name -> global ranks (``world`` and ``host`` — every rank, for device tensors
-    and for host coordination — plus the tp, dp and pp groups, and the DP groups' node-local ``dpn`` / cross-node
-    ``dpx`` subgroups when the hierarchical all-reduce applies)."""
-    mesh = MeshLayout(dp, tp, pp)
+    """Every group of a dp×cp×pp×tp job: name -> global ranks (``world`` and ``host`` — every rank, for device
+    tensors and for host coordination — plus every group the mesh builds (tp, pp, dp, and cp when ``cp > 1``), and
+    the DP groups' node-local ``dpn`` / cross-node ``dpx`` subgroups when the hierarchical all-reduce applies)."""
+    mesh = MeshLayout(dp, tp, pp, cp)
     every = list(range(mesh.world_size))
     groups: dict[str, list[int]] = {"world": every, "host": list(every)}
-    for kind, lists in (("tp", mesh.tp_groups()), ("dp", mesh.dp_groups()), ("pp", mesh.pp_groups())):
-        for ranks in lists:
-            groups[group_name(kind, ranks)] = list(ranks)
+    groups.update(mesh.axes.named_groups(mesh.kinds()))
     for kind, ranks in dp_subgroups(mesh, node_of_rank, hierarchical):
         groups[group_name(kind, ranks)] = list(ranks)
     return groups

@@ -1,7 +1,7 @@
 """Elastic re-planning after a lost node (SPEC L4.4, first step of L4.6): a smaller data-parallel size that fits.
 
 When the nodes that remain cannot host the configured layout, a job with ``cluster.elastic: true`` resumes with
-the largest data-parallel size ``dp'`` that divides ``dp`` and fits the remaining ranks, keeping tp×pp and the
+the largest data-parallel size ``dp'`` that divides ``dp`` and fits the remaining ranks, keeping cp×pp×tp and the
 global batch (gradient accumulation × ``dp / dp'``), so the loss sequence continues the uninterrupted run. The
 checkpoint it resumes from is read in the new layout (checkpoints are layout-independent).
 """
@@ -22,7 +22,7 @@ _REPLACE = {
 
 
 def smaller_data_parallel(dp: int, accum: int, per_replica: int, capacity: int) -> tuple[int, int] | None:
-    """``(dp', accumulation')`` for ``capacity`` ranks (``per_replica`` = tp×pp each), or None if none fits."""
+    """``(dp', accumulation')`` for ``capacity`` ranks (``per_replica`` = cp×pp×tp each), or None if none fits."""
     for new_dp in range(dp - 1, 0, -1):
         if dp % new_dp == 0 and new_dp * per_replica <= capacity:
             return new_dp, accum * dp // new_dp
@@ -40,11 +40,11 @@ def _smaller_fit(cfg: Any, lost: list[str], capacity: int, where: str) -> tuple[
             f"{_REPLACE[cfg.cluster.mode]}, or set cluster.elastic: true to resume with a smaller data-parallel size",
             lost,
         )
-    per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
+    per_replica = par.world_size // par.data_parallel_size  # one replica: cp × pp × tp ranks
     fit = smaller_data_parallel(par.data_parallel_size, par.gradient_accumulation_steps, per_replica, capacity)
     if fit is None:
         raise NodeUnavailable(
-            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (tp×pp = {per_replica}) "
+            f"lost {', '.join(lost)}: {capacity} ranks remain, fewer than one model replica (cp×pp×tp = {per_replica}) "
             f"or no data-parallel size dividing {par.data_parallel_size} fits; the job needs {needed}",
             lost,
         )
@@ -63,7 +63,7 @@ def shrunk_config(cfg: Any, lost: list[str], live: list[Any]) -> Any:
     per_node = int(cluster.nproc_per_node or (kept[0].gpus if kept else 0) or (live[0].facts.slots if live else 0))
     hosts = len(kept) if cluster.mode == "static" else len(live)
     new_dp, new_accum = _smaller_fit(cfg, lost, per_node * hosts, "remaining live nodes")
-    per_replica = par.tensor_parallel_size * par.pipeline_parallel_size
+    per_replica = par.world_size // par.data_parallel_size  # one replica: cp × pp × tp ranks
     data = cfg.to_dict()
     data["parallel"]["data_parallel_size"] = new_dp
     data["parallel"]["gradient_accumulation_steps"] = new_accum
@@ -86,7 +86,7 @@ def slurm_config_for_attempt(cfg: Any, lost: list[str]) -> Any:
         return cfg
     new_dp, new_accum = _smaller_fit(cfg, lost, len(usable) * slurm.tasks_per_node, "usable nodes of the partition")
     par = cfg.parallel
-    ranks = new_dp * par.tensor_parallel_size * par.pipeline_parallel_size
+    ranks = new_dp * (par.world_size // par.data_parallel_size)
     data = cfg.to_dict()
     data["parallel"]["data_parallel_size"] = new_dp
     data["parallel"]["gradient_accumulation_steps"] = new_accum

@@ -206,12 +206,11 @@ def place_cluster_attempt(
     """(node assignments, :class:`~kuangchao_core.sched.rank_placement.RankPlacement`) of the next attempt: the
     nodes (cluster level) and which mesh rank each slot plays (node level), from the probe's matrix when given and
     the bytes per step of each group kind (``traffic``, ``engine.traffic.group_traffic``)."""
-    from kuangchao_core.sched.rank_placement import place_from_report
+    from kuangchao_core.sched.rank_placement import place_from_report, placement_sizes
 
     assignments = choose_cluster_nodes(cfg, exclude, topology)
-    par = cfg.parallel
     placement = place_from_report(
-        (par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size),
+        placement_sizes(cfg.parallel),
         [a.name for a in assignments],
         assignments[0].nproc,
         traffic=traffic,

@@ -2,8 +2,8 @@
 
 Two placements:
 
-- ``aware`` (topology-aware): ranks in mesh order, TP innermost, then PP, DP outermost
-  (``rank = dp_idx·tp·pp + pp_idx·tp + tp_idx``, as ``parallel.mesh`` numbers them) and node ``rank // ranks_per_node``;
+- ``aware`` (topology-aware): ranks in mesh order, TP innermost, then PP, DP outermost (as ``kuangchao_core.axes``
+  numbers them) and node ``rank // ranks_per_node``;
   so TP stays inside a node when ``tp ≤ ranks_per_node``, then PP neighbours, and DP crosses nodes first;
 - ``blind``: the worst case of a placement that ignores the topology — whenever the job spans several nodes, every
   group of more than one rank is assumed to span ``min(size, nodes)`` nodes, its members spread evenly.
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+from kuangchao_core.axes import MeshAxes
 
 PLACEMENTS = ("aware", "blind")
 
@@ -41,25 +43,17 @@ class GroupSpan:
 
 def mesh_groups(kind: str, dp: int, tp: int, pp: int) -> list[list[int]]:
     """Every group of ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, then DP)."""
-
-    def rank(d: int, p: int, t: int) -> int:
-        return d * tp * pp + p * tp + t
-
-    if kind == "tp":
-        return [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)]
-    if kind == "pp":
-        return [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    if kind == "dp":
-        return [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    raise ValueError(f"group kind must be tp, pp or dp, got {kind!r}")
+    if kind not in ("tp", "pp", "dp"):
+        raise ValueError(f"group kind must be tp, pp or dp, got {kind!r}")
+    return MeshAxes(dp=dp, pp=pp, tp=tp).groups(kind)
 
 
 def group_span(kind: str, dp: int, tp: int, pp: int, ranks_per_node: int, placement: str = "aware") -> GroupSpan:
     """The worst ``kind`` group of a dp×tp×pp job on nodes of ``ranks_per_node`` ranks, under ``placement``."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    size = {"tp": tp, "pp": pp, "dp": dp}[kind]
-    world = dp * tp * pp
+    axes = MeshAxes(dp=dp, pp=pp, tp=tp)
+    size, world = axes.sizes[kind], axes.world_size
     nodes_used = -(-world // ranks_per_node)
     local = min(ranks_per_node, world)
     if placement == "blind":

@@ -1,9 +1,9 @@
 """Node-level placement (SPEC L4.1): which global rank of the mesh runs in which slot of which node.
 
 torchrun numbers its processes by node — node ``n`` of ``N`` (in rendezvous order) runs torch ranks
-``[n * nproc, (n + 1) * nproc)``. The mesh's own rank formula puts TP innermost (consecutive ranks), then PP, then
-DP. A :class:`RankPlacement` maps each torch rank (a *slot*) to the mesh rank it plays; the worker renames itself
-before anything reads ``RANK`` (:func:`apply_rank_map`).
+``[n * nproc, (n + 1) * nproc)``. The mesh's own rank formula (``kuangchao_core.axes``) puts TP innermost
+(consecutive ranks), then PP, then CP, then DP. A :class:`RankPlacement` maps each torch rank (a *slot*) to the
+mesh rank it plays; the worker renames itself before anything reads ``RANK`` (:func:`apply_rank_map`).
 
 Topology-aware placement (``cluster.placement: topology``):
 
@@ -11,7 +11,7 @@ Topology-aware placement (``cluster.placement: topology``):
    from the model and the layout: TP all-reduces activations four times per layer and micro-batch, PP sends
    activations and their gradients across every stage boundary, DP all-reduces the gradients once per step);
 2. order the mesh positions with the heaviest kind innermost, so the groups that move the most bytes land on
-   consecutive slots;
+   consecutive slots (context parallelism always inside data parallelism);
 3. order the nodes as a chain that keeps consecutive nodes on the best measured links (highest bandwidth, then
    lowest latency), starting at the rendezvous node, and inside a node order the devices so that consecutive ones
    share the fastest device link (NVLink pairs, when the probe saw any);
@@ -29,35 +29,40 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao_core.axes import AXES, MeshAxes
+
 ENV_RANK_MAP = "KC_RANK_MAP"
 ENV_NODE_OF_RANK = "KC_NODE_OF_RANK"
 ENV_TORCH_RANK = "KC_TORCH_RANK"
 PLACEMENTS = ("topology", "blind")
 
 
-def _mesh_rank(dp_i: int, pp_i: int, tp_i: int, tp: int, pp: int) -> int:
-    """The mesh's rank formula (``parallel.mesh.rank_of``; the scheduling layer sits below ``parallel``)."""
-    return dp_i * (pp * tp) + pp_i * tp + tp_i
+def mesh_order(dp: int, tp: int, pp: int, traffic: dict[str, float], cp: int = 1) -> list[int]:
+    """Mesh ranks in slot order: the kind moving the most bytes innermost (ties keep the mesh's own order: TP,
+    then PP, then CP, then DP), except that CP always stays inside DP (a context-parallel ring exchanges K/V every
+    layer, latency-bound, where DP reduces once per step). The ranks are ``kuangchao_core.axes``'s."""
+    axes = MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp)
+    priority = {axis: i for i, axis in enumerate(reversed(AXES))}  # innermost first
+    inner_first = sorted(AXES, key=lambda k: (-traffic.get(k, 0.0), priority[k]))
+    if inner_first.index("cp") > inner_first.index("dp"):
+        inner_first.remove("cp")
+        inner_first.insert(inner_first.index("dp"), "cp")
+    return axes.ranks_in_order(list(reversed(inner_first)))
 
 
-def mesh_order(dp: int, tp: int, pp: int, traffic: dict[str, float]) -> list[int]:
-    """Mesh ranks in slot order: the kind moving the most bytes innermost (ties keep TP, then PP, then DP)."""
-    sizes = {"tp": tp, "pp": pp, "dp": dp}
-    priority = {"tp": 0, "pp": 1, "dp": 2}
-    inner_first = sorted(sizes, key=lambda k: (-traffic.get(k, 0.0), priority[k]))
-    outer_first = list(reversed(inner_first))
-    order: list[int] = []
+def mesh_axes_of(sizes: tuple[int, ...] | list[int]) -> MeshAxes:
+    """The :class:`~kuangchao_core.axes.MeshAxes` of placement ``sizes``: ``(dp, tp, pp)`` or ``(dp, tp, pp, cp)``."""
+    dp, tp, pp, *rest = (int(s) for s in sizes)
+    if len(rest) > 1:
+        raise ValueError(f"placement sizes are (dp, tp, pp[, cp]), got {tuple(sizes)}")
+    return MeshAxes(dp=dp, cp=rest[0] if rest else 1, pp=pp, tp=tp)
 
-    def walk(level: int, idx: dict[str, int]) -> None:
-        if level == len(outer_first):
-            order.append(_mesh_rank(idx["dp"], idx["pp"], idx["tp"], tp, pp))
-            return
-        kind = outer_first[level]
-        for i in range(sizes[kind]):
-            walk(level + 1, {**idx, kind: i})
 
-    walk(0, {})
-    return order
+def placement_sizes(parallel: Any) -> tuple[int, ...]:
+    """``(dp, tp, pp)`` of a config's ``parallel`` section, ``(dp, tp, pp, cp)`` when it has context parallelism
+    (the sizes the placement records and :func:`place_ranks` takes)."""
+    a = MeshAxes.from_parallel(parallel)
+    return (a.dp, a.tp, a.pp) + ((a.cp,) if a.cp > 1 else ())
 
 
 def _link_key(bandwidth: float | None, latency: float | None) -> tuple[float, float]:
@@ -149,7 +154,7 @@ class RankPlacement:
 
 
 def place_ranks(
-    sizes: tuple[int, int, int],
+    sizes: tuple[int, ...],
     nodes: list[str],
     nproc: int,
     *,
@@ -159,13 +164,14 @@ def place_ranks(
     node_latency: list[list[float | None]] | None = None,
     device_chain: list[int] | None = None,
 ) -> RankPlacement:
-    """The placement of a dp×tp×pp mesh (``sizes``) on ``nodes`` (rendezvous order) × ``nproc`` slots.
+    """The placement of a dp×tp×pp (×cp) mesh (``sizes``: :func:`mesh_axes_of`) on ``nodes`` (rendezvous order)
+    × ``nproc`` slots.
 
     ``traffic``: bytes per step each group kind sends (``engine.traffic.group_traffic``); ``node_bandwidth``/``node_latency``: the probe's node matrices, indexed like ``nodes``; ``device_chain``: the
     local slot order that keeps consecutive devices on the fastest links (default: slot order).
     """
-    dp, tp, pp = sizes
-    world = dp * tp * pp
+    axes = mesh_axes_of(sizes)
+    world = axes.world_size
     if world != len(nodes) * nproc:
         raise ValueError(f"{len(nodes)} nodes × {nproc} slots = {len(nodes) * nproc}, but the mesh has {world} ranks")
     if mode not in PLACEMENTS:
@@ -177,7 +183,7 @@ def place_ranks(
             rank_of_slot[(rank % n) * nproc + rank // n] = rank
         return RankPlacement(list(nodes), nproc, rank_of_slot, mode, {})
     traffic = dict(traffic or {})
-    order = mesh_order(dp, tp, pp, traffic)
+    order = mesh_order(axes.dp, axes.tp, axes.pp, traffic, axes.cp)
     node_seq = chain_order(len(nodes), node_bandwidth, node_latency)
     local_seq = list(device_chain) if device_chain else list(range(nproc))
     rank_of_slot = [0] * world
@@ -190,7 +196,7 @@ def place_ranks(
 
 
 def place_from_report(
-    sizes: tuple[int, int, int],
+    sizes: tuple[int, ...],
     nodes: list[str],
     nproc: int,
     *,

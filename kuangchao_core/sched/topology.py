@@ -356,9 +356,9 @@ def cluster_facts(cfg: Any = None) -> dict[str, Any]:
     par = setting(cfg, "parallel")
     world = getattr(par, "world_size", None) if par is not None else None
     if world is None and par is not None:
-        world = 1
-        for k in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            world *= int(setting(par, k, 1))
+        from kuangchao_core.axes import MeshAxes
+
+        world = MeshAxes.from_parallel(par).world_size
     return {
         "hosts": hosts,
         "gpus_per_node": gpus_per_node,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import CommError, WorkerFailed
-from kuangchao_core.sched.rank_placement import RankPlacement, place_from_report
+from kuangchao_core.sched.rank_placement import RankPlacement, place_from_report, placement_sizes
 from kuangchao_core.sched.slurm.script import slurm_dir
 from kuangchao_core.sched.topology import DEFAULT_SIZES
 
@@ -60,10 +60,9 @@ def wants_probe(cfg: Any) -> bool:
 def request(cfg: Any, traffic: dict[str, float], probe_port: int) -> dict[str, Any]:
     """What the placement step needs from the orchestrator (``share.json``'s ``placement``): the layout, the bytes
     per step of each group kind (``engine.traffic.group_traffic``), the mode and the probe's settings."""
-    par = cfg.parallel
     return {
         "mode": cfg.cluster.placement,
-        "sizes": [par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size],
+        "sizes": list(placement_sizes(cfg.parallel)),
         "traffic": {k: float(v) for k, v in traffic.items()},
         "probe": wants_probe(cfg),
         "probe_port": int(probe_port),
