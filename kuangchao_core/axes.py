@@ -35,9 +35,12 @@ SIZE_KEYS = {
     "pp": "pipeline_parallel_size",
     "tp": "tensor_parallel_size",
 }
+#: groups that span several axes: ``dp_cp`` holds every replica of the same parameters (the ranks that share the
+#: pp and tp coordinates), over which gradients are reduced and ZeRO shards when ``cp > 1``
+JOINT = {"dp_cp": ("dp", "cp")}
 #: the order the mesh builds its groups in (collective: every rank the same): the three original axes as they
-#: always were, then the axes added since
-BUILD_ORDER = ("tp", "pp", "dp", "cp")
+#: always were, then the axes added since, then the joint groups (only when ``cp > 1``: nothing changes at cp 1)
+BUILD_ORDER = ("tp", "pp", "dp", "cp", "dp_cp")
 
 
 def group_name(kind: str, ranks: Iterable[int]) -> str:
@@ -79,8 +82,9 @@ class MeshAxes:
 
     def active(self, order: Sequence[str] = BUILD_ORDER) -> tuple[str, ...]:
         """The axes whose groups the mesh builds, in ``order``: the original three always (as they always were,
-        one-rank groups included), an added axis (``cp``) only when it has more than one rank."""
-        return tuple(a for a in order if a in ("tp", "pp", "dp") or getattr(self, a) > 1)
+        one-rank groups included), an added axis (``cp``) and the joint ``dp_cp`` only when cp has more than one
+        rank."""
+        return tuple(a for a in order if a in ("tp", "pp", "dp") or getattr(self, a if a in AXES else "cp") > 1)
 
     def rank_of(self, coords: Mapping[str, int] | None = None, **kw: int) -> int:
         """The global rank at ``coords`` (``{axis: index}``; a missing axis is at 0)."""
@@ -121,11 +125,15 @@ class MeshAxes:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis``: one per position of the other axes (in :data:`AXES` order), its ranks in order
-        along ``axis``. Index ``i`` is the group ``<axis><i>`` of :meth:`indexed_groups`."""
-        if axis not in AXES:
-            raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
-        flat = self.ranks_in_order([*(a for a in AXES if a != axis), axis])
-        n = getattr(self, axis)
+        along ``axis``. Index ``i`` is the group ``<axis><i>`` of :meth:`indexed_groups`. A joint kind of
+        :data:`JOINT` (``dp_cp``) spans its axes, the first outermost."""
+        spans = JOINT.get(axis, (axis,))
+        if any(a not in AXES for a in spans):
+            raise ValueError(f"axis must be one of {', '.join((*AXES, *JOINT))}, got {axis!r}")
+        flat = self.ranks_in_order([*(a for a in AXES if a not in spans), *spans])
+        n = 1
+        for a in spans:
+            n *= getattr(self, a)
         return [flat[i : i + n] for i in range(0, len(flat), n)]
 
     def group_of(self, axis: str, rank: int) -> list[int]:

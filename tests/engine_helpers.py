@@ -8,7 +8,7 @@ from typing import Any
 
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.config.settings import run_settings
-from tests import attention_helpers
+from tests import attention_helpers, cp_sabotage
 from tests.fixtures import hf_llama_config, tiny_llama
 
 
@@ -353,6 +353,7 @@ SABOTAGE = {
     "dense_attention": attention_helpers.dense_attention,
     "per_document_attention": attention_helpers.per_document_attention,
     "first_document_boundary_ignored": attention_helpers.first_document_boundary_ignored,
+    **cp_sabotage.SABOTAGE,
 }
 
 

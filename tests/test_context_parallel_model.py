@@ -3,7 +3,7 @@
 Real Gloo processes at cp2 and cp4, float64. Each rank builds the same tiny model (``tests.fixtures.tiny_llama``:
 hidden 64, 2 layers, 4 query and 2 K/V heads) and the same batch (2 rows of 32 tokens), keeps its shard of the
 batch (``parallel.context.shard_inputs``: ids, labels, rotary positions, document ids), runs the model with its
-attention replaced by ring attention (``models.ring_attention.cp_attention``), and takes the loss over the
+attention set to ring attention (``models.ring_attention.use_attention`` with ``cp_attention``), and takes the loss over the
 global batch's trained tokens: its local sum divided by the global count. Gradients of the (replicated) parameters
 are summed over the CP group, as the trainer will reduce them over dp×cp. The gathered logits and the reduced
 gradients equal one process's within ``FP64_REL`` (tests/tolerances.py: the same sums blocked differently, see
@@ -67,8 +67,7 @@ def _run(rank: int, world_size: int, packed: bool, sabotage: bool) -> dict:
 
     from kuangchao_core.comm import primitives as P
     from kuangchao_core.comm.group import CommGroup, init_distributed
-    from kuangchao_core.models import llama
-    from kuangchao_core.models.ring_attention import cp_attention
+    from kuangchao_core.models.ring_attention import cp_attention, use_attention
     from kuangchao_core.parallel.context import gather_sequence, local_positions, shard_inputs
     from kuangchao_core.perm import guard_api
 
@@ -86,13 +85,9 @@ def _run(rank: int, world_size: int, packed: bool, sabotage: bool) -> dict:
     local = shard_inputs(batch, world_size, rank)
     if sabotage:
         local["position_ids"] = torch.arange(S // world_size).expand(B, -1)
-    real = llama.attend
-    llama.attend = cp_attention(group, local_positions(S, world_size, rank))
-    try:
-        logits, loss = _loss(model, local, count)
-        loss.backward()
-    finally:
-        llama.attend = real
+    use_attention(model, cp_attention(group, local_positions(S, world_size, rank)))  # the trainer's hook
+    logits, loss = _loss(model, local, count)
+    loss.backward()
     for p in model.parameters():
         P.all_reduce(p.grad, group=group)
     loss_sum = P.all_reduce(loss.detach().clone(), group=group)

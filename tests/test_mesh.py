@@ -159,6 +159,6 @@ def test_mesh_builds_cp_groups_after_the_others():
         assert res["sum"] == float(2 * tp_idx + 2)  # the all-reduce ran over exactly the CP group
         assert res["names"] == [
             *("tp[0,1]", "tp[2,3]", "pp[0]", "pp[1]", "pp[2]", "pp[3]"),
-            *("dp[0]", "dp[1]", "dp[2]", "dp[3]", "cp[0,2]", "cp[1,3]"),
+            *("dp[0]", "dp[1]", "dp[2]", "dp[3]", "cp[0,2]", "cp[1,3]", "dp_cp[0,2]", "dp_cp[1,3]"),
         ]
         assert res["mine"]["cp"] == f"cp[{tp_idx},{tp_idx + 2}]"

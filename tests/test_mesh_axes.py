@@ -106,8 +106,9 @@ def test_a_cp_layout_builds_cp_groups_last_and_names_them():
     from kuangchao_core.perm.layout import group_layout, groups_of_rank
 
     layout = MeshLayout(dp=2, tp=2, pp=1, cp=2)
-    assert layout.kinds() == ("tp", "pp", "dp", "cp")
+    assert layout.kinds() == ("tp", "pp", "dp", "cp", "dp_cp")  # dp_cp: the replicas gradients are reduced over
     assert layout.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # inside dp: dp groups stride cp*pp*tp = 4
+    assert layout.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # one per tp position, dp outermost
     assert layout.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     desc = layout.describe()
     assert desc["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 2, "world_size": 8}
@@ -115,9 +116,9 @@ def test_a_cp_layout_builds_cp_groups_last_and_names_them():
     assert coords_of(6, 2, 1, cp=2) == (1, 0, 0)
     tokens = group_layout(2, 2, 1, cp=2)
     assert tokens["cp[4,6]"] == [4, 6] and groups_of_rank(tokens, 6) == [
-        *("cp[4,6]", "dp[2,6]", "host", "pp[6]", "tp[6,7]", "world"),
+        *("cp[4,6]", "dp[2,6]", "dp_cp[0,2,4,6]", "host", "pp[6]", "tp[6,7]", "world"),
     ]
-    assert not any(n.startswith("cp") for n in group_layout(2, 2, 1))  # cp 1: no cp group, none granted
+    assert not any(n.startswith(("cp", "dp_cp")) for n in group_layout(2, 2, 1))  # cp 1: none built or granted
 
 
 def test_sizes_are_validated_by_field_path():
@@ -167,7 +168,7 @@ def _cfg(cp: int, **parallel):
     )
 
 
-def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch(monkeypatch):
+def test_kc_plan_shows_cp_groups_and_refuses_only_what_cp_cannot_run_with(monkeypatch):
     from kuangchao_core.engine import plan as plan_module
     from kuangchao_core.engine.plan import check_plan, explain_plan, format_plan, raise_for_plan
     from kuangchao_core.engine.traffic import group_traffic
@@ -180,15 +181,29 @@ def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch(monkeyp
     text = format_plan(plan)
     assert "CP groups: cp0=[0, 2]  cp1=[1, 3]" in text and "dp=1 x cp=2 x tp=2" in text
     assert group_traffic(cfg)["cp"] > 0 and "cp" not in group_traffic(_cfg(1))
+    raise_for_plan(cfg, device_memory=2**40)  # the trainer runs cp2 (tests/test_engine_cp.py): not refused
+    # what CP cannot run with is refused before launch, each by its field
+    bad = config_from_dict(
+        {
+            "task": {"name": "cp-plan"},
+            "model": {"preset": "tiny", "num_layers": 2},
+            "data": {"format": "synthetic", "seq_len": 30},
+            "parallel": {"context_parallel_size": 2, "tensor_parallel_size": 2},
+            "train": {"compile": True},
+        }
+    )
     with pytest.raises(PlanError) as info:
-        raise_for_plan(cfg, device_memory=2**40)
-    ((path, message),) = info.value.errors
-    assert path == "parallel.context_parallel_size" and "training path is not built yet" in message
-    raise_for_plan(_cfg(1), device_memory=2**40)  # the control: the same job at cp 1 is not refused
+        raise_for_plan(bad, device_memory=2**40)
+    paths = dict(info.value.errors)
+    assert set(paths) == {"data.seq_len", "train.compile"}, info.value.errors
+    assert "divisible by 4" in paths["data.seq_len"]
+    monkeypatch.setattr(plan_module, "unbuilt_problems", lambda cfg: [])  # control: without the check it passes
+    raise_for_plan(bad, device_memory=2**40)
     from kuangchao.cli.train import refuse_early  # kc train's check before any Prefect run starts
 
-    cp2 = ["parallel.context_parallel_size=2", "parallel.data_parallel_size=1"]
-    with pytest.raises(PlanError, match="context_parallel_size 2: context parallelism's training path is not built"):
+    cp2 = ["parallel.context_parallel_size=2", "parallel.data_parallel_size=1", "train.compile=true"]
+    monkeypatch.undo()
+    with pytest.raises(PlanError, match="train.compile with context_parallel_size 2"):
         refuse_early(str(ROOT / "configs" / "tiny.yaml"), cp2, None, "skip")
     from kuangchao.cli.main import app
 
@@ -202,9 +217,7 @@ def test_kc_plan_shows_cp_groups_and_training_refuses_them_before_launch(monkeyp
         ],
     )
     assert res.exit_code == 0, res.output
-    assert "CP groups: cp0=[0, 1]" in res.output and "kc train would refuse this plan" in res.output
-    monkeypatch.setattr(plan_module, "unbuilt_problems", lambda cfg: [])  # sabotage: the refusal removed
-    raise_for_plan(cfg, device_memory=2**40)  # ... and a cp2 job would go on to launch
+    assert "CP groups: cp0=[0, 1]" in res.output and "kc train would refuse this plan" not in res.output
 
 
 # --- one rank formula: a scan of the source -------------------------------------------------------------------

@@ -59,6 +59,7 @@ FILE_TIERS = {
     "test_doctor.py": "unit",
     "test_document_packing.py": "distributed",
     "test_engine_3d.py": "distributed",
+    "test_engine_cp.py": "distributed",
     "test_engine_hf.py": "distributed",
     "test_engine_reshard.py": "distributed",
     "test_eval_samples.py": "distributed",

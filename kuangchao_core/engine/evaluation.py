@@ -5,7 +5,8 @@ or the files of ``data.eval_path``.
 Every ``eval_interval`` steps each DP rank computes the loss of its share of the first held-out micro-batches (TP
 ranks of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so
 every layout reports the same number; a pipeline runs its stages forward only, one micro-batch after another. A job
-without held-out data says so once at start.
+without held-out data says so once at start. Under context parallelism every CP rank of a DP rank takes its shard
+of the same micro-batches (``parallel.context.shard_inputs``) and the sums are added over CP as well.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kuangchao_core.comm import primitives as P
 from kuangchao_core.data import build_dataset
 from kuangchao_core.errors import DataError
 from kuangchao_core.models.llama import IGNORE_INDEX
+from kuangchao_core.parallel.context import shard_inputs
 from kuangchao_core.parallel.forward_backward import model_inputs
 from kuangchao_core.parallel.pp_executor import stage_inputs
 
@@ -53,12 +55,15 @@ class HeldOutLoss:
         try:
             for items, counted in self.batches:
                 batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
+                if getattr(self.mesh, "cp", 1) > 1:
+                    batch = shard_inputs(batch, self.mesh.cp, self.mesh.cp_rank)
                 value = self._loss_sum_and_count(batch)
                 if counted:
                     totals += value
         finally:
             self.model.train(was_training)
-        for group in (self.mesh.pp_group, self.mesh.dp_group):  # the loss lives on the last stage: sum over PP
+        # the loss lives on the last stage: sum over PP, then over the replicas (dp, and cp: each holds a shard)
+        for group in (self.mesh.pp_group, getattr(self.mesh, "dp_cp_group", self.mesh.dp_group)):
             if group is not None and group.size > 1:
                 P.all_reduce(totals, group=group, op="sum")
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

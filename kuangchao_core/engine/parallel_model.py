@@ -1,4 +1,5 @@
-"""Build this rank's part of the model for a dp×tp×pp mesh: TP layers, pipeline chunks, and what it holds.
+"""Build this rank's part of the model for a dp×cp×pp×tp mesh: TP layers, pipeline chunks, ring attention under
+context parallelism, and what it holds.
 
 The model is initialised exactly as the one-process model with the same seed (TP layers draw the full tensor and
 keep their slice), then the layers of other pipeline stages are dropped, so every layout trains the same network.
@@ -20,6 +21,7 @@ from kuangchao_core.models.compile import compile_layers
 from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.models.lora import LoraSettings, attach_lora, lora_regions
+from kuangchao_core.models.ring_attention import cp_attention, use_attention
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
 
@@ -32,7 +34,8 @@ class ParallelModel:
     ``executor``: the pipeline executor when pp > 1; ``regions``: parameter name -> the region of the full
     tensor it holds; ``norm_weight``: parameter name -> 1 / number of ranks of its TP group holding the same region
     (so a global gradient norm counts every element once); ``lora``: the adapters' settings when the base is frozen
-    and only adapters train (``model.lora``).
+    and only adapters train (``model.lora``); ``cp_attention``: the ring attention every layer calls under
+    context parallelism (None at cp 1).
     """
 
     model: nn.Module
@@ -41,6 +44,7 @@ class ParallelModel:
     regions: dict[str, Region]
     norm_weight: dict[str, float]
     lora: LoraSettings | None = None
+    cp_attention: Callable | None = None
 
     def trainable(self) -> set[str]:
         """Names of the parameters the optimizer updates and checkpoints hold."""
@@ -85,6 +89,12 @@ def build_parallel_model(
         model.init_weights(seed)
         loss_fn = causal_lm_loss
     model.activation_checkpointing = build.activation_checkpointing
+    cp_attend = None
+    if (
+        getattr(mesh, "cp", 1) > 1
+    ):  # every layer's attention runs around the CP ring on this rank's shard of each sequence
+        cp_attend = cp_attention(mesh.cp_group)
+        use_attention(model, cp_attend)
     dtype = param_dtype(build.dtype)
     layout = target_layout(mesh, build)
     lora = LoraSettings.from_config(build.lora)
@@ -120,7 +130,7 @@ def build_parallel_model(
         for r in range(mesh.tp)
     ]
     norm_weight = {name: 1.0 / sum(1 for pr in peers if pr[name] == region) for name, region in regions.items()}
-    return ParallelModel(model, loss_fn, executor, regions, norm_weight, lora)
+    return ParallelModel(model, loss_fn, executor, regions, norm_weight, lora, cp_attend)
 
 
 def _with_adapters(regions: dict[str, Region], lora: LoraSettings | None) -> dict[str, Region]:

@@ -153,19 +153,32 @@ def raise_for_plan(cfg: Any, world_size: int | None = None, device_memory: Any =
 
 
 def unbuilt_problems(cfg: Any) -> Errors:
-    """Layouts the planner can describe (``kc plan`` shows their groups) but the trainer cannot run yet, named:
-    context parallelism (``parallel.context_parallel_size`` > 1; issue 30) has its groups, tokens and placement,
-    but no training path splits sequences over it, so such a job is refused rather than run as something else."""
+    """What context parallelism (``parallel.context_parallel_size`` > 1; issue 30) cannot run with, each named by
+    its field, so such a job is refused before launch rather than run as something else: a sequence length that
+    does not split into ``2·cp`` equal chunks (the load-balanced layout), and ``train.compile`` (the ring's
+    point-to-point exchanges inside a compiled layer are not supported)."""
     cp = getattr(cfg.parallel, "context_parallel_size", 1)
     if cp == 1:
         return []
-    return [
-        (
-            "parallel.context_parallel_size",
-            f"context_parallel_size {cp}: context parallelism's training path is not built yet (the mesh builds its "
-            "groups and kc plan shows them, but no step splits sequences over them); set context_parallel_size 1",
+    errors: Errors = []
+    seq_len = int(cfg.data.seq_len)
+    if seq_len % (2 * cp):
+        errors.append(
+            (
+                "data.seq_len",
+                f"seq_len {seq_len}: context_parallel_size {cp} splits each sequence into 2*{cp} = {2 * cp} equal "
+                f"chunks; use a sequence length divisible by {2 * cp}",
+            )
         )
-    ]
+    if getattr(cfg.train, "compile", False):
+        errors.append(
+            (
+                "train.compile",
+                f"train.compile with context_parallel_size {cp}: the ring attention's exchanges are not compiled; "
+                "set train.compile false or context_parallel_size 1",
+            )
+        )
+    return errors
 
 
 def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None) -> Errors:

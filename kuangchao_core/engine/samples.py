@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.models.ring_attention import use_attention
+
 log = logging.getLogger("kuangchao.engine.samples")
 
 #: held-out prompts answered at each evaluation (exact match), and how many of them are shown as text
@@ -119,7 +121,13 @@ def sample_cases(dataset: Any, n: int = SAMPLE_CASES) -> list[Case]:
 
 class SampleEvaluator:
     """Answers the held-out cases greedily; ``__call__() -> (exact_match or None, text of the first answers)``.
-    Collective: call it on every rank."""
+    Collective: call it on every rank.
+
+    Under context parallelism (``cp_attention``: the attention the model trains with) every CP rank decodes the
+    whole prompts itself with plain attention (the parameters are the same on every CP rank, so the answers are
+    too): a prompt of any length, no sharding, at the cost of the CP ranks repeating the same decoding."""
+
+    cp_attention: Callable | None = None
 
     def __init__(
         self,
@@ -142,12 +150,16 @@ class SampleEvaluator:
     def __call__(self) -> tuple[float | None, str]:
         was_training = self.model.training
         self.model.eval()
+        if self.cp_attention is not None:
+            use_attention(self.model, None)
         try:
             prompts = [c.prompt for c in self.cases]
             stop = int(self.tokenizer.sep_id)
             outputs = greedy_decode(self.logits_fn, prompts, self.max_new, stop, self.device, self.next_fn)
         finally:
             self.model.train(was_training)
+            if self.cp_attention is not None:
+                use_attention(self.model, self.cp_attention)
         return exact_match(outputs, self.cases), self.render(outputs)
 
     def render(self, outputs: Sequence[Sequence[int]]) -> str:
@@ -182,10 +194,11 @@ def sample_evaluator_for(parts: Any, mesh: Any, dataset: Any, device: Any) -> tu
     logits_fn = (lambda ids: gather(model(ids))) if gather is not None and mesh.tp > 1 else model
     if parts.executor is not None:
         head = gather if gather is not None and mesh.tp > 1 else (lambda logits: logits)
-        return SampleEvaluator(
-            None, model, cases, dataset.tokenizer, device, PipelinedNextTokens(parts.executor, head)
-        ), ""
-    return SampleEvaluator(logits_fn, model, cases, dataset.tokenizer, device), ""
+        out = SampleEvaluator(None, model, cases, dataset.tokenizer, device, PipelinedNextTokens(parts.executor, head))
+    else:
+        out = SampleEvaluator(logits_fn, model, cases, dataset.tokenizer, device)
+    out.cp_attention = getattr(parts, "cp_attention", None)
+    return out, ""
 
 
 class PipelinedNextTokens:

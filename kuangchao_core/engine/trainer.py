@@ -43,6 +43,7 @@ from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.obs.step_feed import StepFeed
+from kuangchao_core.parallel.context import shard_micro_batches
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS, get_forward_backward
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
@@ -104,7 +105,7 @@ def step_is_finite(loss: float, grad_norm: float) -> bool:
 
 
 class Trainer:
-    """Builds this rank's model part, data and optimizer for a dp×tp×pp mesh and runs the step loop.
+    """Builds this rank's model part, data and optimizer for a dp×cp×pp×tp mesh and runs the step loop.
 
     ``run``: the job's :class:`~kuangchao_core.config.settings.RunSettings` (built once from the validated config,
     :func:`~kuangchao_core.config.settings.run_settings`); each part gets its own piece of them.
@@ -129,7 +130,8 @@ class Trainer:
         self.model_config = config_from_model_section(run.model)
         self.parts = build_parallel_model(run.build, self.model_config, mesh, device)
         self.model = self.parts.model
-        self.sync = make_grad_sync(run.grad_sync, self.model, mesh, self.parts.norm_weight)
+        self.replicas = mesh.replicas()  # dp×cp hold the same parameters: gradients reduced (ZeRO shards) over it
+        self.sync = make_grad_sync(run.grad_sync, self.model, self.replicas, self.parts.norm_weight)
         self.precision = mixed_precision_for(run.precision, device)
         self.forward_backward = get_forward_backward(
             self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
@@ -161,7 +163,7 @@ class Trainer:
         self.lr_scale = 1.0
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            run.checkpoint, rank, world_size, mesh, self.parts, self.sync, self.host_group, self.model_config,
+            run.checkpoint, rank, world_size, self.replicas, self.parts, self.sync, self.host_group, self.model_config,
             target_layout(mesh, run.build), self.barrier,
         )  # fmt: skip
 
@@ -225,31 +227,25 @@ class Trainer:
         t0 = time.perf_counter()
         comm0 = COMM_STATS.total_seconds()
         train = self.train_settings
-        base = lr_at(
-            self.state.step,
-            train.lr,
-            train.steps,
-            train.warmup_steps,
-            train.lr_schedule,
-            train.min_lr_ratio,
-        )
-        lr = base * self.lr_scale
+        schedule = (train.lr, train.steps, train.warmup_steps, train.lr_schedule, train.min_lr_ratio)
+        lr = lr_at(self.state.step, *schedule) * self.lr_scale
         for group in self.sync.param_groups:
             group["lr"] = lr
         self.sync.zero_grad()
+        micro_batches = shard_micro_batches(micro_batches, self.mesh)  # CP: this rank's shard of each sequence
         batches = [
             {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in BATCH_KEYS} for b in micro_batches
         ]
         tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
-        # every labelled token of the global batch weighs the same, as in one process (step_loss)
-        weight = step_loss_weight(micro_batches, self.mesh.dp_group, self.device)
+        # every labelled token of the global batch weighs the same, as in one process (step_loss; dp×cp counts)
+        weight = step_loss_weight(micro_batches, self.replicas.dp_group, self.device)
         local_loss = self.forward_backward(self.sync, batches, weight)
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
         norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
-        # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over DP
+        # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over the dp×cp replicas
         loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
-        for group in (self.mesh.pp_group, self.mesh.dp_group):
+        for group in (self.mesh.pp_group, self.replicas.dp_group):
             if group is not None and group.size > 1:
                 P.all_reduce(loss_t, group=group, op="sum")
         # the step's one read of device values, before the optimizer runs: loss and gradient norm together
@@ -258,8 +254,8 @@ class Trainer:
         bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
         if not bad:
             self.sync.step()
-        self._count_bad_step(bad, loss_sum / self.mesh.dp, grad_norm)
-        loss = loss_sum / self.mesh.dp
+        self._count_bad_step(bad, loss_sum / self.replicas.dp, grad_norm)
+        loss = loss_sum / self.replicas.dp
         self.state.step += 1
         self.state.losses.append(loss)
         dt = time.perf_counter() - t0
@@ -269,7 +265,7 @@ class Trainer:
             loss=loss,
             lr=lr,
             grad_norm=grad_norm,
-            tokens_per_s=tokens * self.mesh.dp / dt if dt > 0 else 0.0,
+            tokens_per_s=tokens * self.replicas.dp / dt if dt > 0 else 0.0,
             mem_bytes=memory_bytes(self.device),
             comm_share=min(1.0, comm / dt) if dt > 0 else 0.0,
             step_time_s=dt,

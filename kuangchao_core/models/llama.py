@@ -300,7 +300,10 @@ LinearFactory = Callable[[int, int, str], nn.Module]
 
 
 class LlamaAttention(nn.Module):
-    """Causal grouped-query self-attention; head counts follow the projections' output sizes."""
+    """Causal grouped-query self-attention; head counts follow the projections' output sizes. ``attend_fn``: the
+    kernel, ``attend`` unless set (``models.ring_attention.use_attention``: the CP ring)."""
+
+    attend_fn: Callable | None = None
 
     def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory):
         super().__init__()
@@ -314,16 +317,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
-        """Causal attention; ``documents`` (packed documents that do not see each other) restricts it to each
-        document (:func:`~kuangchao_core.models.attention.attend`: no dense mask, no repeated K/V)."""
+        """Causal attention, inside each of the packed ``documents`` when given (no dense mask, no repeated K/V)."""
         b, s, _ = x.shape
-        d = self.head_dim
-        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = attend(q, k, v, documents)
+        q, k, v = (
+            proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = (self.attend_fn or attend)(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

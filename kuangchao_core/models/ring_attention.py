@@ -37,6 +37,7 @@ the log-sum-exp (FlashAttention on GPU) can replace :func:`_block_forward`/:func
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -272,14 +273,33 @@ def ring_attend(
     )
 
 
-def cp_attention(group: CommGroup | None, positions: torch.Tensor, balanced: bool = True):
+def cp_attention(group: CommGroup | None, positions: torch.Tensor | None = None, balanced: bool = True):
     """A function with :func:`~kuangchao_core.models.attention.attend`'s signature, ``(q, k, v, documents=None)``,
     that runs :func:`ring_attend` for this CP rank's tokens: ``positions`` their global positions
-    (``parallel.context.local_positions``, on the job's device), the documents' ``segment_ids`` the local ones (the
-    batch sharded by ``parallel.context.shard_inputs``). What a model's attention calls under context parallelism."""
+    (``parallel.context.local_positions``, on the job's device) — None: those of the load-balanced layout for the
+    length of each call's shard (``cp`` times its local length), what the trainer uses —, the documents'
+    ``segment_ids`` the local ones (the batch sharded by ``parallel.context.shard_inputs``). What a model's
+    attention calls under context parallelism (:func:`use_attention`)."""
+    from kuangchao_core.parallel.context import local_positions
+
+    cp = 1 if group is None else group.size
+    rank = 0 if group is None else group.rank
 
     def attend_cp(q, k, v, documents=None):
         segment_ids = None if documents is None else documents.segment_ids
-        return ring_attend(q, k, v, group, positions, segment_ids, balanced=balanced)
+        here = positions
+        if here is None:
+            here = local_positions(q.shape[-2] * cp, cp, rank).to(q.device)
+        return ring_attend(q, k, v, group, here, segment_ids, balanced=balanced)
 
     return attend_cp
+
+
+def use_attention(model: torch.nn.Module, fn: Callable | None) -> None:
+    """Every attention layer of ``model`` (those with an ``attend_fn``: ``LlamaAttention``, the TP model's too)
+    calls ``fn`` (``attend``'s signature; None: ``attend`` itself). Under context parallelism ``fn`` is
+    :func:`cp_attention` over the CP group and the batch is sharded by ``parallel.context.shard_inputs`` (its rotary
+    ``position_ids`` the tokens' global positions)."""
+    for module in model.modules():
+        if hasattr(module, "attend_fn"):
+            module.attend_fn = fn

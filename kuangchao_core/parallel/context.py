@@ -100,3 +100,11 @@ def shard_inputs(batch: Mapping[str, torch.Tensor], cp: int, rank: int) -> dict[
         if key in batch:
             out[key] = shard_sequence(batch[key], cp, rank, dim=1)
     return out
+
+
+def shard_micro_batches(batches: Sequence[Mapping[str, torch.Tensor]], mesh) -> list:
+    """This rank's shard (:func:`shard_inputs`) of each micro-batch its DP replica read, at ``mesh.cp > 1`` (every
+    CP rank of a replica reads the same micro-batches); the batches as they are at cp 1."""
+    if getattr(mesh, "cp", 1) == 1:
+        return list(batches)
+    return [shard_inputs(b, mesh.cp, mesh.cp_rank) for b in batches]

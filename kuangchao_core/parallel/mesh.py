@@ -161,8 +161,10 @@ class ParallelMesh:
         at = self.layout.axes.coords_of(rank)
         self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = at["dp"], at["cp"], at["pp"], at["tp"]
         self.cp_group = None  # no CP group at cp 1 (the mesh builds the groups of ``layout.kinds()``)
-        for kind in self.layout.kinds():  # tp, pp, dp, then cp: every rank in the same order
+        for kind in self.layout.kinds():  # tp, pp, dp, then cp and dp_cp: every rank in the same order
             setattr(self, f"{kind}_group", self._build(kind, self.layout.groups(kind)))
+        if cp == 1:
+            self.dp_cp_group = self.dp_group  # the replicas of a parameter are its DP group
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
         self.dp_intra_group = self.dp_inter_group = None
         if dp_subgroups(self.layout, self.node_of_rank, hierarchical):
@@ -213,6 +215,13 @@ class ParallelMesh:
             cp=int(setting(parallel_cfg, "context_parallel_size", 1) or 1),
         )
 
+    def replicas(self) -> Any:
+        """The mesh as gradient reduction, ZeRO and checkpoint writing see it: the ranks that hold the same
+        parameters are the dp×cp group (every CP rank trains the same replica on its slice of the sequences), so
+        ``dp``/``dp_rank``/``dp_group`` there are dp·cp, the index in ``dp_cp_group`` and that group; the mesh
+        itself at cp 1."""
+        return self if self.cp == 1 else ReplicaMesh(self)
+
     @property
     def coords(self) -> tuple[int, int, int]:
         """(dp_rank, tp_rank, pp_rank) of this process."""
@@ -242,3 +251,18 @@ class ParallelMesh:
             f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}{f', cp={self.cp}' if self.cp > 1 else ''}, "
             f"rank={self.rank}, coords(dp,tp,pp)={self.coords}{f', cp_rank={self.cp_rank}' if self.cp > 1 else ''})"
         )
+
+
+class ReplicaMesh:
+    """:meth:`ParallelMesh.replicas` at ``cp > 1``: the mesh with its data-parallel view widened to dp×cp (no
+    hierarchical subgroups: those split DP groups only); every other attribute is the mesh's."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+        self.dp = mesh.dp * mesh.cp
+        self.dp_rank = mesh.dp_cp_group.rank  # this rank's position in dp_cp_group (dp outermost)
+        self.dp_group = mesh.dp_cp_group
+        self.dp_intra_group = self.dp_inter_group = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.mesh, name)

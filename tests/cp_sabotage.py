@@ -1,0 +1,55 @@
+"""Negative controls of context parallelism in the engine (issue 30): each breaks one CP-specific piece of a built
+Trainer the way a real bug would and returns how to undo it (``engine_helpers.SABOTAGE`` lists them)."""
+
+from __future__ import annotations
+
+
+def local_rotary_positions(trainer):
+    """Every CP rank rotates its shard with positions 0..s/cp-1 (the shard's local positions, not the tokens' global
+    ones)."""
+    import torch
+
+    from kuangchao_core.engine import trainer as trainer_module
+
+    real = trainer_module.shard_micro_batches
+
+    def local(batches, mesh):
+        out = real(batches, mesh)
+        for b in out:
+            b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])
+        return out
+
+    trainer_module.shard_micro_batches = local
+
+    def undo():
+        trainer_module.shard_micro_batches = real
+
+    return undo
+
+
+def local_token_count(trainer):
+    """The loss denominator is this rank's own labelled-token count (not the global batch's, summed over dp×cp)."""
+    from kuangchao_core.engine import trainer as trainer_module
+
+    real = trainer_module.step_loss_weight
+    trainer_module.step_loss_weight = lambda batches, group, device: real(batches, None, device) * group.size
+
+    def undo():
+        trainer_module.step_loss_weight = real
+
+    return undo
+
+
+def ring_without_documents(trainer):
+    """Packed documents: the ring attends across document boundaries (the shards' document ids are dropped)."""
+    from kuangchao_core.models.ring_attention import use_attention
+
+    ring = trainer.parts.cp_attention
+    use_attention(trainer.model, lambda q, k, v, documents=None: ring(q, k, v, None))
+
+
+SABOTAGE = {
+    "local_rotary_positions": local_rotary_positions,
+    "local_token_count": local_token_count,
+    "ring_without_documents": ring_without_documents,
+}
