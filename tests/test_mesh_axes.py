@@ -333,3 +333,17 @@ def test_the_scan_finds_a_duplicated_rank_formula():
         "start = tp_rank * (seq // tp)",
     ]
     assert [s for s in clean if rank_formulas(s)] == []
+
+
+def test_kc_plan_counts_a_cp_rank_s_share_of_the_activations_and_zero_state():
+    """A CP rank holds s/cp tokens of each sequence (activations halve at cp2) and ZeRO shards over dp×cp; the
+    control: dp2 on as many ranks keeps every rank's activations (each holds whole sequences)."""
+    from kuangchao_core.engine.memory_model import estimate_ranks
+
+    def rank0(cp: int, dp: int = 1) -> dict:
+        return estimate_ranks(_cfg(cp, data_parallel_size=dp, zero_stage=1), [0])[0]["memory_bytes"]
+
+    one, cp2, dp2 = rank0(1), rank0(2), rank0(1, dp=2)
+    assert cp2["activations_estimate"] == one["activations_estimate"] / 2
+    assert cp2["optimizer"] == dp2["optimizer"] == one["optimizer"] / 2
+    assert dp2["activations_estimate"] == one["activations_estimate"]

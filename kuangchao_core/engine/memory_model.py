@@ -26,7 +26,9 @@ Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_co
   Elements are 4 bytes in fp32, 2 under bf16/fp16 autocast, 8 in fp64; the layers' activations are multiplied by
   the micro-batches in flight on the rank (1 without a pipeline; from the schedule itself otherwise:
   min(m, p − r) for 1F1B on stage r, m for all-forward-all-backward, per chunk for interleaved 1F1B), and the last
-  stage adds its fp32 logits and their log-softmax, 2·s·b·V/t·4 bytes.
+  stage adds its fp32 logits and their log-softmax, 2·s·b·V/t·4 bytes. Under context parallelism (cp > 1) a rank
+  holds ``s/cp`` tokens of each sequence, so ``s`` above is ``s/cp`` (the ring's K/V shard in flight, 2·kv/t
+  elements per local token and layer being run, is not counted); ZeRO shards its state over dp×cp.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     chunks = partition_layers(mcfg.num_layers, pp, v)
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
+    cp = getattr(par, "context_parallel_size", 1) or 1
+    seq //= cp  # the tokens of each sequence this rank holds
     dtype = getattr(getattr(cfg, "train", None), "dtype", "fp32")
     pdt = getattr(getattr(cfg, "train", None), "param_dtype", "fp32")
     pdt = pdt if pdt == "bf16" else None  # train.param_dtype: bf16 parameters, fp32 master weights
@@ -163,9 +167,10 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         psi = sum(r.numel for r in slices.values())
         adapters = lora_regions(slices, lora) if lora is not None else {}
         if lora is None:
-            state = state_bytes(psi, dp, zero, dtype, param_dtype=pdt)
+            state = state_bytes(psi, dp * cp, zero, dtype, param_dtype=pdt)  # ZeRO shards over dp×cp
         else:  # a frozen base (whole on every replica below ZeRO-3); gradients and AdamW state of adapters only
-            state = state_bytes(sum(r.numel for r in adapters.values()), dp, zero, dtype, frozen=psi, param_dtype=pdt)
+            trained = sum(r.numel for r in adapters.values())
+            state = state_bytes(trained, dp * cp, zero, dtype, frozen=psi, param_dtype=pdt)
             psi += sum(r.numel for r in adapters.values())
         layers = sum(c.end - c.start for c in chunks[pp_rank])
         last = any(c.has_head for c in chunks[pp_rank])
