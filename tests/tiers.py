@@ -122,6 +122,7 @@ FILE_TIERS = {
     "test_slurm.py": "e2e",
     "test_slurm_requeue.py": "e2e",
     "test_slurm_cancel.py": "e2e",
+    "test_sequence_parallel.py": "distributed",
     "test_slurm_doctor.py": "e2e",
     "test_slurm_facts.py": "unit",
     "test_slurm_script.py": "unit",
