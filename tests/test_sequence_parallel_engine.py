@@ -1,0 +1,135 @@
+"""``parallel.sequence_parallel`` through the real engine (Trainer in Gloo processes) trains like one process.
+
+tp2 with sequence parallelism, and pp2×tp2 with it (stages exchange s/tp positions), train the same global batch
+(2 micro-batches of 2 sequences, accumulated) for 3 steps in float64 on packed documents (``data.packing:
+documents``: segments and restarting positions, boundaries across the shard boundary) as the one-process job does.
+Per-step losses, the first step's reduced and clipped gradients, and the final parameters (reassembled from every
+rank's slices) must match within ``FP64_REL`` (the derivation is in ``tests/tolerances.py``; gradients are compared
+too because AdamW's update barely depends on a gradient's scale, so a norm gradient summed twice would pass a
+parameter-only check). Negative control: the tp2 job with the norm weights' gradient sum over TP removed fails the
+same comparison by ≥ ``NEGATIVE_MIN``. Also: configuration errors name ``parallel.sequence_parallel`` (tp 1) and
+``data.seq_len`` (not divisible by tp).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kuangchao_core.errors import ConfigError
+from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from tests.mp import run_distributed
+from tests.tolerances import FP64_REL, NEGATIVE_MIN, max_rel_diff, worst_rel
+
+STEPS = 3
+LAYOUTS = {  # name -> (world size, parallel section)
+    "tp2_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    "pp2_tp2_sp": (4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel": True}),
+}
+NEGATIVE = {"tp2_sp_unsummed_norm_grads": ("tp2_sp", "unsummed_sp_norm_grads")}
+
+
+def _job(tmp: Path, name: str, parallel: dict):
+    return tiny_job(
+        str(tmp / name),
+        task={"name": name, "seed": 7},
+        model={"preset": "tiny", "num_layers": 2},
+        data={"seq_len": 16, "packing": "documents"},
+        parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2, **parallel},
+        train={"steps": 8, "dtype": "fp64", "eval_interval": 100},
+    )
+
+
+def _run_recording_stage_traffic(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
+    """:func:`run_trainers`, each result also holding ``stage_shapes``: the shapes of every activation and gradient
+    this rank sent to or received from another pipeline stage."""
+    from kuangchao_core.parallel import pp_executor
+
+    shapes: set[tuple[int, ...]] = set()
+    real = pp_executor.PipelineExecutor.run
+
+    def run(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        shapes.update(ev.shape for ev in self.trace if ev.shape is not None)
+        return out
+
+    pp_executor.PipelineExecutor.run = run
+    try:
+        results = run_trainers(rank, world_size, jobs)
+    finally:
+        pp_executor.PipelineExecutor.run = real
+    return [{**r, "stage_shapes": shapes} for r in results]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("sp_engine")
+    by_world: dict[int, list[tuple[str, dict]]] = {1: [("ref", {"cfg": _job(tmp, "ref", {})})]}
+    for name, (world, parallel) in LAYOUTS.items():
+        by_world.setdefault(world, []).append((name, {"cfg": _job(tmp, name, parallel)}))
+    for name, (layout, sabotage) in NEGATIVE.items():
+        world, parallel = LAYOUTS[layout]
+        by_world[world].append((name, {"cfg": _job(tmp, name, parallel), "sabotage": sabotage}))
+    out: dict[str, list[dict]] = {}
+    for world, jobs in sorted(by_world.items()):
+        per_rank = run_distributed(
+            _run_recording_stage_traffic, world, args=([{**j, "max_steps": STEPS} for _, j in jobs],)
+        )
+        for i, (name, _) in enumerate(jobs):
+            out[name] = [per_rank[r][i] for r in range(world)]
+    return out
+
+
+def _differences(runs, got: list[dict], check_replicas: bool = True) -> dict[str, tuple[str, float]]:
+    ref = runs["ref"][0]
+    losses = max(max_rel_diff(r["losses"], ref["losses"]) for r in got if r["losses"])
+    return {
+        "losses": ("", losses),
+        "grads": worst_rel(gather_full(got, "first_grads", check_replicas), ref["first_grads"]),
+        "params": worst_rel(gather_full(got, check_replicas=check_replicas), ref["params"]),
+    }
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sequence_parallel_trains_like_one_process_in_fp64(runs, layout):
+    ref = runs["ref"][0]
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    assert ref["first_step"][0]["segment_ids"].max() > 0  # packed documents really reach the model
+    diffs = _differences(runs, runs[layout])
+    for what, (name, diff) in diffs.items():
+        assert diff <= FP64_REL, f"{layout}: {what} {name} differ from one process by {diff:.2e} relative"
+    print(f"{layout}: {diffs} (tolerance {FP64_REL})")
+
+
+def test_pipeline_stages_exchange_s_over_tp_positions(runs):
+    """pp2×tp2 with sequence parallelism: every activation and gradient between the stages is (micro-batch, s/tp,
+    hidden); without it they would be (micro-batch, s, hidden)."""
+    for r in runs["pp2_tp2_sp"]:
+        assert r["stage_shapes"] == {(2, 16 // 2, 64)}, r["stage_shapes"]
+
+
+def test_negative_control_unsummed_norm_gradients_fail(runs):
+    for name in NEGATIVE:
+        diffs = _differences(runs, runs[name], check_replicas=False)
+        worst = max(d for _, d in diffs.values())
+        assert worst >= NEGATIVE_MIN, f"{name}: the broken run still matches one process ({diffs})"
+        print(f"{name}: {diffs} (tolerance {FP64_REL:.0e})")
+
+
+@pytest.mark.parametrize(
+    ("parallel", "data", "field", "numbers"),
+    [
+        ({"sequence_parallel": True}, {}, "parallel.sequence_parallel", "tensor_parallel_size is 1"),
+        (
+            {"sequence_parallel": True, "tensor_parallel_size": 2},
+            {"seq_len": 15},
+            "data.seq_len",
+            "seq_len 15 is not divisible by tensor_parallel_size 2",
+        ),
+    ],
+)
+def test_bad_sequence_parallel_settings_name_the_field(tmp_path, parallel, data, field, numbers):
+    with pytest.raises(ConfigError) as err:
+        tiny_job(str(tmp_path), parallel=parallel, data={"seq_len": 16, **data})
+    assert any(path == field and numbers in msg for path, msg in err.value.errors), err.value.errors
