@@ -82,10 +82,11 @@ def _worst(got: dict, want: dict, slices: dict) -> tuple[str, float]:
     return worst
 
 
-def _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp: bool = True):
+def _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp: bool = True, recompute: str = "none"):
     from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 
     model = TPLlamaForCausalLM(cfg, group, sequence_parallel=sp)
+    model.activation_checkpointing = recompute
     init_from_seed(model, 7)
     model = model.double()
     shapes: list[tuple[int, ...]] = []
@@ -135,9 +136,14 @@ def _body(rank, world_size):
         broken.pop("model")
     finally:
         sequence.sum_weight_grad_over_tp = real
+    recomputed = {
+        mode: _run(cfg, group, batches, ref_losses, ref_grads, ref_params, recompute=mode)["grad"]
+        for mode in ("full", "selective")
+    }
     plain_tp = _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp=False)["block_output_shape"]
     return {
         "honest": honest,
+        "recomputed": recomputed,
         "broken": broken,
         "odd_diff": odd_diff,
         "odd_shape": tuple(odd.shape),
@@ -158,6 +164,13 @@ def test_tp2_with_sequence_parallel_equals_one_process_in_fp64(results):
         assert honest["param"][1] <= FP64_REL, (rank, honest["param"])
         print(f"rank {rank}: losses {honest['loss_diff']:.1e}, worst gradient {honest['grad']}, "
               f"worst parameter {honest['param']}")  # fmt: skip
+
+
+def test_recomputation_repeats_the_sequence_collectives_and_keeps_the_gradients(results):
+    """Full and selective activation checkpointing rerun each layer's gathers in the backward: same gradients."""
+    for res in results:
+        for mode, (name, diff) in res["recomputed"].items():
+            assert diff <= FP64_REL, (mode, name, diff)
 
 
 def test_activations_between_blocks_hold_s_over_tp_positions(results):
