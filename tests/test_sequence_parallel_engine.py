@@ -51,11 +51,21 @@ def _job(tmp: Path, name: str, parallel: dict):
 
 def _run_recording_stage_traffic(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     """:func:`run_trainers`, each result also holding ``stage_shapes``: the shapes of every activation and gradient
-    this rank sent to or received from another pipeline stage."""
+    this rank sent to or received from another pipeline stage, and ``log``: the engine's log messages of this
+    process."""
+    import logging
+
     from kuangchao_core.parallel import pp_executor
 
     shapes: set[tuple[int, ...]] = set()
     real = pp_executor.PipelineExecutor.run
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    engine_log = logging.getLogger("kuangchao.engine")
+    engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.INFO)
 
     def run(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
@@ -67,7 +77,9 @@ def _run_recording_stage_traffic(rank: int, world_size: int, jobs: list[dict]) -
         results = run_trainers(rank, world_size, jobs)
     finally:
         pp_executor.PipelineExecutor.run = real
-    return [{**r, "stage_shapes": shapes} for r in results]
+        engine_log.removeHandler(handler)
+        engine_log.setLevel(level)
+    return [{**r, "stage_shapes": shapes, "log": messages} for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +129,11 @@ def test_pipeline_stages_exchange_s_over_tp_positions(runs):
     hidden); without it they would be (micro-batch, s, hidden)."""
     for r in runs["pp2_tp2_sp"]:
         assert r["stage_shapes"] == {(2, 16 // 2, 64)}, r["stage_shapes"]
+
+
+def test_the_job_logs_that_sequence_parallelism_is_on(runs):
+    assert "sequence parallel on" in runs["tp2_sp"][0]["log"]
+    assert "sequence parallel on" not in runs["ref"][0]["log"]
 
 
 def test_negative_control_unsummed_norm_gradients_fail(runs):
