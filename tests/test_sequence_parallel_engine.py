@@ -34,14 +34,19 @@ LAYOUTS = {  # name -> (world size, parallel section)
 }
 #: layouts whose gradients live in ZeRO shards: losses and parameters compared
 SHARDED_GRADS = ("dp2_tp2_sp_zero3",)
+#: LoRA on column- and row-parallel projections (a row-parallel adapter's B sees a sequence shard under SP)
+LORA = {"rank": 4, "targets": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+LORA_LAYOUTS = {"tp2_sp_lora": (2, {"tensor_parallel_size": 2, "sequence_parallel": True})}
 NEGATIVE = {"tp2_sp_unsummed_norm_grads": ("tp2_sp", "unsummed_sp_norm_grads")}
+#: LoRA's adapters with their TP gradient sum removed (a row-parallel B on a sequence shard, a column-parallel A)
+LORA_NEGATIVE = {"tp2_sp_lora_unsummed": ("tp2_sp_lora", "unsummed_lora_a")}
 
 
-def _job(tmp: Path, name: str, parallel: dict):
+def _job(tmp: Path, name: str, parallel: dict, lora: dict | None = None):
     return tiny_job(
         str(tmp / name),
         task={"name": name, "seed": 7},
-        model={"preset": "tiny", "num_layers": 2},
+        model={"preset": "tiny", "num_layers": 2, **({"lora": lora} if lora else {})},
         data={"seq_len": 16, "packing": "documents"},
         parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2 // parallel.get("data_parallel_size", 1)}
         | parallel,
@@ -85,12 +90,19 @@ def _run_recording_stage_traffic(rank: int, world_size: int, jobs: list[dict]) -
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("sp_engine")
-    by_world: dict[int, list[tuple[str, dict]]] = {1: [("ref", {"cfg": _job(tmp, "ref", {})})]}
+    by_world: dict[int, list[tuple[str, dict]]] = {
+        1: [("ref", {"cfg": _job(tmp, "ref", {})}), ("ref_lora", {"cfg": _job(tmp, "ref_lora", {}, LORA)})]
+    }
     for name, (world, parallel) in LAYOUTS.items():
         by_world.setdefault(world, []).append((name, {"cfg": _job(tmp, name, parallel)}))
+    for name, (world, parallel) in LORA_LAYOUTS.items():
+        by_world[world].append((name, {"cfg": _job(tmp, name, parallel, LORA)}))
     for name, (layout, sabotage) in NEGATIVE.items():
         world, parallel = LAYOUTS[layout]
         by_world[world].append((name, {"cfg": _job(tmp, name, parallel), "sabotage": sabotage}))
+    for name, (layout, sabotage) in LORA_NEGATIVE.items():
+        world, parallel = LORA_LAYOUTS[layout]
+        by_world[world].append((name, {"cfg": _job(tmp, name, parallel, LORA), "sabotage": sabotage}))
     out: dict[str, list[dict]] = {}
     for world, jobs in sorted(by_world.items()):
         per_rank = run_distributed(
@@ -101,8 +113,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return out
 
 
-def _differences(runs, got: list[dict], check_replicas: bool = True, grads: bool = True) -> dict:
-    ref = runs["ref"][0]
+def _differences(runs, got: list[dict], check_replicas: bool = True, grads: bool = True, ref: str = "ref") -> dict:
+    ref = runs[ref][0]
     losses = max(max_rel_diff(r["losses"], ref["losses"]) for r in got if r["losses"])
     out = {
         "losses": ("", losses),
@@ -124,6 +136,15 @@ def test_sequence_parallel_trains_like_one_process_in_fp64(runs, layout):
     print(f"{layout}: {diffs} (tolerance {FP64_REL})")
 
 
+def test_lora_with_sequence_parallel_trains_like_one_process_in_fp64(runs):
+    assert any("lora_B" in n for n in runs["ref_lora"][0]["first_grads"])  # only adapters train
+    for layout in LORA_LAYOUTS:
+        diffs = _differences(runs, runs[layout], ref="ref_lora")
+        for what, (name, diff) in diffs.items():
+            assert diff <= FP64_REL, f"{layout}: {what} {name} differ from one process by {diff:.2e} relative"
+        print(f"{layout}: {diffs} (tolerance {FP64_REL})")
+
+
 def test_pipeline_stages_exchange_s_over_tp_positions(runs):
     """pp2×tp2 with sequence parallelism: every activation and gradient between the stages is (micro-batch, s/tp,
     hidden); without it they would be (micro-batch, s, hidden)."""
@@ -136,9 +157,9 @@ def test_the_job_logs_that_sequence_parallelism_is_on(runs):
     assert "sequence parallel on" not in runs["ref"][0]["log"]
 
 
-def test_negative_control_unsummed_norm_gradients_fail(runs):
-    for name in NEGATIVE:
-        diffs = _differences(runs, runs[name], check_replicas=False)
+def test_negative_controls_unsummed_gradients_fail(runs):
+    for name in [*NEGATIVE, *LORA_NEGATIVE]:
+        diffs = _differences(runs, runs[name], check_replicas=False, ref="ref_lora" if name in LORA_NEGATIVE else "ref")
         worst = max(d for _, d in diffs.values())
         assert worst >= NEGATIVE_MIN, f"{name}: the broken run still matches one process ({diffs})"
         print(f"{name}: {diffs} (tolerance {FP64_REL:.0e})")

@@ -13,7 +13,9 @@ Under TP an adapter follows its base layer:
   their base weight does.
 - row-parallel base (o/down, input columns split): ``A`` holds the same columns as the base weight; ``A x`` is
   summed over the TP group (one all-reduce of rank-wide activations) and ``B`` is replicated — its input and output
-  gradients are the same on every rank, so its gradient needs no reduction.
+  gradients are the same on every rank, so its gradient needs no reduction. Under sequence parallelism the sum is
+  reduce-scattered along the sequence as the base's is, so ``B`` sees this rank's positions only and its gradient
+  is summed over the TP group.
 
 :func:`adapter_region` gives each adapter's slice of its full tensor from its base weight's slice, so checkpoints,
 resharding and the gradient norm treat adapters like any other parameter.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kuangchao_core.models.layout import Region
+from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence
 from kuangchao_core.parallel.tensor import (
     ReplicatedHeadsLinear,
     RowParallelLinear,
@@ -117,6 +120,10 @@ def _lora_delta(settings: LoraSettings, layer: nn.Module, x: torch.Tensor) -> to
     if settings.dropout > 0.0 and layer.training:
         x = F.dropout(x, settings.dropout, training=True)
     kind = _kind(layer)
+    if kind == "row" and layer.sequence_parallel:  # the sum reduce-scattered along s: B sees a shard, like a norm
+        return (
+            F.linear(reduce_scatter_to_sequence(F.linear(x, a), group), sum_grad_over_tp(b, group)) * settings.scaling
+        )
     if kind == "row":  # x: this rank's input columns
         return F.linear(reduce_from_tp_region(F.linear(x, a), group), b) * settings.scaling
     u = F.linear(x, sum_grad_over_tp(a, group))
