@@ -105,6 +105,37 @@ def _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp: bool = True
     }
 
 
+MEASURE_SEQ, MEASURE_BATCH, MEASURE_LAYERS = 512, 2, 2
+
+
+def _retained_bytes(group) -> dict[str, int]:
+    """Heap bytes the decoder layers' forward leaves held for the backward (fp32, s=512): plain TP, SP without the
+    re-gather of the projections' inputs, SP."""
+    import gc
+
+    from kuangchao_core.hal.heap import heap_in_use_bytes
+    from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
+    from tests.fixtures import tiny_llama
+
+    cfg = tiny_llama(intermediate_size=128, max_seq_len=MEASURE_SEQ, num_layers=MEASURE_LAYERS)
+    ids = torch.randint(0, cfg.vocab_size, (MEASURE_BATCH, MEASURE_SEQ), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name in ("tp", "sp_without_regather", "sp"):
+        model = TPLlamaForCausalLM(cfg, group, sequence_parallel=name != "tp")
+        init_from_seed(model, 7)
+        if name == "sp_without_regather":
+            model.regather.enabled = False
+        h = model.embed(ids).detach().requires_grad_()
+        gc.collect()
+        before = heap_in_use_bytes()
+        y = model.run_layers(h)
+        gc.collect()
+        out[name] = heap_in_use_bytes() - before
+        y.sum().backward()  # collective: every rank runs it
+        del y
+    return out
+
+
 def _body(rank, world_size):
     from kuangchao_core.comm.group import CommGroup
     from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss
@@ -142,6 +173,7 @@ def _body(rank, world_size):
     }
     plain_tp = _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp=False)["block_output_shape"]
     return {
+        "retained": _retained_bytes(group),
         "honest": honest,
         "recomputed": recomputed,
         "broken": broken,
@@ -179,6 +211,22 @@ def test_activations_between_blocks_hold_s_over_tp_positions(results):
     for res in results:
         assert res["honest"]["block_output_shape"] == (BATCH, SEQ // 2, 64)
         assert res["plain_tp_block_output_shape"] == (BATCH, SEQ, 64)
+
+
+def test_sequence_parallel_holds_fewer_activation_bytes(results):
+    """What a layer keeps for its backward (Megatron's count, Korthikanti et al. 2022): SP divides the norms' inputs
+    and outputs, 4h elements per token, by tp — so SP holds at least 4h(1 - 1/tp) elements per token per layer fewer
+    than TP. Of those, the norms' outputs are what q/k/v and gate/up save; kept as shards and gathered again in the
+    backward, they hold 2h(1 - 1/tp) fewer than the same SP run that keeps them whole; 3/4 of that is required
+    (the heap's block rounding moves a measurement by far less; with the re-gather broken, the two runs hold the
+    same: 0). fp32: 4 bytes an element."""
+    h, tp = 64, 2
+    per_element = MEASURE_SEQ * MEASURE_BATCH * MEASURE_LAYERS * 4
+    for res in results:
+        got = res["retained"]
+        assert got["tp"] - got["sp"] >= 4 * h * (1 - 1 / tp) * per_element, got
+        assert got["sp_without_regather"] - got["sp"] >= 0.75 * 2 * h * (1 - 1 / tp) * per_element, got
+        print(f"retained bytes {got}")
 
 
 def test_a_length_tp_does_not_divide_is_padded_and_gives_the_real_logits(results):

@@ -117,6 +117,8 @@ def build_parallel_model(
     else:
         model = model.to(device=device, dtype=dtype)
     if build.compile and build.zero_stage != 3:  # ZeRO-3 wraps each block's forward to gather it
+        if getattr(model, "regather", None) is not None:
+            model.regather.enabled = False  # saved-tensor hooks around compiled layers are not verified
         compile_layers(model, report=mesh.rank == 0)  # rank 0 logs the compile time once
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):

@@ -32,10 +32,7 @@ from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm
 from kuangchao_core.models.llama import init_from_seed as _init_from_seed
 from kuangchao_core.parallel import sequence as sequence_mod
-from kuangchao_core.parallel.sequence import (
-    gather_from_sequence_region,
-    pad_to_multiple,
-)
+from kuangchao_core.parallel.sequence import RegatherInBackward, gather_from_sequence_region, pad_to_multiple
 from kuangchao_core.parallel.tensor import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
@@ -140,10 +137,11 @@ class TPRMSNorm(RMSNorm):
     projections that read it; with ``sequence_parallel`` it normalises this rank's s/tp positions (the weight's
     gradient summed over TP) and all-gathers the sequence instead."""
 
-    def __init__(self, dim: int, eps: float, group, sequence_parallel: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, group, sequence_parallel: bool = False, regather=None) -> None:
         super().__init__(dim, eps)
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self._regather = [regather]  # shared by the model's norms; a list keeps it out of the module tree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -151,7 +149,11 @@ class TPRMSNorm(RMSNorm):
         h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = sequence_mod.sum_weight_grad_over_tp(self.weight, self.group)
-        return gather_from_sequence_region(weight * h.to(x.dtype), self.group)
+        shard = weight * h.to(x.dtype)
+        full = gather_from_sequence_region(shard, self.group)
+        if self._regather[0] is not None:
+            self._regather[0].register(shard, full)
+        return full
 
 
 class TPLlamaForCausalLM(LlamaForCausalLM):
@@ -171,9 +173,11 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         object.__setattr__(self, "tp_rank", 0 if tp_group is None else tp_group.rank)
         object.__setattr__(self, "sequence_parallel", sp)
         super().__init__(cfg)
+        #: the decoder layers' gathered norm outputs are saved as shards and gathered again in the backward
+        self.regather = RegatherInBackward(tp_group) if sp else None
         for layer in self.model.layers:
-            layer.input_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp)
-            layer.post_attention_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                setattr(layer, name, TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp, self.regather))
         self.model.norm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp)
 
     def make_linear(self, in_features: int, out_features: int, role: str):
@@ -204,7 +208,10 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         so the rotary positions are the tokens' real ones: 0..s-1 by default)."""
         if self.sequence_parallel and position_ids is None:
             position_ids = torch.arange(h.shape[1] * self.tp_size, device=h.device)
-        return super().run_layers(h, start, end, position_ids=position_ids, segment_ids=segment_ids)
+        if self.regather is None or not self.regather.enabled or not torch.is_grad_enabled():
+            return super().run_layers(h, start, end, position_ids=position_ids, segment_ids=segment_ids)
+        with self.regather.hooks():
+            return super().run_layers(h, start, end, position_ids=position_ids, segment_ids=segment_ids)
 
     def forward(
         self,

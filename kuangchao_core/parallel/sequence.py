@@ -26,6 +26,10 @@ micro-batches (a sum of sums) keep working unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 from kuangchao_core.comm import primitives as comm
@@ -136,6 +140,77 @@ def sum_weight_grad_over_tp(weight: torch.Tensor, group) -> torch.Tensor:
     """``weight`` unchanged; its gradient from this backward is summed over the TP group (a replicated weight applied
     to a sequence shard)."""
     return weight if tp_size_of(group) == 1 else _SumGradOverTP.apply(weight, group)
+
+
+class _Gathered:
+    """One gathered activation the backward needs again: its shard, and the whole tensor while some use holds it."""
+
+    __slots__ = ("cache", "full", "group", "shard", "uses")
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, group) -> None:
+        self.shard, self.group, self.uses, self.cache = shard, group, 0, None
+        self.full = weakref.ref(full)
+
+    def take(self) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = _gather_seq(self.shard, self.group)
+        self.uses -= 1
+        full = self.cache
+        if self.uses == 0:
+            self.cache = None
+        return full
+
+
+class RegatherInBackward:
+    """Saved-tensor hooks that keep a sequence-gathered activation as its shard and all-gather it again when the
+    backward needs it (Megatron's sequence-parallel linears do the same): the projections after a norm save the
+    whole sequence otherwise, h elements per token where the shard is h/tp. One gather serves every projection that
+    saved the same activation (q/k/v, gate/up, their LoRA adapters).
+
+    ``register(shard, full)`` marks ``full`` (the gather of ``shard``); inside :meth:`hooks` any saved view of it is
+    replaced. ``enabled = False`` keeps every input whole (used under ``train.compile``). A tensor saved under inner hooks (activation checkpointing, ZeRO-3's units) is theirs and is kept
+    whole: correct, only without the saving."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.enabled = True
+        self.active = False
+        self.live: dict[int, _Gathered] = {}
+
+    def register(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """Remember that ``full`` is the all-gather of ``shard`` (inside :meth:`hooks` only)."""
+        if self.active and torch.is_grad_enabled():
+            self.live[full.untyped_storage().data_ptr()] = _Gathered(shard.detach(), full, self.group)
+
+    def _pack(self, t: torch.Tensor):
+        entry = self.live.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        full = entry.full() if entry is not None else None
+        if full is None or full.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            return t
+        entry.uses += 1
+        return entry, t.size(), t.stride(), t.storage_offset()
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        entry, size, stride, offset = packed
+        return entry.take().as_strided(size, stride, offset)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The context under which the layers run; on leaving it the entries are dropped (what was saved holds
+        its own reference until the backward)."""
+        if not self.enabled:
+            yield
+            return
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.active = False
+            self.live = {}
 
 
 def pad_to_multiple(
