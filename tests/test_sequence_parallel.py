@@ -240,3 +240,36 @@ def test_negative_control_unsummed_norm_weight_gradients_fail(results):
         name, diff = res["broken"]["grad"]
         assert "norm" in name and diff >= NEGATIVE_MIN, (rank, name, diff)
         print(f"rank {rank}: without the TP sum {name} differs by {diff:.2e} (tolerance {FP64_REL:.0e})")
+
+
+def _comm_count_body(rank, world_size):
+    from kuangchao_core.comm import COMM_STATS
+    from kuangchao_core.comm.group import CommGroup
+    from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    install_guard(AllowAll())
+    cfg = _cfg()
+    model = TPLlamaForCausalLM(cfg, CommGroup(list(range(world_size)), backend="gloo", name="tp0"), True)
+    init_from_seed(model, 3)
+    batch = _micro_batches(cfg.vocab_size)[0]
+    COMM_STATS.reset()
+    h = model.run_layers(model.embed(batch["input_ids"]))
+    layers = dict(COMM_STATS.counts_by_op())
+    loss = model.loss(model.head(h), batch["labels"])
+    forward = dict(COMM_STATS.counts_by_op())
+    loss.backward()
+    return layers, forward, dict(COMM_STATS.counts_by_op())
+
+
+def test_sequence_parallel_communication_is_megatrons():
+    """Forward: the embedding's reduce-scatter, per layer two all-gathers (before q/k/v and gate/up) and two
+    reduce-scatters (after o_proj and down), the head's all-gather, the loss's two all-reduces. Backward: each
+    conjugate (an all-gather for each reduce-scatter and back), the re-gather of the two saved norm outputs per layer,
+    and one all-reduce per norm weight (2L + 1)."""
+    n = _cfg().num_layers
+    for layers, forward, total in run_distributed(_comm_count_body, 2):
+        assert layers == {"all_gather": 2 * n, "reduce_scatter": 1 + 2 * n}
+        assert forward == {"all_gather": 2 * n + 1, "reduce_scatter": 1 + 2 * n, "all_reduce": 2}
+        assert total == {"all_gather": (2 * n + 1) + (2 * n + 1) + 2 * n, "reduce_scatter": 2 * (2 * n + 1),
+                         "all_reduce": 2 + 2 * n + 1}  # fmt: skip

@@ -15,7 +15,8 @@
   projections; o_proj and down reduce-scatter. The final norm also runs on the shard and the sequence is gathered
   just before the head, since the vocabulary-parallel loss needs every position's logits on every rank (gathering
   after the norm rather than before keeps the norm's saved activations at s/tp; the bytes moved are the same).
-  Rotary tables and packed documents' segments stay whole: attention runs on the gathered sequence.
+  Rotary tables and packed documents' segments stay whole: attention runs on the gathered sequence. The gathered
+  norm outputs the projections save are kept as shards and gathered again in the backward (:attr:`regather`).
 
 The local parameters keep the Hugging Face names; :func:`tp_shard_slices` says which slice of which full tensor each
 rank holds (for checkpoint resharding), :func:`gather_full_state_dict` rebuilds the full tensors.

@@ -18,6 +18,9 @@ reduce-scatter replaces the all-reduce after the row-parallel ones (o_proj, down
 embedding. The bytes moved are those of the all-reduce they replace (an all-reduce is a reduce-scatter then an
 all-gather), but norms, residual adds and their saved activations shrink to ``s / tp`` per rank.
 
+:class:`RegatherInBackward` keeps a gathered activation that projections save for their backward as its shard and
+gathers it again there (Megatron's SP linears do the same), so those saved inputs shrink to s/tp as well.
+
 A replicated weight used on a sequence shard (the RMSNorm scales) gets only its shard's share of the gradient;
 ``sum_weight_grad_over_tp`` sums it over the TP group inside the backward, once for each backward pass, before any
 gradient hook (data-parallel buckets, ZeRO's reduce-scatter) sees it, so every gradient path and accumulation over
