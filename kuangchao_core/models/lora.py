@@ -36,13 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kuangchao_core.models.layout import Region
-from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence
+from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence, sum_weight_grad_over_tp
 from kuangchao_core.parallel.tensor import (
     ReplicatedHeadsLinear,
     RowParallelLinear,
     _ReplicatedColumnLinear,
     reduce_from_tp_region,
-    tp_size_of,
 )
 
 #: the seed offset of the adapters' initialisation (its own stream: the base's draws are unchanged by LoRA)
@@ -83,27 +82,11 @@ class LoraFactor(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, cols))
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the gradient summed over the TP group backward (a weight every TP rank holds whole but
-    whose gradient each rank computes only in part)."""
-
-    @staticmethod
-    def forward(ctx, weight, group):
-        ctx.group = group
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from kuangchao_core.comm import primitives as comm
-
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def sum_grad_over_tp(weight: torch.Tensor, group) -> torch.Tensor:
-    """``weight`` whose gradient is summed over ``group`` in backward (identity for one rank)."""
-    return weight if tp_size_of(group) == 1 else _SumGradOverTP.apply(weight, group)
+    """``weight`` whose gradient is summed over ``group`` in backward (identity for one rank): a weight every TP rank
+    holds whole but whose gradient each rank computes only in part
+    (:func:`~kuangchao_core.parallel.sequence.sum_weight_grad_over_tp`)."""
+    return sum_weight_grad_over_tp(weight, group)
 
 
 def _kind(layer: nn.Module) -> str:
