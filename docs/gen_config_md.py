@@ -191,21 +191,20 @@ EXAMPLES: dict[str, Any] = {
 }
 
 
-#: whole fragments for fields inside a list or map of sections (their path alone does not say where they go)
+_NODE = {"host": "10.0.1.1", "gpus": 1}
+_STATIC = {"cluster": {"mode": "static", "nodes": [_NODE]}}
+_COORDINATOR = {**_NODE, "host": "10.0.1.2", "role": "coordinator"}
+#: whole fragments for fields in a list or map of sections (the path does not say where), or needing another field
 FRAGMENTS: dict[str, dict[str, Any]] = {
     "permission.roles.interfaces": {"permission": {"roles": {"trainer": {"interfaces": ["all_reduce", "send"]}}}},
     "permission.roles.resources": {
         "permission": {"roles": {"monitor": {"interfaces": ["metrics_read"], "resources": ["metrics*"]}}}
     },
-    "cluster.nodes": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
-    "cluster.nodes.host": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
-    "cluster.nodes.gpus": {"cluster": {"mode": "static", "nodes": [{"host": "10.0.1.1", "gpus": 1}]}},
-    "cluster.nodes.role": {
-        "cluster": {
-            "mode": "static",
-            "nodes": [{"host": "10.0.1.1", "gpus": 1}, {"host": "10.0.1.2", "gpus": 1, "role": "coordinator"}],
-        }
-    },
+    "cluster.nodes": _STATIC,
+    "cluster.nodes.host": _STATIC,
+    "cluster.nodes.gpus": _STATIC,
+    "cluster.nodes.role": {"cluster": {"mode": "static", "nodes": [_NODE, _COORDINATOR]}},
+    "parallel.sequence_parallel": {"parallel": {"tensor_parallel_size": 2, "sequence_parallel": True}},
     "cluster.slurm.switches_wait": {"cluster": {"mode": "slurm", "slurm": {"switches": 1, "switches_wait": "10:00"}}},
     "checkpoint.uri": {"checkpoint": {"uri": "s3://bucket/kuangchao", "endpoint_url": "http://127.0.0.1:9000"}},
 }

@@ -314,6 +314,19 @@ def _unsummed_lora_a(trainer):
     return undo
 
 
+def _unsummed_sp_norm_grads(trainer):
+    """Sequence parallelism: the norm weights keep their sequence shard's gradient (no sum over TP)."""
+    from kuangchao_core.parallel import sequence
+
+    real = sequence.sum_weight_grad_over_tp
+    sequence.sum_weight_grad_over_tp = lambda weight, group: weight
+
+    def undo():
+        sequence.sum_weight_grad_over_tp = real
+
+    return undo
+
+
 def _mean_of_micro_batch_means(trainer):
     """Every micro-batch's mean loss weighs the same (the step ignores the global labelled-token count)."""
     step = trainer.forward_backward
@@ -348,6 +361,7 @@ SABOTAGE = {
     "unreduced_zero3_unit": _unreduced_zero3_unit,
     "drop_comm_state": _drop_comm_state,
     "unsummed_lora_a": _unsummed_lora_a,
+    "unsummed_sp_norm_grads": _unsummed_sp_norm_grads,
     "mean_of_micro_batch_means": _mean_of_micro_batch_means,
     "stages_without_documents": _stages_without_documents,
     "dense_attention": attention_helpers.dense_attention,

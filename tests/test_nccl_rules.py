@@ -6,8 +6,9 @@ device tensors, and the collective order of every group is compared across ranks
 
 The job test runs the worker entry point as ``kc train``'s workers run it — start, resume plan, steps, evaluation
 and greedy samples, a checkpoint save, a followed global-config change, the final evaluation, then a second run
-that resumes — at dp2, tp2, pp2 and dp2 with ZeRO-3. Negative control: the host coordination sent on the world
-group, as before the fix, fails at the resume plan's broadcast with the error a CUDA job gave.
+that resumes — at dp2, tp2, tp2 with sequence parallelism, pp2 and dp2 with ZeRO-3. Negative control: the host
+coordination sent on the world group, as before the fix, fails at the resume plan's broadcast with the error a CUDA
+job gave.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def test_collective_order_is_compared_across_ranks():
 LAYOUTS = {
     "dp2": {"data_parallel_size": 2},
     "tp2": {"tensor_parallel_size": 2},
+    "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
     "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
 }

@@ -148,6 +148,33 @@ def _schedule(parallel: Any) -> Errors:
     return errors
 
 
+@_check("parallel")
+def _sequence_parallel(parallel: Any) -> Errors:
+    if parallel.sequence_parallel and parallel.tensor_parallel_size < 2:
+        return [
+            (
+                "parallel.sequence_parallel",
+                f"sequence parallelism splits the sequence over the tensor-parallel group, but tensor_parallel_size "
+                f"is {parallel.tensor_parallel_size}: set tensor_parallel_size > 1 or sequence_parallel false",
+            )
+        ]
+    return []
+
+
+@_check("data", "parallel")
+def _sequence_splits(data: Any, parallel: Any) -> Errors:
+    tp = parallel.tensor_parallel_size
+    if parallel.sequence_parallel and tp > 1 and data.seq_len % tp:
+        return [
+            (
+                "data.seq_len",
+                f"seq_len {data.seq_len} is not divisible by tensor_parallel_size {tp} (parallel.sequence_parallel "
+                "splits every sequence into tensor_parallel_size equal parts)",
+            )
+        ]
+    return []
+
+
 @_check("parallel", "cluster")
 def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices

@@ -123,8 +123,7 @@ class DataSection(Section):
     #: ``sft``: instruction records (prompt/completion or chat messages, jsonl or parquet), loss on the answers only
     format: Literal["auto", "txt", "jsonl", "parquet", "synthetic", "sft"] = "auto"
     text_field: str = Field(default="text", min_length=1)
-    #: ``byte``, a tokenizers JSON file, or a local Hugging Face tokenizer directory (its chat template renders sft
-    #: messages)
+    #: ``byte``, a tokenizers JSON file, or a local Hugging Face tokenizer dir (its chat template renders sft messages)
     tokenizer: str = Field(default="byte", min_length=1)
     seq_len: Int = Field(default=128, ge=2)
     #: ``concat``: documents end to end, cut into windows; ``documents``: the same, but attention stays inside each
@@ -168,6 +167,7 @@ class ParallelSection(Section):
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "afab"] = "1f1b"
     #: 1: AdamW state sharded over DP; 2: gradients too; 3: parameters too (gathered per block; with PP runs as 2)
     zero_stage: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False  # Megatron's: norms/residuals split along s over TP (tp > 1, seq_len % tp == 0)
     bucket_size_mb: Float = Field(default=25.0, gt=0)
     hierarchical_allreduce: Literal["auto", "on", "off"] = "auto"
     grad_compression: Literal["none", "fp16", "bf16", "topk"] = "none"

@@ -62,6 +62,7 @@ class ModelBuildSettings:
     virtual_pipeline_size: int
     pipeline_schedule: str
     zero_stage: int
+    sequence_parallel: bool = False  # ``parallel.sequence_parallel``: activations between TP blocks split along s
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ def run_settings(cfg: Any) -> RunSettings:
             virtual_pipeline_size=int(par.virtual_pipeline_size),
             pipeline_schedule=par.pipeline_schedule,
             zero_stage=int(par.zero_stage),
+            sequence_parallel=bool(par.sequence_parallel),
         ),
         grad_sync=GradSyncSettings(
             lr=float(opt.lr),

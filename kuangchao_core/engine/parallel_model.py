@@ -7,6 +7,7 @@ keep their slice), then the layers of other pipeline stages are dropped, so ever
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,10 @@ from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm
 from kuangchao_core.models.lora import LoraSettings, attach_lora, lora_regions
 from kuangchao_core.models.ring_attention import cp_attention, use_attention
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
+from kuangchao_core.obs.jsonlog import log_event
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
+
+log = logging.getLogger("kuangchao.engine")
 
 
 @dataclass
@@ -80,10 +84,13 @@ def build_parallel_model(
     values as an fp32 one); with ``train.param_dtype: bf16`` they stay fp32 until the job's GradSync has taken
     them as its master weights (:mod:`~kuangchao_core.parallel.master_weights`)."""
     seed = build.seed
+    sp = build.sequence_parallel and mesh.tp > 1
     if mesh.tp > 1:
-        model: LlamaForCausalLM = TPLlamaForCausalLM(llama_cfg, mesh.tp_group)
+        model: LlamaForCausalLM = TPLlamaForCausalLM(llama_cfg, mesh.tp_group, sequence_parallel=sp)
         init_from_seed(model, seed)
         loss_fn = model.loss
+        if sp and mesh.rank == 0:
+            log_event(log, "sequence parallel on", tp=mesh.tp, positions_per_rank=f"seq_len/{mesh.tp}")
     else:
         model = LlamaForCausalLM(llama_cfg)
         model.init_weights(seed)
@@ -115,10 +122,13 @@ def build_parallel_model(
             schedule=build.pipeline_schedule,
             device=device,
             dtype=torch.bfloat16 if build.param_dtype == "bf16" else dtype,  # bf16 parameters: bf16 activations
+            seq_shards=mesh.tp if sp else 1,  # sequence parallelism: stages exchange s/tp positions
         )
     else:
         model = model.to(device=device, dtype=dtype)
     if build.compile and build.zero_stage != 3:  # ZeRO-3 wraps each block's forward to gather it
+        if getattr(model, "regather", None) is not None:
+            model.regather.enabled = False  # saved-tensor hooks around compiled layers are not verified
         compile_layers(model, report=mesh.rank == 0)  # rank 0 logs the compile time once
     names = {n for n, _ in model.named_parameters()}
     if names != set(regions):

@@ -13,7 +13,9 @@ Under TP an adapter follows its base layer:
   their base weight does.
 - row-parallel base (o/down, input columns split): ``A`` holds the same columns as the base weight; ``A x`` is
   summed over the TP group (one all-reduce of rank-wide activations) and ``B`` is replicated — its input and output
-  gradients are the same on every rank, so its gradient needs no reduction.
+  gradients are the same on every rank, so its gradient needs no reduction. Under sequence parallelism the sum is
+  reduce-scattered along the sequence as the base's is, so ``B`` sees this rank's positions only and its gradient
+  is summed over the TP group.
 
 :func:`adapter_region` gives each adapter's slice of its full tensor from its base weight's slice, so checkpoints,
 resharding and the gradient norm treat adapters like any other parameter.
@@ -34,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kuangchao_core.models.layout import Region
+from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence, sum_weight_grad_over_tp
 from kuangchao_core.parallel.tensor import (
     ReplicatedHeadsLinear,
     RowParallelLinear,
     _ReplicatedColumnLinear,
     reduce_from_tp_region,
-    tp_size_of,
 )
 
 #: the seed offset of the adapters' initialisation (its own stream: the base's draws are unchanged by LoRA)
@@ -80,27 +82,11 @@ class LoraFactor(nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, cols))
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the gradient summed over the TP group backward (a weight every TP rank holds whole but
-    whose gradient each rank computes only in part)."""
-
-    @staticmethod
-    def forward(ctx, weight, group):
-        ctx.group = group
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from kuangchao_core.comm import primitives as comm
-
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def sum_grad_over_tp(weight: torch.Tensor, group) -> torch.Tensor:
-    """``weight`` whose gradient is summed over ``group`` in backward (identity for one rank)."""
-    return weight if tp_size_of(group) == 1 else _SumGradOverTP.apply(weight, group)
+    """``weight`` whose gradient is summed over ``group`` in backward (identity for one rank): a weight every TP rank
+    holds whole but whose gradient each rank computes only in part
+    (:func:`~kuangchao_core.parallel.sequence.sum_weight_grad_over_tp`)."""
+    return sum_weight_grad_over_tp(weight, group)
 
 
 def _kind(layer: nn.Module) -> str:
@@ -117,6 +103,10 @@ def _lora_delta(settings: LoraSettings, layer: nn.Module, x: torch.Tensor) -> to
     if settings.dropout > 0.0 and layer.training:
         x = F.dropout(x, settings.dropout, training=True)
     kind = _kind(layer)
+    if kind == "row" and layer.sequence_parallel:  # the sum reduce-scattered along s: B sees a shard, like a norm
+        return (
+            F.linear(reduce_scatter_to_sequence(F.linear(x, a), group), sum_grad_over_tp(b, group)) * settings.scaling
+        )
     if kind == "row":  # x: this rank's input columns
         return F.linear(reduce_from_tp_region(F.linear(x, a), group), b) * settings.scaling
     u = F.linear(x, sum_grad_over_tp(a, group))

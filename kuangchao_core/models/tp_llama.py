@@ -9,6 +9,14 @@
   :func:`~kuangchao_core.parallel.vocab_parallel.vocab_parallel_cross_entropy`.
 - RMSNorm weights replicated. Each norm that feeds a column-parallel block also carries the block's single
   copy-to-TP-region, so backward does one all-reduce per block (2 per layer forward, 2 backward).
+- ``sequence_parallel`` (Megatron's sequence parallelism, :mod:`kuangchao_core.parallel.sequence`): between the
+  blocks each rank holds s/tp positions. The embedding reduce-scatters along the sequence; each norm runs on its
+  shard (its weight's gradient summed over TP) and all-gathers the sequence for the block's column-parallel
+  projections; o_proj and down reduce-scatter. The final norm also runs on the shard and the sequence is gathered
+  just before the head, since the vocabulary-parallel loss needs every position's logits on every rank (gathering
+  after the norm rather than before keeps the norm's saved activations at s/tp; the bytes moved are the same).
+  Rotary tables and packed documents' segments stay whole: attention runs on the gathered sequence. The gathered
+  norm outputs the projections save are kept as shards and gathered again in the backward (:attr:`regather`).
 
 The local parameters keep the Hugging Face names; :func:`tp_shard_slices` says which slice of which full tensor each
 rank holds (for checkpoint resharding), :func:`gather_full_state_dict` rebuilds the full tensors.
@@ -21,8 +29,11 @@ import functools
 import torch
 
 from kuangchao_core.errors import PlanError
+from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm
 from kuangchao_core.models.llama import init_from_seed as _init_from_seed
+from kuangchao_core.parallel import sequence as sequence_mod
+from kuangchao_core.parallel.sequence import RegatherInBackward, gather_from_sequence_region, pad_to_multiple
 from kuangchao_core.parallel.tensor import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
@@ -124,14 +135,26 @@ def _full_shapes(fields: tuple[tuple[str, object], ...]) -> tuple[tuple[str, tup
 
 class TPRMSNorm(RMSNorm):
     """RMSNorm (replicated weight) whose output enters a column-parallel block: one copy-to-TP-region for all the
-    projections that read it."""
+    projections that read it; with ``sequence_parallel`` it normalises this rank's s/tp positions (the weight's
+    gradient summed over TP) and all-gathers the sequence instead."""
 
-    def __init__(self, dim: int, eps: float, group) -> None:
+    def __init__(self, dim: int, eps: float, group, sequence_parallel: bool = False, regather=None) -> None:
         super().__init__(dim, eps)
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self._regather = [regather]  # shared by the model's norms; a list keeps it out of the module tree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp_region(super().forward(x), self.group)
+        if not self.sequence_parallel:
+            return copy_to_tp_region(super().forward(x), self.group)
+        h = at_least_fp32(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = sequence_mod.sum_weight_grad_over_tp(self.weight, self.group)
+        shard = weight * h.to(x.dtype)
+        full = gather_from_sequence_region(shard, self.group)
+        if self._regather[0] is not None:
+            self._regather[0].register(shard, full)
+        return full
 
 
 class TPLlamaForCausalLM(LlamaForCausalLM):
@@ -142,32 +165,71 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
     :func:`init_from_seed` (as :func:`build_tp_model` does).
     """
 
-    def __init__(self, cfg: LlamaConfig, tp_group) -> None:
+    def __init__(self, cfg: LlamaConfig, tp_group, sequence_parallel: bool = False) -> None:
         tp = 1 if tp_group is None else tp_group.size
         validate_tp(cfg, tp)
+        sp = bool(sequence_parallel) and tp > 1
         object.__setattr__(self, "tp_group", tp_group)  # the factories below run inside super().__init__
         object.__setattr__(self, "tp_size", tp)
         object.__setattr__(self, "tp_rank", 0 if tp_group is None else tp_group.rank)
+        object.__setattr__(self, "sequence_parallel", sp)
         super().__init__(cfg)
+        #: the decoder layers' gathered norm outputs are saved as shards and gathered again in the backward
+        self.regather = RegatherInBackward(tp_group) if sp else None
         for layer in self.model.layers:
-            layer.input_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
-            layer.post_attention_layernorm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
-        self.model.norm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                setattr(layer, name, TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp, self.regather))
+        self.model.norm = TPRMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sp)
 
     def make_linear(self, in_features: int, out_features: int, role: str):
         """The layer :data:`TP_PLAN` names for ``role`` (row- or column-parallel), replicated-head k/v when there are
         fewer key/value heads than TP ranks."""
         cfg, group = self.config, self.tp_group
         if TP_PLAN[role] == "row":
-            return RowParallelLinear(in_features, out_features, group)
+            return RowParallelLinear(in_features, out_features, group, sequence_parallel=self.sequence_parallel)
         if role in ("k_proj", "v_proj") and cfg.num_kv_heads < self.tp_size:
             slot = _kv_slot(cfg, self.tp_size, self.tp_rank)
             return ReplicatedHeadsLinear(in_features, out_features, group, cfg.head_dim, slot, copy_input=False)
         return ColumnParallelLinear(in_features, out_features, group, copy_input=False)
 
     def make_embedding(self, num_embeddings: int, dim: int):
-        """Vocabulary-parallel embedding."""
-        return VocabParallelEmbedding(num_embeddings, dim, self.tp_group)
+        """Vocabulary-parallel embedding (reduce-scattered along the sequence with sequence parallelism)."""
+        return VocabParallelEmbedding(num_embeddings, dim, self.tp_group, sequence_parallel=self.sequence_parallel)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        start: int = 0,
+        end: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`LlamaForCausalLM.run_layers`; with sequence parallelism ``h`` holds this rank's s/tp positions
+        while ``position_ids``/``segment_ids`` cover the whole sequence (attention runs on the gathered sequence,
+        so the rotary positions are the tokens' real ones: 0..s-1 by default)."""
+        if self.sequence_parallel and position_ids is None:
+            position_ids = torch.arange(h.shape[1] * self.tp_size, device=h.device)
+        if self.regather is None or not self.regather.enabled or not torch.is_grad_enabled():
+            return super().run_layers(h, start, end, position_ids=position_ids, segment_ids=segment_ids)
+        with self.regather.hooks():
+            return super().run_layers(h, start, end, position_ids=position_ids, segment_ids=segment_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`LlamaForCausalLM.forward`; with sequence parallelism a length that tensor_parallel_size does
+        not divide (greedy decoding) is right-padded and the padded positions' logits dropped (causal attention:
+        the real positions never see them)."""
+        if not self.sequence_parallel:
+            return super().forward(input_ids, position_ids=position_ids, segment_ids=segment_ids)
+        extras = {k: v for k, v in (("position_ids", position_ids), ("segment_ids", segment_ids)) if v is not None}
+        if input_ids.shape[-1] > self.config.max_seq_len:
+            return super().forward(input_ids, **extras)  # raises, naming the setting
+        ids, extras, s = pad_to_multiple(input_ids, extras, self.tp_size)
+        return self.head(self.run_layers(self.embed(ids), **extras))[:, :s]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy of vocab-split ``logits`` against ``labels`` (ignore -100); same value as

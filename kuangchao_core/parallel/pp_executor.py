@@ -37,6 +37,7 @@ from kuangchao_core.parallel.pp_schedules import (
     stage_of,
     validate_schedule,
 )
+from kuangchao_core.parallel.sequence import pad_to_multiple
 from kuangchao_core.parallel.step_loss import weighted_loss
 
 
@@ -58,7 +59,9 @@ class PipelineExecutor:
     called ``chunk(x, **stage_inputs(micro_batch))`` (packed documents' ``position_ids``/``segment_ids`` when the
     micro-batch has them: every stage holds the step's micro-batches).
     ``loss_fn(output, labels, reduction="mean"|"sum") -> scalar loss``: used on the last virtual stage.
-    ``hidden_size``: the activation is ``(micro_batch, seq_len, hidden_size)`` in ``dtype``.
+    ``hidden_size``: the activation is ``(micro_batch, seq_len / seq_shards, hidden_size)`` in ``dtype``;
+    ``seq_shards``: the tensor-parallel size under sequence parallelism (each rank of a stage holds and sends its
+    s/tp positions), else 1.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class PipelineExecutor:
         schedule: str = "1f1b",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        seq_shards: int = 1,
     ):
         if group.rank is None:
             raise PlanError([("pipeline", f"rank {group.global_rank} is not in the pipeline group {group.ranks}")])
@@ -80,6 +84,7 @@ class PipelineExecutor:
         self.v = len(self.chunks)
         self.loss_fn = loss_fn
         self.hidden_size = hidden_size
+        self.seq_shards = seq_shards
         self.schedule_name = schedule
         self.schedule = get_schedule(schedule)
         self.dtype = dtype
@@ -97,8 +102,11 @@ class PipelineExecutor:
     def forward_only(self, ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """One batch through every virtual stage in order, forward only (evaluation, decoding): each rank runs its
         chunks, activations sent to the next stage's rank; returns the last stage's output on the rank that holds it,
-        None on the others. ``inputs``: the chunks' keyword inputs (:func:`stage_inputs`). Collective over PP."""
+        None on the others. ``inputs``: the chunks' keyword inputs (:func:`stage_inputs`). Collective over PP.
+        Under sequence parallelism a length ``seq_shards`` does not divide is right-padded (causal attention: the
+        real positions never see the padding) and the output cut back."""
         ranks, p = self.group.ranks, self.p
+        ids, inputs, s = pad_to_multiple(ids, dict(inputs or {}), self.seq_shards)
         x: torch.Tensor | None = None
         out = None
         for stage in range(self.num_stages):
@@ -107,14 +115,23 @@ class PipelineExecutor:
             if stage == 0:
                 x = ids
             else:
-                x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype, device=ids.device)
+                x = torch.empty(*self._act_shape(ids), dtype=self.dtype, device=ids.device)
                 comm.recv(x, src=ranks[(stage - 1) % p], group=self.group)
-            y = self.chunks[stage // p](x, **(inputs or {}))
+            y = self.chunks[stage // p](x, **inputs)
             if stage == self.num_stages - 1:
-                out = y
+                out = y[:, :s]
             else:
                 comm.send(y.contiguous(), dst=ranks[(stage + 1) % p], group=self.group)
         return out
+
+    def _act_shape(self, ids: torch.Tensor) -> tuple[int, ...]:
+        """Shape of the activation between stages for token ids ``ids`` (batch, s): (batch, s / seq_shards, h)."""
+        b, s = ids.shape
+        if s % self.seq_shards:
+            raise PlanError(
+                [("data.seq_len", f"sequence length {s} is not divisible by tensor_parallel_size {self.seq_shards}")]
+            )
+        return (b, s // self.seq_shards, self.hidden_size)
 
     def actions(self, m: int) -> list[Action]:
         """This rank's action list for ``m`` micro-batches (the schedule's definition)."""
@@ -139,8 +156,7 @@ class PipelineExecutor:
         scale = precision.scale if precision is not None else (lambda loss: loss)
         m = len(micro_batches)
         validate_schedule(self.schedule_name, self.p, m, self.v)
-        ids0 = micro_batches[0]["input_ids"]
-        act_shape = (*ids0.shape, self.hidden_size)
+        act_shape = self._act_shape(micro_batches[0]["input_ids"])
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}

@@ -31,18 +31,9 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import PlanError
+from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence, tp_rank_of, tp_size_of
 
 IGNORE_INDEX = -100
-
-
-def tp_size_of(group) -> int:
-    """Ranks in the TP group (1 for None: no tensor parallelism)."""
-    return 1 if group is None else group.size
-
-
-def tp_rank_of(group) -> int:
-    """This process's rank inside the TP group (0 for None)."""
-    return 0 if group is None else group.rank
 
 
 def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -225,7 +216,9 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T`` with A's input columns split across the TP group, partial results summed by an all-reduce.
 
     With ``input_is_parallel`` (default) ``x`` is already split along its last dimension (the output of a
-    column-parallel layer); otherwise it is full and each rank takes its slice.
+    column-parallel layer); otherwise it is full and each rank takes its slice. With ``sequence_parallel`` the
+    partial results are reduce-scattered along the sequence instead (each rank keeps s/tp positions of the sum:
+    :mod:`kuangchao_core.parallel.sequence`).
     """
 
     def __init__(
@@ -238,12 +231,14 @@ class RowParallelLinear(nn.Module):
         seed: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.tp = tp_size_of(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         local = divide(in_features, self.tp, "input features")
         self.col_slice = (tp_rank_of(group) * local, local)
         self.weight = nn.Parameter(
@@ -253,6 +248,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
         return reduce_from_tp_region(F.linear(x, self.weight), self.group)
 
     def shard_spec(self, name: str = "weight") -> tuple[int, int, int] | None:

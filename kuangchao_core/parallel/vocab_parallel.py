@@ -13,6 +13,7 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.hal.dtypes import at_least_fp32
+from kuangchao_core.parallel.sequence import reduce_scatter_to_sequence
 from kuangchao_core.parallel.tensor import (
     IGNORE_INDEX,
     divide,
@@ -25,7 +26,8 @@ from kuangchao_core.parallel.tensor import (
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary rows split: each rank looks up the ids it owns, zeros the rest, and an
-    all-reduce sums the partial embeddings."""
+    all-reduce sums the partial embeddings (with ``sequence_parallel`` a reduce-scatter along the sequence: each
+    rank keeps the sum for its s/tp positions)."""
 
     def __init__(
         self,
@@ -36,10 +38,12 @@ class VocabParallelEmbedding(nn.Module):
         seed: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
         self.tp = tp_size_of(group)
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = divide(num_embeddings, self.tp, "vocab_size")
         self.vocab_start = tp_rank_of(group) * local
@@ -54,6 +58,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
         return reduce_from_tp_region(out, self.group)
 
     def shard_spec(self, name: str = "weight") -> tuple[int, int, int] | None:
