@@ -11,8 +11,9 @@ magnitude, see tests/test_ring_attention.py).
 
 Negative controls (``tests.cp_sabotage`` and ``engine_helpers.SABOTAGE``) break one CP piece each — rotary
 positions local to the shard, the first gradient bucket not reduced over CP, the loss denominator from the local
-token count, the ring ignoring packed documents, a ZeRO-3 unit not reduced over dp×cp — and must fail the same
-comparison by at least ``NEGATIVE_MIN``.
+token count, the ring ignoring packed documents, a ZeRO-3 unit not reduced over dp×cp, and under cp2×tp2 with
+sequence parallelism the norm weights' gradients not summed over TP (which shows SP is on) — and must fail the
+same comparison by at least ``NEGATIVE_MIN``.
 
 A cp2 checkpoint (written at step 2 of 4) resumes at cp1 and at dp2 and continues the same losses.
 
@@ -43,6 +44,7 @@ LAYOUTS: dict[str, tuple[int, dict, bool]] = {
     "cp4": (4, {"context_parallel_size": 4}, False),
     "cp2_pp2": (4, {"context_parallel_size": 2, "pipeline_parallel_size": 2}, False),
     "dp2_cp2_zero3": (4, {"data_parallel_size": 2, "context_parallel_size": 2, "zero_stage": 3}, False),
+    "cp2_tp2_sp": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}, False),
 }
 #: negative control -> (the layout it breaks, the sabotage)
 NEGATIVE: dict[str, tuple[str, str]] = {
@@ -52,6 +54,9 @@ NEGATIVE: dict[str, tuple[str, str]] = {
     "cp4_local_token_count": ("cp4", "local_token_count"),
     "cp2_pp2_local_rotary_positions": ("cp2_pp2", "local_rotary_positions"),
     "dp2_cp2_zero3_unreduced_unit": ("dp2_cp2_zero3", "unreduced_zero3_unit"),
+    "cp2_tp2_sp_unreduced_over_cp": ("cp2_tp2_sp", "unreduced_dp_bucket"),
+    # SP is really on in that layout: its norm weights' gradients must be summed over TP
+    "cp2_tp2_sp_unsummed_norm_grads": ("cp2_tp2_sp", "unsummed_sp_norm_grads"),
 }
 RESUME_STEPS, INTERVAL = 4, 2
 
