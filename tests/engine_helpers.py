@@ -113,17 +113,16 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
 
     ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps``, ``lineage`` (pins
     the checkpoint lineage, as a flow run does), ``node_of_rank`` (the node of every rank, for hierarchical
-    reductions) and ``sabotage`` (the
-    name of a function in :data:`SABOTAGE`, applied to the built Trainer: a negative control). Each job builds its
-    own mesh and Trainer, so one set of processes serves several layouts of the same world size. Returns, per job,
+    reductions) and ``sabotage`` (the name of a function in :data:`SABOTAGE`, applied to the built Trainer: a
+    negative control). Each job builds its own mesh and Trainer, so one set of processes serves several layouts of
+    the same world size. Returns, per job,
     ``{"losses", "eval_loss", "samples", "params", "regions", "first_step", "first_grads", "steps_run"}``:
     ``eval_loss`` is the held-out loss of the final model (None where the layout has none), ``samples`` its greedy
-    answers to the held-out prompts ``(exact match, text)``, ``regions`` maps each parameter
-    to the slice of the full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of
-    the first step this process ran, ``first_grads`` the gradients after that step's reduction and clipping
-    (parameters whose ``.grad`` the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran
-    (a resumed job runs only the remaining ones), ``attention_path`` the path the job reported
-    (``kuangchao_core.models.attention.PATHS``).
+    answers to the held-out prompts ``(exact match, text)``, ``regions`` maps each parameter to the slice of the
+    full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of the first step this
+    process ran, ``first_grads`` the gradients after that step's reduction and clipping (parameters whose ``.grad``
+    the engine keeps: every layout without ZeRO), ``steps_run`` how many steps it ran (a resumed job runs only the
+    remaining ones), ``attention_path`` the path the job reported (``kuangchao_core.models.attention.PATHS``).
     """
     import torch
 
@@ -367,7 +366,7 @@ SABOTAGE = {
     "dense_attention": attention_helpers.dense_attention,
     "per_document_attention": attention_helpers.per_document_attention,
     "first_document_boundary_ignored": attention_helpers.first_document_boundary_ignored,
-    **cp_sabotage.SABOTAGE,
+    **cp_sabotage.SABOTAGE,  # context parallelism's controls (tests/test_engine_cp.py)
 }
 
 
