@@ -153,3 +153,20 @@ def test_cp2_checkpoint_resumes_at_another_layout_and_continues_the_same_losses(
         np.testing.assert_allclose(got[INTERVAL:], want[INTERVAL:], rtol=FP64_REL, atol=0, err_msg=target)
     name, diff = worst_rel(gather_full(runs[target]), gather_full(runs["resume_cp2"]))
     assert diff <= FP64_REL, f"{target}: {name} differs by relative norm {diff:.2e}"
+
+
+def _worker_main(rank: int, world_size: int, config: str) -> int:
+    from kuangchao_core.engine import worker
+
+    return worker.main(["--config", config, "--max-steps", "1"])
+
+
+def test_worker_entry_point_finishes_a_cp2_job(tmp_path):
+    """The worker path (the plan check before launch, then the final greedy evaluation on full prompts) runs a cp2
+    job to the end (trusted mode: the tokens' group lists are checked in tests/test_mesh_axes.py)."""
+    import yaml
+
+    cfg = _job(tmp_path, {"context_parallel_size": 2}, False).model_dump(mode="json")
+    path = tmp_path / "cp2.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    assert run_distributed(_worker_main, 2, args=(str(path),), timeout=120) == [0, 0]

@@ -197,6 +197,10 @@ def test_kc_plan_shows_cp_groups_and_refuses_only_what_cp_cannot_run_with(monkey
     paths = dict(info.value.errors)
     assert set(paths) == {"data.seq_len", "train.compile"}, info.value.errors
     assert "divisible by 4" in paths["data.seq_len"]
+    sp = _cfg(2, sequence_parallel=True, tensor_parallel_size=4, data_parallel_size=1)
+    sp = sp.model_copy(update={"data": sp.data.model_copy(update={"seq_len": 12})})  # 6 positions per CP rank
+    with pytest.raises(PlanError, match="each CP rank holds 6 positions"):
+        raise_for_plan(sp, device_memory=2**40)
     monkeypatch.setattr(plan_module, "unbuilt_problems", lambda cfg: [])  # control: without the check it passes
     raise_for_plan(bad, device_memory=2**40)
     from kuangchao.cli.train import refuse_early  # kc train's check before any Prefect run starts

@@ -155,8 +155,9 @@ def raise_for_plan(cfg: Any, world_size: int | None = None, device_memory: Any =
 def unbuilt_problems(cfg: Any) -> Errors:
     """What context parallelism (``parallel.context_parallel_size`` > 1; issue 30) cannot run with, each named by
     its field, so such a job is refused before launch rather than run as something else: a sequence length that
-    does not split into ``2·cp`` equal chunks (the load-balanced layout), and ``train.compile`` (the ring's
-    point-to-point exchanges inside a compiled layer are not supported)."""
+    does not split into ``2·cp`` equal chunks (the load-balanced layout) or, with sequence parallelism, whose
+    ``s/cp`` positions per CP rank do not split over TP, and ``train.compile`` (the ring's point-to-point exchanges
+    inside a compiled layer are not supported)."""
     cp = getattr(cfg.parallel, "context_parallel_size", 1)
     if cp == 1:
         return []
@@ -168,6 +169,15 @@ def unbuilt_problems(cfg: Any) -> Errors:
                 "data.seq_len",
                 f"seq_len {seq_len}: context_parallel_size {cp} splits each sequence into 2*{cp} = {2 * cp} equal "
                 f"chunks; use a sequence length divisible by {2 * cp}",
+            )
+        )
+    tp = int(cfg.parallel.tensor_parallel_size)
+    if not errors and getattr(cfg.parallel, "sequence_parallel", False) and tp > 1 and (seq_len // cp) % tp:
+        errors.append(
+            (
+                "data.seq_len",
+                f"seq_len {seq_len}: each CP rank holds {seq_len // cp} positions, which sequence parallelism splits "
+                f"over tensor_parallel_size {tp}; use a sequence length divisible by {cp * tp} and by {2 * cp}",
             )
         )
     if getattr(cfg.train, "compile", False):
