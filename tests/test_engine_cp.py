@@ -52,6 +52,7 @@ NEGATIVE: dict[str, tuple[str, str]] = {
     "cp2_unreduced_over_cp": ("cp2", "unreduced_dp_bucket"),
     "cp2_packed_ring_without_documents": ("cp2_packed", "ring_without_documents"),
     "cp4_local_token_count": ("cp4", "local_token_count"),
+    "cp2_packed_local_token_count": ("cp2_packed", "local_token_count"),
     "cp2_pp2_local_rotary_positions": ("cp2_pp2", "local_rotary_positions"),
     "dp2_cp2_zero3_unreduced_unit": ("dp2_cp2_zero3", "unreduced_zero3_unit"),
     "cp2_tp2_sp_unreduced_over_cp": ("cp2_tp2_sp", "unreduced_dp_bucket"),

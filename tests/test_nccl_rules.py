@@ -157,6 +157,7 @@ LAYOUTS = {
     "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
     "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
     "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
+    "cp2": {"context_parallel_size": 2},  # issue 30: the ring's exchanges and the dp×cp reductions
 }
 
 
