@@ -1,0 +1,160 @@
+"""Image-text training data (issue 31): the data gate over image records and the dataset the trainer reads.
+
+:func:`build_image_dataset` is the one entry point. Before any compute it
+
+1. reads every record (``kuangchao_core.data.image_records``: the fields, the paths — missing ones, absolute ones
+   and ones that leave the data directory through ``..`` or a symlink — and the placeholder count against the
+   images), then
+2. decodes every distinct image once on the decode pool (:func:`~kuangchao_core.data.image_pool.ordered_map`),
+   through the content cache when ``cache_dir`` is set: the header's pixel count first (decompression bombs), then
+   the format, the mode and the full decode (truncated or corrupt files, a text file named ``.png``).
+
+Every refusal names its record (``file:line``) and the reason; the gate collects them all and raises one
+``DataError`` listing the first few and the count, so nothing is trained on a refused record. The decoded pixels
+live in one uint8 array ``(images, S, S, 3)``; a row of the dataset is a ``packing: none`` SFT row (``input_ids``,
+``labels`` -100 wherever the loss is not taken, placeholders included) plus its images normalised as CLIP's
+processor does (``pixel_values``, ``(images, 3, S, S)``). :meth:`ImageTextDataset.collate` stacks the rows of a
+micro-batch and concatenates their images in row order — the order :func:`~kuangchao_core.models.vlm.
+merge_image_features` fills the placeholders in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kuangchao_core.data.image_cache import ImageCache
+from kuangchao_core.data.image_pool import ordered_map
+from kuangchao_core.data.image_records import ImageExample, encode_image_record
+from kuangchao_core.data.images import DEFAULT_MAX_PIXELS, ImageRefused, normalise
+from kuangchao_core.data.sft import iter_sft_records
+from kuangchao_core.errors import DataError
+
+#: refusals named in the gate's error (the rest are counted)
+NAMED = 8
+
+
+@dataclass
+class ImageReport:
+    """What the gate read, refused, dropped and decoded."""
+
+    records: int = 0
+    examples: int = 0
+    images: int = 0
+    dropped_too_long: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    refused: list[str] = field(default_factory=list)
+
+
+def _rows(path: str | Path, image_root: str | Path | None):
+    for record, where in iter_sft_records(path):
+        root = Path(image_root) if image_root is not None else Path(where.rsplit(":", 1)[0]).parent
+        yield record, where, root
+
+
+def gate_image_records(
+    path: str | Path,
+    tokenizer: Any,
+    image_token_id: int,
+    per_image: int,
+    image_size: int,
+    seq_len: int,
+    image_root: str | Path | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    workers: int = 4,
+    cache_dir: str | Path | None = None,
+) -> tuple[list[ImageExample], list[list[int]], np.ndarray, ImageReport]:
+    """The gate (module docstring): ``(examples, each example's image rows, pixels, report)``; raises ``DataError``
+    naming every refused record (the first :data:`NAMED`)."""
+    report, examples = ImageReport(), []
+    for record, where, root in _rows(path, image_root):
+        report.records += 1
+        try:
+            ex = encode_image_record(record, where, root, tokenizer, image_token_id, per_image)
+        except DataError as exc:
+            report.refused.append(str(exc))
+            continue
+        if ex.ids[:seq_len].count(image_token_id) != per_image * len(ex.images) or len(ex.ids) > seq_len + 1:
+            report.dropped_too_long += 1  # a row holds seq_len + 1 tokens and every placeholder is an input
+            continue
+        examples.append(ex)
+    files = sorted({p for ex in examples for p in ex.images})
+    cache = ImageCache(cache_dir, image_size)
+    pixels = np.zeros((len(files), image_size, image_size, 3), dtype=np.uint8)
+    bad: dict[Path, str] = {}
+    for i, (arr, err) in enumerate(ordered_map(lambda p: cache.load(p, max_pixels), files, workers)):
+        if err is None:
+            pixels[i] = arr
+        elif isinstance(err, ImageRefused):
+            bad[files[i]] = err.reason
+        else:
+            raise err
+    for ex in examples:
+        for p in ex.images:
+            if p in bad:
+                report.refused.append(f"{ex.where}: image {p} refused: {bad[p]}")
+    if report.refused:
+        more = len(report.refused) - NAMED
+        raise DataError(
+            f"data gate: {len(report.refused)} of {report.records} image records refused, nothing trained:\n  "
+            + "\n  ".join(report.refused[:NAMED])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    if not examples:
+        raise DataError(f"data gate: none of {report.records} image records fits data.seq_len {seq_len}")
+    row = {p: i for i, p in enumerate(files)}
+    report.examples, report.images = len(examples), len(files)
+    report.cache_hits, report.cache_misses = cache.hits, cache.misses
+    return examples, [[row[p] for p in ex.images] for ex in examples], pixels, report
+
+
+class ImageTextDataset:
+    """``packing: none`` rows of image examples: ``input_ids``, ``labels`` (seq_len) and ``pixel_values``."""
+
+    def __init__(self, examples, image_rows, pixels, seq_len: int, pad_id: int, report=None, dtype=None):
+        self.examples, self.image_rows, self.pixels = examples, image_rows, pixels
+        self.seq_len, self.pad_id, self.report, self.dtype = seq_len, pad_id, report, dtype
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ex = self.examples[index]
+        width = self.seq_len + 1
+        ids = torch.full((width,), self.pad_id, dtype=torch.long)
+        trained = torch.zeros(width, dtype=torch.bool)
+        ids[: len(ex.ids)] = torch.tensor(ex.ids, dtype=torch.long)
+        trained[: len(ex.ids)] = torch.tensor(ex.trained, dtype=torch.bool)
+        labels = torch.where(trained[1:], ids[1:], torch.full_like(ids[1:], -100))
+        pixel_values = normalise(self.pixels[self.image_rows[index]], self.dtype)
+        return {"input_ids": ids[:-1], "labels": labels, "pixel_values": pixel_values}
+
+    def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch of rows ``indices``: ids and labels stacked, images concatenated in row order."""
+        items = [self[i] for i in indices]
+        out = {k: torch.stack([it[k] for it in items]) for k in ("input_ids", "labels")}
+        out["pixel_values"] = torch.cat([it["pixel_values"] for it in items])
+        return out
+
+
+def build_image_dataset(
+    path: str | Path,
+    tokenizer: Any,
+    image_token_id: int,
+    per_image: int,
+    image_size: int,
+    seq_len: int,
+    **gate: Any,
+) -> ImageTextDataset:
+    """The gated :class:`ImageTextDataset` of the records under ``path`` (``gate``: :func:`gate_image_records`'s
+    keywords ``image_root``, ``max_pixels``, ``workers``, ``cache_dir``; ``dtype`` of ``pixel_values``)."""
+    dtype = gate.pop("dtype", None)
+    examples, rows, pixels, report = gate_image_records(
+        path, tokenizer, image_token_id, per_image, image_size, seq_len, **gate
+    )
+    return ImageTextDataset(examples, rows, pixels, seq_len, int(tokenizer.sep_id), report, dtype)
