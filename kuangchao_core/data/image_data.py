@@ -71,13 +71,14 @@ def gate_image_records(
 ) -> tuple[list[ImageExample], list[list[int]], np.ndarray, ImageReport]:
     """The gate (module docstring): ``(examples, each example's image rows, pixels, report)``; raises ``DataError``
     naming every refused record (the first :data:`NAMED`)."""
-    report, examples = ImageReport(), []
+    report, examples, refused, order = ImageReport(), [], [], {}
     for record, where, root in _rows(path, image_root):
         report.records += 1
+        order[where] = report.records
         try:
             ex = encode_image_record(record, where, root, tokenizer, image_token_id, per_image)
         except DataError as exc:
-            report.refused.append(str(exc))
+            refused.append((report.records, str(exc)))
             continue
         if ex.ids[:seq_len].count(image_token_id) != per_image * len(ex.images) or len(ex.ids) > seq_len + 1:
             report.dropped_too_long += 1  # a row holds seq_len + 1 tokens and every placeholder is an input
@@ -97,7 +98,8 @@ def gate_image_records(
     for ex in examples:
         for p in ex.images:
             if p in bad:
-                report.refused.append(f"{ex.where}: image {p} refused: {bad[p]}")
+                refused.append((order[ex.where], f"{ex.where}: image {p} refused: {bad[p]}"))
+    report.refused = [msg for _, msg in sorted(refused, key=lambda r: r[0])]  # in the records' order
     if report.refused:
         more = len(report.refused) - NAMED
         raise DataError(

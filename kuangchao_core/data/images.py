@@ -127,7 +127,7 @@ def normalise(pixels, dtype=None):
     float64 and returned in ``dtype`` (default torch's default dtype)."""
     import torch
 
-    x = torch.as_tensor(np.asarray(pixels), dtype=torch.float64) / 255.0
+    x = torch.from_numpy(np.array(pixels, dtype=np.float64)) / 255.0
     mean = torch.tensor(CLIP_MEAN, dtype=torch.float64)
     std = torch.tensor(CLIP_STD, dtype=torch.float64)
     out = ((x - mean) / std).movedim(-1, -3).contiguous()
