@@ -14,6 +14,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -146,3 +147,25 @@ def test_jpeg_bytes_in_memory_decode_like_file(tmp_path):
     Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(buf, "JPEG")
     (tmp_path / "x.jpeg").write_bytes(buf.getvalue())
     assert decode_image(tmp_path / "x.jpeg", SIZE).shape == (SIZE, SIZE, 3)
+
+
+def test_data_images_config(tmp_path):
+    """``data.images`` is validated with field paths, said as unused until the trainer reads it, and read by
+    :func:`gate_settings` (a pixel limit from the config refuses an image)."""
+    from kuangchao_core.config import ConfigError, config_from_dict
+    from kuangchao_core.config.unused import unused_settings
+    from kuangchao_core.data.image_data import gate_settings
+    from kuangchao_core.errors import DataError
+
+    base = {"task": {"name": "t"}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**base, "data": {"images": {"max_pixels": 0, "decode_worker": 2}}})
+    assert {p for p, _ in info.value.errors} == {"data.images.max_pixels", "data.images.decode_worker"}
+    cfg = config_from_dict({**base, "data": {"images": {"max_pixels": 1000, "decode_workers": 0}}})
+    assert "data.images" in dict(unused_settings(cfg))
+    assert "data.images" not in dict(unused_settings(config_from_dict(base)))  # control: defaults say nothing
+    assert gate_settings(cfg.data) == {"max_pixels": 1000, "workers": 0, "cache_dir": None}
+    path = _write(tmp_path, [_record(_images(tmp_path)[0].name)])  # 70 x 45 = 3150 pixels
+    with pytest.raises(DataError, match="data.jsonl:1: .*3150 pixels, above the limit 1000"):
+        _build(path, **gate_settings(cfg.data))
+    assert len(_build(path, **gate_settings(config_from_dict(base).data))) == 1

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
-from kuangchao_core.config.vision_schema import VisionSection
+from kuangchao_core.config.vision_schema import ImagesSection, VisionSection
 from kuangchao_core.guard_api import INTERFACES
 
 #: interface names the permission layer guards: the one registry, :data:`kuangchao_core.guard_api.INTERFACES`
@@ -124,8 +124,7 @@ class DataSection(Section):
     #: ``sft``: instruction records (prompt/completion or chat messages, jsonl or parquet), loss on the answers only
     format: Literal["auto", "txt", "jsonl", "parquet", "synthetic", "sft"] = "auto"
     text_field: str = Field(default="text", min_length=1)
-    #: ``byte``, a tokenizers JSON file, or a local Hugging Face tokenizer directory (its chat template renders sft
-    #: messages)
+    #: ``byte``, a tokenizers JSON file or a local Hugging Face tokenizer directory (its chat template renders messages)
     tokenizer: str = Field(default="byte", min_length=1)
     seq_len: Int = Field(default=128, ge=2)
     #: ``concat``: documents end to end, cut into windows; ``documents``: the same, but attention stays inside each
@@ -141,6 +140,7 @@ class DataSection(Section):
     #: steps and, for sft data, exact-match accuracy of the answers (the synthetic corpus has its own held-out split)
     eval_path: str | None = None
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+    images: ImagesSection = Field(default_factory=ImagesSection)
     prefetch: Int = Field(default=2, ge=0)
     shuffle: bool = True
 

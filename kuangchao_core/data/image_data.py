@@ -144,6 +144,16 @@ class ImageTextDataset:
         return out
 
 
+def gate_settings(data_cfg: Any) -> dict[str, Any]:
+    """:func:`build_image_dataset`'s gate keywords from a ``data`` config section (``data.images``,
+    ``data.cache_dir``)."""
+    return {
+        "max_pixels": int(data_cfg.images.max_pixels),
+        "workers": int(data_cfg.images.decode_workers),
+        "cache_dir": data_cfg.cache_dir or None,
+    }
+
+
 def build_image_dataset(
     path: str | Path,
     tokenizer: Any,
