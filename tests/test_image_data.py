@@ -169,3 +169,25 @@ def test_data_images_config(tmp_path):
     with pytest.raises(DataError, match="data.jsonl:1: .*3150 pixels, above the limit 1000"):
         _build(path, **gate_settings(cfg.data))
     assert len(_build(path, **gate_settings(config_from_dict(base).data))) == 1
+
+
+def test_batches_read_back_from_the_cache_equal_in_memory(tmp_path):
+    """``keep_pixels=False``: each batch's images come from the cache on the pool, equal to the in-memory batch for
+    every pool size; an image spoiled after the gate is refused when its batch is read."""
+    from kuangchao_core.errors import DataError
+
+    files = _images(tmp_path)
+    path = _write(tmp_path, [_record(f.name) for f in files])
+    rows = [4, 0, 2, 3]
+    want = collate(_build(path), rows)
+    for workers in (0, 1, 3):
+        lazy = _build(path, cache_dir=tmp_path / "c", keep_pixels=False, workers=workers)
+        assert len(lazy.pixels) == len(files) and not isinstance(lazy.pixels, np.ndarray)
+        got = collate(lazy, rows)
+        assert all(torch.equal(got[k], want[k]) for k in want), workers
+    with pytest.raises(DataError, match="set data.cache_dir"):
+        _build(path, keep_pixels=False)
+    blob = files[0].read_bytes()
+    files[0].write_bytes(blob[: len(blob) // 2])  # spoiled after the gate: a new content, not in the cache
+    with pytest.raises(DataError, match="no longer passes the data gate"):
+        collate(lazy, [0])

@@ -13,7 +13,9 @@ Every refusal names its record (``file:line``) and the reason; the gate collects
 ``DataError`` listing the first few and the count, so nothing is trained on a refused record. The decoded pixels
 live in one uint8 array ``(images, S, S, 3)``; a row of the dataset is a ``packing: none`` SFT row (``input_ids``,
 ``labels`` -100 wherever the loss is not taken, placeholders included) plus its images normalised as CLIP's
-processor does (``pixel_values``, ``(images, 3, S, S)``). :meth:`ImageTextDataset.collate` stacks the rows of a
+processor does (``pixel_values``, ``(images, 3, S, S)``). With ``keep_pixels=False`` and a cache, the gate keeps
+no pixels: each micro-batch reads its images back from the decode cache on the pool (:class:`CachedPixels`), in the
+loader's prefetch thread, so memory does not grow with the data set. :meth:`ImageTextDataset.collate` stacks the rows of a
 micro-batch and concatenates their images in row order — the order :func:`~kuangchao_core.models.vlm.
 merge_image_features` fills the placeholders in.
 """
@@ -68,9 +70,13 @@ def gate_image_records(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     workers: int = 4,
     cache_dir: str | Path | None = None,
-) -> tuple[list[ImageExample], list[list[int]], np.ndarray, ImageReport]:
+    keep_pixels: bool = True,
+) -> tuple[list[ImageExample], list[list[int]], Any, ImageReport]:
     """The gate (module docstring): ``(examples, each example's image rows, pixels, report)``; raises ``DataError``
-    naming every refused record (the first :data:`NAMED`)."""
+    naming every refused record (the first :data:`NAMED`). ``pixels`` is the uint8 array of every image, or with
+    ``keep_pixels=False`` (``cache_dir`` needed) a :class:`CachedPixels` reading them back from the cache per batch."""
+    if not keep_pixels and cache_dir is None:
+        raise DataError("image data: keep_pixels=False reads the images back from the cache; set data.cache_dir")
     report, examples, refused, order = ImageReport(), [], [], {}
     for record, where, root in _rows(path, image_root):
         report.records += 1
@@ -86,11 +92,12 @@ def gate_image_records(
         examples.append(ex)
     files = sorted({p for ex in examples for p in ex.images})
     cache = ImageCache(cache_dir, image_size)
-    pixels = np.zeros((len(files), image_size, image_size, 3), dtype=np.uint8)
+    pixels = np.zeros((len(files) if keep_pixels else 0, image_size, image_size, 3), dtype=np.uint8)
     bad: dict[Path, str] = {}
     for i, (arr, err) in enumerate(ordered_map(lambda p: cache.load(p, max_pixels), files, workers)):
         if err is None:
-            pixels[i] = arr
+            if keep_pixels:
+                pixels[i] = arr
         elif isinstance(err, ImageRefused):
             bad[files[i]] = err.reason
         else:
@@ -112,7 +119,29 @@ def gate_image_records(
     row = {p: i for i, p in enumerate(files)}
     report.examples, report.images = len(examples), len(files)
     report.cache_hits, report.cache_misses = cache.hits, cache.misses
-    return examples, [[row[p] for p in ex.images] for ex in examples], pixels, report
+    store = pixels if keep_pixels else CachedPixels(files, cache, max_pixels, workers)
+    return examples, [[row[p] for p in ex.images] for ex in examples], store, report
+
+
+class CachedPixels:
+    """The gated images read back from the decode cache on the decode pool, a batch at a time: ``store[rows]`` is
+    the ``(len(rows), S, S, 3)`` uint8 array, in ``rows``' order whatever the number of workers."""
+
+    def __init__(self, files: list[Path], cache: ImageCache, max_pixels: int, workers: int):
+        self.files, self.cache, self.max_pixels, self.workers = files, cache, max_pixels, workers
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, rows: list[int]) -> np.ndarray:
+        out = np.zeros((len(rows), self.cache.size, self.cache.size, 3), dtype=np.uint8)
+        for i, (arr, err) in enumerate(
+            ordered_map(lambda r: self.cache.load(self.files[r], self.max_pixels), rows, self.workers)
+        ):
+            if err is not None:  # changed on disk since the gate passed it
+                raise DataError(f"image {self.files[rows[i]]} no longer passes the data gate: {err}") from err
+            out[i] = arr
+        return out
 
 
 class ImageTextDataset:
@@ -126,6 +155,9 @@ class ImageTextDataset:
         return len(self.examples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**self._text(index), "pixel_values": self.pixel_values([index])}
+
+    def _text(self, index: int) -> dict[str, torch.Tensor]:
         ex = self.examples[index]
         width = self.seq_len + 1
         ids = torch.full((width,), self.pad_id, dtype=torch.long)
@@ -133,14 +165,18 @@ class ImageTextDataset:
         ids[: len(ex.ids)] = torch.tensor(ex.ids, dtype=torch.long)
         trained[: len(ex.ids)] = torch.tensor(ex.trained, dtype=torch.bool)
         labels = torch.where(trained[1:], ids[1:], torch.full_like(ids[1:], -100))
-        pixel_values = normalise(self.pixels[self.image_rows[index]], self.dtype)
-        return {"input_ids": ids[:-1], "labels": labels, "pixel_values": pixel_values}
+        return {"input_ids": ids[:-1], "labels": labels}
+
+    def pixel_values(self, indices: list[int]) -> torch.Tensor:
+        """The images of rows ``indices``, in row order, normalised: ``(images, 3, S, S)``."""
+        return normalise(self.pixels[[r for i in indices for r in self.image_rows[i]]], self.dtype)
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """The micro-batch of rows ``indices``: ids and labels stacked, images concatenated in row order."""
-        items = [self[i] for i in indices]
+        """The micro-batch of rows ``indices``: ids and labels stacked, images concatenated in row order (one read
+        of the batch's images: from memory, or from the cache on the decode pool)."""
+        items = [self._text(i) for i in indices]
         out = {k: torch.stack([it[k] for it in items]) for k in ("input_ids", "labels")}
-        out["pixel_values"] = torch.cat([it["pixel_values"] for it in items])
+        out["pixel_values"] = self.pixel_values(indices)
         return out
 
 
