@@ -191,3 +191,34 @@ def test_batches_read_back_from_the_cache_equal_in_memory(tmp_path):
     files[0].write_bytes(blob[: len(blob) // 2])  # spoiled after the gate: a new content, not in the cache
     with pytest.raises(DataError, match="no longer passes the data gate"):
         collate(lazy, [0])
+
+
+def test_batch_feeds_the_vision_language_model(tmp_path):
+    """A collated batch of the generated set runs through the LLaVA model: its placeholders pair up with the images'
+    features (``merge_image_features`` checks the count), the loss is finite and reaches the vision tower; the
+    controls drop an image (the merge refuses) and swap two rows' images (the answers' logits change)."""
+    from kuangchao_core.config.vision_schema import VisionSection
+    from kuangchao_core.data.image_data import placeholder_settings
+    from kuangchao_core.data.shapes import make_shape_set
+    from kuangchao_core.models.vision import vision_config
+    from kuangchao_core.models.vlm import VisionLanguageModel
+    from tests.fixtures import tiny_llama
+
+    torch.manual_seed(0)
+    cfg = tiny_llama()
+    vcfg = vision_config(None, cfg.vocab_size)
+    model = VisionLanguageModel(cfg, vcfg).double()
+    make_shape_set(tmp_path, num_train=4, num_heldout=0, seed=1, size=vcfg.image_size)
+    settings = placeholder_settings(VisionSection(), cfg.vocab_size)
+    assert settings == placeholder_settings(vcfg, cfg.vocab_size)  # the section and the model's config agree
+    ds = build_image_dataset(tmp_path / "train.jsonl", ByteTokenizer(), seq_len=96, dtype=torch.float64, **settings)
+    batch = collate(ds, [0, 5, 10])  # three images: rows 0, 5 and 10 are about images 0, 1 and 2
+    logits = model(batch["input_ids"], batch["pixel_values"])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    assert torch.isfinite(loss) and model.vision_tower.embeddings.patch_embedding.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="placeholder"):
+        model(batch["input_ids"], batch["pixel_values"][:2])
+    swapped = model(batch["input_ids"], batch["pixel_values"][[1, 0, 2]])
+    answer = batch["labels"] != -100
+    assert not torch.allclose(swapped[answer][:2], logits[answer][:2])

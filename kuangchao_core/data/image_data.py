@@ -190,6 +190,15 @@ def gate_settings(data_cfg: Any) -> dict[str, Any]:
     }
 
 
+def placeholder_settings(vision: Any, vocab_size: int) -> dict[str, int]:
+    """``image_token_id``, ``per_image`` and ``image_size`` of :func:`build_image_dataset` from a ``model.vision``
+    section (or the model's ``VisionConfig``): an unset placeholder id is the vocabulary's last, as the model's."""
+    from kuangchao_core.config.vision_schema import image_tokens_per_image
+
+    token = vision.image_token_id if vision.image_token_id is not None else vocab_size - 1
+    return {"image_token_id": int(token), "per_image": image_tokens_per_image(vision), "image_size": vision.image_size}
+
+
 def build_image_dataset(
     path: str | Path,
     tokenizer: Any,
