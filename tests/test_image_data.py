@@ -222,3 +222,16 @@ def test_batch_feeds_the_vision_language_model(tmp_path):
     swapped = model(batch["input_ids"], batch["pixel_values"][[1, 0, 2]])
     answer = batch["labels"] != -100
     assert not torch.allclose(swapped[answer][:2], logits[answer][:2])
+
+
+def test_parquet_records_resolve_beside_their_file(tmp_path):
+    """Records in a parquet file (as sft data may be) find their images beside the file too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = _images(tmp_path)
+    pq.write_table(
+        pa.Table.from_pylist([_record(files[0].name), _record(files[1].name, answer="x")]), tmp_path / "d.parquet"
+    )
+    ds = _build(tmp_path / "d.parquet")
+    assert len(ds) == 2 and ds.examples[1].where.endswith("d.parquet#row1")

@@ -58,6 +58,7 @@ def data_dir(tmp_path):
     Image.fromarray(np.full((16, 16), 40000, np.uint16)).save(root / "deep.png")  # 16-bit grey: mode I;16
     _noise(tmp_path / "outside.png")
     os.symlink(tmp_path / "outside.png", root / "link.png")
+    os.symlink(root / "loop.png", root / "loop.png")
     return root
 
 
@@ -72,6 +73,8 @@ CASES = {
     "dotdot": (_record("../outside.png"), "outside the data directory"),
     "symlink_out": (_record("link.png"), "outside the data directory"),
     "absolute": (_record("/etc/hostname"), "is absolute"),
+    "nul_byte": (_record("good.png\u0000.png"), "cannot be resolved"),
+    "symlink_loop": (_record("loop.png"), "cannot be resolved"),
     "two_placeholders": (_record("good.png", "<image> and <image>?"), "2 <image> placeholders for 1 images"),
     "no_placeholder": (_record("good.png", "What colour?"), "0 <image> placeholders for 1 images"),
     "placeholder_in_answer": (_record("good.png", answer="<image>"), "an answer holding <image>"),

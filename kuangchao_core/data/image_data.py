@@ -22,6 +22,7 @@ merge_image_features` fills the placeholders in.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ class ImageReport:
 
 def _rows(path: str | Path, image_root: str | Path | None):
     for record, where in iter_sft_records(path):
-        root = Path(image_root) if image_root is not None else Path(where.rsplit(":", 1)[0]).parent
+        source = re.sub(r"(:\d+|#row\d+)$", "", where)  # file:line (JSON lines) or file#rowN (parquet)
+        root = Path(image_root) if image_root is not None else Path(source).parent
         yield record, where, root
 
 

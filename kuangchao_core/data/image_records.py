@@ -46,8 +46,10 @@ def resolve_image(root: Path, rel: Any, where: str) -> Path:
         raise DataError(f"{where}: 'image' must be a non-empty path string, got {rel!r}"[:300])
     if os.path.isabs(rel):
         raise DataError(f"{where}: image path {rel!r} is absolute; give it relative to the data directory {root}")
-    base = root.resolve()
-    target = (root / rel).resolve()
+    try:
+        base, target = root.resolve(), (root / rel).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a symlink loop (3.11: RuntimeError), too long
+        raise DataError(f"{where}: image path {rel!r} cannot be resolved: {exc}"[:300]) from None
     if not target.is_relative_to(base):
         raise DataError(f"{where}: image path {rel!r} resolves to {target}, outside the data directory {base}")
     if not target.is_file():
