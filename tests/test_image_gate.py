@@ -144,3 +144,19 @@ def test_placeholder_id_in_text_refused(data_dir):
         build_image_dataset(path, Tok(), IMAGE_TOKEN, PER_IMAGE, SIZE, 96)
     path.write_text(json.dumps(_record("good.png", answer="-")) + "\n")
     assert len(build_image_dataset(path, Tok(), IMAGE_TOKEN, PER_IMAGE, SIZE, 96)) == 1  # control
+
+
+def test_truncated_images_allowed_globally_stops_the_gate(data_dir, monkeypatch):
+    """Pillow's process-wide switch that decodes truncated files would let one through: the gate refuses to run."""
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(DataError, match="LOAD_TRUNCATED_IMAGES is set"):
+        _gate(data_dir, [_record("good.png")])
+    assert images_decode_truncated(data_dir)  # control: with it set, the truncated file really does decode
+
+
+def images_decode_truncated(root) -> bool:
+    from kuangchao_core.data.images import decode_image
+
+    return decode_image(root / "truncated.png", SIZE).shape == (SIZE, SIZE, 3)

@@ -75,8 +75,16 @@ def gate_image_records(
     keep_pixels: bool = True,
 ) -> tuple[list[ImageExample], list[list[int]], Any, ImageReport]:
     """The gate (module docstring): ``(examples, each example's image rows, pixels, report)``; raises ``DataError``
-    naming every refused record (the first :data:`NAMED`). ``pixels`` is the uint8 array of every image, or with
+    naming every refused record (the first :data:`NAMED`). A record longer than ``seq_len + 1`` tokens is dropped
+    and counted (``report.dropped_too_long``; never truncated, which could cut an image's placeholders). ``pixels`` is the uint8 array of every image, or with
     ``keep_pixels=False`` (``cache_dir`` needed) a :class:`CachedPixels` reading them back from the cache per batch."""
+    from PIL import ImageFile
+
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise DataError(
+            "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set in this process: a truncated image would decode with its "
+            "missing rows filled in and pass the data gate; unset it"
+        )
     if not keep_pixels and cache_dir is None:
         raise DataError("image data: keep_pixels=False reads the images back from the cache; set data.cache_dir")
     report, examples, refused, order = ImageReport(), [], [], {}
