@@ -112,6 +112,11 @@ def test_placeholders_expanded_and_labels_masked(tmp_path):
         assert trained == tok.encode(answer), (row, trained)  # only the answer (and its end) is trained
         assert item["pixel_values"].shape == (1, 3, SIZE, SIZE)
     assert torch.equal(ds[0]["pixel_values"][0], normalise(decode_image(files[0], SIZE), torch.float64)[None][0])
+    prompt, answer, pixels = ds.question(1)
+    assert (
+        tok.decode(prompt).endswith("\n") and prompt.count(IMAGE_TOKEN) == PER_IMAGE and tok.decode(answer) == "noise\n"
+    )
+    assert torch.equal(pixels, ds[1]["pixel_values"])
 
 
 def test_batch_images_follow_row_order(tmp_path):

@@ -181,6 +181,14 @@ class ImageTextDataset:
         """The images of rows ``indices``, in row order, normalised: ``(images, 3, S, S)``."""
         return normalise(self.pixels[[r for i in indices for r in self.image_rows[i]]], self.dtype)
 
+    def question(self, index: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """Row ``index`` as an exact-match case: the prompt's ids (up to the first trained token, placeholders
+        included), the trained ids after it (the answer and its end) and the row's ``pixel_values``."""
+        ex = self.examples[index]
+        start = ex.trained.index(True)
+        answer = [t for t, on in zip(ex.ids[start:], ex.trained[start:], strict=True) if on]
+        return ex.ids[:start], answer, self.pixel_values([index])
+
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The micro-batch of rows ``indices``: ids and labels stacked, images concatenated in row order (one read
         of the batch's images: from memory, or from the cache on the decode pool)."""
