@@ -135,8 +135,7 @@ class DataSection(Section):
     #: tokenize text files once into memory-mapped arrays here, shared by every rank, attempt and later run
     #: (``kc data prepare``); unset: every rank tokenizes the files at start
     cache_dir: str | None = None
-    #: held-out data in the format of ``path`` (a file or directory): ``eval_loss`` every ``train.eval_interval``
-    #: steps and, for sft data, exact-match accuracy of the answers (the synthetic corpus has its own held-out split)
+    #: held-out data like ``path``: ``eval_loss`` every ``train.eval_interval`` steps, exact-match accuracy for sft
     eval_path: str | None = None
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
