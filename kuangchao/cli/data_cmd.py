@@ -1,5 +1,5 @@
 """``kc data prepare CONFIG``: tokenize a job's data files (text, or sft records) into its ``data.cache_dir`` once,
-before the job.
+before the job. ``kc data shapes DIR``: write the generated image set of the vision demo (issue 31).
 
 Exit 0 with the entry (built now or already there), 2 for a config without a cache directory or with data that is not
 cached (the synthetic corpus), 1 for data that cannot be read (the reader's message).
@@ -71,6 +71,29 @@ def prepare(
         raise typer.Exit(1) from None
     finally:
         install_guard(previous)
+
+
+@data_app.command("shapes")
+def shapes(
+    out_dir: str = typer.Argument(..., help="Directory the images, train.jsonl and heldout.jsonl are written to."),
+    train: int = typer.Option(512, "--train", help="Training images (four question records each)."),
+    heldout: int = typer.Option(64, "--heldout", help="Held-out images, none equal to a training image."),
+    seed: int = typer.Option(0, "--seed"),
+    size: int = typer.Option(32, "--size", help="Side of the images in pixels (the vision tower's image_size)."),
+) -> None:
+    """Generate the coloured-shapes image set with its questions and answers (``kuangchao_core.data.shapes``)."""
+    from kuangchao_core.data.shapes import make_shape_set
+    from kuangchao_core.errors import DataError
+
+    try:
+        meta = make_shape_set(out_dir, train, heldout, seed, size)
+    except DataError as exc:
+        typer.echo(f"kc data shapes: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"OK {out_dir}: {meta['images']['train']} training images ({meta['records']['train']} records), "
+        f"{meta['images']['heldout']} held-out images ({meta['records']['heldout']} records)"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -21,7 +21,7 @@ from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
-from kuangchao_core.config.vision_schema import VisionSection
+from kuangchao_core.config.vision_schema import ImagesSection, VisionSection
 from kuangchao_core.guard_api import INTERFACES
 
 #: interface names the permission layer guards: the one registry, :data:`kuangchao_core.guard_api.INTERFACES`
@@ -135,10 +135,10 @@ class DataSection(Section):
     #: tokenize text files once into memory-mapped arrays here, shared by every rank, attempt and later run
     #: (``kc data prepare``); unset: every rank tokenizes the files at start
     cache_dir: str | None = None
-    #: held-out data in the format of ``path`` (a file or directory): ``eval_loss`` every ``train.eval_interval``
-    #: steps and, for sft data, exact-match accuracy of the answers (the synthetic corpus has its own held-out split)
+    #: held-out data like ``path``: ``eval_loss`` every ``train.eval_interval`` steps, exact-match accuracy for sft
     eval_path: str | None = None
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+    images: ImagesSection = Field(default_factory=ImagesSection)
     prefetch: Int = Field(default=2, ge=0)
     shuffle: bool = True
 

@@ -47,6 +47,16 @@ class VisionSection(Section):
     image_token_id: Int | None = Field(default=None, ge=0)
 
 
+class ImagesSection(Section):
+    """Image-text records (``data.images``, issue 31): the data gate's limits and the decode pool
+    (``kuangchao_core.data.image_data``); image paths are relative to each JSON-lines file's directory."""
+
+    #: width x height above which an image is refused from its header, before any pixel is decoded (4096 x 4096)
+    max_pixels: Int = Field(default=1 << 24, ge=1, le=1 << 32)
+    #: threads decoding images (Pillow releases the GIL); 0 decodes in the caller's thread
+    decode_workers: Int = Field(default=4, ge=0, le=256)
+
+
 def image_tokens_per_image(v: Any) -> int:
     """Placeholders one image fills: its patches, plus the class token when ``feature_select`` is ``full``."""
     return (v.image_size // v.patch_size) ** 2 + (1 if v.feature_select == "full" else 0)

@@ -13,7 +13,10 @@ from kuangchao_core.errors import DataError
 
 
 def collate(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    """Stack the items of ``indices`` into one dict of (batch, seq_len) tensors."""
+    """Stack the items of ``indices`` into one dict of (batch, seq_len) tensors (a dataset with its own ``collate``,
+    image data, collates itself)."""
+    if hasattr(dataset, "collate"):
+        return dataset.collate(indices)
     items = [dataset[i] for i in indices]
     return {key: torch.stack([it[key] for it in items]) for key in items[0]}
 
