@@ -15,7 +15,8 @@ token count, the ring ignoring packed documents, a ZeRO-3 unit not reduced over 
 sequence parallelism the norm weights' gradients not summed over TP (which shows SP is on) — and must fail the
 same comparison by at least ``NEGATIVE_MIN``.
 
-A cp2 checkpoint (written at step 2 of 4) resumes at cp1 and at dp2 and continues the same losses.
+A cp2 checkpoint (written at step 2 of 4) resumes at cp1 and at dp2, and a one-process checkpoint at dp2×cp2, and
+each continues the same losses and ends at the same parameters within ``FP64_REL``.
 
 Layouts of the same world size share one set of processes (tests.engine_helpers.run_trainers): 1 + 2 + 4.
 """
@@ -102,8 +103,16 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     by_world[2].append(
         ("resume_dp2", {"cfg": _resume_job(tmp / "resume_dp2", {"data_parallel_size": 2}), "resume": str(step_dir)})
     )
+    # and back: a one-process run writes step 2 of 4 (lineage pinned), dp2×cp2 resumes it
+    back = new_lineage_id()
+    back_dir = tmp / "resume_one" / "ckpt" / "cp" / back / f"step_{INTERVAL:08d}"
+    by_world[1].append(("resume_one", {"cfg": _resume_job(tmp / "resume_one", {}), "lineage": back}))
+    dp2_cp2 = {"data_parallel_size": 2, "context_parallel_size": 2}
+    by_world[4].append(
+        ("resume_dp2_cp2", {"cfg": _resume_job(tmp / "resume_dp2_cp2", dp2_cp2), "resume": str(back_dir)})
+    )
     out: dict[str, list[dict]] = {}
-    for world in (2, 1, 4):  # cp1 resumes what the two-process batch wrote
+    for world in (2, 1, 4):  # cp1 resumes what the two-process batch wrote, dp2×cp2 what the one process wrote
         if world == 1:
             by_world[1].append(("resume_cp1", {"cfg": _resume_job(tmp / "resume_cp1", {}), "resume": str(step_dir)}))
         names = [n for n, _ in by_world[world]]
@@ -143,16 +152,19 @@ def test_cp_negative_control_fails_the_same_comparison(runs, control):
     print(f"{control}: losses differ by {loss_diff:.2e}, {name} by {param_diff:.2e}")
 
 
-@pytest.mark.parametrize("target", ["resume_cp1", "resume_dp2"])
-def test_cp2_checkpoint_resumes_at_another_layout_and_continues_the_same_losses(runs, target):
-    want = np.array(runs["resume_cp2"][0]["losses"])
+@pytest.mark.parametrize(
+    ("target", "source"), [("resume_cp1", "resume_cp2"), ("resume_dp2", "resume_cp2"), ("resume_dp2_cp2", "resume_one")]
+)
+def test_a_checkpoint_resumes_across_cp_layouts_and_continues_the_same_losses(runs, target, source):
+    """cp2 → cp1 and cp2 → dp2, and back: one process → dp2×cp2."""
+    want = np.array(runs[source][0]["losses"])
     assert len(want) == RESUME_STEPS
     for r in runs[target]:
         assert r["steps_run"] == RESUME_STEPS - INTERVAL  # it really started from the step-2 checkpoint
         got = np.array(r["losses"])
         np.testing.assert_array_equal(got[:INTERVAL], want[:INTERVAL])
         np.testing.assert_allclose(got[INTERVAL:], want[INTERVAL:], rtol=FP64_REL, atol=0, err_msg=target)
-    name, diff = worst_rel(gather_full(runs[target]), gather_full(runs["resume_cp2"]))
+    name, diff = worst_rel(gather_full(runs[target]), gather_full(runs[source]))
     assert diff <= FP64_REL, f"{target}: {name} differs by relative norm {diff:.2e}"
 
 

@@ -97,9 +97,7 @@ def build_parallel_model(
         loss_fn = causal_lm_loss
     model.activation_checkpointing = build.activation_checkpointing
     cp_attend = None
-    if (
-        getattr(mesh, "cp", 1) > 1
-    ):  # every layer's attention runs around the CP ring on this rank's shard of each sequence
+    if getattr(mesh, "cp", 1) > 1:  # every attention layer runs the CP ring on this rank's shard of each sequence
         cp_attend = cp_attention(mesh.cp_group)
         use_attention(model, cp_attend)
     dtype = param_dtype(build.dtype)
