@@ -48,7 +48,13 @@ def ring_without_documents(trainer):
     use_attention(trainer.model, lambda q, k, v, documents=None: ring(q, k, v, None))
 
 
+def fresh_optimizer_on_resume(trainer):
+    """A resumed run keeps its fresh AdamW moments (the checkpoint's optimizer state is not loaded)."""
+    trainer.sync.load_state = lambda optim, steps: None
+
+
 SABOTAGE = {
+    "fresh_optimizer_on_resume": fresh_optimizer_on_resume,
     "local_rotary_positions": local_rotary_positions,
     "local_token_count": local_token_count,
     "ring_without_documents": ring_without_documents,

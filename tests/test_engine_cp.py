@@ -111,6 +111,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     by_world[4].append(
         ("resume_dp2_cp2", {"cfg": _resume_job(tmp / "resume_dp2_cp2", dp2_cp2), "resume": str(back_dir)})
     )
+    fresh = {"cfg": _resume_job(tmp / "resume_fresh", dp2_cp2), "resume": str(back_dir)}
+    by_world[4].append(("resume_dp2_cp2_fresh_optimizer", {**fresh, "sabotage": "fresh_optimizer_on_resume"}))
     out: dict[str, list[dict]] = {}
     for world in (2, 1, 4):  # cp1 resumes what the two-process batch wrote, dp2×cp2 what the one process wrote
         if world == 1:
@@ -183,3 +185,10 @@ def test_worker_entry_point_finishes_a_cp2_job(tmp_path):
     path = tmp_path / "cp2.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     assert run_distributed(_worker_main, 2, args=(str(path),), timeout=120) == [0, 0]
+
+
+def test_the_resume_comparison_fails_when_the_optimizer_state_is_not_restored(runs):
+    """Negative control of the resume test: dp2×cp2 resumed with fresh AdamW moments."""
+    want = runs["resume_one"][0]["losses"][INTERVAL:]
+    got = runs["resume_dp2_cp2_fresh_optimizer"][0]["losses"][INTERVAL:]
+    assert max_rel_diff(got, want) >= NEGATIVE_MIN, (got, want)
