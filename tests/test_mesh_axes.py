@@ -351,3 +351,15 @@ def test_kc_plan_counts_a_cp_rank_s_share_of_the_activations_and_zero_state():
     assert cp2["activations_estimate"] == one["activations_estimate"] / 2
     assert cp2["optimizer"] == dp2["optimizer"] == one["optimizer"] / 2
     assert dp2["activations_estimate"] == one["activations_estimate"]
+
+
+def test_traffic_counts_the_gradient_reduction_over_dp_cp_and_s_over_cp_tokens():
+    """At cp2 the gradients are all-reduced over the dp×cp replicas (as many bytes per member as dp2 moves) and TP
+    moves the activations of s/2 tokens; control: one replica reduces nothing."""
+    from kuangchao_core.engine.traffic import _bytes_of, group_traffic
+
+    one, cp2, dp2 = group_traffic(_cfg(1)), group_traffic(_cfg(2)), group_traffic(_cfg(1, data_parallel_size=2))
+    assert one["dp"] == 0 and cp2["dp"] == dp2["dp"] > 0
+    assert cp2["tp"] == one["tp"] / 2 == dp2["tp"] / 2
+    assert _bytes_of(cp2, "dp_cp", 2) == cp2["dp"] and _bytes_of(cp2, "dp", 2) == 0  # on the dp_cp groups
+    assert _bytes_of(dp2, "dp", 1) == dp2["dp"]

@@ -26,7 +26,9 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
       sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
     - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
-    - DP: one all-reduce of the gradients: ``2(d−1)/d · Ψ · 4``;
+    - DP: one all-reduce of the gradients: ``2(n−1)/n · Ψ · 4`` with n = d (at cp > 1 the reduction runs over
+      the dp×cp replicas, n = d·c; :func:`link_report` puts these bytes on the ``dp_cp`` groups then);
+    - under CP a rank holds s/c tokens of each sequence, so TP's and PP's s above is s/c;
     - CP (ring attention, c ranks, k = key/value width per TP rank): every layer and micro-batch each rank passes
       its s/c tokens' K and V on c−1 times forward, and in the backward K, V and their gradients:
       ``6 · (L/p) · m · (c−1) · b·(s/c)·k·e``.
@@ -39,12 +41,13 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
     e = 4.0
-    act = b * seq * mcfg.hidden_size * e
+    act = b * (seq / cp) * mcfg.hidden_size * e
     psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
+    replicas = dp * cp
     out = {
         "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
         "pp": 2 * v * m * act if pp > 1 else 0.0,
-        "dp": 2 * (dp - 1) / dp * psi * 4 if dp > 1 else 0.0,
+        "dp": 2 * (replicas - 1) / replicas * psi * 4 if replicas > 1 else 0.0,
     }
     if cp > 1:
         kv_width = max(mcfg.num_kv_heads // tp, 1) * mcfg.head_dim
@@ -69,7 +72,7 @@ def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
                 if len(ranks) < 2 or not members:
                     continue
                 spans = sorted({placement.nodes[node_of[r]] for r in ranks})
-                per_member = traffic.get(kind, 0.0)
+                per_member = _bytes_of(traffic, kind, axes.cp)
                 crosses = len(spans) > 1
                 groups[group_name(kind, ranks)] = {"members_here": members, "nodes": spans, "crosses_nodes": crosses}
                 if crosses:
@@ -86,6 +89,14 @@ def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _bytes_of(traffic: dict[str, float], kind: str, cp: int) -> float:
+    """Bytes per member of a group ``kind``: at cp > 1 the gradients' reduction (``traffic["dp"]``) runs on the
+    ``dp_cp`` groups, not on the ``dp`` ones."""
+    if cp > 1 and kind in ("dp", "dp_cp"):
+        return traffic.get("dp", 0.0) if kind == "dp_cp" else 0.0
+    return traffic.get(kind, 0.0)
 
 
 def described_placement(cfg: Any, report: Any = None) -> dict[str, Any] | None:
