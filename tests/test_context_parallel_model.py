@@ -1,11 +1,12 @@
-"""The tiny Llama under context parallelism equals one process (issue 30, item 2: the pieces the trainer will use).
+"""The tiny Llama under context parallelism equals one process (issue 30, item 2: the pieces the trainer uses;
+the trainer itself is tests/test_engine_cp.py).
 
 Real Gloo processes at cp2 and cp4, float64. Each rank builds the same tiny model (``tests.fixtures.tiny_llama``:
 hidden 64, 2 layers, 4 query and 2 K/V heads) and the same batch (2 rows of 32 tokens), keeps its shard of the
 batch (``parallel.context.shard_inputs``: ids, labels, rotary positions, document ids), runs the model with its
-attention set to ring attention (``models.ring_attention.use_attention`` with ``cp_attention``), and takes the loss over the
-global batch's trained tokens: its local sum divided by the global count. Gradients of the (replicated) parameters
-are summed over the CP group, as the trainer will reduce them over dp×cp. The gathered logits and the reduced
+attention set to ring attention (``models.ring_attention.use_attention`` with ``cp_attention``, the trainer's
+hook), and takes the loss over the global batch's trained tokens: its local sum divided by the global count.
+Gradients of the (replicated) parameters are summed over the CP group, as the trainer reduces them over dp×cp. The gathered logits and the reduced
 gradients equal one process's within ``FP64_REL`` (tests/tolerances.py: the same sums blocked differently, see
 tests/test_ring_attention.py for the attention's share), with plain sequences and with packed documents (the
 packer's per-document rotary positions, boundaries across shards).

@@ -33,7 +33,8 @@ def weighted_loss(
 def step_loss_weight(micro_batches: list[dict[str, torch.Tensor]], dp_group: Any, device: Any) -> torch.Tensor:
     """``dp / N`` as a float64 tensor on ``device``, N the labelled tokens (labels not ``IGNORE_INDEX``) of the step's
     global batch: this rank's micro-batches counted on the host, summed over the DP group (one scalar all-reduce; it
-    stays on the device, no host sync). A global batch without a labelled token weighs 0."""
+    stays on the device, no host sync). Under context parallelism the trainer passes the dp×cp group and each rank's
+    shards: ``dp`` is then that group's size. A global batch without a labelled token weighs 0."""
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     count = torch.tensor([float(local)], dtype=torch.float64, device=device)
     dp = 1
