@@ -157,7 +157,7 @@ def _context_parallel_choice(valid: list[dict[str, Any]], least: str | None, seq
     cp = min(cps)
     return {
         "cp": cp,
-        "why": f"no layout without context parallelism fits {seq_len}-token sequences (the least it needs: "
+        "why": f"no layout without context parallelism fits {seq_len}-token sequences (the least one "
         f"{least}); context_parallel_size {cp} splits each sequence into {2 * cp} chunks, {seq_len // cp} tokens "
         "per rank, and is the smallest that fits",
     }
