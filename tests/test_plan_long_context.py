@@ -23,7 +23,7 @@ from kuangchao_core.engine.recommend import GpuPool, memory_per_rank, recommend
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.hal.heap import heap_in_use_bytes
 from kuangchao_core.models.llama import LlamaConfig, config_from_model_section
-from kuangchao_core.sched.perf_cluster import p2p_s
+from kuangchao_core.sched.perf_cluster import all_gather_s, all_reduce_s, p2p_s
 from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step
 from tests.engine_helpers import tiny_job
 from tests.test_plan_accuracy import MICRO, SEQ, _job, _measure_rank
@@ -144,6 +144,12 @@ def test_step_time_counts_cp_compute_and_ring():
     ring = MODEL.num_layers * 3 * (6 * 2 - 4) * p2p_s(2 * 4096 / 2 * kv * 4, cluster.intra)
     assert two.cp_comm_s == pytest.approx(ring, rel=1e-12) and one.cp_comm_s == 0.0
     assert sum(two.breakdown.values()) == pytest.approx(two.step_s) and "cp_comm_s" in two.breakdown
+    # SP: the same all-reduce-equivalent traffic plus 2L re-gathers and 2L + 1 norm-weight all-reduces per
+    # micro-batch (the control: without SP the TP time is the 4 all-reduces per layer alone)
+    sp = predict_step(MODEL, dataclasses.replace(base, sequence_parallel=True), cluster)
+    link, act = cluster.intra, 2 * 4096 * MODEL.hidden_size * 4
+    extra = 3 * (2 * 2 * all_gather_s(act, 2, link) + 5 * all_reduce_s(MODEL.hidden_size * 4, 2, link))
+    assert sp.tp_comm_s - one.tp_comm_s == pytest.approx(extra, rel=1e-9) and extra > 0
 
 
 SEQ_LONG = 16384
