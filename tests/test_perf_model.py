@@ -35,8 +35,8 @@ from kuangchao_core.sched.perf_model import (
     flops_per_token,
     params_per_rank,
     predict_step,
-    scaling_efficiency,
 )
+from kuangchao_core.sched.perf_scaling import scaling_efficiency
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = str(ROOT / "configs" / "llama3-8b-finetune.yaml")

@@ -110,6 +110,7 @@ FILE_TIERS = {
     "test_placement.py": "unit",
     "test_plan.py": "unit",
     "test_plan_accuracy.py": "distributed",
+    "test_plan_long_context.py": "unit",
     "test_plan_memory.py": "unit",
     "test_prefect_api_lost.py": "e2e",
     "test_prometheus_metrics.py": "distributed",

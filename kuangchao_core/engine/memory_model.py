@@ -26,9 +26,14 @@ Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_co
   Elements are 4 bytes in fp32, 2 under bf16/fp16 autocast, 8 in fp64; the layers' activations are multiplied by
   the micro-batches in flight on the rank (1 without a pipeline; from the schedule itself otherwise:
   min(m, p − r) for 1F1B on stage r, m for all-forward-all-backward, per chunk for interleaved 1F1B), and the last
-  stage adds its fp32 logits and their log-softmax, 2·s·b·V/t·4 bytes. Under context parallelism (cp > 1) a rank
-  holds ``s/cp`` tokens of each sequence, so ``s`` above is ``s/cp`` (the ring's K/V shard in flight, 2·kv/t
-  elements per local token and layer being run, is not counted); ZeRO shards its state over dp×cp.
+  stage adds its fp32 logits and their log-softmax, 2·s·b·V/t·4 bytes.
+  Sequence parallelism (``parallel.sequence_parallel``) divides the part TP leaves replicated — the h terms: the
+  norms' inputs and outputs (the projections keep their input as the shard, re-gathered in the backward), the
+  selective and full modes' layer input — by t (Korthikanti et al. 2022 §4.2.2): 4h/t + (6q + 4I)/t per token.
+  Context parallelism (``parallel.context_parallel_size`` c) gives each rank s/c tokens of every sequence, and the
+  ring attention's backward keeps only the rank's own q, k, v, output and log-sum-exp, so every per-token term,
+  the head's logits included, is counted for s/c tokens; ZeRO shards its state over the d·c replicas (the trainer
+  reduces gradients over dp×cp).
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ ACTIVATION_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 _MATMUL_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
-def layer_activation_elements(mcfg: Any, tp: int, mode: str = "none") -> float:
+def layer_activation_elements(mcfg: Any, tp: int, mode: str = "none", sp: bool = False) -> float:
     """Elements per token one decoder layer keeps for its backward (module docstring), by activation
-    checkpointing ``mode``: ``none`` 4h + (6q + 4I)/t, ``selective`` 3h + (2q + 2kv + 2I)/t, ``full`` h."""
-    h = mcfg.hidden_size
+    checkpointing ``mode``: ``none`` 4h + (6q + 4I)/t, ``selective`` 3h + (2q + 2kv + 2I)/t, ``full`` h; with
+    sequence parallelism (``sp``) the h terms are divided by t too."""
+    h = mcfg.hidden_size / (tp if sp else 1)
     if mode == "full":
         return float(h)
     d = mcfg.head_dim
@@ -58,15 +64,18 @@ def layer_activation_elements(mcfg: Any, tp: int, mode: str = "none") -> float:
     return 4 * h + 6 * q + 4 * inter
 
 
-def activation_bytes_per_layer(seq: int, micro_batch: int, mcfg: Any, tp: int, dtype: str, mode: str = "none") -> float:
-    """Bytes one decoder layer keeps for one micro-batch (:func:`layer_activation_elements` × tokens × the
-    bytes of an element under ``dtype``)."""
-    return seq * micro_batch * layer_activation_elements(mcfg, tp, mode) * ACTIVATION_BYTES.get(dtype, 4)
+def activation_bytes_per_layer(
+    seq: int, micro_batch: int, mcfg: Any, tp: int, dtype: str, mode: str = "none", sp: bool = False, cp: int = 1
+) -> float:
+    """Bytes one decoder layer keeps for one micro-batch on one rank (:func:`layer_activation_elements` × the
+    rank's s/cp tokens × the bytes of an element under ``dtype``)."""
+    return seq / cp * micro_batch * layer_activation_elements(mcfg, tp, mode, sp) * ACTIVATION_BYTES.get(dtype, 4)
 
 
-def head_activation_bytes(seq: int, micro_batch: int, vocab: int, tp: int) -> float:
-    """Bytes the output head keeps for one micro-batch on the last stage: the fp32 logits and their log-softmax."""
-    return 2 * seq * micro_batch * vocab / tp * 4
+def head_activation_bytes(seq: int, micro_batch: int, vocab: int, tp: int, cp: int = 1) -> float:
+    """Bytes the output head keeps for one micro-batch on the last stage: the fp32 logits and their log-softmax
+    of the rank's s/cp tokens."""
+    return 2 * seq / cp * micro_batch * vocab / tp * 4
 
 
 def micro_batches_in_flight(pp: int, m: int, v: int, schedule: str) -> float:
@@ -148,14 +157,13 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     chunks = partition_layers(mcfg.num_layers, pp, v)
     seq = getattr(getattr(cfg, "data", None), "seq_len", None) or mcfg.max_seq_len
-    cp = getattr(par, "context_parallel_size", 1) or 1
-    seq //= cp  # the tokens of each sequence this rank holds
     dtype = getattr(getattr(cfg, "train", None), "dtype", "fp32")
     pdt = getattr(getattr(cfg, "train", None), "param_dtype", "fp32")
     pdt = pdt if pdt == "bf16" else None  # train.param_dtype: bf16 parameters, fp32 master weights
     recompute = getattr(getattr(cfg, "train", None), "activation_checkpointing", "none")
-    act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype)
-    kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute)
+    sp, cp = bool(getattr(par, "sequence_parallel", False)), getattr(par, "context_parallel_size", 1)
+    act_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, sp=sp, cp=cp)
+    kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute, sp, cp)
     lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
     zero = par.zero_stage  # the engine runs it in every layout (ZeRO-3 under pp: per stage)
     out = []
@@ -178,7 +186,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         casts = cast_bytes(kept_cast_elements(slices, adapters, lora, mcfg.tie_embeddings), in_flight, dtype, pdt)
         # ZeRO-3 holds whole blocks while they run: the one computing and the one prefetched
         gathered = 2 * precision_bytes(dtype, pdt).param * max(unit_sizes(slices).values()) if zero == 3 else 0
-        acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp) if last else 0)
+        acts = kept_layer * layers * in_flight + (head_activation_bytes(seq, b, mcfg.vocab_size, tp, cp) if last else 0)
         if recompute != "none" and layers:
             acts += act_layer  # the layer being recomputed in the backward holds all of its activations
         mem = {

@@ -4,7 +4,7 @@ The cluster is a described one (:meth:`~kuangchao_core.sched.perf_cluster.Cluste
 node on NVLink, one NIC per GPU at 200 and at 400 Gb/s between nodes, 989.5 TFLOP/s bf16 peak at an assumed 40 %
 MFU. The step of the config's own layout is predicted on as many such nodes as it needs; the efficiency at N GPUs
 keeps tp, pp and the per-GPU batch and sets ``dp = N/(tp·pp)`` (weak scaling,
-:func:`~kuangchao_core.sched.perf_model.scaling_point`), for each DP gradient method.
+:func:`~kuangchao_core.sched.perf_scaling.scaling_point`), for each DP gradient method.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step, scaling_point
+from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step
+from kuangchao_core.sched.perf_scaling import scaling_point
 
 INTER_GBIT_PER_S = (200.0, 400.0)
 SCALE_METHODS = ("flat", "hierarchical", "fp16", "topk")

@@ -19,6 +19,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
+from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.errors import ConfigError, PlanError
 
 Errors = list[tuple[str, str]]
@@ -279,6 +280,8 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
             else f"(p-1)/(m+p-1) = ({pp}-1)/({m}+{pp}-1)"
         ),
         "zero_stage": zero,
+        "sequence_parallel": bool(getattr(par, "sequence_parallel", False)),
+        "traffic_bytes_per_step": group_traffic(cfg),
         "model_parameters": mcfg.num_params(),
         "ranks": ranks,
     }
@@ -318,7 +321,12 @@ def format_plan(plan: dict[str, Any]) -> str:
         )
     else:
         lines.append("no pipeline: no bubble")
-    lines.append("memory per rank (MiB): params / grads / optimizer / autocast casts / activations (rough) / total")
+    split = [f"sequence parallel: norms and residuals at s/{s['tp']}"] if plan.get("sequence_parallel") else []
+    split += [f"context parallel: s/{s['cp']} = {bt['seq_len'] // s['cp']} tokens per rank"] if "cp" in s else []
+    lines.append(
+        "memory per rank (MiB): params / grads / optimizer / autocast casts / activations (rough) / total"
+        + (f" ({'; '.join(split)})" if split else "")
+    )
     for r in plan["ranks"]:
         mem = r["memory_bytes"]
         c = r["coords"]
@@ -330,4 +338,11 @@ def format_plan(plan: dict[str, Any]) -> str:
                 for k in ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")
             )
         )
+    traffic = plan.get("traffic_bytes_per_step", {})
+    notes = {"tp": " (all-gather + reduce-scatter, norm weights)" if plan.get("sequence_parallel") else "",
+             "cp": " (ring attention K/V and dK/dV)"}  # fmt: skip
+    lines.append(
+        "traffic per group member per step (MiB, estimate): "
+        + ", ".join(f"{k} {traffic[k] / 2**20:.4g}{notes.get(k, '') if traffic[k] else ''}" for k in traffic)
+    )
     return "\n".join(lines)

@@ -156,6 +156,10 @@ def _hint(par: Any) -> str:
         )
         ways.append(f"{shard} (now {dp}{', so raise it too' if dp == 1 else ''})")
     ways.append(f"lower micro_batch_size (now {par.micro_batch_size}) to hold fewer activations")
+    if tp > 1 and not getattr(par, "sequence_parallel", False):
+        ways.append("set sequence_parallel true to split the norms' activations over tensor_parallel_size")
+    cp = getattr(par, "context_parallel_size", 1)
+    ways.append(f"raise context_parallel_size (now {cp}) to split each sequence (kc recommend finds the smallest)")
     return "; ".join(ways)
 
 

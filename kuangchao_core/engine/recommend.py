@@ -1,8 +1,10 @@
-"""``kc recommend`` (SPEC L3.7): the best dp×tp×pp×ZeRO×micro-batch layouts of a model on a cluster.
+"""``kc recommend`` (SPEC L3.7): the best dp×cp×tp×pp×ZeRO×micro-batch layouts of a model on a cluster.
 
-Every layout that uses all the cluster's GPUs is tried: tp and pp over the divisors of the GPU count, ZeRO stage
-0/1/2 (0 only without data parallelism, where ZeRO has nothing to shard), micro-batch 1, 2, 4, … up to 32, and the accumulation that keeps the global batch (sequences per step)
-fixed. A layout is rejected when
+Every layout that uses all the cluster's GPUs is tried: cp over the divisors of the GPU count that split the
+sequence into 2·cp equal chunks (context parallelism's load-balanced causal layout), tp and pp over the divisors
+of what is left, sequence parallelism off and on when tp > 1 (and tp divides the s/cp tokens of a rank), ZeRO
+stage 0/1/2 (0 only without data parallelism, where ZeRO has nothing to shard), micro-batch 1, 2, 4, … up to 32,
+and the accumulation that keeps the global batch (sequences per step) fixed. A layout is rejected when
 
 - the global batch is not a multiple of dp × micro-batch;
 - the config schema or :func:`~kuangchao_core.engine.plan.check_plan` refuses it (TP must divide heads, key/value
@@ -16,6 +18,11 @@ fixed. A layout is rejected when
 The others are ranked by the step time :func:`~kuangchao_core.sched.perf_model.predict_step` predicts (the
 global batch is the same for all, so this is also tokens/s). Only the 1F1B schedule is considered. The model
 assumes the same FLOP rate for every micro-batch size; a GPU runs very small micro-batches below it.
+
+Context parallelism is for sequences that do not fit: when some layout without it fits, every fitting layout is
+ranked; when none does, only the layouts with the smallest cp that has any fitting layout are recommended, and
+``context_parallel`` says why (the least memory a layout without CP needs against the usable memory, and how cp
+splits each sequence).
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": layout.tp,
             "pipeline_parallel_size": layout.pp,
+            "context_parallel_size": layout.cp,
+            "sequence_parallel": layout.sequence_parallel,
             "zero_stage": layout.zero_stage,
             "micro_batch_size": layout.micro_batch_size,
             "gradient_accumulation_steps": layout.gradient_accumulation_steps,
@@ -93,7 +102,8 @@ def carried_settings(cfg: Any) -> dict[str, Any]:
 
 def _fullest(cfg: Any) -> dict[str, float]:
     """The largest rank of one replica by ``engine.memory_model.estimate_ranks`` (what ``kc plan`` prints); TP
-    rank 0 of each stage stands for its stage (``check_plan`` made TP split every tensor evenly)."""
+    rank 0 of each stage stands for its stage (``check_plan`` made TP split every tensor evenly), CP rank 0 for
+    its CP group (every CP rank holds as many tokens)."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     worst = max(estimate_ranks(cfg, [s * tp for s in range(pp)]), key=lambda r: r["memory_bytes"]["total"])
     return {**worst["memory_bytes"], "parameters": float(worst["parameters"])}
@@ -119,6 +129,38 @@ def _check_layout(
 
 def _layout_dict(layout: Layout) -> dict[str, int]:
     return layout.layout_dict()
+
+
+def _base_layouts(world: int, seq_len: int, eb: int) -> list[Layout]:
+    """Every dp×cp×tp×pp split of ``world`` ranks (module docstring): cp splitting the sequence into 2·cp equal
+    chunks, sequence parallelism off and on where tp > 1 divides a rank's s/cp tokens."""
+    out = []
+    for cp in (c for c in _divisors(world) if seq_len % (2 * c) == 0 or c == 1):
+        for tp in _divisors(world // cp):
+            for pp in _divisors(world // (cp * tp)):
+                for sp in (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,):
+                    out.append(Layout(world // (cp * tp * pp), tp, pp, 0, 1, 1, seq_len, eb, 1, cp, sp))
+    return out
+
+
+def _needed_gib(message: str) -> float:
+    """The GiB per rank an out-of-memory message of :func:`evaluate_layout` says the layout needs."""
+    return float(re.match(r"needs ([\d.]+) GiB", message).group(1))
+
+
+def _context_parallel_choice(valid: list[dict[str, Any]], least: str | None, seq_len: int) -> dict[str, Any] | None:
+    """When no layout without CP is among the fitting ``valid`` rows but one with CP is: the smallest such cp and
+    why (``least``: the out-of-memory message of the layout without CP that needs the least); else None."""
+    cps = {r["layout"].get("cp", 1) for r in valid}
+    if not cps or 1 in cps:
+        return None
+    cp = min(cps)
+    return {
+        "cp": cp,
+        "why": f"no layout without context parallelism fits {seq_len}-token sequences (the least one "
+        f"{least}); context_parallel_size {cp} splits each sequence into {2 * cp} chunks, {seq_len // cp} tokens "
+        "per rank, and is the smallest that fits",
+    }
 
 
 def _reason_key(path: str, message: str) -> str:
@@ -186,6 +228,7 @@ def recommend(
     rejections: OrderedDict[str, dict[str, Any]] = OrderedDict()
     valid: list[dict[str, Any]] = []
     considered = 0
+    least: str | None = None  # the out-of-memory message of the layout without CP that needs the least
 
     def reject(key: str, layout: Layout, message: str) -> None:
         entry = rejections.setdefault(key, {"reason": key, "count": 0, "example": None})
@@ -193,28 +236,35 @@ def recommend(
         if entry["example"] is None:
             entry["example"] = {"layout": _layout_dict(layout), "message": message}
 
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)) if dp > 1 else (0,):
-                for b in MICRO_BATCHES:
-                    considered += 1
-                    m, rest = divmod(global_batch_size, dp * b)
-                    layout = Layout(dp, tp, pp, zero, b, max(m, 1), seq_len, eb)
-                    if rest or m < 1:
-                        reject(
-                            "global batch: the global batch is not a multiple of dp x micro_batch_size",
-                            layout,
-                            f"global batch {global_batch_size} sequences is not a multiple of dp {dp} x "
-                            f"micro_batch_size {b} = {dp * b}",
-                        )
-                        continue
-                    row, reasons = evaluate_layout(model_cfg, layout, pool, precision, method, carried)
-                    for key, message in reasons:
-                        reject(key, layout, message)
-                    if row is not None:
-                        valid.append(row)
+    for base in _base_layouts(world, seq_len, eb):
+        dp = base.dp
+        for zero in ((0, 1, 2, 3) if base.pp == 1 else (0, 1, 2)) if dp > 1 else (0,):
+            for b in MICRO_BATCHES:
+                considered += 1
+                m, rest = divmod(global_batch_size, dp * b)
+                layout = dataclasses.replace(
+                    base, zero_stage=zero, micro_batch_size=b, gradient_accumulation_steps=max(m, 1)
+                )
+                if rest or m < 1:
+                    reject(
+                        "global batch: the global batch is not a multiple of dp x micro_batch_size",
+                        layout,
+                        f"global batch {global_batch_size} sequences is not a multiple of dp {dp} x "
+                        f"micro_batch_size {b} = {dp * b}",
+                    )
+                    continue
+                row, reasons = evaluate_layout(model_cfg, layout, pool, precision, method, carried)
+                for key, message in reasons:
+                    reject(key, layout, message)
+                    if key.startswith("out of memory") and layout.cp == 1:
+                        least = min(least or message, message, key=_needed_gib)
+                if row is not None:
+                    valid.append(row)
     valid.sort(key=lambda r: (r["step_s"], r["layout"]["zero_stage"], r["memory_per_rank_bytes"]["total"]))
+    fitting = len(valid)
+    context = _context_parallel_choice(valid, least, seq_len)
+    if context is not None:
+        valid = [r for r in valid if r["layout"].get("cp", 1) == context["cp"]]
     result: dict[str, Any] = {
         "cluster": pool.cluster.name,
         "world_size": world,
@@ -227,10 +277,11 @@ def recommend(
         "param_dtype": (carried or {}).get("param_dtype", "fp32") if precision == "bf16" else "fp32",
         "method": method,
         "considered": considered,
-        "valid": len(valid),
+        "valid": fitting,
         "top": valid[:top_k],
-        "rejected": considered - len(valid),
+        "rejected": considered - fitting,
         "rejections": sorted(rejections.values(), key=lambda e: -e["count"]),
+        "context_parallel": context,
         "current": None,
     }
     if current is not None:
@@ -251,6 +302,10 @@ def _precision_text(result: dict[str, Any]) -> str:
     return str(result["precision"])
 
 
+def _cp_sp(lay: dict[str, Any]) -> str:
+    return (f" cp {lay['cp']}" if "cp" in lay else "") + (" sp" if lay.get("sequence_parallel") else "")
+
+
 def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
     """Human-readable text of :func:`recommend`'s result."""
     lines = []
@@ -265,24 +320,28 @@ def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
         f"{result['valid']} of {result['considered']} layouts fit; the best {len(result['top'])}:",
     ]
     if result["top"]:
-        lines.append("   #   dp  tp  pp  zero  micro  accum   mem/rank GiB   step s   tokens/s   MFU")
+        lines.append("   #   dp  cp  tp  sp  pp  zero  micro  accum   mem/rank GiB   step s   tokens/s   MFU")
         for i, r in enumerate(result["top"], 1):
             lay = r["layout"]
             mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+            sp = "on" if lay.get("sequence_parallel") else "-"
             lines.append(
-                f"  {i:>2}  {lay['dp']:>3} {lay['tp']:>3} {lay['pp']:>3}  {lay['zero_stage']:>4}  "
+                f"  {i:>2}  {lay['dp']:>3} {lay.get('cp', 1):>3} {lay['tp']:>3} {sp:>3} {lay['pp']:>3}  "
+                f"{lay['zero_stage']:>4}  "
                 f"{lay['micro_batch_size']:>5}  {lay['gradient_accumulation_steps']:>5}   "
                 f"{r['memory_per_rank_bytes']['total'] / GIB:>12.1f}   {r['step_s']:>6.3f}   "
                 f"{r['tokens_per_s']:>8,.0f}   {mfu:>5}"
             )
     else:
         lines.append("  no layout fits")
+    if result.get("context_parallel"):
+        lines.append(f"context parallelism: {result['context_parallel']['why']}")
     cur = result.get("current")
     if cur is not None:
         lay = cur["layout"]
         name = (
-            f"dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} micro {lay['micro_batch_size']} "
-            f"accum {lay['gradient_accumulation_steps']}"
+            f"dp {lay['dp']}{_cp_sp(lay)} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} micro "
+            f"{lay['micro_batch_size']} accum {lay['gradient_accumulation_steps']}"
         )
         if cur["row"] is not None:
             lines.append(
@@ -301,7 +360,7 @@ def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
         lay = ex["layout"]
         lines.append(
             f"  {e['count']:>4} x {e['reason']}\n"
-            f"         e.g. dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} "
+            f"         e.g. dp {lay['dp']}{_cp_sp(lay)} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} "
             f"micro {lay['micro_batch_size']}: {ex['message']}"
         )
     return "\n".join(lines)

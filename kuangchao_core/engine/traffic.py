@@ -20,18 +20,25 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     """Bytes one member of each group kind sends per optimizer step (ring algorithms), ``{"tp", "pp", "dp"}`` and
     ``"cp"`` when the layout has context parallelism.
 
-    With b micro-batch, s sequence length, h hidden size, L layers, m micro-batches per step, e bytes per
-    element (4 in fp32), Ψ parameters per rank:
+    With b micro-batch, s sequence length (the s/c tokens of a rank under CP: the TP and PP terms count those), h
+    hidden size, L layers, m micro-batches per step, e bytes per element (4 in fp32), Ψ parameters per rank:
 
     - TP (Megatron layers): 4 all-reduces of b·s·h·e per layer and micro-batch (2 forward, 2 backward), each
       sending 2(t−1)/t of its size: ``4 · (L/p) · m · b·s·h·e · 2(t−1)/t``;
     - PP: activations forward and their gradients backward over each stage boundary: ``2 · v · m · b·s·h·e``;
-    - DP: one all-reduce of the gradients: ``2(n−1)/n · Ψ · 4`` with n = d (at cp > 1 the reduction runs over
-      the dp×cp replicas, n = d·c; :func:`link_report` puts these bytes on the ``dp_cp`` groups then);
-    - under CP a rank holds s/c tokens of each sequence, so TP's and PP's s above is s/c;
+    - DP: one all-reduce of the gradients over the d·c ranks holding the same parameters: ``2(dc−1)/(dc) · Ψ · 4``
+      (at cp > 1 :func:`link_report` puts these bytes on the ``dp_cp`` groups);
+    - TP with sequence parallelism (``parallel.sequence_parallel``): each all-reduce becomes an all-gather and a
+      reduce-scatter, (t−1)/t of b·s·h·e each — the same bytes on a ring — and per layer and micro-batch the
+      backward all-gathers the two saved norm outputs again; the vocabulary-parallel embedding reduce-scatters
+      (backward: all-gathers) and the head all-gathers (backward: reduce-scatters); the 2L/p + 1 norm weights'
+      gradients (h elements each, 1 on the stage without the final norm) are all-reduced every micro-batch:
+      ``m · ((10·L/p + 2·E) · b·s·h·e · (t−1)/t + (2·L/p + N) · h·e · 2(t−1)/t)`` with E the ends on the stage
+      (embedding, head: 2 without a pipeline, 1 on the busiest stage with one) and N = 1 (the final norm, on
+      the busiest stage);
     - CP (ring attention, c ranks, k = key/value width per TP rank): every layer and micro-batch each rank passes
-      its s/c tokens' K and V on c−1 times forward, and in the backward K, V and their gradients:
-      ``6 · (L/p) · m · (c−1) · b·(s/c)·k·e``.
+      its s/c tokens' K and V on c−1 times forward, again c−1 times in the backward, and the dK/dV accumulators
+      c times (the last hop returns them to their owner): ``(6c − 4) · (L/p) · m · b·(s/c)·k·e``.
     """
 
     mcfg = config_from_model_section(cfg.model)
@@ -41,17 +48,21 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
     seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
     e = 4.0
-    act = b * (seq / cp) * mcfg.hidden_size * e
+    act = b * seq / cp * mcfg.hidden_size * e  # a CP rank's TP and PP tensors hold its s/c tokens
     psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
-    replicas = dp * cp
+    layers, share = mcfg.num_layers / pp, (tp - 1) / tp
+    tp_bytes = 4 * layers * m * act * 2 * share
+    if tp > 1 and setting(cfg, "parallel.sequence_parallel", False):
+        ends = 2 if pp == 1 else 1  # the busiest stage: the last (head and final norm)
+        tp_bytes = m * ((10 * layers + 2 * ends) * act * share + (2 * layers + 1) * mcfg.hidden_size * e * 2 * share)
     out = {
-        "tp": 4 * (mcfg.num_layers / pp) * m * act * 2 * (tp - 1) / tp if tp > 1 else 0.0,
+        "tp": tp_bytes if tp > 1 else 0.0,
         "pp": 2 * v * m * act if pp > 1 else 0.0,
-        "dp": 2 * (replicas - 1) / replicas * psi * 4 if replicas > 1 else 0.0,
+        "dp": 2 * (dp * cp - 1) / (dp * cp) * psi * 4 if dp * cp > 1 else 0.0,
     }
     if cp > 1:
         kv_width = max(mcfg.num_kv_heads // tp, 1) * mcfg.head_dim
-        out["cp"] = 6 * (mcfg.num_layers / pp) * m * (cp - 1) * b * (seq / cp) * kv_width * e
+        out["cp"] = (6 * cp - 4) * layers * m * b * (seq / cp) * kv_width * e
     return out
 
 

@@ -41,18 +41,20 @@ class GroupSpan:
         return self.nodes > 1
 
 
-def mesh_groups(kind: str, dp: int, tp: int, pp: int) -> list[list[int]]:
-    """Every group of ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, then DP)."""
-    if kind not in ("tp", "pp", "dp"):
-        raise ValueError(f"group kind must be tp, pp or dp, got {kind!r}")
-    return MeshAxes(dp=dp, pp=pp, tp=tp).groups(kind)
+def mesh_groups(kind: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
+    """Every group of ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, CP, DP)."""
+    if kind not in ("tp", "pp", "dp", "cp"):
+        raise ValueError(f"group kind must be tp, pp, dp or cp, got {kind!r}")
+    return MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp).groups(kind)
 
 
-def group_span(kind: str, dp: int, tp: int, pp: int, ranks_per_node: int, placement: str = "aware") -> GroupSpan:
-    """The worst ``kind`` group of a dp×tp×pp job on nodes of ``ranks_per_node`` ranks, under ``placement``."""
+def group_span(
+    kind: str, dp: int, tp: int, pp: int, ranks_per_node: int, placement: str = "aware", cp: int = 1
+) -> GroupSpan:
+    """The worst ``kind`` group of a dp×cp×tp×pp job on nodes of ``ranks_per_node`` ranks, under ``placement``."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    axes = MeshAxes(dp=dp, pp=pp, tp=tp)
+    axes = MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp)
     size, world = axes.sizes[kind], axes.world_size
     nodes_used = -(-world // ranks_per_node)
     local = min(ranks_per_node, world)
@@ -62,7 +64,7 @@ def group_span(kind: str, dp: int, tp: int, pp: int, ranks_per_node: int, placem
         span = min(size, nodes_used)
         per_node = -(-size // span)
         return GroupSpan(kind, size, span, per_node, max(1, local // per_node), local, local if kind == "pp" else 0)
-    groups = mesh_groups(kind, dp, tp, pp)
+    groups = mesh_groups(kind, dp, tp, pp, cp)
     ring_flows: Counter[int] = Counter()
     crossing: Counter[int] = Counter()
     p2p: Counter[int] = Counter()

@@ -8,8 +8,16 @@
   (``b·m·T``), divided by ``tp·pp`` and by the rank's ``flops_per_s``;
 - **TP**: Megatron tensor parallel does 2 all-reduces forward and 2 backward per layer and micro-batch, each of
   ``b·T·h`` elements (Megatron §3.2, performance.md §2.4), over the TP group's ring;
+  With sequence parallelism the all-reduces become an all-gather and a reduce-scatter (the same ring time) and
+  the backward all-gathers the two saved norm outputs again (2 more all-gathers per layer), plus the 2L/p + 1
+  norm weights' all-reduces of ``h`` elements;
 - **PP**: per micro-batch each stage sends its activations forward and its input gradient back, ``b·T·h``
-  elements each (performance.md §2.4), ×v with an interleaved schedule;
+  elements each (performance.md §2.4; ``b·T·h/t`` under sequence parallelism), ×v with an interleaved schedule;
+- **CP** (c ranks per sequence, ``T/c`` tokens each): compute and the TP/PP tensors are those of ``T/c`` tokens;
+  per layer and micro-batch the ring attention sends ``6c − 4`` K/V-sized blocks (``b·T/c·kv·e``: K and V on c−1
+  times forward and backward, dK/dV c times) to the next CP rank, counted in full (the engine posts each exchange
+  before the block it overlaps; not counting the overlap makes this an upper bound); the gradient synchronisation
+  runs over the ``d·c`` ranks that hold the same parameters;
 - **bubble**: the pipeline runs ``v·m + p − 1`` slots for ``v·m`` slots of work, so the work per rank
   (compute + TP + PP) stretches by ``1/(1 − bubble)`` with ``bubble = (p−1)/(v·m+p−1)`` (Megatron §2.2; the
   formula ``engine.plan.explain_plan`` reports);
@@ -30,14 +38,14 @@
   2-core CPU measures, performance.md §3.3); with ``overlap_dp=True`` only the part longer than the backward
   (2/3 of the compute) shows (§2.6). The optimizer step is not counted.
 
-Layouts are placed by :mod:`kuangchao_core.sched.perf_groups` (``aware`` or ``blind``); links and collectives
+Weak scaling (one layout grown over more GPUs) is :mod:`kuangchao_core.sched.perf_scaling`. Layouts are placed by
+:mod:`kuangchao_core.sched.perf_groups` (``aware`` or ``blind``); links and collectives
 come from :mod:`kuangchao_core.sched.perf_cluster`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +71,6 @@ __all__ = [
     "matmul_params",
     "params_per_rank",
     "predict_step",
-    "scaling_efficiency",
-    "scaling_table",
     "stage_end_params",
 ]
 
@@ -87,11 +93,13 @@ class Layout:
     seq_len: int = 2048
     bytes_per_element: int = 4
     virtual_pipeline_size: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
-        """Ranks the layout needs: dp × tp × pp."""
-        return self.dp * self.tp * self.pp
+        """Ranks the layout needs: dp × cp × tp × pp."""
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def tokens_per_step(self) -> int:
@@ -99,7 +107,8 @@ class Layout:
         return self.dp * self.micro_batch_size * self.gradient_accumulation_steps * self.seq_len
 
     def layout_dict(self) -> dict[str, int]:
-        """Sizes, ZeRO stage and batch split, JSON-ready (what reports print)."""
+        """Sizes, ZeRO stage and batch split, JSON-ready (what reports print; ``cp`` and ``sequence_parallel``
+        only when used)."""
         return {
             "dp": self.dp,
             "tp": self.tp,
@@ -107,6 +116,8 @@ class Layout:
             "zero_stage": self.zero_stage,
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            **({"cp": self.cp} if self.cp > 1 else {}),
+            **({"sequence_parallel": True} if self.sequence_parallel else {}),
         }
 
     def with_dp(self, dp: int) -> Layout:
@@ -128,6 +139,8 @@ class Layout:
             seq_len=cfg.data.seq_len,
             bytes_per_element=_DTYPE_BYTES[cfg.train.dtype],
             virtual_pipeline_size=par.virtual_pipeline_size if interleaved else 1,
+            cp=par.context_parallel_size,
+            sequence_parallel=par.sequence_parallel,
         )
 
 
@@ -190,16 +203,18 @@ class StepPrediction:
     dp_bytes_per_rank: float
     dp_node_out_bytes: float
     groups: dict[str, GroupSpan]
+    cp_comm_s: float = 0.0
 
     @property
     def breakdown(self) -> dict[str, float]:
-        """Seconds per part: compute, bubble, tp, pp, dp (exposed) — they add up to ``step_s``."""
+        """Seconds per part: compute, bubble, tp, pp, dp (exposed), cp (with CP) — they add up to ``step_s``."""
         return {
             "compute_s": self.compute_s,
             "bubble_s": self.bubble_s,
             "tp_comm_s": self.tp_comm_s,
             "pp_comm_s": self.pp_comm_s,
             "dp_comm_s": self.dp_exposed_s,
+            **({"cp_comm_s": self.cp_comm_s} if "cp" in self.groups else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -290,39 +305,51 @@ def predict_step(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if layout.world_size > cluster.world_size:
         raise ValueError(
-            f"layout needs {layout.world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp {layout.pp}); the "
+            f"layout needs {layout.world_size} ranks (dp {layout.dp} x cp {layout.cp} x tp {layout.tp} x pp "
+            f"{layout.pp}); the "
             f"cluster has {cluster.world_size} ({cluster.nodes} x {cluster.ranks_per_node})"
         )
     if not 0.0 < topk_ratio <= 1.0:
         raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
-    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_pipeline_size
+    dp, tp, pp, v, cp = layout.dp, layout.tp, layout.pp, layout.virtual_pipeline_size, layout.cp
     b, m, seq, eb = (
         layout.micro_batch_size,
         layout.gradient_accumulation_steps,
         layout.seq_len,
         layout.bytes_per_element,
     )
-    spans = {kind: group_span(kind, dp, tp, pp, cluster.ranks_per_node, placement) for kind in ("tp", "pp", "dp")}
+    kinds = ("tp", "pp", "dp", "cp") if cp > 1 else ("tp", "pp", "dp")
+    spans = {k: group_span(k, dp, tp, pp, cluster.ranks_per_node, placement, cp) for k in kinds}
     f_tok = flops_per_token(model_cfg, seq)
-    compute_s = f_tok * b * m * seq / (tp * pp) / cluster.flops_per_s
-    act_bytes = b * seq * model_cfg.hidden_size * eb
+    compute_s = f_tok * b * m * seq / (tp * pp * cp) / cluster.flops_per_s
+    act_bytes = b * seq / cp * model_cfg.hidden_size * eb
     layers = -(-model_cfg.num_layers // pp)
     tp_comm_s = 0.0
     if tp > 1:
         s = spans["tp"]
-        tp_comm_s = (
-            layers * m * 4 * all_reduce_s(act_bytes, tp, cluster.ring_link(s.spans_nodes, s.ring_flows_per_node))
-        )
+        link = cluster.ring_link(s.spans_nodes, s.ring_flows_per_node)
+        tp_comm_s = layers * m * 4 * all_reduce_s(act_bytes, tp, link)
+        if layout.sequence_parallel:  # the re-gathers and the norm weights' all-reduces
+            norm = all_reduce_s(model_cfg.hidden_size * eb, tp, link)
+            tp_comm_s += m * (2 * layers * all_gather_s(act_bytes, tp, link) + (2 * layers + 1) * norm)
     pp_comm_s = 0.0
     if pp > 1:
         s = spans["pp"]
         link = cluster.inter_link(s.p2p_flows_per_node) if s.spans_nodes else cluster.intra
-        pp_comm_s = 2 * v * m * p2p_s(act_bytes, link)
+        pp_comm_s = 2 * v * m * p2p_s(act_bytes / (tp if layout.sequence_parallel else 1), link)
+    cp_comm_s = 0.0
+    if cp > 1:
+        s = spans["cp"]
+        link = cluster.inter_link(s.p2p_flows_per_node) if s.spans_nodes else cluster.intra
+        kv_width = max(model_cfg.num_kv_heads // tp, 1) * (model_cfg.hidden_size // model_cfg.num_heads)
+        cp_comm_s = layers * m * (6 * cp - 4) * p2p_s(b * seq / cp * kv_width * eb, link)
     bubble = (pp - 1) / (v * m + pp - 1) if pp > 1 else 0.0
-    work_s = compute_s + tp_comm_s + pp_comm_s
+    work_s = compute_s + tp_comm_s + pp_comm_s + cp_comm_s
     pipeline_s = work_s / (1.0 - bubble)
     psi = params_per_rank(model_cfg, tp, pp)
-    dp_s, dp_sent, dp_out = _dp_comm(psi, layout, cluster, spans["dp"], method, topk_ratio, topk_index_bytes)
+    grads = dataclasses.replace(layout, dp=dp * cp, cp=1)  # CP ranks hold the same parameters as DP ones
+    span = group_span("dp", dp * cp, tp, pp, cluster.ranks_per_node, placement) if cp > 1 else spans["dp"]
+    dp_s, dp_sent, dp_out = _dp_comm(psi, grads, cluster, span, method, topk_ratio, topk_index_bytes)
     exposed = max(0.0, dp_s - 2.0 / 3.0 * compute_s) if overlap_dp else dp_s
     step_s = pipeline_s + exposed
     tokens = layout.tokens_per_step
@@ -346,73 +373,5 @@ def predict_step(
         dp_bytes_per_rank=dp_sent,
         dp_node_out_bytes=dp_out,
         groups=spans,
+        cp_comm_s=cp_comm_s,
     )
-
-
-ClusterAt = Callable[[int], ClusterModel] | ClusterModel
-
-
-def _cluster_for(cluster_at: ClusterAt, n_gpus: int) -> ClusterModel:
-    return cluster_at.with_world_size(n_gpus) if isinstance(cluster_at, ClusterModel) else cluster_at(n_gpus)
-
-
-def _scaled(layout_per_gpu: Layout, n_gpus: int) -> Layout:
-    model_ranks = layout_per_gpu.tp * layout_per_gpu.pp
-    if n_gpus % model_ranks:
-        raise ValueError(f"{n_gpus} GPUs are not a multiple of tp x pp = {model_ranks}")
-    return layout_per_gpu.with_dp(n_gpus // model_ranks)
-
-
-def scaling_point(
-    model_cfg: Any, layout_per_gpu: Layout, cluster_at: ClusterAt, n_gpus: int, method: str = "hierarchical", **kw: Any
-) -> dict[str, Any]:
-    """One weak-scaling point: the layout with ``dp = n_gpus/(tp·pp)`` (per-GPU batch fixed) on
-    ``cluster_at(n_gpus)`` (or a ClusterModel grown to ``n_gpus``), with its prediction and efficiency.
-
-    Efficiency = tokens/s at N ÷ (N × tokens/s of one GPU's compute-only step), one GPU's compute-only rate being
-    ``flops_per_s / F_tok`` (no bubble, no communication).
-    """
-    layout = _scaled(layout_per_gpu, n_gpus)
-    cluster = _cluster_for(cluster_at, n_gpus)
-    pred = predict_step(model_cfg, layout, cluster, method=method, **kw)
-    one_gpu = cluster.flops_per_s / pred.flops_per_token
-    return {
-        "n_gpus": n_gpus,
-        "method": method,
-        "cluster": cluster.name,
-        "dp": layout.dp,
-        "efficiency": pred.tokens_per_s / (n_gpus * one_gpu),
-        "prediction": pred,
-    }
-
-
-def scaling_efficiency(
-    model_cfg: Any, layout_per_gpu: Layout, cluster_at: ClusterAt, n_gpus: int, method: str = "hierarchical", **kw: Any
-) -> float:
-    """Weak-scaling efficiency at ``n_gpus`` (see :func:`scaling_point`)."""
-    return scaling_point(model_cfg, layout_per_gpu, cluster_at, n_gpus, method, **kw)["efficiency"]
-
-
-def scaling_table(
-    model_cfg: Any,
-    layout_per_gpu: Layout,
-    cluster_at: ClusterAt,
-    sizes: Iterable[int] = (64, 128, 512),
-    methods: Iterable[str] = ("flat", "hierarchical", "fp16", "topk"),
-    **kw: Any,
-) -> list[dict[str, Any]]:
-    """:func:`scaling_point` for every size × method, as JSON-ready rows (the prediction as a dict)."""
-    rows = []
-    for n in sizes:
-        for method in methods:
-            point = scaling_point(model_cfg, layout_per_gpu, cluster_at, n, method, **kw)
-            pred = point.pop("prediction")
-            point.update(
-                step_s=pred.step_s,
-                tokens_per_s=pred.tokens_per_s,
-                dp_comm_s=pred.dp_comm_s,
-                mfu=pred.mfu,
-                breakdown=pred.breakdown,
-            )
-            rows.append(point)
-    return rows
