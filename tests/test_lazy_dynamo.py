@@ -4,9 +4,10 @@ and trains bitwise as with torch's own wrappers.
 The probe runs in a fresh interpreter (this one may have imported dynamo for another test). It builds an AdamW (the
 engine's optimizer), steps it with a scheduler, zeroes, saves and loads its state, runs ops under the stand-in
 device's dispatch mode, and records whether dynamo was imported and the parameters' bytes. Negative control: torch's
-own wrapper, called once, imports dynamo (so the check would see a lost saving). Then the same training again, now
-through torch's wrappers (what a process that compiles runs), is the reference the first must match bit for bit
-(same ops in the same order: no tolerance)."""
+wrappers put back (the behaviour before the change) import dynamo, so the check would see a lost saving; that
+training is the reference the first must match bit for bit (same ops in the same order: no tolerance). A third
+training, through ours again but with dynamo now imported (what a process that compiles runs: each call goes on to
+torch's wrapper), must match it too."""
 
 from __future__ import annotations
 
@@ -44,12 +45,20 @@ def train():
             "grad_mode_after_step": grad_mode}
 
 
+def entry_points():
+    return [(torch.optim.Optimizer, n) for n in lazy_dynamo.OPTIMIZER_METHODS] + [
+        (torch.optim.Adam, "step"), (stand_in._Dispatch, "__torch_dispatch__")]
+
+
 lazy = {**train(), "dynamo": "torch._dynamo" in sys.modules, "installed": lazy_dynamo.install()}
-# the negative control: torch's own wrapper imports dynamo
-opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-torch.optim.Optimizer.zero_grad.__kc_torch_wrapper__(opt)
-wrapped = {**train(), "dynamo": "torch._dynamo" in sys.modules}  # now every call goes through torch's wrappers
-print(json.dumps({"lazy": lazy, "wrapped": wrapped}))
+ours = {(cls, name): cls.__dict__[name] for cls, name in entry_points()}
+for (cls, name), fn in ours.items():  # the negative control: torch's wrappers back, as before the change
+    setattr(cls, name, getattr(fn, "__kc_torch_wrapper__", fn))
+reverted = {**train(), "dynamo": "torch._dynamo" in sys.modules}
+for (cls, name), fn in ours.items():  # ours again, now with dynamo imported: what a process that compiles runs
+    setattr(cls, name, fn)
+delegated = train()
+print(json.dumps({"lazy": lazy, "reverted": reverted, "delegated": delegated}))
 """
 
 
@@ -62,7 +71,7 @@ def _probe() -> dict:
 
 def test_a_rank_that_never_compiles_does_not_import_dynamo_and_trains_bitwise_as_torchs_wrappers():
     found = _probe()
-    lazy, wrapped = found["lazy"], found["wrapped"]
+    lazy, reverted, delegated = found["lazy"], found["reverted"], found["delegated"]
     assert lazy["installed"] == [
         "Optimizer.add_param_group",
         "Optimizer.zero_grad",
@@ -71,7 +80,8 @@ def test_a_rank_that_never_compiles_does_not_import_dynamo_and_trains_bitwise_as
         "Adam.step",
     ], "each entry point this was written against is still torch's wrapper"
     assert lazy["dynamo"] is False
-    assert wrapped["dynamo"] is True, "negative control: torch's wrapper imports dynamo, and the check sees it"
-    assert lazy["grad_mode_after_step"] == wrapped["grad_mode_after_step"] == [True] * 4
-    assert lazy["params"] == wrapped["params"]
-    assert lazy["steps"] == wrapped["steps"] == [4.0] * len(lazy["steps"])
+    assert reverted["dynamo"] is True, "negative control: with torch's wrappers back, the check sees dynamo imported"
+    for other in (reverted, delegated):
+        assert other["params"] == lazy["params"]
+        assert other["steps"] == lazy["steps"] == [4.0] * len(lazy["steps"])
+        assert other["grad_mode_after_step"] == lazy["grad_mode_after_step"] == [True] * 4
