@@ -1,4 +1,4 @@
-"""``hal.lazy_dynamo``: a rank that never compiles does not import ``torch._dynamo`` (about 1.5 s of CPU per process)
+"""``hal.lazy_dynamo``: a rank that never compiles does not import ``torch._dynamo`` (about 2 s of CPU per process)
 and trains bitwise as with torch's own wrappers.
 
 The probe runs in a fresh interpreter (this one may have imported dynamo for another test). It builds an AdamW (the

@@ -1,4 +1,4 @@
-"""Keep ``torch._dynamo`` out of processes that never compile (about 1.5 s of CPU per process, every rank).
+"""Keep ``torch._dynamo`` out of processes that never compile (about 2 s of CPU per process, every rank).
 
 torch wraps a few eager entry points so that dynamo does not trace into them: ``Optimizer.add_param_group``,
 ``zero_grad``, ``state_dict`` and ``load_state_dict`` (``torch._disable_dynamo``) and ``Adam.step`` (whose wrapper
