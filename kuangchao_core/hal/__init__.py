@@ -3,6 +3,7 @@
 May import: ``errors``; the guard interface ``guard_api`` (beside ``errors``).
 """
 
+from kuangchao_core.hal import lazy_dynamo
 from kuangchao_core.hal.adapters import Adapter, CpuAdapter, CudaAdapter, get_adapter, register_adapter
 from kuangchao_core.hal.context import DeviceContext, current_context, device_init, stream_create
 from kuangchao_core.hal.memory import (
@@ -16,6 +17,8 @@ from kuangchao_core.hal.memory import (
     write_memory_report,
 )
 from kuangchao_core.hal.stream import CudaStream, NullStream
+
+lazy_dynamo.install()  # before any optimizer is built: no torch._dynamo import where nothing compiles
 
 __all__ = [
     "POOL",

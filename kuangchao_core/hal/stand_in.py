@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from kuangchao_core.hal.lazy_dynamo import skip_disable
+
 ENV = "KC_COMM_RULES"
 #: the stand-in accelerator: a CPU device with an index, which torch keeps in ops' ``device`` arguments
 DEVICE = torch.device("cpu", 0)
@@ -140,6 +142,9 @@ class _Dispatch(TorchDispatchMode):
             for o in tree_flatten(out)[0]:
                 _mark_fresh(o, inputs)
         return out
+
+
+_Dispatch.__torch_dispatch__ = skip_disable(_Dispatch.__torch_dispatch__)  # torch's wrapper imports dynamo
 
 
 class _Function(TorchFunctionMode):
