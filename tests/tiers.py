@@ -48,6 +48,7 @@ FILE_TIERS = {
     "test_config_doc.py": "unit",
     "test_context_sharding.py": "unit",
     "test_context_parallel_model.py": "distributed",
+    "test_cp_activation_memory.py": "distributed",
     "test_data.py": "unit",
     "test_data_cache.py": "unit",
     "test_data_parallel.py": "distributed",

@@ -210,6 +210,14 @@ def ring_backward(qg, k, v, meta, out, lse, do, ring: _Ring, scale: float, balan
     return dq, dkv[0], dkv[1]
 
 
+def _token_major(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (b, h, n, d) with its values laid out token-major, (b, n, h, d) in memory: the attention layer's
+    ``out.transpose(1, 2).reshape(b, n, h·d)`` is then a view, so ``o_proj`` saves the tensor the Function saves
+    instead of a copy of it (64 more values per token and layer for the tiny model otherwise). A seam: the tests'
+    negative control replaces it with the head-major layout."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention with a ring-pass backward (see the module docstring); use :func:`ring_attend`."""
 
@@ -217,20 +225,24 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, meta, ring, scale, balanced):
         b, h, n, d = q.shape
         hkv = k.shape[1]
-        qg = q.view(b, hkv, h // hkv, n, d)
-        out, lse = ring_forward(qg, k, v, meta, ring, scale, balanced)
+        qg = q.contiguous().view(b, hkv, h // hkv, n, d)
+        out, lse = ring_forward(qg, k.contiguous(), v.contiguous(), meta, ring, scale, balanced)
+        out = _token_major(out.view(b, h, n, d))
         ctx.save_for_backward(q, k, v, meta, out, lse)
         ctx.ring, ctx.scale, ctx.balanced = ring, scale, balanced
-        return out.view(b, h, n, d).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, meta, out, lse = ctx.saved_tensors
         b, h, n, d = q.shape
         hkv = k.shape[1]
-        qg = q.view(b, hkv, h // hkv, n, d)
+        qg = q.contiguous().view(b, hkv, h // hkv, n, d)
         do = grad_out.contiguous().view(b, hkv, h // hkv, n, d)
-        dq, dk, dv = ring_backward(qg, k, v, meta, out, lse, do, ctx.ring, ctx.scale, ctx.balanced)
+        out = out.contiguous().view(b, hkv, h // hkv, n, d)
+        dq, dk, dv = ring_backward(
+            qg, k.contiguous(), v.contiguous(), meta, out, lse, do, ctx.ring, ctx.scale, ctx.balanced
+        )
         return dq.view(b, h, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -268,9 +280,8 @@ def ring_attend(
             raise ValueError(f"ring_attend: segment_ids must be ({b}, {n}), got {tuple(segment_ids.shape)}")
         meta = torch.cat([meta, segment_ids.to(dtype=torch.long)])
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return RingAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), meta.contiguous(), _Ring(group), scale, balanced
-    )
+    # q, k, v as given (the Function saves them; a contiguous copy would only replace them in memory)
+    return RingAttention.apply(q, k, v, meta.contiguous(), _Ring(group), scale, balanced)
 
 
 def cp_attention(group: CommGroup | None, positions: torch.Tensor | None = None, balanced: bool = True):
@@ -285,11 +296,16 @@ def cp_attention(group: CommGroup | None, positions: torch.Tensor | None = None,
     cp = 1 if group is None else group.size
     rank = 0 if group is None else group.rank
 
+    layouts: dict = {}  # (length, device) -> positions: one tensor shared by every layer's saved state
+
     def attend_cp(q, k, v, documents=None):
         segment_ids = None if documents is None else documents.segment_ids
         here = positions
         if here is None:
-            here = local_positions(q.shape[-2] * cp, cp, rank).to(q.device)
+            key = (q.shape[-2], q.device)
+            if key not in layouts:
+                layouts[key] = local_positions(q.shape[-2] * cp, cp, rank).to(device=q.device, dtype=torch.long)
+            here = layouts[key]
         return ring_attend(q, k, v, group, here, segment_ids, balanced=balanced)
 
     return attend_cp
