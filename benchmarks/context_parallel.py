@@ -9,17 +9,17 @@ baseline: the same model and sequence in one process (rank 0; rank 1 waits). A s
 AdamW, seen by rank 0; blocks of ``--steps`` steps alternate the two sides, the order flipped every block, and each
 block gives one ratio, median cp2 step ÷ median one-process step (``benchmarks/_ratios.py``).
 
-Torch's context parallelism: first probed with one causal SDPA call on the two ranks' devices. Torch 2.13
+Torch's context parallelism: probed with one causal SDPA forward and backward on the two CPU ranks. Torch 2.13
 dispatches only the CUDA flash, memory-efficient and cuDNN SDPA ops to its ring; on CPU the SDPA op is
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor sharding strategy, so the probe fails
-and the benchmark prints torch's exact error. Where the probe runs (two or more GPUs), the same model is timed
-under ``context_parallel`` (ids, labels and rotary positions sharded by torch) as a third side.
+and the benchmark prints torch's exact error instead of a ratio. (Timing torch's ring needs two or more GPUs and
+NCCL; this CPU/Gloo benchmark does not do it.)
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/context_parallel.py [--blocks 10] [--steps 3] [--seq 2048]
     .venv/bin/python benchmarks/context_parallel.py --smoke     # seconds: one block of one step, seq 64
 
-Ends with ``RESULT {json}``: ``ratio_vs_peer`` etc. keyed by comparison (``cp2_vs_one_process``, and
-``cp2_vs_torch_cp`` when torch's ran), ``torch_cp`` ("ran" or torch's error).
+Ends with ``RESULT {json}``: ``ratio_vs_peer`` etc. keyed by comparison (``cp2_vs_one_process``), ``torch_cp``
+("ran" or torch's error).
 """
 
 from __future__ import annotations
