@@ -20,12 +20,12 @@ import torch
 
 from kuangchao_core.data import get_tokenizer
 from kuangchao_core.data.image_data import build_image_dataset, gate_settings, placeholder_settings
-from kuangchao_core.engine.evaluation import EVAL_MICRO_BATCHES, HeldOutLoss
+from kuangchao_core.engine.evaluation import EVAL_MICRO_BATCHES, HeldOutLoss, PipelinedHeldOutLoss
 from kuangchao_core.engine.samples import greedy_decode
 from kuangchao_core.hal.dtypes import param_dtype
 
 #: held-out questions answered at each evaluation, and how many are shown (text and image) in MLflow
-QUESTIONS = 64
+QUESTIONS = 128
 SHOWN = 4
 MAX_ANSWER_TOKENS = 16
 
@@ -54,6 +54,17 @@ class ImageHeldOutLoss(HeldOutLoss):
     def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = {k: v[0].to(self.device) for k, v in batch.items()}  # the one collated micro-batch, stacked once
         return super()._loss_sum_and_count(batch)
+
+
+class PipelinedImageHeldOutLoss(PipelinedHeldOutLoss):
+    """:class:`PipelinedHeldOutLoss` over image rows (the images ride with the micro-batch to the first stage)."""
+
+    def __init__(self, executor: Any, model: torch.nn.Module, dataset: Any, mesh: Any, micro_batch: int, device):
+        super().__init__(executor, model, _Rows(len(dataset)), mesh, micro_batch, device)
+        self.batches = [([dataset.collate([x["row"] for x in items])], counted) for items, counted in self.batches]
+
+    def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super()._loss_sum_and_count({k: v[0].to(self.device) for k, v in batch.items()})
 
 
 class _Rows:
@@ -138,6 +149,8 @@ def log_sample_images(sink: Any, samples: Any, step: int) -> None:
 
 def held_out_for_vision(parts: Any, mesh: Any, dataset: Any, tokenizer: Any, micro: int, device) -> tuple[Any, Any]:
     """``(held-out loss, exact match)`` evaluators of the vision-language model over ``dataset``."""
+    if parts.executor is not None:  # greedy answers through the pipeline's stages are not built yet
+        return PipelinedImageHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device), None
     loss = ImageHeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device)
     return loss, ImageExactMatch(parts.model, dataset, tokenizer, device)
 

@@ -30,7 +30,7 @@ from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.layout import Region
 from kuangchao_core.models.vision import vision_config
-from kuangchao_core.models.vlm import VisionLanguageModel, init_vision_from_seed
+from kuangchao_core.models.vlm import VisionLanguageModel, init_vision_from_seed, merge_image_features
 from kuangchao_core.parallel.forward_backward import get_forward_backward, model_inputs
 from kuangchao_core.parallel.step_loss import weighted_loss
 
@@ -95,8 +95,10 @@ class VisionParts:
 def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mesh: Any, device: torch.device) -> Any:
     """``parts`` (a :class:`~kuangchao_core.engine.parallel_model.ParallelModel`) with its model wrapped in the
     vision-language model; ``parts.vision`` describes the encoder (:class:`VisionParts`)."""
-    if mesh.pp > 1:
-        raise PlanError([("model.vision", "pipeline parallelism with a vision tower is not built yet; use tp or dp")])
+    if mesh.pp > 1 and mesh.tp > 1:
+        raise PlanError(
+            [("model.vision", "pipeline and tensor parallelism together with a vision tower: not built yet")]
+        )
     if getattr(parts.model, "sequence_parallel", False):
         raise PlanError([("model.vision", "sequence parallelism with a vision tower is not built yet")])
     vcfg = vision_config(vision_section, llama_cfg.vocab_size)
@@ -106,12 +108,17 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     else:
         model = VisionLanguageModel(llama_cfg, vcfg, parts.model)
     init_vision_from_seed(model, build.seed)
+    if mesh.pp > 1 and mesh.pp_rank > 0:  # the encoder lives on the first stage only
+        del model.vision_tower, model.multi_modal_projector
+    elif mesh.pp > 1:  # the first stage's chunk embeds through the decoder: merge the images' features there
+        object.__setattr__(parts.model, "embed", _merged_embed(model, parts.model.embed))
     for prefix in ("vision_tower", "multi_modal_projector"):
-        getattr(model, prefix).to(device=device, dtype=param_dtype(build.dtype))
+        if hasattr(model, prefix):
+            getattr(model, prefix).to(device=device, dtype=param_dtype(build.dtype))
     frozen = bool(getattr(vision_section, "freeze", False))
     names = [n for n, _ in model.named_parameters() if n.startswith(ENCODER_PREFIXES)]
     params = dict(model.named_parameters())
-    unused = unused_encoder_parameters(model)
+    unused = unused_encoder_parameters(model) if names else set()
     for n in names:
         params[n].requires_grad_(not frozen and n not in unused)
     regions = {f"language_model.{n}": r for n, r in parts.regions.items()}
@@ -121,6 +128,17 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     parts.model, parts.regions, parts.norm_weight = model, regions, norm_weight
     parts.vision = VisionParts(names, tp_group, frozen=frozen)
     return parts
+
+
+def _merged_embed(vlm: VisionLanguageModel, token_embed: Any) -> Any:
+    """The first pipeline stage's ``embed(input_ids, pixel_values=None)``: token embeddings with the images'
+    features merged (``vlm``'s tower and projector)."""
+
+    def embed(input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        features = None if pixel_values is None else vlm.image_features(pixel_values)
+        return merge_image_features(token_embed(input_ids), input_ids, features, vlm.vision_config.image_token_id)
+
+    return embed
 
 
 def unused_encoder_parameters(model: VisionLanguageModel) -> set[str]:
@@ -140,7 +158,7 @@ def unused_encoder_parameters(model: VisionLanguageModel) -> set[str]:
 def step_function(parts: Any, precision: Any = None):
     """The job's forward and backward of one step: :func:`vision_forward_backward` for a vision-language model,
     else :func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`."""
-    if getattr(parts, "vision", None) is not None:
+    if getattr(parts, "vision", None) is not None and parts.executor is None:
         return vision_forward_backward(parts, precision)
     return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
 
