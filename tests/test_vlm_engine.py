@@ -109,6 +109,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     resumed = _job(tmp, shapes, "resume", {"tensor_parallel_size": 2}, False, {**resume_ckpt, "resume": "auto"})
     per_rank = run_distributed(run_trainers, 2, args=([{"cfg": resumed, "lineage": lineage, "resume": "auto"}],))
     out["resumed_tp2"] = [r[0] for r in per_rank]
+    out["tmp"] = tmp  # type: ignore[assignment]
     return out
 
 
@@ -194,3 +195,30 @@ def test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused():
 
     with pytest.raises(PlanError, match="pipeline and tensor parallelism together with a vision tower"):
         wrap_vision(None, None, None, None, SimpleNamespace(pp=2, tp=2), None)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora"])
+def test_checkpoint_converts_to_a_llava_directory(runs, layout, tmp_path):
+    """``kc checkpoint convert --format hf`` of a tp2 VLM checkpoint: a LLaVA directory (read back through
+    ``load_hf_llava``, which tests/test_vlm.py checks against transformers) holding the final parameters of the
+    one-process run within fp32 rounding (relative 2^-24 per element, so 1e-7 of a tensor's norm); the untrained
+    tower layer (``feature_layer`` -2) drawn from the seed equals the model's. A LoRA checkpoint is refused."""
+    from kuangchao_core.ckpt.convert import export_hf
+    from kuangchao_core.ckpt.hf_llava import load_hf_llava
+    from kuangchao_core.errors import CheckpointError
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    lineage = only_lineage(runs["tmp"] / layout / "ckpt" / layout)
+    step = sorted(lineage.glob("step_*"))[-1]
+    previous = install_guard(AllowAll())  # offline reads, as `kc checkpoint convert` does them
+    try:
+        if layout == "tp2_frozen_lora":
+            with pytest.raises(CheckpointError, match="LoRA"):
+                export_hf(step, tmp_path / "hf")
+            return
+        model = load_hf_llava(export_hf(step, tmp_path / "hf"))
+    finally:
+        install_guard(previous)
+    got = {n: p.detach().double().numpy() for n, p in model.named_parameters()}
+    name, diff = _compare(got, runs["ref"][0]["params"])
+    assert diff <= 1e-7, (name, diff)
