@@ -222,3 +222,26 @@ def test_checkpoint_converts_to_a_llava_directory(runs, layout, tmp_path):
     got = {n: p.detach().double().numpy() for n, p in model.named_parameters()}
     name, diff = _compare(got, runs["ref"][0]["params"])
     assert diff <= 1e-7, (name, diff)
+
+
+def test_plan_shows_the_encoder_layout_and_memory():
+    """``kc plan`` of a VLM job: the encoder's layout, its parameter count (equal to a built tower's), memory with
+    no gradients or optimizer state when frozen, its TP traffic; a text-only job has no encoder section."""
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.engine.plan import explain_plan, format_plan
+    from kuangchao_core.models.vision import VisionTower, vision_config
+
+    def plan(vision):
+        model = {"preset": "tiny"} if vision is None else {"preset": "tiny", "vision": vision}
+        par = {"tensor_parallel_size": 2, "micro_batch_size": 3}
+        return explain_plan(config_from_dict({"task": {"name": "t"}, "model": model, "parallel": par}))
+
+    got = plan(VISION)["vision"]
+    built = sum(p.numel() for p in VisionTower(vision_config(VISION, 256)).parameters())
+    assert got["parameters"]["tower"] == built and got["images_per_rank_per_micro_batch"] == 2
+    assert got["memory_bytes"]["optimizer"] == 2 * got["memory_bytes"]["params"] > 0
+    assert got["traffic_bytes_per_step"]["feature_all_gather_tp"] > 0
+    frozen = plan({**VISION, "freeze": True})["vision"]["memory_bytes"]
+    assert frozen["grads"] == frozen["optimizer"] == 0 and frozen["params"] == got["memory_bytes"]["params"]
+    assert "vision encoder (data parallel)" in format_plan(plan(VISION))
+    assert plan(None)["vision"] is None and "vision encoder" not in format_plan(plan(None))

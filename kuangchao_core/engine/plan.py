@@ -19,6 +19,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
+from kuangchao_core.engine.plan_vision import format_vision, vision_plan
 from kuangchao_core.errors import ConfigError, PlanError
 
 Errors = list[tuple[str, str]]
@@ -258,6 +259,7 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
         "zero_stage": zero,
         "model_parameters": mcfg.num_params(),
         "ranks": ranks,
+        "vision": vision_plan(cfg),  # the encoder's own layout (issue 31)
     }
 
 
@@ -307,4 +309,4 @@ def format_plan(plan: dict[str, Any]) -> str:
                 for k in ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")
             )
         )
-    return "\n".join(lines)
+    return "\n".join(lines + format_vision(plan.get("vision")))
