@@ -77,6 +77,7 @@ FILE_TIERS = {
     "test_image_gate.py": "unit",
     "test_image_pool.py": "unit",
     "test_vlm_engine.py": "distributed",
+    "test_vision_demo.py": "distributed",
     "test_vlm_engine.py::test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused": "unit",
     "test_vlm_engine.py::test_plan_shows_the_encoder_layout_and_memory": "unit",
     "test_shape_set.py": "unit",

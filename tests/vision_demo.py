@@ -23,3 +23,30 @@ def demo_config(work: Path, shapes: Path, **overrides: Any):
         **overrides,
     }
     return load_config(str(DEMO), overrides=[f"{k}={v}" for k, v in sets.items()])
+
+
+def run_demo(rank: int, world_size: int, cfg, tracking: str | None = None, artifacts: str | None = None):
+    """Train the demo in this process (one rank of a Gloo group): the held-out loss and exact match before and
+    after, the losses, the data-wait summary (``DataWait.summary`` with the steps' times) and, with ``tracking`` (an
+    MLflow URI; ``artifacts`` its artifact root), rank 0's MLflow run id with metrics and samples logged there."""
+    from tests.engine_helpers import trainer_in_process
+
+    trainer = trainer_in_process(cfg, rank, world_size)
+    before = (trainer.evaluator(), trainer.samples()[0])  # collective: every rank
+    sink = run_id = None
+    if tracking is not None and rank == 0:
+        from mlflow.tracking import MlflowClient
+
+        from kuangchao_core.obs.mlflow_sink import MlflowMetricSink
+
+        client = MlflowClient(tracking_uri=tracking)
+        run_id = client.create_run(client.create_experiment("vision-demo", artifact_location=artifacts)).info.run_id
+        sink = MlflowMetricSink(tracking, run_id, task=cfg.task.name)
+    try:
+        state = trainer.run(resume="never", metric_sink=sink)
+    finally:
+        if sink is not None:
+            sink.close()
+    after = (trainer.evaluator(), trainer.samples()[0])
+    wait = trainer.data_wait.summary(trainer.step_seconds)
+    return {"losses": list(state.losses), "before": before, "after": after, "wait": wait, "run_id": run_id}
