@@ -130,7 +130,8 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         if (index.manifest.get("model") or {}).get("vision") is not None:
             from kuangchao_core.ckpt.vlm_export import export_hf_llava
 
-            return export_hf_llava(index, cfg, out_dir, dtype)
+            params = {k[len(PARAM) :]: index.read(k).to(torch.float32) for k in index.keys() if k.startswith(PARAM)}
+            return export_hf_llava(params, index.manifest, cfg, out_dir, dtype)
         tensors = {
             key[len(PARAM) :]: index.read(key).to(torch.float32).contiguous()
             for key in index.keys()

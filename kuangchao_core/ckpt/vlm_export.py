@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from kuangchao_core.ckpt.hf_llava import vlm_full_shapes, write_hf_llava_dir
-from kuangchao_core.ckpt.index import PARAM
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.vision import VisionTower, vision_config
 from kuangchao_core.models.vlm import LlavaProjector, init_vision_from_seed
@@ -39,13 +38,15 @@ def seeded_encoder(vision: Any, text_hidden: int, seed: int) -> dict[str, torch.
     }
 
 
-def export_hf_llava(index: Any, cfg: Any, out_dir: str | os.PathLike[str], dtype: str = "fp32") -> Path:
-    """Write the LLaVA directory of the open checkpoint ``index`` (its decoder config ``cfg``) into ``out_dir``."""
-    manifest = index.manifest
+def export_hf_llava(
+    tensors: dict[str, torch.Tensor], manifest: dict[str, Any], cfg: Any, out_dir: str | os.PathLike[str], dtype="fp32"
+) -> Path:
+    """Write the LLaVA directory of a checkpoint's full parameters ``tensors`` (its ``manifest``, its decoder config
+    ``cfg``) into ``out_dir``."""
     if manifest.get("lora") is not None:
         raise CheckpointError("a vision-language checkpoint with LoRA adapters: merged export is not built yet")
     vision = vision_config(manifest["model"]["vision"], cfg.vocab_size)
-    tensors = {k[len(PARAM) :]: index.read(k).to(torch.float32) for k in index.keys() if k.startswith(PARAM)}
+    tensors = dict(tensors)
     shapes = vlm_full_shapes(cfg, vision)
     missing = [n for n in shapes if n not in tensors]
     if any(not n.startswith(("vision_tower.", "multi_modal_projector.")) for n in missing):
