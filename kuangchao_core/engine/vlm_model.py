@@ -12,8 +12,9 @@ first ``n mod tp`` ranks one more) and the features are all-gathered over the TP
 (:class:`GatherShares`: the backward keeps this rank's share of the feature gradient, which every TP rank holds whole
 because the decoder's first norm all-reduces its input gradient). The encoder's gradients then differ per TP rank:
 they are summed over the TP group once all micro-batches ran and before the data-parallel reduction, so they are
-reduced over exactly the ranks that replicate the encoder (TP group x DP group). Pipeline parallelism with the
-vision tower is not built yet (refused).
+reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
+the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
+each micro-batch as a stage input). Pipeline and tensor parallelism together with the tower are refused (not built).
 """
 
 from __future__ import annotations
