@@ -114,9 +114,9 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     ``jobs``: dicts with ``cfg`` and optional ``resume`` (default ``never``), ``max_steps``, ``lineage`` (pins
     the checkpoint lineage, as a flow run does), ``node_of_rank`` (the node of every rank, for hierarchical
     reductions) and ``sabotage`` (the name of a function in :data:`SABOTAGE`, applied to the built Trainer: a
-    negative control). Each job builds its own mesh and Trainer, so one set of processes serves several layouts of
-    the same world size. Returns, per job,
-    ``{"losses", "eval_loss", "samples", "params", "regions", "first_step", "first_grads", "steps_run"}``:
+    negative control). Each job builds its own mesh and Trainer (one set of processes serves several layouts of the
+    same world size). Returns, per job, ``{"losses", "eval_loss", "samples", "params", "regions", "first_step",
+    "first_grads", "steps_run"}``:
     ``eval_loss`` is the held-out loss of the final model (None where the layout has none), ``samples`` its greedy
     answers to the held-out prompts ``(exact match, text)``, ``regions`` maps each parameter to the slice of the
     full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of the first step this
@@ -353,6 +353,7 @@ def _drop_comm_state(trainer):
 
 #: Negative controls by name (a job's ``sabotage`` field).
 SABOTAGE = {
+    "encoder_reduced_over_dp_only": lambda trainer: setattr(trainer.parts.vision, "reduce_over_tp", False),
     "missing_row_parallel_all_reduce": _missing_row_parallel_all_reduce,
     "skipped_micro_batch": _skipped_micro_batch,
     "unreduced_dp_bucket": _unreduced_dp_bucket,

@@ -155,7 +155,7 @@ def test_jpeg_bytes_in_memory_decode_like_file(tmp_path):
 
 
 def test_data_images_config(tmp_path):
-    """``data.images`` is validated with field paths, said as unused until the trainer reads it, and read by
+    """``data.images`` is validated with field paths, said as unused in a text-only job (used with ``model.vision``), read by
     :func:`gate_settings` (a pixel limit from the config refuses an image)."""
     from kuangchao_core.config import ConfigError, config_from_dict
     from kuangchao_core.config.unused import unused_settings
@@ -167,7 +167,9 @@ def test_data_images_config(tmp_path):
         config_from_dict({**base, "data": {"images": {"max_pixels": 0, "decode_worker": 2}}})
     assert {p for p, _ in info.value.errors} == {"data.images.max_pixels", "data.images.decode_worker"}
     cfg = config_from_dict({**base, "data": {"images": {"max_pixels": 1000, "decode_workers": 0}}})
-    assert "data.images" in dict(unused_settings(cfg))
+    assert "data.images" in dict(unused_settings(cfg))  # a text-only job reads no images
+    with_vision = config_from_dict({**base, "model": {"vision": {}}, "data": {"images": {"max_pixels": 1000}}})
+    assert "data.images" not in dict(unused_settings(with_vision))
     assert "data.images" not in dict(unused_settings(config_from_dict(base)))  # control: defaults say nothing
     assert gate_settings(cfg.data) == {"max_pixels": 1000, "workers": 0, "cache_dir": None}
     path = _write(tmp_path, [_record(_images(tmp_path)[0].name)])  # 70 x 45 = 3150 pixels

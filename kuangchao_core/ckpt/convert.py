@@ -127,6 +127,11 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         if index.manifest.get("lora") is not None:
             raise CheckpointError(f"{step_dir} holds LoRA adapters only: merge them into their base (export_merged)")
         cfg = model_config_of_checkpoint(index.manifest)
+        if (index.manifest.get("model") or {}).get("vision") is not None:
+            from kuangchao_core.ckpt.vlm_export import export_hf_llava
+
+            params = {k[len(PARAM) :]: index.read(k).to(torch.float32) for k in index.keys() if k.startswith(PARAM)}
+            return export_hf_llava(params, index.manifest, cfg, out_dir, dtype)
         tensors = {
             key[len(PARAM) :]: index.read(key).to(torch.float32).contiguous()
             for key in index.keys()

@@ -107,12 +107,8 @@ def unused_settings(cfg: Any) -> Warnings:
         for name in ("prometheus_host", "prometheus_grace_s", "prometheus_pushgateway"):
             if _given(cfg.tracking, name):
                 out.append((f"tracking.{name}", "not used: tracking.prometheus_port is null (no metrics endpoint)"))
-    if _given(data, "images"):
-        why = "the trainer does not read image records yet (issue 31); kuangchao_core.data.image_data does"
-        out.append(("data.images", why))
-    if cfg.model.vision is not None:
-        why = "the trainer does not build the vision tower yet (issue 31); this job trains the text decoder alone"
-        out.append(("model.vision", why))
+    if _given(data, "images") and cfg.model.vision is None:
+        out.append(("data.images", "not used: a text-only job (model.vision unset) reads no image records"))
     if perm.mode == "trusted":
         for name in ("token_ttl_seconds", "roles", "allowed_interfaces", "operators"):
             if _given(perm, name):

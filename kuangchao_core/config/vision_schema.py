@@ -45,6 +45,11 @@ class VisionSection(Section):
     projector_bias: bool = True
     #: the placeholder token id; each image's features replace as many of them (unset: the vocabulary's last id)
     image_token_id: Int | None = Field(default=None, ge=0)
+    #: the tower and projector stay at their initial (or loaded) weights: never in the optimizer, as a LoRA base
+    freeze: bool = False
+    #: the encoder's layout: ``data`` = replicated on every rank, each TP rank encoding its share of a micro-batch's
+    #: images, features all-gathered for the TP-sharded decoder, gradients reduced over TP x DP
+    parallel: Literal["data"] = "data"
 
 
 class ImagesSection(Section):

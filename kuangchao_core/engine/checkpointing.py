@@ -121,6 +121,8 @@ class TrainerCheckpoints:
         }
         if self.parts.lora is not None:
             meta["lora"] = self._lora_meta()
+        if self.settings.model_meta.get("vision") is not None:  # untrained tower weights are drawn from it at export
+            meta["vision_seed"] = int(self.settings.seed)
         return meta
 
     def _lora_meta(self) -> dict[str, Any]:

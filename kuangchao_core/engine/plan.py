@@ -19,6 +19,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
+from kuangchao_core.engine.plan_vision import format_vision, vision_plan
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -160,9 +161,9 @@ def unbuilt_problems(cfg: Any) -> Errors:
     ``s/cp`` positions per CP rank do not split over TP, and ``train.compile`` (the ring's point-to-point exchanges
     inside a compiled layer are not supported)."""
     cp = getattr(cfg.parallel, "context_parallel_size", 1)
+    errors: Errors = _vision_unbuilt(cfg, cp)
     if cp == 1:
-        return []
-    errors: Errors = []
+        return errors
     seq_len = int(cfg.data.seq_len)
     if seq_len % (2 * cp):
         errors.append(
@@ -190,6 +191,20 @@ def unbuilt_problems(cfg: Any) -> Errors:
             )
         )
     return errors
+
+
+def _vision_unbuilt(cfg: Any, cp: int) -> Errors:
+    """The layouts a vision tower (``model.vision``, issue 31) does not run with yet, refused before launch."""
+    if getattr(cfg.model, "vision", None) is None:
+        return []
+    par, unbuilt = cfg.parallel, []
+    if par.pipeline_parallel_size > 1 and par.tensor_parallel_size > 1:
+        unbuilt.append("pipeline and tensor parallelism together")
+    if getattr(par, "sequence_parallel", False):
+        unbuilt.append("parallel.sequence_parallel")
+    if cp > 1:
+        unbuilt.append(f"context_parallel_size {cp}")
+    return [("model.vision", f"a vision tower with {u}: not built yet") for u in unbuilt]
 
 
 def memory_problems(cfg: Any, world_size: int | None = None, memory: Any = None) -> Errors:
@@ -284,6 +299,7 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
         "traffic_bytes_per_step": group_traffic(cfg),
         "model_parameters": mcfg.num_params(),
         "ranks": ranks,
+        "vision": vision_plan(cfg),  # the encoder's own layout (issue 31)
     }
 
 
@@ -345,4 +361,4 @@ def format_plan(plan: dict[str, Any]) -> str:
         "traffic per group member per step (MiB, estimate): "
         + ", ".join(f"{k} {traffic[k] / 2**20:.4g}{notes.get(k, '') if traffic[k] else ''}" for k in traffic)
     )
-    return "\n".join(lines)
+    return "\n".join(lines + format_vision(plan.get("vision")))

@@ -27,24 +27,26 @@ from kuangchao_core.comm.group import host_group
 from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.config.settings import RunSettings
-from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler, build_dataset
+from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler
+from kuangchao_core.data.image_pool import DataWait
 from kuangchao_core.engine.anomaly import AnomalyDetector, AnomalyStop
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
-from kuangchao_core.engine.evaluation import eval_dataset_for, held_out_loss_for
 from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
 from kuangchao_core.engine.grad_snapshot import write_snapshot
+from kuangchao_core.engine.job_data import job_data
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import memory_bytes, memory_kind
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
-from kuangchao_core.engine.samples import sample_evaluator_for
 from kuangchao_core.engine.schedule import lr_at
+from kuangchao_core.engine.vlm_data import log_sample_images
+from kuangchao_core.engine.vlm_model import step_function, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.obs.step_feed import StepFeed
 from kuangchao_core.parallel.context import shard_micro_batches
-from kuangchao_core.parallel.forward_backward import BATCH_KEYS, get_forward_backward
+from kuangchao_core.parallel.forward_backward import BATCH_KEYS
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
 from kuangchao_core.parallel.step_loss import step_loss_weight
@@ -129,13 +131,13 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.model_config = config_from_model_section(run.model)
         self.parts = build_parallel_model(run.build, self.model_config, mesh, device)
+        if run.model.vision is not None:  # the decoder under LLaVA's tower and projector (issue 31)
+            self.parts = wrap_vision(self.parts, run.build, run.model.vision, self.model_config, mesh, device)
         self.model = self.parts.model
         self.replicas = mesh.replicas()  # dp×cp hold the same parameters: gradients reduced (ZeRO shards) over it
         self.sync = make_grad_sync(run.grad_sync, self.model, self.replicas, self.parts.norm_weight)
         self.precision = mixed_precision_for(run.precision, device)
-        self.forward_backward = get_forward_backward(
-            self.model, self.parts.loss_fn, self.parts.executor, self.precision if self.precision.enabled else None
-        )
+        self.forward_backward = step_function(self.parts, self.precision if self.precision.enabled else None)
         if rank == 0 and (report := self.sync.memory_report()) is not None:
             log_event(log, "zero memory per rank", **report)
         self.attention_path = job_attention_path(batches.documents, int(run.data.seq_len))
@@ -143,17 +145,8 @@ class Trainer:
             gqa = self.model_config.num_heads // self.model_config.num_kv_heads
             log_event(log, "attention", path=self.attention_path, gqa_groups=gqa, repeated_kv=False)
 
-        self.dataset = build_dataset(run.data, self.model_config.vocab_size)
-        eval_data, no_eval = eval_dataset_for(run.data, batches.no_eval_reason, self.model_config.vocab_size)
-        self.evaluator = self.samples = None
-        if eval_data is None:
-            if rank == 0:
-                log.warning("train.eval_interval %d: no held-out loss for this job: %s", train.eval_interval, no_eval)
-        else:
-            self.evaluator = held_out_loss_for(batches.micro_batch_size, self.parts, mesh, eval_data, device)
-            self.samples, no_samples = sample_evaluator_for(self.parts, mesh, eval_data, device)
-            if self.samples is None and rank == 0:
-                log.warning("no greedy samples at evaluations: %s", no_samples)
+        vocab = self.model_config.vocab_size
+        self.dataset, self.evaluator, self.samples = job_data(run, self.parts, mesh, device, vocab, rank)
         self.sampler = ResumableBatchSampler(
             len(self.dataset), micro_batch_size=batches.micro_batch_size, grad_accum=batches.gradient_accumulation_steps,
             dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=train.seed, shuffle=batches.shuffle,
@@ -340,6 +333,7 @@ class Trainer:
             metric_sink.log_text(
                 f"step {step}: greedy answers to held-out prompts\n\n{text}", f"samples/step_{step:08d}.txt"
             )
+            log_sample_images(metric_sink, self.samples, step)  # a vision job's answers with their images
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -375,6 +369,7 @@ class Trainer:
             self.dataset, self.sampler, depth=self.run_settings.batches.prefetch, pin_memory=pin
         )
         last_saved = self.state.step if step_dir is not None else -1
+        self.data_wait, self.step_seconds = DataWait(), []
         stop_at = total if max_steps is None else min(total, self.state.step + max_steps)
         start_step = self.state.step
         t_start = time.perf_counter()
@@ -392,7 +387,8 @@ class Trainer:
         feed = StepFeed() if self.rank == 0 else None  # every step's metrics to the orchestrator (Prometheus)
         try:
             while self.state.step < stop_at:
-                result = self.train_step(self.loader.next_step())
+                result = self.train_step(self.data_wait.measure(self.loader.next_step))
+                self.step_seconds.append(result.step_time_s)
                 verify_order(self.host_group)  # CI's NCCL rules: the same ops on every rank (else a no-op)
                 self.state.trained_tokens += round(result.tokens_per_s * result.step_time_s)
                 self.state.train_seconds += result.step_time_s
@@ -401,7 +397,7 @@ class Trainer:
                     self._report_memory(result)
                 settings = live.follow(result.step, first=False)
                 self.lr_scale = settings.lr_scale
-                metrics = result.metrics()
+                metrics = result.metrics() | {"data_wait_s": self.data_wait.last}
                 if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step
                     with self.sync.full_parameters():  # collective under ZeRO-3
                         write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
@@ -442,6 +438,8 @@ class Trainer:
             if self.state.step != last_saved and self.state.step == total:
                 self.save_checkpoint()
             self.checkpoints.finish()  # the save in flight is published before the run reports done
+            if self.rank == 0 and self.step_seconds:  # the step's wait for its data (issue 31: < 5 % of the step)
+                log_event(log, "data wait", **self.data_wait.summary(self.step_seconds))
         finally:
             if feed is not None:
                 feed.close()

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 from kuangchao_core import guard_api
 
@@ -75,6 +76,15 @@ class MlflowMetricSink:
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as exc:
             log.warning("mlflow log_text %s failed: %s", artifact_file, exc)
+
+    def log_image(self, image: Any, artifact_file: str) -> None:
+        """Store ``image`` (uint8 H x W x 3) as the run's artifact ``artifact_file`` (a vision job's evaluation
+        samples); a failure is logged, never raised."""
+        self._ready.wait(timeout=120)
+        try:
+            self._client.log_image(self.run_id, image, artifact_file=artifact_file)
+        except Exception as exc:
+            log.warning("mlflow log_image %s failed: %s", artifact_file, exc)
 
     def _drain(self) -> list:
         from mlflow.entities import Metric

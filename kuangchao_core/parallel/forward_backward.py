@@ -31,9 +31,10 @@ from kuangchao_core.parallel.grad_sync import GradSync, maybe_no_sync
 from kuangchao_core.parallel.step_loss import weighted_loss
 
 ForwardBackward = Callable[[GradSync, list[dict[str, torch.Tensor]], torch.Tensor | None], torch.Tensor]
-#: what a micro-batch may carry to the device: tokens, labels, and packed documents' positions and segments
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
-MODEL_KEYS = ("position_ids", "segment_ids")
+#: what a micro-batch may carry to the device: tokens, labels, packed documents' positions and segments, and the
+#: images of a vision-language model (issue 31)
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "segment_ids", "pixel_values")
+MODEL_KEYS = ("position_ids", "segment_ids", "pixel_values")
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -244,8 +244,9 @@ class PipelineExecutor:
         return total
 
 
-#: a micro-batch's inputs every stage's layers need besides the activations (packed documents)
-STAGE_KEYS = ("position_ids", "segment_ids")
+#: a micro-batch's inputs the stages need besides the activations (packed documents; a vision-language model's
+#: images, which only the first stage's embedding reads)
+STAGE_KEYS = ("position_ids", "segment_ids", "pixel_values")
 
 
 def stage_inputs(batch: dict, device: Any) -> dict[str, torch.Tensor]:

@@ -93,11 +93,19 @@ class StageChunk(nn.Module):
         return self._model[0]
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run this chunk's part of the model on ``x``."""
+        """Run this chunk's part of the model on ``x``; ``pixel_values`` (a vision-language model's images) reach the
+        first stage's embedding, which merges their features (``kuangchao_core.engine.vlm_model``)."""
         m = self.model
-        h = m.embed(x) if self.spec.has_embedding else x
+        if self.spec.has_embedding:
+            h = m.embed(x) if pixel_values is None else m.embed(x, pixel_values)
+        else:
+            h = x
         h = m.run_layers(h, self.spec.start, self.spec.end, position_ids=position_ids, segment_ids=segment_ids)
         return m.head(h) if self.spec.has_head else h
 

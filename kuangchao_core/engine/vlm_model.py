@@ -1,0 +1,204 @@
+"""The vision-language model in the engine (issue 31): the decoder this rank built, wrapped in LLaVA's tower and projector.
+
+When ``model.vision`` is set, :func:`wrap_vision` puts the rank's decoder (plain or tensor-parallel, as
+:func:`~kuangchao_core.engine.parallel_model.build_parallel_model` built it) under ``language_model.`` of a
+:class:`~kuangchao_core.models.vlm.VisionLanguageModel`, initialises the tower and projector from the job's seed
+(:func:`~kuangchao_core.models.vlm.init_vision_from_seed`, the same on every rank whatever the layout) and records
+their regions as whole tensors, so checkpoints hold them layout-independently beside the decoder's slices.
+
+The encoder's layout (``model.vision.parallel``, default ``data``): the tower and projector are replicated on every
+rank. With decoder tensor parallelism each TP rank encodes its share of the micro-batch's images (contiguous, the
+first ``n mod tp`` ranks one more) and the features are all-gathered over the TP group for the TP-sharded decoder
+(:class:`GatherShares`: the backward keeps this rank's share of the feature gradient, which every TP rank holds whole
+because the decoder's first norm all-reduces its input gradient). The encoder's gradients then differ per TP rank:
+they are summed over the TP group once all micro-batches ran and before the data-parallel reduction, so they are
+reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
+the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
+each micro-batch as a stage input). Pipeline and tensor parallelism together with the tower are refused (not built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kuangchao_core.comm import primitives as P
+from kuangchao_core.config.vision_schema import image_tokens_per_image
+from kuangchao_core.errors import PlanError
+from kuangchao_core.hal.dtypes import param_dtype
+from kuangchao_core.models.layout import Region
+from kuangchao_core.models.vision import vision_config
+from kuangchao_core.models.vlm import VisionLanguageModel, init_vision_from_seed, merge_image_features
+from kuangchao_core.parallel.forward_backward import get_forward_backward, model_inputs
+from kuangchao_core.parallel.step_loss import weighted_loss
+
+#: parameter-name prefixes of the encoder side (tower and projector)
+ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+def shares(n: int, parts: int) -> list[int]:
+    """How many of ``n`` images each of ``parts`` ranks encodes: contiguous, the first ``n mod parts`` one more."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+class GatherShares(torch.autograd.Function):
+    """Forward: all-gather each TP rank's features (padded to the largest share) and concatenate them in rank
+    order; backward: this rank's rows of the (TP-replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, counts: list[int], group: Any, rank: int) -> torch.Tensor:
+        ctx.counts, ctx.rank = counts, rank
+        buf = local.new_zeros((max(counts), *local.shape[1:]))
+        buf[: local.shape[0]] = local
+        parts = P.all_gather(None, buf.contiguous(), group=group)
+        return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start : start + ctx.counts[ctx.rank]], None, None, None
+
+
+class ShardedEncoderVLM(VisionLanguageModel):
+    """A :class:`VisionLanguageModel` whose images are encoded data-parallel across ``tp_group``."""
+
+    def __init__(self, cfg, vision_cfg, language_model, tp_group):
+        super().__init__(cfg, vision_cfg, language_model)
+        object.__setattr__(self, "encoder_group", tp_group)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        group = self.encoder_group
+        counts = shares(pixel_values.shape[0], group.size)
+        start = sum(counts[: group.rank])
+        if counts[group.rank]:
+            local = super().image_features(pixel_values[start : start + counts[group.rank]])
+        else:  # fewer images than TP ranks: this rank encodes none (its encoder gradient is zero)
+            per_image = image_tokens_per_image(self.vision_config)
+            local = pixel_values.new_zeros((0, per_image, self.config.hidden_size))
+        return GatherShares.apply(local, counts, group, group.rank)
+
+
+@dataclass
+class VisionParts:
+    """What the engine keeps of the encoder: its parameters' names, the group its gradients are summed over
+    besides DP (the TP group under the default layout; None without TP) and whether that sum runs (a test turns it
+    off as a negative control)."""
+
+    names: list[str] = field(default_factory=list)
+    tp_group: Any = None
+    reduce_over_tp: bool = True
+    frozen: bool = False
+
+
+def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mesh: Any, device: torch.device) -> Any:
+    """``parts`` (a :class:`~kuangchao_core.engine.parallel_model.ParallelModel`) with its model wrapped in the
+    vision-language model; ``parts.vision`` describes the encoder (:class:`VisionParts`)."""
+    if mesh.pp > 1 and mesh.tp > 1:
+        raise PlanError(
+            [("model.vision", "pipeline and tensor parallelism together with a vision tower: not built yet")]
+        )
+    if getattr(parts.model, "sequence_parallel", False) or getattr(mesh, "cp", 1) > 1:
+        raise PlanError([("model.vision", "sequence or context parallelism with a vision tower: not built yet")])
+    vcfg = vision_config(vision_section, llama_cfg.vocab_size)
+    tp_group = mesh.tp_group if mesh.tp > 1 else None
+    if tp_group is not None:
+        model = ShardedEncoderVLM(llama_cfg, vcfg, parts.model, tp_group)
+    else:
+        model = VisionLanguageModel(llama_cfg, vcfg, parts.model)
+    init_vision_from_seed(model, build.seed)
+    if mesh.pp > 1 and mesh.pp_rank > 0:  # the encoder lives on the first stage only
+        del model.vision_tower, model.multi_modal_projector
+    elif mesh.pp > 1:  # the first stage's chunk embeds through the decoder: merge the images' features there
+        object.__setattr__(parts.model, "embed", _merged_embed(model, parts.model.embed))
+    for prefix in ("vision_tower", "multi_modal_projector"):
+        if hasattr(model, prefix):
+            getattr(model, prefix).to(device=device, dtype=param_dtype(build.dtype))
+    frozen = bool(getattr(vision_section, "freeze", False))
+    names = [n for n, _ in model.named_parameters() if n.startswith(ENCODER_PREFIXES)]
+    params = dict(model.named_parameters())
+    unused = unused_encoder_parameters(model) if names else set()
+    for n in names:
+        params[n].requires_grad_(not frozen and n not in unused)
+    regions = {f"language_model.{n}": r for n, r in parts.regions.items()}
+    regions.update({n: Region.full(params[n].shape) for n in names})
+    norm_weight = {f"language_model.{n}": w for n, w in parts.norm_weight.items()}
+    norm_weight.update({n: 1.0 / mesh.tp for n in names})  # replicated over TP once reduced: counted once
+    parts.model, parts.regions, parts.norm_weight = model, regions, norm_weight
+    parts.vision = VisionParts(names, tp_group, frozen=frozen)
+    return parts
+
+
+def _merged_embed(vlm: VisionLanguageModel, token_embed: Any) -> Any:
+    """The first pipeline stage's ``embed(input_ids, pixel_values=None)``: token embeddings with the images'
+    features merged (``vlm``'s tower and projector)."""
+
+    def embed(input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        features = None if pixel_values is None else vlm.image_features(pixel_values)
+        return merge_image_features(token_embed(input_ids), input_ids, features, vlm.vision_config.image_token_id)
+
+    return embed
+
+
+def unused_encoder_parameters(model: VisionLanguageModel) -> set[str]:
+    """Names of tower parameters the features do not depend on (the layers after ``feature_layer``, the post-norm):
+    found by one backward of a blank image; they stay frozen, so no optimizer state is kept (or expected) for them."""
+    vcfg = model.vision_config
+    pixels = torch.zeros((1, vcfg.num_channels, vcfg.image_size, vcfg.image_size), dtype=next(model.parameters()).dtype)
+    encoder = [(n, p) for n, p in model.named_parameters() if n.startswith(ENCODER_PREFIXES)]
+    for _, p in encoder:
+        p.requires_grad_(True)
+    with torch.enable_grad():
+        out = VisionLanguageModel.image_features(model, pixels).sum()
+        grads = torch.autograd.grad(out, [p for _, p in encoder], allow_unused=True)
+    return {n for (n, _), g in zip(encoder, grads, strict=True) if g is None}
+
+
+def step_function(parts: Any, precision: Any = None):
+    """The job's forward and backward of one step: :func:`vision_forward_backward` for a vision-language model,
+    else :func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`."""
+    if getattr(parts, "vision", None) is not None and parts.executor is None:
+        return vision_forward_backward(parts, precision)
+    return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
+
+
+def vision_forward_backward(parts: Any, precision: Any = None):
+    """The step's forward and backward for the vision-language model (see the module docstring): the plain path
+    when no TP group shares the encoder; else every micro-batch under ``no_sync``, the encoder's gradients summed
+    over the TP group, then the data-parallel reduction."""
+    vision: VisionParts = parts.vision
+    if vision.tp_group is None or vision.frozen:
+        return get_forward_backward(parts.model, parts.loss_fn, None, precision)
+    model, loss_fn = parts.model, parts.loss_fn
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+    scale = precision.scale if precision is not None else (lambda loss: loss)
+    params = dict(model.named_parameters())
+    encoder = [params[n] for n in vision.names]
+
+    def step(sync: Any, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None):
+        n = len(batches)
+        local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
+        with sync.no_sync():
+            for batch in batches:
+                with autocast():
+                    logits = model(batch["input_ids"], **model_inputs(batch))
+                    loss = weighted_loss(loss_fn, logits, batch, n, loss_weight)
+                scale(loss).backward()
+                local += loss.detach().double()
+        if vision.reduce_over_tp:
+            for p in encoder:  # a rank that encoded no image this step still joins the sum
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in encoder]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            P.all_reduce(flat, group=vision.tp_group, op="sum")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        sync.finish(accumulated=True)
+        return local
+
+    return step
