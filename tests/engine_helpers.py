@@ -116,8 +116,7 @@ def run_trainers(rank: int, world_size: int, jobs: list[dict[str, Any]]):
     reductions) and ``sabotage`` (the name of a function in :data:`SABOTAGE`, applied to the built Trainer: a
     negative control). Each job builds its own mesh and Trainer (one set of processes serves several layouts of the
     same world size). Returns, per job, ``{"losses", "eval_loss", "samples", "params", "regions", "first_step",
-    "first_grads", "steps_run"}``:
-    ``eval_loss`` is the held-out loss of the final model (None where the layout has none), ``samples`` its greedy
+    "first_grads", "steps_run"}``: ``eval_loss`` is the held-out loss of the final model (None where the layout has none), ``samples`` its greedy
     answers to the held-out prompts ``(exact match, text)``, ``regions`` maps each parameter to the slice of the
     full tensor it holds (``Region.to_meta()``), ``first_step`` is the micro-batches (numpy) of the first step this
     process ran, ``first_grads`` the gradients after that step's reduction and clipping (parameters whose ``.grad``
