@@ -152,7 +152,7 @@ def claim(kind: str, owner: int | None = None) -> Claim:
         raise ValueError(f"a lab kind is two letters, not {kind!r}")
     owner = os.getpid() if owner is None else (owner or None)
     with _locked():
-        reap()
+        _reap()
         taken = {c.prefix for c in claims()}
         alphabet = string.ascii_lowercase + string.digits
         prefix = next(p for p in (kind + "".join(random.choices(alphabet, k=6)) for _ in range(100)) if p not in taken)
@@ -228,7 +228,13 @@ def release(c: Claim, grace_s: float = 2.0) -> list[str]:
 
 def reap(kind: str | None = None, persistent: bool = False) -> list[str]:
     """Release the claims (of ``kind``, or any) whose owner process is gone, and with ``persistent`` also those
-    made to outlive their process; returns the names removed. Never touches a claim whose owner runs."""
+    made to outlive their process; returns the names removed. Never touches a claim whose owner runs. Holds the
+    machine's lab lock, so two reapers never release one claim at once."""
+    with _locked():
+        return _reap(kind, persistent)
+
+
+def _reap(kind: str | None = None, persistent: bool = False) -> list[str]:
     removed = []
     for c in claims():
         if (kind is None or c.kind == kind) and (c.stale() or (persistent and c.owner is None)):
