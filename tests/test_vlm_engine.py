@@ -46,24 +46,28 @@ VISION = {
     "num_heads": 2,
 }
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
-#: layout -> (world size, parallel section, frozen encoder + LoRA)
+#: the encoder's own tensor parallelism (``model.vision.parallel: tp``) over the decoder's TP group
+ENCODER_TP2 = {"parallel": "tp", "tensor_parallel_size": 2}
+#: layout -> (world size, parallel section, frozen encoder + LoRA, more of ``model.vision``)
 LAYOUTS = {
-    "dp2_zero2": (2, {"data_parallel_size": 2, "zero_stage": 2}, False),
-    "tp2": (2, {"tensor_parallel_size": 2}, False),
-    "tp2_frozen_lora": (2, {"tensor_parallel_size": 2}, True),
-    "pp2": (2, {"pipeline_parallel_size": 2}, False),
+    "dp2_zero2": (2, {"data_parallel_size": 2, "zero_stage": 2}, False, {}),
+    "tp2": (2, {"tensor_parallel_size": 2}, False, {}),
+    "tp2_frozen_lora": (2, {"tensor_parallel_size": 2}, True, {}),
+    "pp2": (2, {"pipeline_parallel_size": 2}, False, {}),
+    "tp2_encoder_tp2": (2, {"tensor_parallel_size": 2}, False, ENCODER_TP2),
 }
 NEGATIVE = {
     "dp2_zero2_unreduced_bucket": ("dp2_zero2", "unreduced_zero_bucket"),
     "tp2_encoder_reduced_over_dp_only": ("tp2", "encoder_reduced_over_dp_only"),
     "tp2_frozen_lora_unsummed_lora_a": ("tp2_frozen_lora", "unsummed_lora_a"),
     "pp2_skipped_micro_batch": ("pp2", "skipped_micro_batch"),
+    "tp2_encoder_tp2_out_proj_unreduced": ("tp2_encoder_tp2", "encoder_out_proj_unreduced"),
 }
 
 
-def _job(tmp: Path, shapes: Path, name: str, parallel: dict, frozen: bool, ckpt: dict | None = None):
+def _job(tmp: Path, shapes: Path, name: str, parallel: dict, frozen: bool, vision: dict, ckpt: dict | None = None):
     dp = parallel.get("data_parallel_size", 1)
-    model = {"preset": "tiny", "num_layers": 2, "vision": {**VISION, "freeze": frozen}}
+    model = {"preset": "tiny", "num_layers": 2, "vision": {**VISION, "freeze": frozen, **vision}}
     if frozen:
         model["lora"] = LORA
     return tiny_job(
@@ -92,21 +96,23 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     make_shape_set(shapes, num_train=16, num_heldout=4, seed=1, size=16)
     resume_ckpt = {"dir": str(tmp / "resume_ckpt"), "interval": 2}
     one = {
-        "ref": {"cfg": _job(tmp, shapes, "ref", {}, False)},
-        "ref_frozen_lora": {"cfg": _job(tmp, shapes, "ref_frozen_lora", {}, True)},
-        "first_two": {"cfg": _job(tmp, shapes, "resume", {}, False, resume_ckpt), "max_steps": 2},
+        "ref": {"cfg": _job(tmp, shapes, "ref", {}, False, {})},
+        "ref_frozen_lora": {"cfg": _job(tmp, shapes, "ref_frozen_lora", {}, True, {})},
+        "first_two": {"cfg": _job(tmp, shapes, "resume", {}, False, {}, resume_ckpt), "max_steps": 2},
     }
-    two = {n: {"cfg": _job(tmp, shapes, n, par, frozen)} for n, (_, par, frozen) in LAYOUTS.items()}
+    two = {n: {"cfg": _job(tmp, shapes, n, par, frozen, vis)} for n, (_, par, frozen, vis) in LAYOUTS.items()}
     for name, (layout, sabotage) in NEGATIVE.items():
-        _, par, frozen = LAYOUTS[layout]
-        two[name] = {"cfg": _job(tmp, shapes, name, par, frozen), "sabotage": sabotage}
+        _, par, frozen, vis = LAYOUTS[layout]
+        two[name] = {"cfg": _job(tmp, shapes, name, par, frozen, vis), "sabotage": sabotage}
     out: dict[str, list[dict]] = {}
     for world, jobs in ((1, one), (2, two)):
         per_rank = run_distributed(run_trainers, world, args=(list(jobs.values()),), timeout=400)
         for i, n in enumerate(jobs):
             out[n] = [per_rank[r][i] for r in range(world)]
     lineage = only_lineage(tmp / "resume_ckpt" / "resume").name
-    resumed = _job(tmp, shapes, "resume", {"tensor_parallel_size": 2}, False, {**resume_ckpt, "resume": "auto"})
+    resumed = _job(
+        tmp, shapes, "resume", {"tensor_parallel_size": 2}, False, ENCODER_TP2, {**resume_ckpt, "resume": "auto"}
+    )
     per_rank = run_distributed(run_trainers, 2, args=([{"cfg": resumed, "lineage": lineage, "resume": "auto"}],))
     out["resumed_tp2"] = [r[0] for r in per_rank]
     out["tmp"] = tmp  # type: ignore[assignment]
@@ -199,7 +205,7 @@ def test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused():
         wrap_vision(None, None, None, None, SimpleNamespace(pp=2, tp=2), None)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora", "tp2_encoder_tp2"])
 def test_checkpoint_converts_to_a_llava_directory(runs, layout, tmp_path):
     """``kc checkpoint convert --format hf`` of a tp2 VLM checkpoint: a LLaVA directory (read back through
     ``load_hf_llava``, which tests/test_vlm.py checks against transformers) holding the final parameters of the
