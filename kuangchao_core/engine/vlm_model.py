@@ -15,6 +15,11 @@ they are summed over the TP group once all micro-batches ran and before the data
 reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
 the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
 each micro-batch as a stage input). Pipeline and tensor parallelism together with the tower are refused (not built).
+
+``model.vision.parallel: tp`` (:mod:`~kuangchao_core.engine.vlm_layout`): the tower is split
+(:func:`~kuangchao_core.models.vision_tp.shard_tower`) over encoder TP groups carved out of the decoder's TP group;
+the images are shared, as above, between those groups only (the *share group* takes the TP group's place here), and
+the split parameters' regions are slices of the whole tensors.
 """
 
 from __future__ import annotations
@@ -86,8 +91,8 @@ class ShardedEncoderVLM(VisionLanguageModel):
 @dataclass
 class VisionParts:
     """What the engine keeps of the encoder: its parameters' names, the group its gradients are summed over
-    besides DP (the TP group under the default layout; None without TP) and whether that sum runs (a test turns it
-    off as a negative control)."""
+    besides DP (the ranks sharing the images: the TP group under the default layout; None when every rank encodes
+    every image) and whether that sum runs (a test turns it off as a negative control)."""
 
     names: list[str] = field(default_factory=list)
     tp_group: Any = None
