@@ -8,7 +8,7 @@ from typing import Any
 
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.config.settings import run_settings
-from tests import attention_helpers, cp_sabotage
+from tests import attention_helpers, cp_sabotage, vision_sabotage
 from tests.fixtures import hf_llama_config, tiny_llama
 
 
@@ -352,7 +352,6 @@ def _drop_comm_state(trainer):
 
 #: Negative controls by name (a job's ``sabotage`` field).
 SABOTAGE = {
-    "encoder_reduced_over_dp_only": lambda trainer: setattr(trainer.parts.vision, "reduce_over_tp", False),
     "missing_row_parallel_all_reduce": _missing_row_parallel_all_reduce,
     "skipped_micro_batch": _skipped_micro_batch,
     "unreduced_dp_bucket": _unreduced_dp_bucket,
@@ -367,6 +366,7 @@ SABOTAGE = {
     "per_document_attention": attention_helpers.per_document_attention,
     "first_document_boundary_ignored": attention_helpers.first_document_boundary_ignored,
     **cp_sabotage.SABOTAGE,  # context parallelism's controls (tests/test_engine_cp.py)
+    **vision_sabotage.SABOTAGE,  # the vision encoder's (tests/test_vlm_engine.py)
 }
 
 

@@ -13,12 +13,17 @@ within ``FP64_REL`` (tests/tolerances.py derives it from float64 rounding over t
   ranks, the empty-share path;
 - ``tp2_frozen_lora``: ``model.vision.freeze`` and LoRA on the decoder at tp2, against the one-process frozen+LoRA
   run; the frozen tower has no gradient and equals its initial weights;
-- a checkpoint written by one process at step 2 resumed at tp2 for step 3 equals the uninterrupted run (the tower
-  and projector in the checkpoint as whole tensors, the decoder as slices).
+- ``tp2_encoder_tp2``: ``model.vision.parallel: tp`` with the encoder's TP size 2 — the tower's attention and MLP
+  split over the decoder's TP group, every rank encoding every image;
+- ``tp4_encoder_tp2`` (4 processes): two encoder TP groups of 2 inside the decoder's TP group of 4, each encoding
+  its share of the images, features all-gathered and gradients summed over the share group;
+- a checkpoint written by one process at step 2 resumed at decoder tp2 + encoder tp2 for step 3 equals the
+  uninterrupted run (the checkpoint holds whole tensors; each rank reads its slices of the tower, decoder).
 
 Negative controls (each must fail the same comparison by >= NEGATIVE_MIN): ZeRO-2's first bucket unreduced; the
 encoder's gradients reduced over DP only (the TP sum skipped); LoRA's replicated ``A`` gradient not summed over TP;
-a pipeline that skips a micro-batch.
+a pipeline that skips a micro-batch; the encoder's row-parallel ``out_proj`` not all-reduced; at tp4 + encoder tp2
+the share group's gradient sum skipped.
 - ``pp2``: decoder pp2, the encoder on the first stage (its images ride with each micro-batch to stage 0).
 
 Pipeline and tensor parallelism together with the tower are refused (not built yet); under a pipeline the greedy
@@ -28,6 +33,7 @@ answers are not computed yet (the held-out loss is).
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,24 +52,30 @@ VISION = {
     "num_heads": 2,
 }
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
-#: layout -> (world size, parallel section, frozen encoder + LoRA)
+#: the encoder's own tensor parallelism (``model.vision.parallel: tp``) over the decoder's TP group
+ENCODER_TP2 = {"parallel": "tp", "tensor_parallel_size": 2}
+#: layout -> (world size, parallel section, frozen encoder + LoRA, more of ``model.vision``)
 LAYOUTS = {
-    "dp2_zero2": (2, {"data_parallel_size": 2, "zero_stage": 2}, False),
-    "tp2": (2, {"tensor_parallel_size": 2}, False),
-    "tp2_frozen_lora": (2, {"tensor_parallel_size": 2}, True),
-    "pp2": (2, {"pipeline_parallel_size": 2}, False),
+    "dp2_zero2": (2, {"data_parallel_size": 2, "zero_stage": 2}, False, {}),
+    "tp2": (2, {"tensor_parallel_size": 2}, False, {}),
+    "tp2_frozen_lora": (2, {"tensor_parallel_size": 2}, True, {}),
+    "pp2": (2, {"pipeline_parallel_size": 2}, False, {}),
+    "tp2_encoder_tp2": (2, {"tensor_parallel_size": 2}, False, ENCODER_TP2),
+    "tp4_encoder_tp2": (4, {"tensor_parallel_size": 4}, False, ENCODER_TP2),
 }
 NEGATIVE = {
     "dp2_zero2_unreduced_bucket": ("dp2_zero2", "unreduced_zero_bucket"),
     "tp2_encoder_reduced_over_dp_only": ("tp2", "encoder_reduced_over_dp_only"),
     "tp2_frozen_lora_unsummed_lora_a": ("tp2_frozen_lora", "unsummed_lora_a"),
     "pp2_skipped_micro_batch": ("pp2", "skipped_micro_batch"),
+    "tp2_encoder_tp2_out_proj_unreduced": ("tp2_encoder_tp2", "encoder_out_proj_unreduced"),
+    "tp4_encoder_tp2_share_group_unsummed": ("tp4_encoder_tp2", "encoder_reduced_over_dp_only"),
 }
 
 
-def _job(tmp: Path, shapes: Path, name: str, parallel: dict, frozen: bool, ckpt: dict | None = None):
+def _job(tmp: Path, shapes: Path, name: str, parallel: dict, frozen: bool, vision: dict, ckpt: dict | None = None):
     dp = parallel.get("data_parallel_size", 1)
-    model = {"preset": "tiny", "num_layers": 2, "vision": {**VISION, "freeze": frozen}}
+    model = {"preset": "tiny", "num_layers": 2, "vision": {**VISION, "freeze": frozen, **vision}}
     if frozen:
         model["lora"] = LORA
     return tiny_job(
@@ -92,21 +104,25 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     make_shape_set(shapes, num_train=16, num_heldout=4, seed=1, size=16)
     resume_ckpt = {"dir": str(tmp / "resume_ckpt"), "interval": 2}
     one = {
-        "ref": {"cfg": _job(tmp, shapes, "ref", {}, False)},
-        "ref_frozen_lora": {"cfg": _job(tmp, shapes, "ref_frozen_lora", {}, True)},
-        "first_two": {"cfg": _job(tmp, shapes, "resume", {}, False, resume_ckpt), "max_steps": 2},
+        "ref": {"cfg": _job(tmp, shapes, "ref", {}, False, {})},
+        "ref_frozen_lora": {"cfg": _job(tmp, shapes, "ref_frozen_lora", {}, True, {})},
+        "first_two": {"cfg": _job(tmp, shapes, "resume", {}, False, {}, resume_ckpt), "max_steps": 2},
     }
-    two = {n: {"cfg": _job(tmp, shapes, n, par, frozen)} for n, (_, par, frozen) in LAYOUTS.items()}
+    by_world: dict[int, dict[str, dict]] = {1: one}
+    for n, (world, par, frozen, vis) in LAYOUTS.items():
+        by_world.setdefault(world, {})[n] = {"cfg": _job(tmp, shapes, n, par, frozen, vis)}
     for name, (layout, sabotage) in NEGATIVE.items():
-        _, par, frozen = LAYOUTS[layout]
-        two[name] = {"cfg": _job(tmp, shapes, name, par, frozen), "sabotage": sabotage}
+        world, par, frozen, vis = LAYOUTS[layout]
+        by_world[world][name] = {"cfg": _job(tmp, shapes, name, par, frozen, vis), "sabotage": sabotage}
     out: dict[str, list[dict]] = {}
-    for world, jobs in ((1, one), (2, two)):
+    for world, jobs in sorted(by_world.items()):
         per_rank = run_distributed(run_trainers, world, args=(list(jobs.values()),), timeout=400)
         for i, n in enumerate(jobs):
             out[n] = [per_rank[r][i] for r in range(world)]
     lineage = only_lineage(tmp / "resume_ckpt" / "resume").name
-    resumed = _job(tmp, shapes, "resume", {"tensor_parallel_size": 2}, False, {**resume_ckpt, "resume": "auto"})
+    resumed = _job(
+        tmp, shapes, "resume", {"tensor_parallel_size": 2}, False, ENCODER_TP2, {**resume_ckpt, "resume": "auto"}
+    )
     per_rank = run_distributed(run_trainers, 2, args=([{"cfg": resumed, "lineage": lineage, "resume": "auto"}],))
     out["resumed_tp2"] = [r[0] for r in per_rank]
     out["tmp"] = tmp  # type: ignore[assignment]
@@ -190,16 +206,37 @@ def test_encoder_only_on_the_first_stage(runs):
     assert any(n.startswith("vision_tower.") for n in first) and not any(n.startswith("vision_tower.") for n in second)
 
 
-def test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused():
-    from types import SimpleNamespace
+def test_encoder_tensor_parallel_splits_the_tower(runs):
+    """``parallel: tp``: each rank of an encoder TP group holds its half of q/k/v (weights and biases), out_proj's
+    and fc2's input columns and fc1's rows; norms and row-parallel biases whole; at decoder tp4 the two encoder
+    TP groups {0,1} and {2,3} hold the same slices (share groups {0,2} and {1,3})."""
+    layer = "vision_tower.encoder.layers.0."
+    split = {
+        "self_attn.q_proj.weight": 0,
+        "self_attn.v_proj.bias": 0,
+        "self_attn.out_proj.weight": 1,
+        "mlp.fc1.weight": 0,
+        "mlp.fc2.weight": 1,
+    }
+    for layout, place in (("tp2_encoder_tp2", [0, 1]), ("tp4_encoder_tp2", [0, 1, 0, 1])):
+        for rank, (r, at) in enumerate(zip(runs[layout], place, strict=True)):
+            for name, dim in split.items():
+                meta = r["regions"][layer + name]
+                assert meta["shape"][dim] * 2 == meta["full_shape"][dim], (layout, rank, name, meta)
+                assert meta["offsets"][dim] == at * meta["shape"][dim], (layout, rank, name, meta)
+            for name in ("self_attn.out_proj.bias", "mlp.fc2.bias", "layer_norm1.weight"):
+                meta = r["regions"][layer + name]
+                assert meta["shape"] == meta["full_shape"], (layout, rank, name, meta)
 
+
+def test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused():
     from kuangchao_core.engine.vlm_model import wrap_vision
 
     with pytest.raises(PlanError, match="pipeline and tensor parallelism together with a vision tower"):
         wrap_vision(None, None, None, None, SimpleNamespace(pp=2, tp=2), None)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora", "tp2_encoder_tp2"])
 def test_checkpoint_converts_to_a_llava_directory(runs, layout, tmp_path):
     """``kc checkpoint convert --format hf`` of a tp2 VLM checkpoint: a LLaVA directory (read back through
     ``load_hf_llava``, which tests/test_vlm.py checks against transformers) holding the final parameters of the
@@ -232,10 +269,11 @@ def test_plan_shows_the_encoder_layout_and_memory():
     from kuangchao_core.config import config_from_dict
     from kuangchao_core.engine.plan import explain_plan, format_plan
     from kuangchao_core.models.vision import VisionTower, vision_config
+    from kuangchao_core.models.vision_tp import shard_tower
 
-    def plan(vision):
+    def plan(vision, tp=2):
         model = {"preset": "tiny"} if vision is None else {"preset": "tiny", "vision": vision}
-        par = {"tensor_parallel_size": 2, "micro_batch_size": 3}
+        par = {"tensor_parallel_size": tp, "micro_batch_size": 3}
         return explain_plan(config_from_dict({"task": {"name": "t"}, "model": model, "parallel": par}))
 
     got = plan(VISION)["vision"]
@@ -247,3 +285,44 @@ def test_plan_shows_the_encoder_layout_and_memory():
     assert frozen["grads"] == frozen["optimizer"] == 0 and frozen["params"] == got["memory_bytes"]["params"]
     assert "vision encoder (data parallel)" in format_plan(plan(VISION))
     assert plan(None)["vision"] is None and "vision encoder" not in format_plan(plan(None))
+    # parallel: tp — per-rank tower parameters equal a split tower's (split while built: no collective runs), the
+    # images shared only between encoder TP groups, the hidden states all-reduced inside each
+    split = shard_tower(VisionTower(vision_config(VISION, 256)), SimpleNamespace(size=2, rank=1))
+    per_rank = sum(p.numel() for p in split.parameters())
+    assert per_rank < built
+    for tp, images, shared in ((2, 3, False), (4, 2, True)):
+        got = plan({**VISION, "parallel": "tp", "tensor_parallel_size": 2}, tp)["vision"]
+        assert got["parameters"]["tower_per_rank"] == per_rank and got["images_per_rank_per_micro_batch"] == images
+        traffic = got["traffic_bytes_per_step"]
+        assert traffic["hidden_all_reduce_encoder_tp"] > 0
+        assert (traffic["gradient_all_reduce_tp"] > 0) == (traffic["feature_all_gather_tp"] > 0) == shared
+    assert "vision encoder (tensor parallel 2)" in format_plan(plan({**VISION, "parallel": "tp"}))
+
+
+def test_encoder_tensor_parallel_refusals_name_the_field():
+    """The config refuses an encoder TP size that does not divide the decoder's, heads or MLP width it cannot split,
+    and a TP size under ``parallel: data``, each naming its ``model.vision.…`` field; the engine's layout refuses
+    the same (PlanError). Control: a layout that fits has no error."""
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.engine.vlm_layout import encoder_layout
+    from kuangchao_core.errors import ConfigError
+
+    def fields(vision, tp=2):
+        model = {"preset": "tiny", "vision": {**VISION, **vision}}
+        try:
+            config_from_dict({"task": {"name": "t"}, "model": model, "parallel": {"tensor_parallel_size": tp}})
+        except ConfigError as exc:
+            return {path for path, _ in exc.errors}
+        return set()
+
+    tp = {"parallel": "tp"}
+    assert fields({**tp, "tensor_parallel_size": 4, "num_heads": 4}) == {"model.vision.tensor_parallel_size"}
+    assert fields({**tp, "num_heads": 1}) == {"model.vision.num_heads"}
+    assert fields({**tp, "intermediate_size": 63}) == {"model.vision.intermediate_size"}
+    assert fields({"tensor_parallel_size": 2}) == {"model.vision.tensor_parallel_size"}
+    assert fields(tp) == fields({**tp, "tensor_parallel_size": 1}) == fields({}, tp=1) == set()
+    assert fields({**tp, "tensor_parallel_size": 2}, tp=4) == set()
+    with pytest.raises(PlanError, match="model.vision.num_heads"):
+        encoder_layout(
+            SimpleNamespace(**tp, tensor_parallel_size=None, num_heads=1, intermediate_size=64), SimpleNamespace(tp=2)
+        )

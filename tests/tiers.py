@@ -186,6 +186,7 @@ TEST_TIERS = {
     "test_engine_3d.py::test_worker_refuses_bad_plan_before_building_anything": "unit",
     "test_vlm_engine.py::test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused": "unit",
     "test_vlm_engine.py::test_plan_shows_the_encoder_layout_and_memory": "unit",
+    "test_vlm_engine.py::test_encoder_tensor_parallel_refusals_name_the_field": "unit",
     "test_sequence_parallel_engine.py::test_bad_sequence_parallel_settings_name_the_field": "unit",
     "test_eval_samples.py::test_greedy_decode_stops_each_prompt_at_its_end_token_or_the_limit": "unit",
     "test_eval_samples.py::test_sft_eval_cases_are_the_prompt_and_the_completion_with_its_end_token": "unit",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kuangchao_core.config.cluster_schema import slurm_time_s
-from kuangchao_core.config.vision_schema import vision_errors
+from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
 
 Errors = list[tuple[str, str]]
 _CHECKS: list[tuple[tuple[str, ...], Callable[..., Errors]]] = []
@@ -68,6 +68,13 @@ def _vision(model: Any) -> Errors:
     if model.vision is None:
         return []
     return vision_errors(model.vision, model.vocab_size)
+
+
+@_check("model", "parallel")
+def _vision_layout(model: Any, parallel: Any) -> Errors:
+    if model.vision is None:
+        return []
+    return vision_layout_errors(model.vision, parallel.tensor_parallel_size)
 
 
 @_check("model", "parallel")

@@ -48,8 +48,14 @@ class VisionSection(Section):
     #: the tower and projector stay at their initial (or loaded) weights: never in the optimizer, as a LoRA base
     freeze: bool = False
     #: the encoder's layout: ``data`` = replicated on every rank, each TP rank encoding its share of a micro-batch's
-    #: images, features all-gathered for the TP-sharded decoder, gradients reduced over TP x DP
-    parallel: Literal["data"] = "data"
+    #: images, features all-gathered for the TP-sharded decoder, gradients reduced over TP x DP; ``tp`` = attention
+    #: (q/k/v by heads, out_proj) and MLP (fc1, fc2) split over groups of ``tensor_parallel_size`` ranks carved out
+    #: of the decoder's TP group, the groups encoding disjoint shares of the images as under ``data``
+    parallel: Literal["data", "tp"] = "data"
+    #: ranks of the encoder's own TP group under ``parallel: tp`` (unset: the decoder's
+    #: ``parallel.tensor_parallel_size``); it must divide the decoder's TP size, ``num_heads`` and
+    #: ``intermediate_size``
+    tensor_parallel_size: Int | None = Field(default=None, ge=1)
 
 
 class ImagesSection(Section):
@@ -91,4 +97,34 @@ def vision_errors(v: Any, vocab_size: int | None = None, prefix: str = "model.vi
     token = v.image_token_id
     if vocab_size is not None and token is not None and not 0 <= token < vocab_size:
         errs.append((f"{prefix}.image_token_id", f"{token} is outside the vocabulary [0, {vocab_size})"))
+    return errs
+
+
+def encoder_tp_size(v: Any, decoder_tp: int) -> int:
+    """The encoder's TP size: 1 under ``parallel: data``, else ``tensor_parallel_size`` (unset: ``decoder_tp``)."""
+    if v.parallel != "tp":
+        return 1
+    return int(v.tensor_parallel_size or decoder_tp)
+
+
+def vision_layout_errors(v: Any, decoder_tp: int, prefix: str = "model.vision") -> list[tuple[str, str]]:
+    """``(path, message)`` for each way the encoder's layout (``parallel``, ``tensor_parallel_size``) of section
+    ``v`` does not fit a decoder TP group of ``decoder_tp`` ranks or the tower's sizes."""
+    if v.parallel != "tp":
+        if v.tensor_parallel_size not in (None, 1):
+            return [(f"{prefix}.tensor_parallel_size", f"only read with {prefix}.parallel: tp (it is data)")]
+        return []
+    errs: list[tuple[str, str]] = []
+    e = encoder_tp_size(v, decoder_tp)
+    if decoder_tp % e:
+        errs.append(
+            (
+                f"{prefix}.tensor_parallel_size",
+                f"{e} does not divide the decoder's parallel.tensor_parallel_size {decoder_tp} "
+                "(the encoder's TP groups are carved out of the decoder's)",
+            )
+        )
+    for name in ("num_heads", "intermediate_size"):
+        if int(getattr(v, name)) % e:
+            errs.append((f"{prefix}.{name}", f"{getattr(v, name)} is not divisible by the encoder's TP size {e}"))
     return errs

@@ -15,6 +15,11 @@ they are summed over the TP group once all micro-batches ran and before the data
 reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
 the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
 each micro-batch as a stage input). Pipeline and tensor parallelism together with the tower are refused (not built).
+
+``model.vision.parallel: tp`` (:mod:`~kuangchao_core.engine.vlm_layout`): the tower is split
+(:func:`~kuangchao_core.models.vision_tp.shard_tower`) over encoder TP groups carved out of the decoder's TP group;
+the images are shared, as above, between those groups only (the *share group* takes the TP group's place here), and
+the split parameters' regions are slices of the whole tensors.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import torch
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.config.vision_schema import image_tokens_per_image
+from kuangchao_core.engine.vlm_layout import encoder_layout
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.layout import Region
 from kuangchao_core.models.vision import vision_config
+from kuangchao_core.models.vision_tp import shard_tower, tower_regions
 from kuangchao_core.models.vlm import VisionLanguageModel, init_vision_from_seed, merge_image_features
 from kuangchao_core.parallel.forward_backward import get_forward_backward, model_inputs
 from kuangchao_core.parallel.step_loss import weighted_loss
@@ -84,8 +91,8 @@ class ShardedEncoderVLM(VisionLanguageModel):
 @dataclass
 class VisionParts:
     """What the engine keeps of the encoder: its parameters' names, the group its gradients are summed over
-    besides DP (the TP group under the default layout; None without TP) and whether that sum runs (a test turns it
-    off as a negative control)."""
+    besides DP (the ranks sharing the images: the TP group under the default layout; None when every rank encodes
+    every image) and whether that sum runs (a test turns it off as a negative control)."""
 
     names: list[str] = field(default_factory=list)
     tp_group: Any = None
@@ -103,12 +110,13 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     if getattr(parts.model, "sequence_parallel", False) or getattr(mesh, "cp", 1) > 1:
         raise PlanError([("model.vision", "sequence or context parallelism with a vision tower: not built yet")])
     vcfg = vision_config(vision_section, llama_cfg.vocab_size)
-    tp_group = mesh.tp_group if mesh.tp > 1 else None
-    if tp_group is not None:
-        model = ShardedEncoderVLM(llama_cfg, vcfg, parts.model, tp_group)
+    layout = encoder_layout(vision_section, mesh)
+    if layout.share_group is not None:
+        model = ShardedEncoderVLM(llama_cfg, vcfg, parts.model, layout.share_group)
     else:
         model = VisionLanguageModel(llama_cfg, vcfg, parts.model)
     init_vision_from_seed(model, build.seed)
+    shard_tower(model.vision_tower, layout.tp_group)  # model.vision.parallel: tp (models.vision_tp)
     if mesh.pp > 1 and mesh.pp_rank > 0:  # the encoder lives on the first stage only
         del model.vision_tower, model.multi_modal_projector
     elif mesh.pp > 1:  # the first stage's chunk embeds through the decoder: merge the images' features there
@@ -123,11 +131,13 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     for n in names:
         params[n].requires_grad_(not frozen and n not in unused)
     regions = {f"language_model.{n}": r for n, r in parts.regions.items()}
-    regions.update({n: Region.full(params[n].shape) for n in names})
+    encoder_regions = tower_regions(model.vision_tower) if hasattr(model, "vision_tower") else {}
+    regions.update({n: encoder_regions.get(n, Region.full(params[n].shape)) for n in names})
     norm_weight = {f"language_model.{n}": w for n, w in parts.norm_weight.items()}
-    norm_weight.update({n: 1.0 / mesh.tp for n in names})  # replicated over TP once reduced: counted once
+    for n in names:  # 1 / the TP ranks holding the same values once reduced: each element counted once
+        norm_weight[n] = 1.0 / (layout.shares if regions[n] != Region.full(params[n].shape) else mesh.tp)
     parts.model, parts.regions, parts.norm_weight = model, regions, norm_weight
-    parts.vision = VisionParts(names, tp_group, frozen=frozen)
+    parts.vision = VisionParts(names, layout.share_group, frozen=frozen)
     return parts
 
 

@@ -1,0 +1,24 @@
+"""Negative controls of the vision encoder's layouts (tests/test_vlm_engine.py), merged into
+``tests.engine_helpers.SABOTAGE``: each breaks one reduction of a built Trainer the way a real bug would."""
+
+from __future__ import annotations
+
+
+def _encoder_reduced_over_dp_only(trainer):
+    """``parallel: data`` beside decoder TP: the encoder's gradients are not summed over the TP group."""
+    trainer.parts.vision.reduce_over_tp = False
+
+
+def _encoder_out_proj_unreduced(trainer):
+    """``parallel: tp``: layer 0's row-parallel ``out_proj`` keeps its partial sum (its all-reduce is lost)."""
+    import torch.nn.functional as F
+
+    layer = trainer.model.vision_tower.encoder.layers[0].self_attn.out_proj
+    assert layer.tp > 1, "the control needs a split out_proj"
+    layer.forward = lambda x, _w=layer.weight, _b=layer.bias: F.linear(x, _w) + _b
+
+
+SABOTAGE = {
+    "encoder_reduced_over_dp_only": _encoder_reduced_over_dp_only,
+    "encoder_out_proj_unreduced": _encoder_out_proj_unreduced,
+}
