@@ -68,11 +68,11 @@ def _save_llava(path: Path):
     return model.double()
 
 
-def _job(tmp: Path, shapes: Path, hf_dir: Path, name: str, parallel: dict, lr: float, steps: int, vision=None):
+def _job(tmp: Path, shapes: Path, hf_dir: Path, name: str, parallel: dict, lr: float, steps: int, **model):
     return tiny_job(
         str(tmp / name),
         task={"name": name, "seed": 7},
-        model={"preset": None, "num_layers": None, "checkpoint": str(hf_dir), "vision": vision or {}},
+        model={"preset": None, "num_layers": None, "checkpoint": str(hf_dir), "vision": {}, **model},
         data={
             "format": "sft",
             "path": str(shapes / "train.jsonl"),
@@ -147,6 +147,8 @@ def runs(saved):
         "ft": {"cfg": _job(tmp, shapes, hf_dir, "ft", TP2, 1e-3, 2)},
         "resumed": {"cfg": _job(tmp, shapes, hf_dir, "ft", TP2, 1e-3, 2), "resume": "auto", "max_steps": 0},
     }
+    lora = {"vision": {"freeze": True}, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}}
+    jobs["lora_tp2"] = {"cfg": _job(tmp, shapes, hf_dir, "lora_tp2", TP2, 1e-3, 1, **lora), "max_steps": 0}
     jobs["resumed_without_directory"] = {**jobs["resumed"], "sabotage": "resume_skips_the_directory"}
     for control in ("tower_weight_not_loaded", "tp_shards_swapped"):
         jobs[control] = {"cfg": _job(tmp, shapes, hf_dir, control, TP2, 1e-3, 1), "max_steps": 0, "sabotage": control}
@@ -168,17 +170,22 @@ def _worst_mismatch(full: dict[str, np.ndarray], want: dict[str, np.ndarray]) ->
     return max(((n, float(np.abs(v - want[n]).max())) for n, v in full.items()), key=lambda x: x[1])
 
 
-@pytest.mark.parametrize("layout", ["start_tp2", "start_pp2"])
+@pytest.mark.parametrize("layout", ["start_tp2", "start_pp2", "lora_tp2"])
 def test_every_weight_of_the_llava_directory_loads_into_the_layout(runs, layout):
+    """``lora_tp2``: a frozen tower and LoRA on the decoder, loaded (0 steps): the base is the directory's."""
     got = runs[layout]
     full = gather_full(got)
     want = _hf_state(runs["hf"])
+    if layout == "lora_tp2":
+        adapters = {n for n in full if ".lora_" in n}
+        assert adapters and all(not got[0]["params"][n].any() for n in adapters if "lora_B" in n)
+        full = {n: v for n, v in full.items() if n not in adapters}
     assert set(full) == set(want)
     assert any(n.startswith(UNREAD) for n in full)  # the tower's unread layer loaded too
     name, diff = _worst_mismatch(full, want)
     assert diff == 0.0, f"{layout}: {name} differs from the directory's by {diff:.2e}"
     q = "language_model.model.layers.0.self_attn.q_proj.weight"
-    if layout == "start_tp2":  # each rank holds half of a TP-split weight, the whole tower
+    if layout != "start_pp2":  # each rank holds half of a TP-split weight, the whole tower
         assert got[0]["params"][q].shape == (32, 64) and got[0]["params"][UNLOADED].shape == (32, 32)
     else:  # the tower on the first stage only
         assert not any(n.startswith("vision_tower.") for n in got[1]["params"])
@@ -353,6 +360,21 @@ def test_vision_fields_come_from_the_directory_and_a_mismatch_names_the_field(sa
     text_only = config_from_dict({"task": {"name": "t"}, "model": {"checkpoint": str(runs["hf_dir"])}})
     with pytest.raises(ConfigError, match=r"is a LLaVA model .* set model.vision"):
         pretrained_vision(text_only.model)
+    # the flow writes the resolved section into the config the ranks read (every field then set): it resolves again
+    # to itself; the unresolved section written out would name its defaults as set and be refused
+    from kuangchao_core.config.loader import load_config
+
+    for resolve, ok in ((True, True), (False, False)):
+        job = model({})
+        if resolve:
+            job.model.vision = pretrained_vision(job.model)  # as kuangchao_core.job.prepare does
+        (runs["tmp"] / "job.yaml").write_text(job.to_yaml(), encoding="utf-8")
+        read = load_config(runs["tmp"] / "job.yaml").model
+        if ok:
+            assert pretrained_vision(read) == job.model.vision
+        else:
+            with pytest.raises(ConfigError, match="model.vision"):
+                pretrained_vision(read)
     plan = explain_plan(model({}))
     assert plan["vision"]["parameters"]["tower"] == sum(
         p.numel() for n, p in runs["hf"].named_parameters() if n.startswith("model.vision_tower.")
