@@ -149,6 +149,8 @@ def runs(saved):
     }
     lora = {"vision": {"freeze": True}, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}}
     jobs["lora_tp2"] = {"cfg": _job(tmp, shapes, hf_dir, "lora_tp2", TP2, 1e-3, 1, **lora), "max_steps": 0}
+    etp2 = _job(tmp, shapes, hf_dir, "encoder_tp2", TP2, 1e-3, 1, vision={"parallel": "tp"})
+    jobs["encoder_tp2"] = {"cfg": etp2, "max_steps": 0}
     jobs["resumed_without_directory"] = {**jobs["resumed"], "sabotage": "resume_skips_the_directory"}
     for control in ("tower_weight_not_loaded", "tp_shards_swapped"):
         jobs[control] = {"cfg": _job(tmp, shapes, hf_dir, control, TP2, 1e-3, 1), "max_steps": 0, "sabotage": control}
@@ -170,9 +172,10 @@ def _worst_mismatch(full: dict[str, np.ndarray], want: dict[str, np.ndarray]) ->
     return max(((n, float(np.abs(v - want[n]).max())) for n, v in full.items()), key=lambda x: x[1])
 
 
-@pytest.mark.parametrize("layout", ["start_tp2", "start_pp2", "lora_tp2"])
+@pytest.mark.parametrize("layout", ["start_tp2", "start_pp2", "lora_tp2", "encoder_tp2"])
 def test_every_weight_of_the_llava_directory_loads_into_the_layout(runs, layout):
-    """``lora_tp2``: a frozen tower and LoRA on the decoder, loaded (0 steps): the base is the directory's."""
+    """``lora_tp2``: a frozen tower and LoRA on the decoder, loaded (0 steps): the base is the directory's;
+    ``encoder_tp2``: decoder tp2 with the tower split over its own TP group (``model.vision.parallel: tp``)."""
     got = runs[layout]
     full = gather_full(got)
     want = _hf_state(runs["hf"])
@@ -185,7 +188,9 @@ def test_every_weight_of_the_llava_directory_loads_into_the_layout(runs, layout)
     name, diff = _worst_mismatch(full, want)
     assert diff == 0.0, f"{layout}: {name} differs from the directory's by {diff:.2e}"
     q = "language_model.model.layers.0.self_attn.q_proj.weight"
-    if layout != "start_pp2":  # each rank holds half of a TP-split weight, the whole tower
+    if layout == "encoder_tp2":  # half of a split tower weight too
+        assert got[0]["params"][q].shape == (32, 64) and got[0]["params"][UNLOADED].shape == (16, 32)
+    elif layout != "start_pp2":  # each rank holds half of a TP-split weight, the whole tower
         assert got[0]["params"][q].shape == (32, 64) and got[0]["params"][UNLOADED].shape == (32, 32)
     else:  # the tower on the first stage only
         assert not any(n.startswith("vision_tower.") for n in got[1]["params"])
