@@ -380,6 +380,16 @@ def test_vision_fields_come_from_the_directory_and_a_mismatch_names_the_field(sa
         else:
             with pytest.raises(ConfigError, match="model.vision"):
                 pretrained_vision(read)
+    # the encoder's TP size is checked against the directory's tower, not the section's defaults (4 heads)
+    from kuangchao_core.config.vision_schema import vision_layout_errors
+
+    etp = {"task": {"name": "t"}, "parallel": {"tensor_parallel_size": 8}}
+    vision = {"parallel": "tp", "tensor_parallel_size": 8}
+    with pytest.raises(ConfigError, match="model.vision.num_heads"):  # control: no checkpoint, the section's own
+        config_from_dict({**etp, "model": {"vision": vision}})
+    job = config_from_dict({**etp, "model": {"checkpoint": str(runs["hf_dir"]), "vision": vision}})
+    errors = vision_layout_errors(pretrained_vision(job.model), 8)  # what the trainer's encoder_layout checks
+    assert {p for p, _ in errors} == {"model.vision.num_heads"}  # the directory's 2 heads
     plan = explain_plan(model({}))
     assert plan["vision"]["parameters"]["tower"] == sum(
         p.numel() for n, p in runs["hf"].named_parameters() if n.startswith("model.vision_tower.")
