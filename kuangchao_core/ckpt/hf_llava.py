@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,20 +25,11 @@ from safetensors.torch import save_file
 from kuangchao_core.ckpt.hf import EXPORT_DTYPES, SINGLE_FILE, hf_config_dict, hf_weight_files
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import CheckpointError, ConfigError
+from kuangchao_core.models.layout import Region
 from kuangchao_core.models.llama import LlamaConfig, llama_config_from_hf
 from kuangchao_core.models.vision import VisionConfig, vision_config
 from kuangchao_core.models.vlm import VisionLanguageModel
 
-#: transformers' ``LlamaConfig`` defaults, for the keys a LLaVA ``text_config`` may leave out (llava-1.5's does)
-TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-}
 #: transformers' ``CLIPVisionConfig`` defaults, for the keys a ``vision_config`` leaves out
 CLIP_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768,
@@ -80,6 +72,7 @@ _RENAMES = [
 ]
 #: buffers some checkpoints carry that are not parameters (recomputed, never read)
 _BUFFERS = ("position_ids", "rotary_emb.inv_freq")
+_TIED, _EMBED = "language_model.lm_head.weight", "language_model.model.embed_tokens.weight"
 
 
 def _err(path: Path, msg: str) -> ConfigError:
@@ -99,11 +92,10 @@ def load_hf_llava_config(directory: str | os.PathLike[str]) -> tuple[LlamaConfig
     if not isinstance(raw, dict) or raw.get("model_type") != "llava":
         kind = raw.get("model_type") if isinstance(raw, dict) else type(raw).__name__
         raise _err(path, f"model_type {kind!r}; a LLaVA model ('llava') is needed")
-    text_raw = raw.get("text_config") or {}
     vis_raw = raw.get("vision_config")
-    if not isinstance(text_raw, dict) or not isinstance(vis_raw, (dict, type(None))):
-        raise _err(path, "text_config and vision_config must be objects")
-    text = llama_config_from_hf({**TEXT_DEFAULTS, **text_raw}, path)
+    if not isinstance(vis_raw, (dict, type(None))):
+        raise _err(path, "vision_config must be an object")
+    text = llama_config_from_hf(raw, path)  # its text_config (models.llava_config.decoder_config)
     vis_raw = {**CLIP_DEFAULTS, **(LLAVA_VISION_DEFAULTS if vis_raw is None else vis_raw)}
     if vis_raw.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise _err(path, f"vision tower {vis_raw.get('model_type')!r}; only CLIP's ('clip_vision_model') loads")
@@ -138,42 +130,59 @@ def vlm_full_shapes(cfg: LlamaConfig, vision: VisionConfig) -> dict[str, tuple[i
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def load_hf_llava_weights(
-    hf_dir: str | os.PathLike[str], cfg: LlamaConfig, vision: VisionConfig, dtype: torch.dtype = torch.float32
+def load_hf_llava_weights_for_layout(
+    hf_dir: str | os.PathLike[str],
+    regions: dict[str, Region],
+    cfg: LlamaConfig,
+    vision: VisionConfig,
+    dtype: torch.dtype | None = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Every parameter of the LLaVA directory, by our name, as ``dtype``. A missing parameter, a shape that is not
-    the configs', or a tensor no parameter takes (another architecture's) raises CheckpointError naming it; a tied
-    decoder's absent ``lm_head`` is taken from the embedding."""
+    """Our name -> the slice ``regions[name]`` of that parameter (the part of the full tensor a rank holds, as the
+    trainer records it), read from the LLaVA directory with ``safe_open(...).get_slice``: a rank reads only what it
+    holds. ``dtype`` None keeps the stored dtype. A tensor no parameter takes (another architecture's), a shape that
+    is not the configs' or a wanted parameter missing from the files raises CheckpointError naming it; a tied
+    decoder's absent ``lm_head`` is read from the embedding."""
     shapes = vlm_full_shapes(cfg, vision)
-    tied = "language_model.lm_head.weight"
-    out: dict[str, torch.Tensor] = {}
-    for file, names in _by_file(hf_weight_files(hf_dir)).items():
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for stored in names:
-                ours = _our_name(stored)
-                if ours not in shapes:
-                    if stored.endswith(_BUFFERS):
-                        continue
-                    raise CheckpointError(f"{file}: tensor {stored} is not a parameter of a CLIP LLaVA model")
-                tensor = handle.get_tensor(stored)
-                if tuple(tensor.shape) != shapes[ours]:
-                    raise CheckpointError(
-                        f"{file}: {stored} has shape {list(tensor.shape)}, the config expects {list(shapes[ours])}"
-                    )
-                out[ours] = tensor.to(dtype).contiguous()
-    if cfg.tie_embeddings and tied not in out and "language_model.model.embed_tokens.weight" in out:
-        out[tied] = out["language_model.model.embed_tokens.weight"]
-    missing = [n for n in shapes if n not in out]
+    stored: dict[str, tuple[str, Path]] = {}
+    for name, file in hf_weight_files(hf_dir).items():
+        ours = _our_name(name)
+        if ours in shapes:
+            stored[ours] = (name, file)
+        elif not name.endswith(_BUFFERS):
+            raise CheckpointError(f"{file}: tensor {name} is not a parameter of a CLIP LLaVA model")
+    if cfg.tie_embeddings and _TIED not in stored and _EMBED in stored:
+        stored[_TIED] = stored[_EMBED]
+    missing = [n for n in regions if n not in stored]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} parameters are not in the weights, e.g. {missing[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for ours, region in regions.items():
+            name, file = stored[ours]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            piece = handles[file].get_slice(name)
+            shape = tuple(piece.get_shape())
+            if shape != shapes[ours] or shape != tuple(region.full_shape):
+                raise CheckpointError(
+                    f"{file}: {name} has shape {list(shape)}, the config expects {list(shapes[ours])}"
+                )
+            tensor = piece[Region.full(shape).local(region)]
+            out[ours] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
     return out
 
 
-def _by_file(where: dict[str, Path]) -> dict[Path, list[str]]:
-    grouped: dict[Path, list[str]] = {}
-    for name, file in where.items():
-        grouped.setdefault(file, []).append(name)
-    return grouped
+def load_hf_llava_weights(
+    hf_dir: str | os.PathLike[str], cfg: LlamaConfig, vision: VisionConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Every parameter of the LLaVA directory, whole, by our name, as ``dtype`` (errors as
+    :func:`load_hf_llava_weights_for_layout`); a tied decoder's ``lm_head`` is the embedding."""
+    regions = {n: Region.full(s) for n, s in vlm_full_shapes(cfg, vision).items()}
+    out = load_hf_llava_weights_for_layout(hf_dir, regions, cfg, vision, dtype)
+    if cfg.tie_embeddings and _TIED not in out:
+        out[_TIED] = out[_EMBED]
+    return out
 
 
 def load_hf_llava(hf_dir: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> VisionLanguageModel:

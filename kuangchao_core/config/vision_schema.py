@@ -22,7 +22,11 @@ VISION_LIMITS = {"image_size": 1 << 14, "hidden_size": 1 << 16, "intermediate_si
 
 
 class VisionSection(Section):
-    """The vision tower (CLIP ViT, as transformers' ``CLIPVisionModel``) and the LLaVA projector."""
+    """The vision tower (CLIP ViT, as transformers' ``CLIPVisionModel``) and the LLaVA projector.
+
+    With ``model.checkpoint`` a LLaVA directory, every field but ``freeze``, ``parallel`` and
+    ``tensor_parallel_size`` comes from its ``config.json`` (``vision: {}`` takes them all); a field the job sets
+    must agree with it."""
 
     #: which vision model the tower reproduces (CLIP's; SigLIP is not built yet)
     tower: Literal["clip"] = "clip"

@@ -123,6 +123,10 @@ class TrainerCheckpoints:
             meta["lora"] = self._lora_meta()
         if self.settings.model_meta.get("vision") is not None:  # untrained tower weights are drawn from it at export
             meta["vision_seed"] = int(self.settings.seed)
+            if self.settings.pretrained:  # ... or read from the LLaVA directory the job started from
+                from kuangchao_core.models.lora import base_identity
+
+                meta["vision_base"] = base_identity(self.settings.pretrained, self.settings.seed, self.model_config)
         return meta
 
     def _lora_meta(self) -> dict[str, Any]:
@@ -272,12 +276,21 @@ class TrainerCheckpoints:
             p.copy_(value.to(p.dtype))  # ZeRO keeps parameters as views of its flat buffer: no refresh
 
     def load_pretrained(self, hf_dir: str) -> None:
-        """Start from a local Hugging Face Llama directory, reading only the slices this rank holds."""
-        from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
-
-        weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
+        """Start from a local Hugging Face directory — a Llama, or a LLaVA for a vision-language model (tower,
+        projector and decoder) — reading only the slices this rank holds."""
         adapters = self.parts.trainable() if self.parts.lora is not None else set()
-        self._copy_params(weights, hf_dir, {n for n in self.parts.regions if n not in adapters})
+        names = {n for n in self.parts.regions if n not in adapters}
+        if getattr(self.parts, "vision", None) is not None:
+            from kuangchao_core.ckpt.hf_llava import load_hf_llava_weights_for_layout
+
+            regions = {n: r for n, r in self.parts.regions.items() if n in names}
+            vision = self.parts.model.vision_config
+            weights = load_hf_llava_weights_for_layout(hf_dir, regions, self.model_config, vision, dtype=None)
+        else:
+            from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
+
+            weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
+        self._copy_params(weights, hf_dir, names)
         log_event(log, "loaded pretrained weights", path=hf_dir, tensors=len(weights))
 
     def load(self, step_dir: Path) -> dict[str, Any]:

@@ -30,14 +30,17 @@ def vision_plan(cfg: Any) -> dict[str, Any] | None:
     import torch
 
     from kuangchao_core.config.vision_schema import encoder_tp_size, image_tokens_per_image
+    from kuangchao_core.engine.vlm_model import pretrained_vision
+    from kuangchao_core.models.llama import config_from_model_section
     from kuangchao_core.models.vision import VisionTower, vision_config
     from kuangchao_core.models.vision_tp import split_dim
     from kuangchao_core.models.vlm import LlavaProjector
 
-    section = cfg.model.vision
+    section = pretrained_vision(cfg.model)  # a LLaVA checkpoint's tower
     if section is None:
         return None
-    text_hidden, vocab = int(cfg.model.hidden_size), int(cfg.model.vocab_size)
+    text = config_from_model_section(cfg.model)
+    text_hidden, vocab = text.hidden_size, text.vocab_size
     v = vision_config(section, vocab)
     par = cfg.parallel
     tp, dp, micro = par.tensor_parallel_size, par.data_parallel_size, par.micro_batch_size

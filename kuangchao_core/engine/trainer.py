@@ -39,7 +39,7 @@ from kuangchao_core.engine.metrics import memory_bytes, memory_kind
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.engine.vlm_data import log_sample_images
-from kuangchao_core.engine.vlm_model import step_function, wrap_vision
+from kuangchao_core.engine.vlm_model import step_function, with_pretrained_vision, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
@@ -117,7 +117,7 @@ class Trainer:
     """
 
     def __init__(self, run: RunSettings, rank: int, world_size: int, device: torch.device, world_group: Any, mesh: Any):
-        self.run_settings = run
+        self.run_settings = run = with_pretrained_vision(run)  # a LLaVA checkpoint's tower sizes (issue 31)
         self.train_settings = train = run.train
         self.rank = rank
         self.world_size = world_size
@@ -346,9 +346,9 @@ class Trainer:
         if self.rank == 0:
             log_event(log, "checkpoints", lineage=plan.lineage, resume_from=plan.step_dir, reason=plan.reason)
         step_dir = Path(plan.step_dir) if plan.step_dir else None
-        # a LoRA checkpoint holds only the adapters: the frozen base comes from model.checkpoint (or the seed) again
-        pretrained = self.train_settings.pretrained
-        if pretrained and (step_dir is None or self.parts.lora is not None):
+        # a checkpoint holds only what trains (LoRA adapters; not a frozen or unread tower): the rest comes again
+        pretrained = self.train_settings.pretrained  # from model.checkpoint (or the seed), the checkpoint over it
+        if pretrained and (step_dir is None or self.parts.lora is not None or getattr(self.parts, "vision", None)):
             self.checkpoints.load_pretrained(pretrained)
         if step_dir is not None:
             self.load_checkpoint(step_dir)

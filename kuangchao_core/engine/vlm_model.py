@@ -25,7 +25,9 @@ the split parameters' regions are slices of the whole tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ import torch
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.config.vision_schema import image_tokens_per_image
 from kuangchao_core.engine.vlm_layout import encoder_layout
-from kuangchao_core.errors import PlanError
+from kuangchao_core.errors import ConfigError, PlanError
 from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.layout import Region
 from kuangchao_core.models.vision import vision_config
@@ -98,6 +100,72 @@ class VisionParts:
     tp_group: Any = None
     reduce_over_tp: bool = True
     frozen: bool = False
+
+
+#: ``model.vision`` fields that are the job's choice, never the checkpoint's
+JOB_ONLY = ("freeze", "parallel", "tensor_parallel_size")
+#: where a LLaVA ``config.json`` keeps the ``model.vision`` fields that are not the tower's ``vision_config``
+LLAVA_KEYS = {
+    "feature_layer": "vision_feature_layer",
+    "feature_select": "vision_feature_select_strategy",
+    "projector_hidden_act": "projector_hidden_act",
+    "projector_bias": "multimodal_projector_bias",
+    "image_token_id": "image_token_index",
+}
+
+
+def pretrained_vision(model: Any) -> Any:
+    """``model.vision`` of a job that starts from a LLaVA directory (``model.checkpoint``): the tower and projector
+    the directory's ``config.json`` describes, with the job's :data:`JOB_ONLY` fields (freezing, encoder layout). A
+    field the job sets must equal the directory's, else ConfigError naming ``model.vision.<field>`` and both
+    values. Without a checkpoint the section is returned as it is; a text-only job (``model.vision`` unset) whose
+    checkpoint is a LLaVA directory is refused (its tower would be dropped silently); ``model.vision`` with a Llama
+    directory is refused by the reader (a LLaVA model is needed)."""
+    from kuangchao_core.ckpt.hf_llava import VISION_KEYS, load_hf_llava_config
+    from kuangchao_core.config.vision_schema import VisionSection
+    from kuangchao_core.models.llava_config import is_llava
+
+    section, checkpoint = model.vision, model.checkpoint
+    if not checkpoint:
+        return section
+    if section is None:
+        raw_path = Path(checkpoint) / "config.json"
+        if raw_path.is_file() and is_llava(_json_or_none(raw_path)):
+            msg = f"{checkpoint} is a LLaVA model (a vision tower and a decoder): set model.vision ({{}} takes both)"
+            raise ConfigError([("model.checkpoint", msg)])
+        return section
+    _, found = load_hf_llava_config(checkpoint)
+    errors = []
+    for name in sorted(section.model_fields_set - set(JOB_ONLY)):
+        mine, theirs = getattr(section, name), getattr(found, name)
+        if mine is not None and mine != theirs:
+            key = LLAVA_KEYS.get(name) or f"vision_config.{VISION_KEYS.get(name, name)}"
+            errors.append((f"model.vision.{name}", f"{mine!r} in the job, but {checkpoint} has {theirs!r} ({key})"))
+    if errors:
+        raise ConfigError(errors)
+    values = {n: getattr(found, n) for n in VisionSection.model_fields if n not in JOB_ONLY}
+    return VisionSection(**values, **{n: getattr(section, n) for n in JOB_ONLY})
+
+
+def _json_or_none(path: Path) -> Any:
+    from kuangchao_core.config.bounded_json import read_json_file
+
+    try:
+        return read_json_file(path)
+    except (OSError, ValueError):
+        return None  # the decoder's own reader reports it
+
+
+def with_pretrained_vision(run: Any) -> Any:
+    """``run`` (:class:`~kuangchao_core.config.settings.RunSettings`) with ``model.vision`` resolved by
+    :func:`pretrained_vision`, in the model section the trainer builds from and in the checkpoints' manifest (which
+    the export reads); ``run`` itself when nothing changes."""
+    vision = pretrained_vision(run.model)
+    if vision is run.model.vision:
+        return run
+    model = run.model.model_copy(update={"vision": vision})
+    meta = {**run.checkpoint.model_meta, "vision": vision.model_dump(mode="json")}
+    return dataclasses.replace(run, model=model, checkpoint=dataclasses.replace(run.checkpoint, model_meta=meta))
 
 
 def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mesh: Any, device: torch.device) -> Any:

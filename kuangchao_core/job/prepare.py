@@ -14,6 +14,7 @@ from kuangchao_core.config.paths import make_paths_absolute
 from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.config.unused import unused_settings
 from kuangchao_core.engine.plan import raise_for_plan
+from kuangchao_core.engine.vlm_model import pretrained_vision
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.job.checkpoints import s3_settings_for
 from kuangchao_core.job.metrics_endpoint import start_exporter
@@ -93,6 +94,7 @@ def prepare_run(
         logger.warning("%s: %s", path, why)
     base_model = resolve_base_model(cfg, logger)
     make_paths_absolute(cfg)  # issue 32 §8: from where `kc train` ran, once; the nodes and ranks use exactly these
+    cfg.model.vision = pretrained_vision(cfg.model)  # a LLaVA checkpoint's tower, in the config every rank reads
     raise_for_plan(cfg)  # a plan that cannot run is refused with its numbers before anything starts
     s3_settings = s3_settings_for(cfg, secrets) if cfg.checkpoint.uri else None
     run_dir = make_run_dir(cfg, flow_run_id)

@@ -28,6 +28,7 @@ from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.attention import Documents, attend
+from kuangchao_core.models.llava_config import decoder_config
 from kuangchao_core.models.recompute import run_layer
 
 IGNORE_INDEX = -100
@@ -206,12 +207,11 @@ def load_hf_llama_config(directory: str | Path) -> LlamaConfig:
 
 
 def llama_config_from_hf(raw: Any, path: Path) -> LlamaConfig:
-    """A Hugging Face Llama config (``raw``, the parsed JSON of ``path``) as a validated LlamaConfig."""
+    """A Hugging Face Llama config (``raw``, the parsed JSON of ``path``; a LLaVA's decoder) as a LlamaConfig."""
     if not isinstance(raw, dict):
         raise ConfigError([("model.checkpoint", f"{path} is not a JSON object (got {type(raw).__name__})")])
+    raw = decoder_config(raw, path)  # a LLaVA directory's decoder is its text_config
     _hf_sizes(raw, path)
-    if raw.get("model_type", "llama") != "llama":
-        raise ConfigError([("model.checkpoint", f"{path}: model_type {raw.get('model_type')!r}; only 'llama' loads")])
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError([("model.checkpoint", f"{path}: rope_scaling must be an object, got {rope!r:.40}")])
