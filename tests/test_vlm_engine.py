@@ -17,20 +17,22 @@ within ``FP64_REL`` (tests/tolerances.py derives it from float64 rounding over t
   split over the decoder's TP group, every rank encoding every image;
 - ``tp4_encoder_tp2`` (4 processes): two encoder TP groups of 2 inside the decoder's TP group of 4, each encoding
   its share of the images, features all-gathered and gradients summed over the share group;
-- a checkpoint written by one process at step 2 resumed at decoder tp2 + encoder tp2 for step 3 equals the
-  uninterrupted run (the checkpoint holds whole tensors; each rank reads its slices of the tower, decoder).
-
 - ``pp2``: decoder pp2, the encoder on the first stage (its images ride with each micro-batch to stage 0); the
   greedy answers run through the pipeline (each decoding step through both stages, the question's image to the
   first, the last stage's token broadcast);
 - ``pp2_tp2`` (4 processes): the encoder on the first stage, data-parallel over that stage's TP group as in ``tp2``,
-  its gradients summed over that TP group; greedy answers through the TP-sharded pipeline.
+  its gradients summed over that TP group; greedy answers through the TP-sharded pipeline;
+- ``pp2_tp2_encoder_tp2`` (4 processes): the same with ``parallel: tp``: the tower split over the first stage's TP
+  group, every rank of it encoding every image;
+- a checkpoint written by one process at step 2 resumed at decoder tp2 + encoder tp2 for step 3 equals the
+  uninterrupted run (the checkpoint holds whole tensors; each rank reads its slices of the tower, decoder).
 
 Negative controls (each must fail the same comparison by >= NEGATIVE_MIN): ZeRO-2's first bucket unreduced; the
 encoder's gradients reduced over DP only (the TP sum skipped) at tp2 and at pp2 x tp2; LoRA's replicated ``A``
 gradient not summed over TP; a pipeline that skips a micro-batch; the encoder's row-parallel ``out_proj`` not
-all-reduced; at tp4 + encoder tp2 the share group's gradient sum skipped. The greedy comparison's control: pp2's
-answers with each next token taken from the first stage instead of the last differ from one process's.
+all-reduced (tp2 and pp2 x tp2 with encoder tp2); at tp4 + encoder tp2 the share group's gradient sum skipped.
+The greedy comparison's control: pp2's answers with each next token taken from the first stage instead of the last
+differ from one process's (training untouched).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ LAYOUTS = {
     "tp2_encoder_tp2": (2, {"tensor_parallel_size": 2}, False, ENCODER_TP2),
     "tp4_encoder_tp2": (4, {"tensor_parallel_size": 4}, False, ENCODER_TP2),
     "pp2_tp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, False, {}),
+    "pp2_tp2_encoder_tp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, False, ENCODER_TP2),
 }
 NEGATIVE = {
     "dp2_zero2_unreduced_bucket": ("dp2_zero2", "unreduced_zero_bucket"),
@@ -75,6 +78,7 @@ NEGATIVE = {
     "tp2_encoder_tp2_out_proj_unreduced": ("tp2_encoder_tp2", "encoder_out_proj_unreduced"),
     "tp4_encoder_tp2_share_group_unsummed": ("tp4_encoder_tp2", "encoder_reduced_over_dp_only"),
     "pp2_tp2_encoder_reduced_over_dp_only": ("pp2_tp2", "encoder_reduced_over_dp_only"),
+    "pp2_tp2_encoder_tp2_out_proj_unreduced": ("pp2_tp2_encoder_tp2", "encoder_out_proj_unreduced"),
 }
 #: controls of the greedy answers only (training untouched): layout, sabotage
 NEGATIVE_GREEDY = {"pp2_greedy_token_from_first_stage": ("pp2", "greedy_token_from_first_stage")}

@@ -14,6 +14,8 @@ def _encoder_out_proj_unreduced(trainer):
     """``parallel: tp``: layer 0's row-parallel ``out_proj`` keeps its partial sum (its all-reduce is lost)."""
     import torch.nn.functional as F
 
+    if not hasattr(trainer.model, "vision_tower"):  # a later pipeline stage: no encoder to break
+        return
     layer = trainer.model.vision_tower.encoder.layers[0].self_attn.out_proj
     assert layer.tp > 1, "the control needs a split out_proj"
     layer.forward = lambda x, _w=layer.weight, _b=layer.bias: F.linear(x, _w) + _b
