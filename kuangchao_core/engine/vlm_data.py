@@ -9,8 +9,8 @@ records or none); with ``data.cache_dir`` the ranks share the decoded pixels on 
 ``collate``, so their images travel with them); :class:`ImageExactMatch` answers the held-out questions
 (``ds.question(i)``) greedily — every rank the same questions, TP ranks gathering the vocabulary-split logits; under a
 pipeline each decoding step runs the stages in order with the question's image riding to the first stage, and the
-last stage's choice is broadcast to every stage
-(:class:`~kuangchao_core.engine.samples.PipelinedNextTokens`) — and scores exact match on the ids; :func:`sample_images` renders the first few answers' images for MLflow.
+last stage's choice is broadcast to every stage (:class:`~kuangchao_core.engine.samples.PipelinedNextTokens`) — and
+scores exact match on the ids; :func:`sample_images` renders the first few answers' images for MLflow.
 """
 
 from __future__ import annotations
