@@ -17,17 +17,22 @@ within ``FP64_REL`` (tests/tolerances.py derives it from float64 rounding over t
   split over the decoder's TP group, every rank encoding every image;
 - ``tp4_encoder_tp2`` (4 processes): two encoder TP groups of 2 inside the decoder's TP group of 4, each encoding
   its share of the images, features all-gathered and gradients summed over the share group;
+- ``pp2``: decoder pp2, the encoder on the first stage (its images ride with each micro-batch to stage 0); the
+  greedy answers run through the pipeline (each decoding step through both stages, the question's image to the
+  first, the last stage's token broadcast);
+- ``pp2_tp2`` (4 processes): the encoder on the first stage, data-parallel over that stage's TP group as in ``tp2``,
+  its gradients summed over that TP group; greedy answers through the TP-sharded pipeline;
+- ``pp2_tp2_encoder_tp2`` (4 processes): the same with ``parallel: tp``: the tower split over the first stage's TP
+  group, every rank of it encoding every image;
 - a checkpoint written by one process at step 2 resumed at decoder tp2 + encoder tp2 for step 3 equals the
   uninterrupted run (the checkpoint holds whole tensors; each rank reads its slices of the tower, decoder).
 
 Negative controls (each must fail the same comparison by >= NEGATIVE_MIN): ZeRO-2's first bucket unreduced; the
-encoder's gradients reduced over DP only (the TP sum skipped); LoRA's replicated ``A`` gradient not summed over TP;
-a pipeline that skips a micro-batch; the encoder's row-parallel ``out_proj`` not all-reduced; at tp4 + encoder tp2
-the share group's gradient sum skipped.
-- ``pp2``: decoder pp2, the encoder on the first stage (its images ride with each micro-batch to stage 0).
-
-Pipeline and tensor parallelism together with the tower are refused (not built yet); under a pipeline the greedy
-answers are not computed yet (the held-out loss is).
+encoder's gradients reduced over DP only (the TP sum skipped) at tp2 and at pp2 x tp2; LoRA's replicated ``A``
+gradient not summed over TP; a pipeline that skips a micro-batch; the encoder's row-parallel ``out_proj`` not
+all-reduced (tp2 and pp2 x tp2 with encoder tp2); at tp4 + encoder tp2 the share group's gradient sum skipped.
+The greedy comparison's control: pp2's answers with each next token taken from the first stage instead of the last
+differ from one process's (training untouched).
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_parallel_size": 2}, False, {}),
     "tp2_encoder_tp2": (2, {"tensor_parallel_size": 2}, False, ENCODER_TP2),
     "tp4_encoder_tp2": (4, {"tensor_parallel_size": 4}, False, ENCODER_TP2),
+    "pp2_tp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, False, {}),
+    "pp2_tp2_encoder_tp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, False, ENCODER_TP2),
 }
 NEGATIVE = {
     "dp2_zero2_unreduced_bucket": ("dp2_zero2", "unreduced_zero_bucket"),
@@ -70,7 +77,11 @@ NEGATIVE = {
     "pp2_skipped_micro_batch": ("pp2", "skipped_micro_batch"),
     "tp2_encoder_tp2_out_proj_unreduced": ("tp2_encoder_tp2", "encoder_out_proj_unreduced"),
     "tp4_encoder_tp2_share_group_unsummed": ("tp4_encoder_tp2", "encoder_reduced_over_dp_only"),
+    "pp2_tp2_encoder_reduced_over_dp_only": ("pp2_tp2", "encoder_reduced_over_dp_only"),
+    "pp2_tp2_encoder_tp2_out_proj_unreduced": ("pp2_tp2_encoder_tp2", "encoder_out_proj_unreduced"),
 }
+#: controls of the greedy answers only (training untouched): layout, sabotage
+NEGATIVE_GREEDY = {"pp2_greedy_token_from_first_stage": ("pp2", "greedy_token_from_first_stage")}
 
 
 def _job(tmp: Path, shapes: Path, name: str, parallel: dict, frozen: bool, vision: dict, ckpt: dict | None = None):
@@ -111,7 +122,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     by_world: dict[int, dict[str, dict]] = {1: one}
     for n, (world, par, frozen, vis) in LAYOUTS.items():
         by_world.setdefault(world, {})[n] = {"cfg": _job(tmp, shapes, n, par, frozen, vis)}
-    for name, (layout, sabotage) in NEGATIVE.items():
+    for name, (layout, sabotage) in {**NEGATIVE, **NEGATIVE_GREEDY}.items():
         world, par, frozen, vis = LAYOUTS[layout]
         by_world[world][name] = {"cfg": _job(tmp, shapes, name, par, frozen, vis), "sabotage": sabotage}
     out: dict[str, list[dict]] = {}
@@ -168,8 +179,7 @@ def test_vlm_layout_trains_like_one_process_in_fp64(runs, layout):
     print(f"{layout}: losses within {loss_diff:.1e}, worst parameter {name} {param_diff:.1e} (tolerance {FP64_REL})")
     for r in runs[layout]:
         assert abs(r["eval_loss"] - ref["eval_loss"]) <= FP64_REL * ref["eval_loss"]
-        if layout != "pp2":  # greedy answers through the pipeline are not built for the VLM yet
-            assert r["samples"] == ref["samples"]  # the same greedy answers (and exact match) on every rank
+        assert r["samples"] == ref["samples"]  # the same greedy answers (and exact match) on every rank
 
 
 @pytest.mark.parametrize("control", list(NEGATIVE))
@@ -201,9 +211,24 @@ def test_checkpoint_of_one_process_resumes_at_tp2(runs):
     assert diff <= FP64_REL, (name, diff)
 
 
-def test_encoder_only_on_the_first_stage(runs):
-    first, second = (set(r["params"]) for r in runs["pp2"])
-    assert any(n.startswith("vision_tower.") for n in first) and not any(n.startswith("vision_tower.") for n in second)
+@pytest.mark.parametrize("control", list(NEGATIVE_GREEDY))
+def test_greedy_negative_control_fails_the_same_comparison(runs, control):
+    """The control leaves training alone (the parameters equal one process's) yet its greedy answers differ from
+    one process's on every rank, so the answers' comparison in the layout test bites."""
+    layout, _ = NEGATIVE_GREEDY[control]
+    ref = runs[_ref(layout)][0]
+    _, name, param_diff = _differences(runs, layout, runs[control])
+    assert param_diff <= FP64_REL, (name, param_diff)
+    assert all(r["samples"] != ref["samples"] for r in runs[control]), (runs[control][0]["samples"], ref["samples"])
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2_tp2"])
+def test_encoder_only_on_the_first_stage(runs, layout):
+    """The tower on the first stage's ranks only (its TP group under pp2 x tp2), whose tower parameters are whole
+    and equal (the TP sum makes the replicas bitwise equal; ``gather_full`` checks replicas too)."""
+    holders = [r for r in runs[layout] if any(n.startswith("vision_tower.") for n in r["params"])]
+    assert len(holders) == LAYOUTS[layout][0] // 2
+    gather_full(runs[layout])
 
 
 def test_encoder_tensor_parallel_splits_the_tower(runs):
@@ -229,11 +254,21 @@ def test_encoder_tensor_parallel_splits_the_tower(runs):
                 assert meta["shape"] == meta["full_shape"], (layout, rank, name, meta)
 
 
-def test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused():
-    from kuangchao_core.engine.vlm_model import wrap_vision
+def test_plan_refuses_a_vision_tower_only_with_sequence_or_context_parallelism():
+    """pp2 x tp2 with a vision tower passes the unbuilt check; sequence parallelism (and CP) with it are refused,
+    named by ``model.vision``; a text-only job with sequence parallelism is not (the control)."""
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.engine.plan import unbuilt_problems
 
-    with pytest.raises(PlanError, match="pipeline and tensor parallelism together with a vision tower"):
-        wrap_vision(None, None, None, None, SimpleNamespace(pp=2, tp=2), None)
+    def problems(vision, **par):
+        model = {"preset": "tiny", **({"vision": vision} if vision else {})}
+        par = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, **par}
+        return unbuilt_problems(config_from_dict({"task": {"name": "t"}, "model": model, "parallel": par}))
+
+    assert problems(VISION) == []
+    refused = problems(VISION, sequence_parallel=True)
+    assert [f for f, _ in refused] == ["model.vision"] and "sequence_parallel" in refused[0][1]
+    assert problems(None, sequence_parallel=True) == []
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_frozen_lora", "tp2_encoder_tp2"])

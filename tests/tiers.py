@@ -185,7 +185,7 @@ TEST_TIERS = {
     "test_document_packing.py::test_packed_loss_equals_the_documents_run_one_by_one": "unit",
     "test_document_packing.py::test_window_fields_restart_per_document": "unit",
     "test_engine_3d.py::test_worker_refuses_bad_plan_before_building_anything": "unit",
-    "test_vlm_engine.py::test_pipeline_with_tensor_parallel_and_a_vision_tower_is_refused": "unit",
+    "test_vlm_engine.py::test_plan_refuses_a_vision_tower_only_with_sequence_or_context_parallelism": "unit",
     "test_vlm_engine.py::test_plan_shows_the_encoder_layout_and_memory": "unit",
     "test_vlm_engine.py::test_encoder_tensor_parallel_refusals_name_the_field": "unit",
     "test_llava_finetune.py::test_vision_fields_come_from_the_directory_and_a_mismatch_names_the_field": "unit",

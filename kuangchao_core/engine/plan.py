@@ -198,8 +198,6 @@ def _vision_unbuilt(cfg: Any, cp: int) -> Errors:
     if getattr(cfg.model, "vision", None) is None:
         return []
     par, unbuilt = cfg.parallel, []
-    if par.pipeline_parallel_size > 1 and par.tensor_parallel_size > 1:
-        unbuilt.append("pipeline and tensor parallelism together")
     if getattr(par, "sequence_parallel", False):
         unbuilt.append("parallel.sequence_parallel")
     if cp > 1:

@@ -210,11 +210,12 @@ class PipelinedNextTokens:
         self.executor = executor
         self.head = head
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The next tokens of ``ids``; ``inputs``: the chunks' keyword inputs (a vision-language model's images)."""
         from kuangchao_core.comm import primitives as P
 
         ex = self.executor
-        y = ex.forward_only(ids)
+        y = ex.forward_only(ids, inputs)
         if y is not None:
             nxt = self.head(y)[:, -1, :].argmax(-1)
         else:

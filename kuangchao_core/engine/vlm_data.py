@@ -7,7 +7,9 @@ records or none); with ``data.cache_dir`` the ranks share the decoded pixels on 
 
 :class:`ImageHeldOutLoss` is the held-out loss over the held-out image rows (micro-batches through the dataset's
 ``collate``, so their images travel with them); :class:`ImageExactMatch` answers the held-out questions
-(``ds.question(i)``) greedily — every rank the same questions, TP ranks gathering the vocabulary-split logits — and
+(``ds.question(i)``) greedily — every rank the same questions, TP ranks gathering the vocabulary-split logits; under a
+pipeline each decoding step runs the stages in order with the question's image riding to the first stage, and the
+last stage's choice is broadcast to every stage (:class:`~kuangchao_core.engine.samples.PipelinedNextTokens`) — and
 scores exact match on the ids; :func:`sample_images` renders the first few answers' images for MLflow.
 """
 
@@ -21,7 +23,7 @@ import torch
 from kuangchao_core.data import get_tokenizer
 from kuangchao_core.data.image_data import build_image_dataset, gate_settings, placeholder_settings
 from kuangchao_core.engine.evaluation import EVAL_MICRO_BATCHES, HeldOutLoss, PipelinedHeldOutLoss
-from kuangchao_core.engine.samples import greedy_decode
+from kuangchao_core.engine.samples import PipelinedNextTokens, greedy_decode
 from kuangchao_core.hal.dtypes import param_dtype
 
 #: held-out questions answered at each evaluation, and how many are shown (text and image) in MLflow
@@ -81,11 +83,13 @@ class _Rows:
 
 
 class ImageExactMatch:
-    """Greedy answers to the first :data:`QUESTIONS` held-out questions; call on every rank (collective over TP).
-    Returns ``(exact match, text)``; ``shown`` holds the rows the text shows, ``dataset`` their images."""
+    """Greedy answers to the first :data:`QUESTIONS` held-out questions; call on every rank (collective over TP, and
+    over PP when ``next_tokens``, a :class:`PipelinedNextTokens`, is given). Returns ``(exact match, text)``;
+    ``shown`` holds the rows the text shows, ``dataset`` their images."""
 
-    def __init__(self, model: torch.nn.Module, dataset: Any, tokenizer: Any, device: torch.device):
+    def __init__(self, model: torch.nn.Module, dataset: Any, tokenizer: Any, device: torch.device, next_tokens=None):
         self.model, self.dataset, self.tokenizer, self.device = model, dataset, tokenizer, device
+        self.next_tokens = next_tokens
         self.rows = list(range(min(QUESTIONS, len(dataset))))
         self.stop_id = int(tokenizer.sep_id)
 
@@ -109,6 +113,7 @@ class ImageExactMatch:
                     max_new=min(MAX_ANSWER_TOKENS, len(answer) + 2),
                     stop_id=self.stop_id,
                     device=self.device,
+                    next_fn=None if self.next_tokens is None else self._pipelined(pixels),
                 )[0]
                 right += int(got == list(answer))
                 if row < SHOWN:
@@ -119,6 +124,9 @@ class ImageExactMatch:
             self.model.train(was_training)
         self.shown = self.rows[:SHOWN]
         return right / max(1, len(self.rows)), "\n".join(lines)
+
+    def _pipelined(self, pixels: torch.Tensor):
+        return lambda ids: self.next_tokens(ids, {"pixel_values": pixels})
 
     def _text(self, ids: list[int]) -> str:
         placeholder = int(self.model.vision_config.image_token_id)
@@ -149,8 +157,12 @@ def log_sample_images(sink: Any, samples: Any, step: int) -> None:
 
 def held_out_for_vision(parts: Any, mesh: Any, dataset: Any, tokenizer: Any, micro: int, device) -> tuple[Any, Any]:
     """``(held-out loss, exact match)`` evaluators of the vision-language model over ``dataset``."""
-    if parts.executor is not None:  # greedy answers through the pipeline's stages are not built yet
-        return PipelinedImageHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device), None
+    if parts.executor is not None:
+        lm = parts.model.language_model
+        head = lm.gather_logits if mesh.tp > 1 and hasattr(lm, "gather_logits") else (lambda logits: logits)
+        loss = PipelinedImageHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device)
+        next_tokens = PipelinedNextTokens(parts.executor, head)
+        return loss, ImageExactMatch(parts.model, dataset, tokenizer, device, next_tokens)
     loss = ImageHeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device)
     return loss, ImageExactMatch(parts.model, dataset, tokenizer, device)
 

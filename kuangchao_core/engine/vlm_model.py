@@ -14,7 +14,9 @@ because the decoder's first norm all-reduces its input gradient). The encoder's 
 they are summed over the TP group once all micro-batches ran and before the data-parallel reduction, so they are
 reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
 the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
-each micro-batch as a stage input). Pipeline and tensor parallelism together with the tower are refused (not built).
+each micro-batch as a stage input). With both, the first stage's TP group shares the encoder exactly as without a
+pipeline (each TP rank encodes its share, :class:`GatherShares`), and after the schedule's step its encoder
+gradients are summed over that TP group before the data-parallel reduction; the later stages hold no encoder.
 
 ``model.vision.parallel: tp`` (:mod:`~kuangchao_core.engine.vlm_layout`): the tower is split
 (:func:`~kuangchao_core.models.vision_tp.shard_tower`) over encoder TP groups carved out of the decoder's TP group;
@@ -171,10 +173,6 @@ def with_pretrained_vision(run: Any) -> Any:
 def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mesh: Any, device: torch.device) -> Any:
     """``parts`` (a :class:`~kuangchao_core.engine.parallel_model.ParallelModel`) with its model wrapped in the
     vision-language model; ``parts.vision`` describes the encoder (:class:`VisionParts`)."""
-    if mesh.pp > 1 and mesh.tp > 1:
-        raise PlanError(
-            [("model.vision", "pipeline and tensor parallelism together with a vision tower: not built yet")]
-        )
     if getattr(parts.model, "sequence_parallel", False) or getattr(mesh, "cp", 1) > 1:
         raise PlanError([("model.vision", "sequence or context parallelism with a vision tower: not built yet")])
     vcfg = vision_config(vision_section, llama_cfg.vocab_size)
@@ -205,7 +203,7 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     for n in names:  # 1 / the TP ranks holding the same values once reduced: each element counted once
         norm_weight[n] = 1.0 / (layout.shares if regions[n] != Region.full(params[n].shape) else mesh.tp)
     parts.model, parts.regions, parts.norm_weight = model, regions, norm_weight
-    parts.vision = VisionParts(names, layout.share_group, frozen=frozen)
+    parts.vision = VisionParts(names, layout.share_group if names else None, frozen=frozen)
     return parts
 
 
@@ -237,46 +235,78 @@ def unused_encoder_parameters(model: VisionLanguageModel) -> set[str]:
 def step_function(parts: Any, precision: Any = None):
     """The job's forward and backward of one step: :func:`vision_forward_backward` for a vision-language model,
     else :func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`."""
-    if getattr(parts, "vision", None) is not None and parts.executor is None:
+    if getattr(parts, "vision", None) is not None:
         return vision_forward_backward(parts, precision)
     return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
 
 
 def vision_forward_backward(parts: Any, precision: Any = None):
-    """The step's forward and backward for the vision-language model (see the module docstring): the plain path
-    when no TP group shares the encoder; else every micro-batch under ``no_sync``, the encoder's gradients summed
-    over the TP group, then the data-parallel reduction."""
+    """The step's forward and backward for the vision-language model (see the module docstring): the plain or
+    pipelined path when no TP group shares the encoder; else every micro-batch (or the pipeline schedule's whole
+    step) under ``no_sync``, the encoder's gradients summed over the TP group, then the data-parallel reduction."""
     vision: VisionParts = parts.vision
     if vision.tp_group is None or vision.frozen:
-        return get_forward_backward(parts.model, parts.loss_fn, None, precision)
-    model, loss_fn = parts.model, parts.loss_fn
-    autocast = precision.autocast if precision is not None else contextlib.nullcontext
-    scale = precision.scale if precision is not None else (lambda loss: loss)
-    params = dict(model.named_parameters())
+        return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
+    params = dict(parts.model.named_parameters())
     encoder = [params[n] for n in vision.names]
+    accumulate = (
+        _pipelined(parts.executor, precision) if parts.executor is not None else _micro_batches(parts, precision)
+    )
 
     def step(sync: Any, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None):
-        n = len(batches)
-        local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
         with sync.no_sync():
-            for batch in batches:
-                with autocast():
-                    logits = model(batch["input_ids"], **model_inputs(batch))
-                    loss = weighted_loss(loss_fn, logits, batch, n, loss_weight)
-                scale(loss).backward()
-                local += loss.detach().double()
+            local = accumulate(batches, loss_weight)
         if vision.reduce_over_tp:
-            for p in encoder:  # a rank that encoded no image this step still joins the sum
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in encoder]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            P.all_reduce(flat, group=vision.tp_group, op="sum")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _sum_grads(encoder, vision.tp_group)
         sync.finish(accumulated=True)
         return local
 
     return step
+
+
+def _micro_batches(parts: Any, precision: Any):
+    """``(batches, loss_weight) -> local loss``: each micro-batch's forward and backward, gradients accumulated."""
+    model, loss_fn = parts.model, parts.loss_fn
+    autocast = precision.autocast if precision is not None else contextlib.nullcontext
+    scale = precision.scale if precision is not None else (lambda loss: loss)
+
+    def run(batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None) -> torch.Tensor:
+        n = len(batches)
+        local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
+        for batch in batches:
+            with autocast():
+                logits = model(batch["input_ids"], **model_inputs(batch))
+                loss = weighted_loss(loss_fn, logits, batch, n, loss_weight)
+            scale(loss).backward()
+            local += loss.detach().double()
+        return local
+
+    return run
+
+
+def _pipelined(executor: Any, precision: Any):
+    """``(batches, loss_weight) -> local loss``: the pipeline schedule's step (this stage's share of the loss on
+    the last stage, 0 elsewhere), gradients accumulated."""
+
+    def run(batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None) -> torch.Tensor:
+        loss = executor.run(batches, precision=precision, loss_weight=loss_weight)
+        if loss is None:
+            return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
+        return loss.detach().double()
+
+    return run
+
+
+def _sum_grads(params: list[torch.Tensor], group: Any) -> None:
+    """Sum ``params``' gradients over ``group`` in one all-reduce; a rank that encoded no image this step (no
+    gradient) still joins the sum with zeros."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    P.all_reduce(flat, group=group, op="sum")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
