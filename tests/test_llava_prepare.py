@@ -126,8 +126,10 @@ def test_encoder_tp_size_checked_against_the_directorys_tower_before_launch(hf_d
     )
     # control: without the check, kc train lets the impossible split through (the trainer refused it after launch)
     import kuangchao_core.engine.plan as plan
+    from kuangchao_core.config.vision_schema import vision_layout_errors
+    from kuangchao_core.engine.vlm_model import pretrained_vision
 
     monkeypatch.setattr(plan, "pretrained_tower_problems", lambda cfg: [])
-    refuse_early(
-        str(_config_file(tmp_path, hf_dir, {"parallel": "tp", "tensor_parallel_size": 4}, tp=4)), [], None, "error"
-    )
+    config = _config_file(tmp_path, hf_dir, {"parallel": "tp", "tensor_parallel_size": 4}, tp=4)
+    refuse_early(str(config), [], None, "error")
+    assert vision_layout_errors(pretrained_vision(load_config(config).model), 4)  # encoder_layout's, in the ranks
