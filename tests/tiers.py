@@ -77,6 +77,7 @@ FILE_TIERS = {
     "test_hf.py": "unit",
     "test_vlm.py": "unit",
     "test_llava_finetune.py": "distributed",
+    "test_llava_prepare.py": "unit",
     "test_image_data.py": "unit",
     "test_image_gate.py": "unit",
     "test_image_pool.py": "unit",

@@ -75,7 +75,7 @@ def _vision_layout(model: Any, parallel: Any) -> Errors:
     if model.vision is None:
         return []
     errors = vision_layout_errors(model.vision, parallel.tensor_parallel_size)
-    if model.checkpoint:  # the tower's sizes come from the checkpoint: checked once resolved (engine.vlm_layout)
+    if model.checkpoint:  # the tower's sizes come from the checkpoint: the plan's check reads them (engine.plan_vision)
         errors = [(p, m) for p, m in errors if not p.endswith((".num_heads", ".intermediate_size"))]
     return errors
 

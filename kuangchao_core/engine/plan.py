@@ -2,7 +2,8 @@
 
 - :func:`check_plan` returns every reason the layout cannot run, as ``(dotted_path, message)`` pairs with the
   numbers (TP not dividing heads / kv heads / vocabulary / MLP width, layers not divisible by pp x v, micro-batch
-  counts the schedule cannot run, world size not matching the cluster or the launched processes). The engine runs
+  counts the schedule cannot run, world size not matching the cluster or the launched processes, an encoder TP
+  size not dividing the heads or MLP width of a LLaVA ``model.checkpoint``'s tower). The engine runs
   it before launch (:func:`raise_for_plan`, which also refuses a layout whose largest rank's estimated memory
   exceeds what a rank of the devices may use: ``engine.plan_memory``).
 - :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
@@ -19,7 +20,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
-from kuangchao_core.engine.plan_vision import format_vision, vision_plan
+from kuangchao_core.engine.plan_vision import format_vision, pretrained_tower_problems, vision_plan
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -70,6 +71,7 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
                     "tie_embeddings false or pipeline_parallel_size 1",
                 )
             )
+        errors.extend(pretrained_tower_problems(cfg))  # a LLaVA directory's tower against the encoder's TP size
     if pp > 1:
         collect(validate_schedule, par.pipeline_schedule, pp, m, v)
     elif v > 1:

@@ -93,6 +93,46 @@ def vision_plan(cfg: Any) -> dict[str, Any] | None:
     }
 
 
+def pretrained_tower_problems(cfg: Any) -> list[tuple[str, str]]:
+    """The encoder's TP size (``model.vision.parallel: tp``) against the tower of a LLaVA ``model.checkpoint``, whose
+    heads and MLP width only its ``config.json`` knows (the config's own checks leave them out): each size it does
+    not divide, named by the field that set the TP size, with the directory's value and key (and, whatever the
+    layout, a field of ``model.vision`` that disagrees with the directory, as the flow would refuse it). Part of
+    :func:`~kuangchao_core.engine.plan.check_plan`, so ``kc train`` refuses such a job before launch."""
+    from kuangchao_core.ckpt.hf_llava import VISION_KEYS
+    from kuangchao_core.config.vision_schema import encoder_tp_size
+    from kuangchao_core.engine.vlm_model import pretrained_vision
+    from kuangchao_core.errors import ConfigError
+
+    model = cfg.model
+    section = getattr(model, "vision", None)
+    if section is None or not model.checkpoint:
+        return []
+    try:
+        tower = pretrained_vision(model)
+    except ConfigError as exc:  # a field that disagrees with the directory, or no LLaVA there
+        return list(exc.errors)
+    if tower.parallel != "tp":
+        return []
+    tp = int(cfg.parallel.tensor_parallel_size)
+    e = encoder_tp_size(tower, tp)
+    field, whose = "model.vision.tensor_parallel_size", ""
+    if not section.tensor_parallel_size:  # the encoder takes the decoder's TP size
+        field, whose = "parallel.tensor_parallel_size", f" (the decoder's: {field} is unset)"
+    sizes = {name: int(getattr(tower, name)) for name in ("num_heads", "intermediate_size")}
+    fits = [d for d in range(1, tp + 1) if tp % d == 0 and all(n % d == 0 for n in sizes.values())]
+    return [
+        (
+            field,
+            f"the encoder's TP size {e}{whose} does not divide the tower's {name} {n} in {model.checkpoint} "
+            f"(vision_config.{VISION_KEYS[name]}); set model.vision.tensor_parallel_size to one that fits: "
+            + ", ".join(map(str, fits)),
+        )
+        for name, n in sizes.items()
+        if n % e
+    ]
+
+
 def format_vision(vision: dict[str, Any] | None) -> list[str]:
     """The ``kc plan`` lines of :func:`vision_plan`'s result (none without a vision tower)."""
     if vision is None:
