@@ -4,7 +4,8 @@ images unseen, and the records pass the image gate.
 Answers are checked against the pixels, not against the generator's bookkeeping: shapes are drawn without
 antialiasing, so every non-white pixel has exactly the answer's colour; the occupied cells of the 2 x 2 grid give the
 count and the first position; the fill of each shape's bounding box gives its kind (a square fills it, a circle
-about pi/4 of it, a triangle about half). The control feeds the same checker another image's answers.
+about pi/4 of it, a triangle about half); each bounding box is centred in its cell (within the half pixel an odd
+margin leaves). The controls feed the same checker another image's answers, and the images shifted by two pixels.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def _answers_hold(pixels: np.ndarray, answers: dict[str, str]) -> bool:
     for c in occupied:
         cell = ink[(c // 2) * half : (c // 2 + 1) * half, (c % 2) * half : (c % 2 + 1) * half]
         ys, xs = cell.any(axis=1).nonzero()[0], cell.any(axis=0).nonzero()[0]
+        if abs(ys[0] + ys[-1] - (half - 1)) > 1 or abs(xs[0] + xs[-1] - (half - 1)) > 1:
+            return False  # not centred: a box from o to o + s - 1 with o = (half - s) // 2 sums to half - 1 or - 2
         fill = cell.sum() / ((ys[-1] - ys[0] + 1) * (xs[-1] - xs[0] + 1))
         kind = "square" if fill > 0.95 else "circle" if fill > 0.68 else "triangle"
         if kind != answers["shape"]:
@@ -67,6 +70,7 @@ def test_answers_are_true_of_the_pixels(shape_set):
         assert all(_answers_hold(p, a) for p, a in items), split
         wrong = [_answers_hold(items[i][0], items[(i + 1) % len(items)][1]) for i in range(len(items))]
         assert sum(wrong) < len(items) / 4  # control: another image's answers mostly fail the same checks
+        assert not any(_answers_hold(np.roll(p, 2, axis=1), a) for p, a in items)  # control: off-centre shapes fail
 
 
 def test_deterministic_and_heldout_unseen(shape_set, tmp_path):

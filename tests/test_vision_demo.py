@@ -1,6 +1,6 @@
 """``configs/vision-demo.yaml`` (issue 31's demo), a short version for ``make test``.
 
-The full demo (600+ steps, a few minutes on two CPU ranks) reaches >= 90 % held-out exact match; it is run by
+The full demo (900 steps, a few minutes on two CPU ranks) reaches >= 90 % held-out exact match; it is run by
 ``python -m tests.vision_demo_full`` (docs/architecture.md, "Issue 31"). Here the demo's own config trains for 60 steps
 at decoder tp2 with the encoder data-parallel on 32 generated images (16 px): the held-out loss must fall by more
 than a quarter (it starts at ln-ish of the byte vocabulary, ~5.5, and the answers' letters are learnt within tens

@@ -1,6 +1,6 @@
 """The full vision demo check (issue 31): ``python -m tests.vision_demo_full [WORKDIR] [key=value ...]``.
 
-Generates the shape set (``kc data shapes``: 512 training images, 64 held-out, 32 px) under WORKDIR, trains
+Generates the shape set (``kc data shapes``: 2048 training images, 64 held-out, 32 px) under WORKDIR, trains
 ``configs/vision-demo.yaml`` on two CPU ranks (decoder tp2, the encoder data-parallel over the TP ranks) and prints
 the held-out exact match, the wall time and the data wait's share of the step time; exits 1 below 90 % exact match or
 at a data-wait share of 5 % or more. Takes minutes: not part of ``make test`` (tests/test_vision_demo.py runs a short
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     overrides = dict(a.split("=", 1) for a in argv if "=" in a)
     shapes = work / "shapes"
     if not (shapes / "train.jsonl").exists():
-        make_shape_set(shapes, num_train=512, num_heldout=64, seed=0, size=32)
+        make_shape_set(shapes, num_train=2048, num_heldout=64, seed=0, size=32)
     cfg = demo_config(work, shapes, **overrides)
     t0 = time.time()
     result = run_distributed(run_demo, 2, args=(cfg,), timeout=3600)[0]

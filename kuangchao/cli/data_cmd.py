@@ -76,7 +76,7 @@ def prepare(
 @data_app.command("shapes")
 def shapes(
     out_dir: str = typer.Argument(..., help="Directory the images, train.jsonl and heldout.jsonl are written to."),
-    train: int = typer.Option(512, "--train", help="Training images (four question records each)."),
+    train: int = typer.Option(2048, "--train", help="Training images (four question records each)."),
     heldout: int = typer.Option(64, "--heldout", help="Held-out images, none equal to a training image."),
     seed: int = typer.Option(0, "--seed"),
     size: int = typer.Option(32, "--size", help="Side of the images in pixels (the vision tower's image_size)."),
