@@ -2,7 +2,7 @@
 
 The README's commands, run as typed in a fresh directory (the config's relative data, checkpoint and MLflow paths
 land there): ``kc data shapes data/shapes`` (32 images of 16 px, 8 held out) and ``kc train --config
-configs/vision-demo.yaml`` (on the session's Prefect server) with a few ``--set`` that make it short — 40 steps of 8
+configs/vision-demo.yaml`` (on the session's Prefect server) with a few ``--set`` that make it short — 60 steps of 8
 rows at 16 px, decoder tp2 with the encoder data-parallel, as the demo — then ``kc plan`` of the demo and ``kc
 checkpoint convert --format hf`` of the run's last step. Checked from what the user sees: the run's log (the final
 ``data wait`` line: under 5 % of the step time, the issue's bound; the held-out loss at the end), MLflow (the loss of
@@ -28,8 +28,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KC = [sys.executable, "-m", "kuangchao.cli.main"]
 SHORT = {
-    "train.steps": 40,
-    "train.eval_interval": 40,
+    "train.steps": 60,
+    "train.eval_interval": 60,
     "train.warmup_steps": 5,
     "train.log_interval": 20,
     "checkpoint.interval": 1000,
@@ -110,12 +110,17 @@ def test_short_demo_logs_greedy_answers_with_their_images_to_mlflow(short_run):
 
 
 def test_the_demo_plans_and_its_checkpoint_converts_to_a_transformers_llava(short_run):
+    import glob
+
     work, env, summary = short_run["work"], short_run["env"], short_run["summary"]
     demo = str(ROOT / "configs" / "vision-demo.yaml")
     plan = _kc(["plan", "--config", demo], work, env, 120).stdout
-    assert "vision" in plan.lower(), plan
+    assert "vision encoder (data parallel)" in plan and "16 images per rank per micro-batch" in plan, plan
+    # the README's $(ls -d checkpoints/kc-vision-demo/run-*/step_* | tail -1): the run's last step
+    step = sorted(glob.glob(str(work / "checkpoints/kc-vision-demo/run-*/step_*")))[-1]
+    assert step == summary["checkpoint_path"] and step.endswith(f"step_{SHORT['train.steps']:08d}")
     out = work / "llava"
-    _kc(["checkpoint", "convert", summary["checkpoint_path"], str(out), "--format", "hf"], work, env, 120)
+    _kc(["checkpoint", "convert", step, str(out), "--format", "hf"], work, env, 120)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlavaForConditionalGeneration"], config
     assert config["vision_config"]["image_size"] == 16 and (out / "model.safetensors").is_file()
