@@ -4,10 +4,10 @@ The README's commands, run as typed in a fresh directory (the config's relative 
 land there): ``kc data shapes data/shapes`` (32 images of 16 px, 8 held out) and ``kc train --config
 configs/vision-demo.yaml`` (on the session's Prefect server) with a few ``--set`` that make it short — 60 steps of 8
 rows at 16 px, decoder tp2 with the encoder data-parallel, as the demo — then ``kc plan`` of the demo and ``kc
-checkpoint convert --format hf`` of the run's last step. Checked from what the user sees: the run's log (the final
-``data wait`` line: under 5 % of the step time, the issue's bound; the held-out loss at the end), MLflow (the loss of
-step 1, ``eval_exact_match``, the greedy answers' text and their images, equal to the held-out image files) and the
-converted directory (a transformers LLaVA). The held-out loss must fall below three quarters of the untrained model's
+checkpoint convert --format hf`` of the run's last step (these two in this process). Checked from what the user sees:
+the run's log (the final ``data wait`` line: under 5 % of the step time, the issue's bound; the held-out loss at the
+end), MLflow (the loss of step 1, ``eval_exact_match``, the greedy answers' text and their images, equal to the
+held-out image files) and the converted directory (a transformers LLaVA). The held-out loss must fall below three quarters of the untrained model's
 loss (step 1's, before any update: ~ln of the byte vocabulary, 5.5; the answers' letters are learnt within tens of
 steps): a run that stopped learning fails it. A learning-trend check, not an equality: the layouts' equality with one
 process and its negative controls are tests/test_vlm_engine.py's. The full demo (>= 90 % held-out exact match, in
@@ -63,7 +63,7 @@ def short_run(tmp_path_factory, prefect_api):
     log = Path(summary["run_dir"], "logs", "worker-0.jsonl").read_text(encoding="utf-8")
     events = [json.loads(line) for line in log.splitlines() if line.strip()]
     print(trained.stdout.splitlines()[-1])  # the start-up and shutdown phases, for --durations readers
-    return {"work": work, "env": env, "made": made.stdout, "console": trained.stdout, "summary": summary, "log": events}
+    return {"work": work, "made": made.stdout, "console": trained.stdout, "summary": summary, "log": events}
 
 
 def test_short_demo_learns_and_never_waits_for_data(short_run):
@@ -110,17 +110,24 @@ def test_short_demo_logs_greedy_answers_with_their_images_to_mlflow(short_run):
 
 
 def test_the_demo_plans_and_its_checkpoint_converts_to_a_transformers_llava(short_run):
+    """``kc plan`` and ``kc checkpoint convert`` in this process (the same commands, without a second start-up)."""
     import glob
 
-    work, env, summary = short_run["work"], short_run["env"], short_run["summary"]
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+
+    work, summary = short_run["work"], short_run["summary"]
     demo = str(ROOT / "configs" / "vision-demo.yaml")
-    plan = _kc(["plan", "--config", demo], work, env, 120).stdout
-    assert "vision encoder (data parallel)" in plan and "16 images per rank per micro-batch" in plan, plan
+    plan = CliRunner().invoke(app, ["plan", "--config", demo])
+    assert plan.exit_code == 0, plan.output
+    assert "vision encoder (data parallel)" in plan.output and "16 images per rank per micro-batch" in plan.output
     # the README's $(ls -d checkpoints/kc-vision-demo/run-*/step_* | tail -1): the run's last step
     step = sorted(glob.glob(str(work / "checkpoints/kc-vision-demo/run-*/step_*")))[-1]
     assert step == summary["checkpoint_path"] and step.endswith(f"step_{SHORT['train.steps']:08d}")
     out = work / "llava"
-    _kc(["checkpoint", "convert", step, str(out), "--format", "hf"], work, env, 120)
+    converted = CliRunner().invoke(app, ["checkpoint", "convert", step, str(out), "--format", "hf"])
+    assert converted.exit_code == 0, converted.output
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlavaForConditionalGeneration"], config
     assert config["vision_config"]["image_size"] == 16 and (out / "model.safetensors").is_file()
