@@ -131,3 +131,5 @@ def test_the_demo_plans_and_its_checkpoint_converts_to_a_transformers_llava(shor
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlavaForConditionalGeneration"], config
     assert config["vision_config"]["image_size"] == 16 and (out / "model.safetensors").is_file()
+    exported = json.loads(Path(summary["model_dir"], "config.json").read_text())  # kc train's own export at the end
+    assert exported["architectures"] == config["architectures"], exported
