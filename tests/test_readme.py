@@ -10,7 +10,8 @@ of this checkout or this user is touched. Each command must exit 0. What the run
 - ``make test`` is not run (this test is part of it);
 - the multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
   hosts made of network namespaces; the Slurm section's need a Slurm cluster: ``tests/test_slurm.py`` and
-  ``tests/test_slurm_doctor.py`` run them on one made of network namespaces; this test checks that they still do.
+  ``tests/test_slurm_doctor.py`` run them on one made of network namespaces; the vision demo takes minutes:
+  ``tests/test_vision_demo.py`` runs its commands on a short version; this test checks that they still do.
 
 A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block is a
 config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says
@@ -53,6 +54,13 @@ ELSEWHERE = {
             ('"doctor","--config"', '"slurm","script"', '"sbatch","--test-only","job.sbatch"'),
         ),
         ("tests/test_slurm_cancel.py", ('"prefect","flow-run","cancel"',)),
+    ),
+    "Vision-language models": (  # the full demo takes minutes: the test runs it short
+        (
+            "tests/test_vision_demo.py",
+            ('"data","shapes","data/shapes","--size"', '"plan","--config",demo', '"train","--config",demo')
+            + ('"checkpoint","convert",step', '"--format","hf"', '"configs"/"vision-demo.yaml"'),
+        ),
     ),
 }
 EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}

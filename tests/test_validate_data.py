@@ -149,6 +149,36 @@ def test_missing_path_is_a_data_error(tmp_path):
         V.validate_dataset(_cfg(tmp_path, tmp_path / "nope.txt"))
 
 
+def test_a_vision_jobs_image_records_are_their_image_paths_and_turns(tmp_path):
+    """A ``model.vision`` job's LLaVA records (the vision demo's set) pass as their image paths and turns: kc train's
+    data check used to read them as sft records and stop the flow ("an sft record needs ... 'prompt'"). The four
+    questions asked of every image repeat their text across images; the image's path keeps them distinct records."""
+    from kuangchao_core.data.shapes import make_shape_set
+
+    make_shape_set(tmp_path / "shapes", num_train=8, num_heldout=2, seed=0, size=16)
+    path = tmp_path / "shapes" / "train.jsonl"
+    cfg = _cfg(tmp_path, path, format="sft")
+    vision = config_from_dict({**cfg.model_dump(), "model": {"preset": "tiny", "vision": {"image_size": 16}}})
+    rep = V.validate_dataset(vision)
+    assert rep.success and rep.num_records == 32 and rep.result("duplicate_share").observed == 0, rep.summary
+    (text, where), *_ = V.load_located_records(vision.data, images=True)[0]
+    first = json.loads(path.read_text().splitlines()[0])
+    turns = [t["value"] for t in first["conversations"]]
+    assert text == "\n".join([first["image"], *turns]) and where == f"{path}:1"
+    with pytest.raises(DataError, match="an sft record needs"):  # control: the same job without model.vision
+        V.validate_dataset(cfg)
+    without_paths = [t.split("\n", 1)[1] for t, _ in V.load_located_records(vision.data, images=True)[0]]
+    assert not V.validate_records(without_paths, seq_len=16).result("duplicate_share").success  # control: no paths
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({**first, "conversations": [*first["conversations"][:1], {"from": "gpt", "value": "<image>"}]})
+    )
+    with pytest.raises(DataError, match=r"bad.jsonl:1: conversations\[1\] is an answer holding <image>"):
+        V.validate_dataset(
+            config_from_dict({**vision.model_dump(), "data": {**vision.data.model_dump(), "path": str(bad)}})
+        )
+
+
 # ------------------------------------------------------------------ Prefect task, artifact and MLflow
 
 

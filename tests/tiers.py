@@ -82,7 +82,7 @@ FILE_TIERS = {
     "test_image_gate.py": "unit",
     "test_image_pool.py": "unit",
     "test_vlm_engine.py": "distributed",
-    "test_vision_demo.py": "distributed",
+    "test_vision_demo.py": "flows",
     "test_shape_set.py": "unit",
     "test_hierarchical_allreduce.py": "distributed",
     "test_hostile_input.py": "unit",

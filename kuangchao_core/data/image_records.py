@@ -98,6 +98,18 @@ def record_messages(record: dict[str, Any], n_images: int, where: str) -> list[d
     return msgs
 
 
+def image_record_text(record: dict[str, Any], where: str) -> str:
+    """An image record's text for the job's data check (``data.validation``): its image paths, one a line (the same
+    question about another image is another record), then the turns' contents or the caption, placeholders as text.
+    Raises ``DataError`` for a record whose form the gate refuses; its files are the gate's, in every rank."""
+    images = record.get("image")
+    images = images if isinstance(images, list) else [images]
+    if not images or not all(isinstance(p, str) and p for p in images):
+        raise DataError(f"{where}: an image record needs 'image': a path or a non-empty list of paths")
+    msgs = record_messages(record, len(images), where)
+    return "\n".join([*images, *([record["caption"]] if msgs is None else [m["content"] for m in msgs])])
+
+
 def _encode(text: str, tokenizer: Any, image_token_id: int, where: str) -> list[int]:
     ids = tokenizer.encode(text)
     if image_token_id in ids:

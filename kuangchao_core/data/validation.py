@@ -1,8 +1,7 @@
 """Data validation before any compute is spent: a great-expectations suite over the raw dataset records.
 
-The records (documents, before tokenisation and packing) become a pandas DataFrame with the columns
-``text``, ``n_bytes``, ``n_tokens``, ``is_valid_utf8``, ``is_blank``, ``has_control`` and ``text_hash``; a GX 1.x
-expectation
+The records (documents, before tokenisation and packing) become a pandas DataFrame with the columns ``text``,
+``n_bytes``, ``n_tokens``, ``is_valid_utf8``, ``is_blank``, ``has_control`` and ``text_hash``; a GX 1.x expectation
 suite runs over it in an ephemeral context. Expectations, each named in its ``meta``:
 
 - ``not_empty``: at least one record.
@@ -25,12 +24,13 @@ Token counts are byte-level (one token per UTF-8 byte, what the ``byte`` tokeniz
 is given: an object with ``encode(text)`` or a spec ``kuangchao_core.data.tokenizer.get_tokenizer`` accepts.
 
 Where the records come from (``load_records``): the same documents ``kuangchao_core.data`` trains on. ``data.path``
-is a file, directory or glob of ``.txt`` (documents separated by blank lines), ``.jsonl`` (one object per line,
-text under ``data.text_field``; blank lines skipped, ``{"text": ""}`` is an empty record) and ``.parquet`` (one row
-per record) files. Files are read as bytes here, so a bad byte sequence is one failing record rather than a
-failed read. A JSON-lines line that is not JSON, or nested deeper than the bounded JSON reader allows
-(``config.bounded_json``), fails the whole validation with ``DataError`` naming ``file:line``, as training would. With no path, the synthetic corpus's training documents are used; since that corpus draws problems
-with replacement by design, ``validate_dataset`` does not apply the duplicate limit to it.
+is a file, directory or glob of ``.txt`` (documents separated by blank lines), ``.jsonl`` (one object per line, text
+under ``data.text_field``; blank lines skipped, ``{"text": ""}`` is an empty record) and ``.parquet`` (one row per
+record) files, read as bytes: a bad byte sequence is one failing record, not a failed read. An sft record is its
+prompt and completion or turns; a ``model.vision`` job's record its image paths and turns (``image_record_text``). A
+JSON-lines line that is not JSON, or nested deeper than ``config.bounded_json`` allows, fails the whole validation with
+``DataError`` naming ``file:line``, as training would. With no path, the synthetic corpus's training documents are
+used; it draws problems with replacement by design, so ``validate_dataset`` does not apply the duplicate limit to it.
 """
 
 from __future__ import annotations
@@ -170,9 +170,9 @@ def load_records(
 
 
 def load_located_records(
-    data_cfg: Any, max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES
+    data_cfg: Any, max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES, images: bool = False
 ) -> tuple[list[Located], str]:
-    """:func:`load_records` with where each record came from (``file:line``, ``file#row<N>``)."""
+    """:func:`load_records` with where each record came from (``file:line``); ``images``: a vision job's records."""
     from kuangchao_core.data.files import JSONL_LINE_FACTOR, iter_records
 
     path = setting(data_cfg, "path")
@@ -180,11 +180,13 @@ def load_located_records(
     text_field = setting(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
         return [(doc, f"synthetic#{i}") for i, doc in enumerate(_synthetic_records(data_cfg))], "synthetic corpus"
-    if fmt == "sft":  # each record's text as the model reads it; a record training cannot use fails here
+    if fmt == "sft" or images:  # each record's text as the model reads it; a record training cannot use fails here
+        from kuangchao_core.data.image_records import image_record_text
         from kuangchao_core.data.sft import iter_sft_records, record_text
 
         line_limit = None if max_record_bytes is None else JSONL_LINE_FACTOR * max_record_bytes + (64 << 10)
-        return [(record_text(r, where), where) for r, where in iter_sft_records(path, line_limit)], str(path)
+        text_of = image_record_text if images else record_text
+        return [(text_of(r, where), where) for r, where in iter_sft_records(path, line_limit)], str(path)
     return list(iter_records(path, fmt, text_field, max_record_bytes)), str(path)
 
 
@@ -419,9 +421,7 @@ def _control_fact(records, df, wheres: Sequence[str] | None, allowed: bool) -> t
 
 def planned_tokens_of(cfg: Any) -> tuple[int, int]:
     """``(train.steps x global batch x seq_len, seq_len)`` of a job config (0 where a field is missing)."""
-    train = getattr(cfg, "train", None)
-    par = getattr(cfg, "parallel", None)
-    data = getattr(cfg, "data", None)
+    train, par, data = (getattr(cfg, section, None) for section in ("train", "parallel", "data"))
     steps = int(getattr(train, "steps", 0) or 0)
     micro = int(getattr(par, "micro_batch_size", 1) or 1)
     accum = int(getattr(par, "gradient_accumulation_steps", 1) or 1)
@@ -440,7 +440,7 @@ def validate_dataset(
 ) -> ValidationReport:
     """Load the records of ``cfg.data`` (streamed, ``max_record_bytes`` applied while reading) and validate them
     against the job's planned token budget."""
-    located, source = load_located_records(cfg.data, max_record_bytes)
+    located, source = load_located_records(cfg.data, max_record_bytes, images=setting(cfg, "model.vision") is not None)
     records = [raw for raw, _ in located]
     planned, seq_len = planned_tokens_of(cfg)
     tok = setting(cfg.data, "tokenizer", "byte")
