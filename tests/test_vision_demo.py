@@ -133,3 +133,5 @@ def test_the_demo_plans_and_its_checkpoint_converts_to_a_transformers_llava(shor
     assert config["vision_config"]["image_size"] == 16 and (out / "model.safetensors").is_file()
     exported = json.loads(Path(summary["model_dir"], "config.json").read_text())  # kc train's own export at the end
     assert exported["architectures"] == config["architectures"], exported
+    # logged as its files, not as the text-only pyfunc model (its LlamaForCausalLM cannot load a LLaVA)
+    assert not Path(summary["model_dir"], "MLmodel").exists()

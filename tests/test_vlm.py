@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,19 @@ def test_foreign_or_misshapen_tensors_are_refused_naming_them(imported, tmp_path
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="1 parameters are not in the weights"):
         load_hf_llava(tmp_path)
+
+
+def test_a_llava_export_is_not_made_a_text_only_pyfunc_model(imported, tmp_path):
+    """``write_pyfunc_files`` leaves a LLaVA directory as its files (the pyfunc code loads ``LlamaForCausalLM``);
+    control: the tiny Llama of ``tests/data/kc-tiny-demo`` becomes a pyfunc model."""
+    import shutil
+
+    from kuangchao_core.obs.mlflow_model import write_pyfunc_files
+
+    llava, llama = tmp_path / "llava", tmp_path / "llama"
+    shutil.copytree(imported[2], llava)
+    shutil.copytree(Path(__file__).parent / "data" / "kc-tiny-demo", llama)
+    record = {"format": "hf", "files": sorted(p.name for p in llava.iterdir())}
+    assert write_pyfunc_files(llava, record) == record and not (llava / "MLmodel").exists()
+    assert "MLmodel" in write_pyfunc_files(llama, {"format": "hf", "files": []})["files"]
+    assert (llama / "MLmodel").is_file()

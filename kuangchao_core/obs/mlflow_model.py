@@ -9,7 +9,9 @@ artifact, ``weights``, is the model directory itself (path ``.``). ``export.json
 files too, so the logged ``model`` artifacts and the record still agree.
 
 A ``peft`` export (LoRA adapters) holds no whole model, so it gets no ``MLmodel``: merge it first
-(``kc checkpoint convert --format hf``).
+(``kc checkpoint convert --format hf``). Nor does a vision-language model (a transformers LLaVA directory, issue 31):
+the code answers text prompts with ``LlamaForCausalLM`` and could not load it; its files are logged as they are
+(``LlavaForConditionalGeneration.from_pretrained`` loads them).
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ PIP_REQUIREMENTS = ("mlflow", "torch", "transformers", "tokenizers", "safetensor
 EXPORT_RECORD = "export.json"
 
 
+def _answers_text_prompts(model_dir: Path) -> bool:
+    """Whether the exported model is a causal language model the pyfunc code loads (not a LLaVA, say)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return config.get("architectures") == ["LlamaForCausalLM"]
+
+
 def write_pyfunc_files(model_dir: str | Path, record: dict[str, Any], max_new_tokens: int = 32) -> dict[str, Any]:
     """Make ``model_dir`` (an ``hf`` export) an MLflow pyfunc model in place and return ``record`` with its
-    ``files`` updated (``export.json`` rewritten); a ``peft`` export is returned unchanged. ``max_new_tokens``:
+    ``files`` updated (``export.json`` rewritten); a ``peft`` export or a LLaVA is returned unchanged. ``max_new_tokens``:
     the longest answer ``predict`` generates."""
     import mlflow
 
     model_dir = Path(model_dir)
-    if record.get("format") != "hf":
+    if record.get("format") != "hf" or not _answers_text_prompts(model_dir):
         return record
     with tempfile.TemporaryDirectory(prefix="kc-pyfunc-") as tmp:
         staged = Path(tmp) / "m"
