@@ -2,23 +2,13 @@
 
 With the variable set, ``device_init("cpu")`` gives the job a stand-in device (``cpu:0``, ``hal.stand_in``) whose
 tensors are told apart from host tensors; device groups refuse host tensors as NCCL does, the host group refuses
-device tensors, and the collective order of every group is compared across ranks after each step.
-
-The job test runs the worker entry point as ``kc train``'s workers run it — start, resume plan, steps, evaluation
-and greedy samples, a checkpoint save, a followed global-config change, the final evaluation, then a second run
-that resumes — at dp2, tp2, tp2 with sequence parallelism, pp2 and dp2 with ZeRO-3. Negative control: the host
-coordination sent on the world group, as before the fix, fails at the resume plan's broadcast with the error a CUDA
-job gave.
+device tensors, and the collective order of every group is compared across ranks after each step; every rank's
+operations are replayed under NCCL's stream rules (``comm.stream_model``), which name a deadlock's cycle — here a
+host wait before what the peer needs first, which Gloo runs. The whole job in every layout: ``test_nccl_rules_job``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-import yaml
-
-from tests.engine_helpers import tiny_job
 from tests.mp import run_distributed
 
 RULES = {"KC_COMM_RULES": "nccl"}
@@ -150,91 +140,56 @@ def test_collective_order_is_compared_across_ranks():
         assert "group 'world'" in text and "all_reduce float32 [2, 2]" in text and "order" in text, text
 
 
-# ---------------------------------------------------------------------- a whole job under the rules
-LAYOUTS = {
-    "dp2": {"data_parallel_size": 2},
-    "tp2": {"tensor_parallel_size": 2},
-    "tp2_sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-    "pp2": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
-    "dp2_zero3": {"data_parallel_size": 2, "zero_stage": 3},
-    "cp2": {"context_parallel_size": 2},  # issue 30: the ring's exchanges and the dp×cp reductions
-}
+def _host_wait(rank: int, world_size: int, sabotage: bool) -> str:
+    import torch
 
-
-def _config(tmp_path: Path, parallel: dict) -> str:
-    cfg = tiny_job(
-        str(tmp_path),
-        parallel={"micro_batch_size": 2, **parallel},
-        train={"steps": 6, "eval_interval": 3, "log_interval": 1},
-        checkpoint={"interval": 3, "resume": "auto"},
-    ).model_dump(mode="json")
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    return str(path)
-
-
-def _job(rank: int, world_size: int, config: str, global_config: str, sabotage: bool) -> dict:
-    import os
-
-    from kuangchao_core.engine import trainer as trainer_mod
-    from kuangchao_core.engine import worker
-    from kuangchao_core.hal import stand_in
-
-    os.environ["KC_GLOBAL_CONFIG"] = global_config
-    steps: list[tuple[int, int]] = []  # (step before, host reads in the step)
-    applied: list[float] = []
-    plain_step = trainer_mod.Trainer.train_step
-
-    def counted(self, batches):
-        before = stand_in.host_reads()
-        out = plain_step(self, batches)
-        steps.append((out.step - 1, stand_in.host_reads() - before))
-        applied.append(self.lr_scale)
-        return out
-
-    trainer_mod.Trainer.train_step = counted
-    if sabotage:  # the pre-fix code path: host coordination on the world (device) group
-        from kuangchao_core.comm.group import world_group
-
-        trainer_mod.host_group = world_group
-    codes = [worker.main(["--config", config, "--max-steps", "3"]), worker.main(["--config", config])]
-    return {"codes": codes, "steps": steps, "lr_scale": applied, "stand_in": stand_in.active()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_whole_job_keeps_nccl_rules(tmp_path, layout):
+    from kuangchao_core.comm import primitives as P
+    from kuangchao_core.comm.group import CommGroup, host_group, init_distributed
+    from kuangchao_core.comm.order_check import verify_order
+    from kuangchao_core.comm.p2p_batch import batch_send_recv
+    from kuangchao_core.errors import CommError
+    from kuangchao_core.hal import device_init
     from kuangchao_core.perm import guard_api
-    from kuangchao_core.perm.audit import AuditLog
-    from kuangchao_core.perm.global_config import GlobalConfig
 
-    config = _config(tmp_path, LAYOUTS[layout])
-    gc = tmp_path / "global_config.json"
-    before = guard_api.current_guard()
-    guard_api.install_guard(guard_api.AllowAll())  # a trusted-mode job takes an unsigned change
+    guard_api.install_guard(guard_api.AllowAll())
+    dev = device_init("cpu").device
+    init_distributed(backend="gloo", timeout_ms=60_000)
+    a = CommGroup([0, 1, 2], backend="gloo", name="a[0,1,2]")
+    b = CommGroup([0, 1], backend="gloo", name="b[0,1]")
+    x, y, w = torch.ones(2, device=dev), torch.ones(3, device=dev), torch.ones(4, device=dev)
+    if rank == 0:
+        if not sabotage:
+            P.all_reduce(x, group=a)
+        P.send(y, 1, group=b)
+        y.sum().item()  # the host waits for its send on group b ...
+        if sabotage:  # ... before issuing the all-reduce on group a that rank 1's later receive queues behind
+            P.all_reduce(x, group=a)
+    elif rank == 1:
+        pending = P.all_reduce(x, group=a, async_op=True)
+        batch_send_recv([], [(w, 2)], a).wait()  # on NCCL: behind the all-reduce on group a's stream
+        w.sum().item()
+        P.recv(y, 0, group=b)
+        pending.wait()
+    else:
+        pending = P.all_reduce(x, group=a, async_op=True)
+        batch_send_recv([(w, 1)], [], a).wait()
+        pending.wait()
     try:
-        GlobalConfig(gc, "t", audit=AuditLog(tmp_path / "audit.jsonl", "t")).set(
-            "lr_scale", 0.5
-        )  # `kc config set lr_scale 0.5`, followed from the first step
-    finally:
-        guard_api.install_guard(before)
-    got = run_distributed(_job, 2, args=(config, str(gc), False), init_pg=False, env=RULES, timeout=300)
-    for r in got:
-        assert r["stand_in"] and r["codes"] == [0, 0]
-        assert [s for s, _ in r["steps"]] == [0, 1, 2, 3, 4, 5]  # the second run resumed at step 3
-        # the step reads device values once (loss, gradient norm and the finite flag together)
-        assert all(reads == 1 for _, reads in r["steps"]), r["steps"]
-    assert got[0]["lr_scale"] == [0.5] * 6  # the followed change, from the first step of each run
-    step_dirs = sorted(p.name for p in (tmp_path / "ckpt").rglob("step_*") if p.is_dir())
-    assert step_dirs == ["step_00000003", "step_00000006"]
+        verify_order(host_group(), final=True)
+        return "ok"
+    except CommError as exc:
+        return str(exc)
 
 
-def test_host_coordination_on_the_world_group_fails_under_the_rules(tmp_path):
-    config = _config(tmp_path, LAYOUTS["dp2"])
-    gc = tmp_path / "global_config.json"
-    with pytest.raises(RuntimeError) as info:
-        run_distributed(_job, 2, args=(config, str(gc), True), init_pg=False, env=RULES, timeout=300)
-    assert "broadcast on NCCL group 'world': a (1,) torch.int64 tensor is on cpu" in str(info.value)
+def test_a_host_wait_before_what_the_peer_needs_first_is_caught():
+    """Gloo runs both orders (its receive on group a does not queue behind the all-reduce). On NCCL rank 1's
+    receive from rank 2 waits behind the all-reduce on group a's stream, which waits for rank 0, whose host waits for
+    a send that rank 1 receives only after that receive: the replay names the cycle through both hosts."""
+    assert run_distributed(_host_wait, 3, args=(False,), init_pg=False, env=RULES) == ["ok"] * 3
+    for text in run_distributed(_host_wait, 3, args=(True,), init_pg=False, env=RULES):
+        assert "NCCL would deadlock" in text, text
+        assert "rank 0's host reads a device value" in text and "rank 0: send to rank 1" in text, text
+        assert "rank 1's host reads a device value" in text and "is queued behind rank 1: all_reduce" in text, text
 
 
 # ---------------------------------------------------------------------- a hang named without a host wait

@@ -16,6 +16,7 @@ from kuangchao_core.parallel.pipeline import (
     Action,
     bubble_fraction,
     build_all,
+    exchange_plan,
     get_schedule,
     max_in_flight,
     partition_layers,
@@ -113,8 +114,40 @@ def test_simulator_catches_deadlock_and_misordering():
     swapped = build_all("1f1b", 2, 2)
     i, j = [k for k, a in enumerate(swapped[1]) if a.kind == RECV_ACT]
     swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
-    with pytest.raises(PlanError, match="expects"):
+    with pytest.raises(PlanError, match=r"F0.0\) reads RECV_ACT of micro-batch 0 before receiving it"):
         simulate(swapped, 2)
+    # a plan that posts rank 1's two receives of activations in the wrong order: NCCL pairs by posting order
+    acts = build_all("1f1b", 2, 2)
+    plan = exchange_plan(acts, 2)
+    recvs = sorted(((at, g) for at, gs in plan[1].items() for g in gs if acts[1][g[0]].kind == RECV_ACT))
+    (at0, g0), (at1, g1) = recvs[:2]
+    plan[1][at1].remove(g1)
+    plan[1][at0][plan[1][at0].index(g0)] = g1 + g0  # one exchange, the second message's receive posted first
+    with pytest.raises(PlanError, match="expects"):
+        simulate(acts, 2, plan=plan)
+
+
+def _runs_between_computes(actions):
+    """The grouping the exchange plan replaces: each run of traffic between two computes, issued where it stands."""
+    plan, run = {}, []
+    for i, a in enumerate([*actions, Action(FORWARD, -1)]):
+        if a.kind in (FORWARD, BACKWARD):
+            if run:
+                plan[run[0]] = [run]
+            run = []
+        else:
+            run.append(i)
+    return plan
+
+
+@pytest.mark.parametrize(
+    "name,p,m,v", [("interleaved_1f1b", 2, 4, 2), ("afab", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2)]
+)
+def test_exchange_slots_are_what_keeps_chunked_schedules_from_deadlocking(name, p, m, v):
+    acts = build_all(name, p, m, v)
+    assert simulate(acts, p, v)["makespan"] > 0  # the slot plan
+    with pytest.raises(PlanError, match="deadlock"):  # control: grouping each run of traffic where it stands
+        simulate(acts, p, v, plan=[_runs_between_computes(a) for a in acts])
 
 
 def test_partition_is_balanced_with_embedding_first_and_head_last():

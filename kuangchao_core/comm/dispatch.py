@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from kuangchao_core import guard_api
-from kuangchao_core.comm import diag, watchdog
+from kuangchao_core.comm import diag, stream_trace, watchdog
 from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommError, CommTimeout
 
@@ -72,6 +72,7 @@ def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int 
     Other Gloo ops run synchronously under the process group's own timeout.
     """
     seq = _enter(op, group, peer)
+    trace_id = stream_trace.last_issued() if group.rules == "nccl" else None
     t0 = _perf()
     try:
         if group.rules == "nccl":
@@ -80,6 +81,7 @@ def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int 
             if work is not None:
                 work.wait()
             watchdog.track(op, group, seq, peer, nbytes, t0, started=started)
+            stream_trace.wait(trace_id)
         else:
             issue(False)
     except CommError:
@@ -94,7 +96,19 @@ def run(op: str, group, nbytes: int, issue: Callable[[bool], object], peer: int 
 class CommHandle:
     """The handle of an async op. ``wait()`` blocks until done; its blocking time is added to ``COMM_STATS``."""
 
-    __slots__ = ("_work", "op", "group", "seq", "_nbytes", "_issue_s", "_finish", "_done", "peer", "_started")
+    __slots__ = (
+        "_work",
+        "op",
+        "group",
+        "seq",
+        "_nbytes",
+        "_issue_s",
+        "_finish",
+        "_done",
+        "peer",
+        "_started",
+        "trace_id",
+    )
 
     def __init__(self, work, op, group, seq, nbytes, issue_s, finish, peer=None) -> None:
         self._work = work
@@ -107,6 +121,7 @@ class CommHandle:
         self._done = False
         self.peer = peer
         self._started = (None, 0.0)  # NCCL: the CUDA event before the op, and when it was issued
+        self.trace_id = None  # under KC_COMM_RULES=nccl: the op in this rank's stream trace
 
     def is_completed(self) -> bool:
         """Whether the op has finished (never blocks)."""
@@ -123,6 +138,7 @@ class CommHandle:
             started, issued_at = self._started
             if started is not None:  # NCCL: watched from here (the compute stream now waits for the op)
                 watchdog.track(self.op, self.group, self.seq, self.peer, self._nbytes, issued_at, started=started)
+            stream_trace.wait(self.trace_id)
             if self._finish is not None:
                 self._finish()
         except CommError:
@@ -144,6 +160,7 @@ def run_async(
 ) -> CommHandle:
     """Issue one op asynchronously and return its ``CommHandle`` (``finish`` runs after the wait)."""
     seq = _enter(op, group, peer)
+    trace_id = stream_trace.last_issued() if group.rules == "nccl" else None
     t0 = _perf()
     started = watchdog.start(group) if group.rules == "nccl" else None
     try:
@@ -156,4 +173,5 @@ def run_async(
         watchdog.track(op, group, seq, peer, nbytes, t0, work=work)
     handle = CommHandle(work, op, group, seq, nbytes, _perf() - t0, finish, peer)
     handle._started = (started, t0)
+    handle.trace_id = trace_id
     return handle

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import diag, registry, rules
+from kuangchao_core.comm import diag, registry, rules, stream_trace
 from kuangchao_core.errors import CommError
 from kuangchao_core.hal import stand_in
 
@@ -91,6 +91,7 @@ def init_distributed(backend: str = "auto", timeout_ms: int = 300000) -> CommGro
         )
         _world_timeout_ms = timeout_ms
         _world_spec = torch_backend
+        stream_trace.reset()  # a new job in this process: its stream replay starts empty
     return world_group()
 
 

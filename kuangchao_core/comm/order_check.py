@@ -1,10 +1,11 @@
-"""The same collectives in the same order on every rank, checked (``KC_COMM_RULES=nccl``; see ``comm.rules``).
+"""The same collectives in the same order on every rank, and an order NCCL can run, checked (``KC_COMM_RULES=nccl``).
 
 NCCL matches collectives by their order alone and pairs point-to-point messages in posting order; a rank that
 issues another op, shape or order than its peers hangs or silently mixes data on a GPU. :func:`verify_order`
 gathers every rank's :class:`~kuangchao_core.comm.rules.OrderLog` of each device group over the host group and
-names the first difference. The trainer calls it after every step; it does nothing unless the stand-in device
-tracks tensors.
+names the first difference; then it replays every rank's stream trace (``comm.stream_trace``) under NCCL's
+execution rules (``comm.stream_model``) and names the cycle of a deadlock. The trainer calls it after every step
+and once at the end of the run; it does nothing unless the stand-in device tracks tensors.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.distributed as dist
 
 from kuangchao_core.comm import primitives as P
+from kuangchao_core.comm import stream_trace
 from kuangchao_core.comm.registry import all_groups
+from kuangchao_core.comm.stream_model import StreamReplay
 from kuangchao_core.errors import CommError
 from kuangchao_core.hal import stand_in
 
@@ -57,15 +61,35 @@ def order_problems(logs: dict[int, dict[str, dict[str, list]]], members: dict[st
     return problems
 
 
-def verify_order(host) -> None:
-    """Collective over ``host`` (every rank): raise ``CommError`` if any group's members issued different ops.
-    A no-op unless the stand-in device tracks tensors (``KC_COMM_RULES=nccl``)."""
+_replay: dict = {"world": None, "model": None}
+
+
+def _stream_replay() -> StreamReplay:
+    """This job's replay (a new process group in this process starts a new one)."""
+    world = dist.group.WORLD
+    if _replay["model"] is None or _replay["world"] is not world:
+        _replay.update(world=world, model=StreamReplay())
+    return _replay["model"]
+
+
+def verify_order(host, final: bool = False) -> None:
+    """Collective over ``host`` (every rank): raise ``CommError`` if any group's members issued different ops, or if
+    the ops issued since the last call would deadlock under NCCL's stream rules (``final``: the run's last check,
+    where an op that can never complete is an error too). A no-op unless the stand-in device tracks tensors
+    (``KC_COMM_RULES=nccl``)."""
     if not stand_in.active() or host.size == 1:
+        stream_trace.take()
         return
     mine = {g.name: g.order.summary() for g in all_groups() if g.kind == "device" and g.is_member}
-    members = {g.name: list(g.ranks) for g in all_groups() if g.kind == "device"}
-    gathered = _exchange(host, json.dumps(mine).encode())
-    logs = {host.ranks[i]: json.loads(raw) for i, raw in enumerate(gathered)}
-    problems = order_problems(logs, members)
+    members = {g.name: list(g.ranks) for g in all_groups()}
+    trace = stream_trace.take()
+    gathered = _exchange(host, json.dumps({"order": mine, "trace": trace, "members": members}).encode())
+    reports = {host.ranks[i]: json.loads(raw) for i, raw in enumerate(gathered)}
+    logs = {r: rep["order"] for r, rep in reports.items()}
+    device = {g.name: list(g.ranks) for g in all_groups() if g.kind == "device"}
+    problems = order_problems(logs, device)
     if problems:
         raise CommError("collective order differs between ranks: " + "; ".join(problems[:3]))
+    for rep in reports.values():
+        members.update(rep["members"])
+    _stream_replay().feed({r: rep["trace"] for r, rep in reports.items()}, members, final=final)

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch, rules
+from kuangchao_core.comm import dispatch, rules, stream_trace
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup
+from kuangchao_core.comm.timing import COMM_STATS
 from kuangchao_core.errors import CommError
 
 
@@ -49,24 +50,33 @@ def batch_send_recv(
     recvs: Sequence[tuple[torch.Tensor, int]],
     group: CommGroup,
     tag: int = 0,
+    tags: Sequence[int] | None = None,
 ) -> CommHandle:
     """Issue ``sends`` (``(tensor, dst)``) and ``recvs`` (``(tensor, src)``; global ranks of ``group``) as one
     batch; the received data is in place after the returned handle's ``wait()``, and a sent tensor may be reused
-    only then. Every rank pairs its sends with the peers' receives in the order both list them."""
+    only then. Every rank pairs its sends with the peers' receives in the order both list them. ``tags``: one per
+    op (the sends', then the receives'), else ``tag`` for all (Gloo matches by tag; NCCL ignores tags)."""
     ops = [("send", t, peer) for t, peer in sends] + [("recv", t, peer) for t, peer in recvs]
+    tags = list(tags) if tags is not None else [tag] * len(ops)
+    if len(tags) != len(ops):
+        raise CommError(f"batch_send_recv on group {group.name!r}: {len(tags)} tags for {len(ops)} sends and receives")
     if not ops:
         raise CommError(f"batch_send_recv on group {group.name!r}: nothing to send or receive")
-    for op, t, peer in ops:
+    for op, _, peer in ops:
         if peer not in group.ranks:
             raise CommError(f"{op} on group {group.name!r}: peer rank {peer} is not in {group.ranks}")
-        rules.admit(op, group, t, peer=peer)
+    with stream_trace.batch(group):  # one grouped operation on the group's own stream
+        for (op, t, peer), op_tag in zip(ops, tags, strict=True):
+            rules.admit(op, group, t, peer=peer, tag=op_tag)
     for op, _, peer in ops[1:]:  # the first op enters through run_async below
         dispatch._enter(op, group, peer)
     p2p = [
-        dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group=group.pg, tag=tag) for op, t, peer in ops
+        dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group=group.pg, tag=op_tag)
+        for (op, t, peer), op_tag in zip(ops, tags, strict=True)
     ]
-    nbytes = sum(t.nbytes for _, t, _ in ops)
-    first_op, _, first_peer = ops[0]
+    for op, t, _ in ops[1:]:  # one call and its bytes per op; the batch's blocking time goes to the first
+        COMM_STATS.add(op, 0.0, t.nbytes)
+    first_op, first_t, first_peer = ops[0]
     return dispatch.run_async(
-        first_op, group, nbytes, lambda _a: _BatchWork(dist.batch_isend_irecv(p2p)), peer=first_peer
+        first_op, group, first_t.nbytes, lambda _a: _BatchWork(dist.batch_isend_irecv(p2p)), peer=first_peer
     )

@@ -233,7 +233,7 @@ def isend(tensor: torch.Tensor, dst: int, group: CommGroup | None = None, tag: i
     g = _group(group)
     if dst not in g.ranks:
         raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
-    rules.admit("send", g, tensor, peer=dst)
+    rules.admit("send", g, tensor, peer=dst, tag=tag)
     return dispatch.run_async(
         "send", g, tensor.nbytes, lambda _a: dist.isend(tensor, dst, group=g.pg, tag=tag), peer=dst
     )
@@ -245,7 +245,7 @@ def irecv(tensor: torch.Tensor, src: int, group: CommGroup | None = None, tag: i
     g = _group(group)
     if src not in g.ranks:
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
-    rules.admit("recv", g, tensor, peer=src)
+    rules.admit("recv", g, tensor, peer=src, tag=tag)
     return dispatch.run_async(
         "recv", g, tensor.nbytes, lambda _a: dist.irecv(tensor, src, group=g.pg, tag=tag), peer=src
     )

@@ -9,7 +9,8 @@ fails or silently corrupts on its first GPU run, while Gloo on a CPU forgives al
   ``KC_COMM_RULES=nccl`` tracks tensors) refuses a host tensor, naming the op, the group, the tensor and the fix;
 - the **host group** refuses a device tensor (host coordination travels as CPU tensors);
 - under the stand-in device, every admitted op is appended to the group's :class:`OrderLog` (op, dtype, shape;
-  per peer and direction for point-to-point), which :mod:`kuangchao_core.comm.order_check` compares across ranks.
+  per peer and direction for point-to-point), which :mod:`kuangchao_core.comm.order_check` compares across ranks,
+  and to the rank's :mod:`~kuangchao_core.comm.stream_trace`, which it replays under NCCL's stream rules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import deque
 
 import torch
 
+from kuangchao_core.comm import stream_trace
 from kuangchao_core.errors import CommError
 from kuangchao_core.hal import stand_in
 
@@ -50,9 +52,11 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {tuple(t.shape)} {t.dtype} tensor"
 
 
-def admit(op: str, group, *tensors: torch.Tensor, peer: int | None = None) -> None:
-    """Refuse what ``group`` must not carry (see the module docstring); under the stand-in device, log the op."""
+def admit(op: str, group, *tensors: torch.Tensor, peer: int | None = None, tag: int = 0) -> None:
+    """Refuse what ``group`` must not carry (see the module docstring); under the stand-in device, log the op (and
+    record it for the stream replay, :mod:`kuangchao_core.comm.stream_trace`)."""
     if group.kind == "host":
+        stream_trace.host_op(group, op, peer)
         for t in tensors:
             if stand_in.is_device_tensor(t):
                 raise CommError(
@@ -76,3 +80,4 @@ def admit(op: str, group, *tensors: torch.Tensor, peer: int | None = None) -> No
             group.order.add("coll", f"{op} {what}")
         else:  # a send and the receive it pairs with log the same entry
             group.order.add(f"{'send>' if op == 'send' else 'recv<'}{peer}", what)
+        stream_trace.issue(group, op, peer, what, tag)

@@ -24,6 +24,7 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.config import load_config
 from kuangchao_core.config.settings import ProcessSettings, run_settings
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
@@ -126,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         lineage = os.environ.get("KC_CKPT_LINEAGE") or None
         state = trainer.run(resume=resume, metric_sink=sink, max_steps=args.max_steps, lineage=lineage)
         if trainer.stopped_at is not None:  # asked to stop (a Slurm time limit close): checkpointed, no final eval
+            verify_order(trainer.host_group, final=True)
             if rank == 0:
                 from kuangchao_core.engine.live_config import ENV_STOP_FILE, acknowledge_stop
 
                 acknowledge_stop(os.environ[ENV_STOP_FILE], trainer.stopped_at)
             return 0
         _final_eval(trainer, sink)  # collective: every rank answers the held-out prompts
+        verify_order(trainer.host_group, final=True)  # CI's NCCL rules: the run's last ops replayed (else a no-op)
         if rank == 0:
             final_loss = state.losses[-1] if state.losses else None
             mean = state.tokens_per_s_mean

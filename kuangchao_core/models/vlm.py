@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kuangchao_core.hal.stand_in import is_device_tensor
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, init_from_seed
 from kuangchao_core.models.vision import ACTIVATIONS, VisionConfig, VisionTower
 
@@ -42,10 +43,17 @@ def merge_image_features(
 ) -> torch.Tensor:
     """``embeds`` (batch, seq, hidden) with the positions where ``input_ids`` holds ``image_token_id`` replaced, in
     row-major order, by ``features`` (images, tokens_per_image, hidden). Raises ValueError when the placeholders
-    and the features do not pair up one to one (no images: there must be no placeholder)."""
+    and the features do not pair up one to one (no images: there must be no placeholder).
+
+    On the job's device the count is checked without reading it back (a host read per micro-batch would stall a
+    GPU's queue; the data gate has checked every record's placeholders already): a mismatch fails the next sync."""
     mask = input_ids == image_token_id
-    placeholders = int(mask.sum())
     have = 0 if features is None else features.shape[0] * features.shape[1]
+    if is_device_tensor(input_ids):
+        torch._assert_async(mask.sum() == have, f"image placeholders do not pair up with {have} image features")
+        placeholders = have
+    else:
+        placeholders = int(mask.sum())
     if placeholders != have:
         images = 0 if features is None else features.shape[0]
         raise ValueError(

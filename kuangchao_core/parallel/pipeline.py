@@ -6,6 +6,7 @@
 - ``PipelineExecutor(group, chunks, loss_fn, hidden_size, schedule)``: runs a step with real send/recv.
 """
 
+from kuangchao_core.parallel.pp_exchange import exchange_plan, simulate
 from kuangchao_core.parallel.pp_executor import PipelineExecutor, TraceEvent
 from kuangchao_core.parallel.pp_schedules import (
     BACKWARD,
@@ -23,7 +24,6 @@ from kuangchao_core.parallel.pp_schedules import (
     interleaved_1f1b,
     max_in_flight,
     one_f_one_b,
-    simulate,
     validate_schedule,
 )
 from kuangchao_core.parallel.pp_stage import (
@@ -51,6 +51,7 @@ __all__ = [
     "bubble_fraction",
     "build_all",
     "build_stage_chunks",
+    "exchange_plan",
     "get_schedule",
     "interleaved_1f1b",
     "max_in_flight",

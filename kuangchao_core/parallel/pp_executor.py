@@ -1,11 +1,16 @@
 """The one pipeline executor: runs any schedule's action list with real point-to-point traffic (SPEC L3.3).
 
-Activations and their gradients travel between stages through the comm layer's tagged ``isend``/``irecv``
-(``send``/``recv`` interfaces, so the permission guard, sequence numbers and timers apply). Sends are issued
-asynchronously and waited at the end of the step; each receive is posted one compute action early and waited where
-the schedule places it. ``pp_schedules.simulate`` proves this rule deadlock-free for the schedules.
-Messages carry a tag derived from (kind, micro-batch, receiving stage) so Gloo matches them exactly; the
-schedules also keep every pair of ranks in send order, which in-order transports need.
+Activations and their gradients travel between stages through the comm layer (``send``/``recv`` interfaces, so the
+permission guard, sequence numbers and timers apply), grouped as ``pp_exchange.exchange_plan`` says: per exchange
+slot one grouped operation (``comm.p2p_batch``, ``batch_isend_irecv``) holding the sends produced then and the
+receives of what the peers produce then, as Megatron-Core and ``torch.distributed.pipelining`` group each step's
+traffic. torch's NCCL process group runs a rank's traffic on one stream, where a receive posted ahead of its
+peer's matching send blocks everything queued behind it; the plan's one slot order on every rank cannot deadlock
+(``pp_exchange.simulate`` proves it for given sizes, and CI replays every job's operations under NCCL's stream
+rules, ``comm.stream_model``). A receive is posted at its slot and waited where the schedule reads it, so the
+transfer overlaps the compute in between; the sends are waited at the end of the step. Messages carry a tag derived from (kind, micro-batch,
+receiving stage) so Gloo matches them exactly; the schedules also keep every pair of ranks in send order, which
+in-order transports need.
 
 The last stage scales each micro-batch loss by ``1/m``, so the accumulated gradients equal one step on the whole
 batch when every micro-batch has the same number of counted tokens.
@@ -23,7 +28,9 @@ import torch
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.comm.group import CommGroup
+from kuangchao_core.comm.p2p_batch import batch_send_recv
 from kuangchao_core.errors import PlanError
+from kuangchao_core.parallel.pp_exchange import exchange_plan
 from kuangchao_core.parallel.pp_schedules import (
     BACKWARD,
     FORWARD,
@@ -39,6 +46,12 @@ from kuangchao_core.parallel.pp_schedules import (
 )
 from kuangchao_core.parallel.sequence import pad_to_multiple
 from kuangchao_core.parallel.step_loss import weighted_loss
+
+#: each schedule step's sends and receives issued as one grouped operation (``batch_isend_irecv``), as NCCL needs:
+#: torch's NCCL process group runs a rank pair's sends and receives on one stream, so the pre-fix order (receives
+#: posted one compute early, sends issued one by one; kept behind this switch as the stream checker's sabotage)
+#: deadlocks 1F1B at its first exchange in both directions
+GROUP_P2P = True
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class PipelineExecutor:
             raise PlanError([("pipeline", "the last pipeline stage needs a loss function")])
         self.trace: list[TraceEvent] = []
         self.compute_seconds = 0.0
+        self._plans: dict[int, dict[int, list[list[int]]]] = {}
 
     def is_last_stage(self, chunk: int) -> bool:
         """Whether local ``chunk`` is the last virtual stage."""
@@ -137,6 +151,14 @@ class PipelineExecutor:
         """This rank's action list for ``m`` micro-batches (the schedule's definition)."""
         return self.schedule(self.p, self.pp_rank, m, self.v)
 
+    def exchange_plan(self, m: int) -> dict[int, list[list[int]]]:
+        """This rank's grouped exchanges for ``m`` micro-batches (``pp_exchange.exchange_plan``; the same plan on
+        every rank, computed from every rank's actions)."""
+        if m not in self._plans:
+            every = [self.schedule(self.p, r, m, self.v) for r in range(self.p)]
+            self._plans[m] = exchange_plan(every, self.p)[self.pp_rank]
+        return self._plans[m]
+
     def _tag(self, action: Action, m: int) -> int:
         kind, mb, stage = message_key(action, self.p, self.pp_rank)
         return (mb * self.num_stages + stage) * 2 + (kind == "grad")
@@ -160,34 +182,59 @@ class PipelineExecutor:
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        pending: list[tuple[object, torch.Tensor]] = []
+        pending: list[tuple[object, object]] = []
         total = None
         self.trace = []
         self.compute_seconds = 0.0
         ranks = self.group.ranks
         actions = self.actions(m)
+        plan = self.exchange_plan(m) if GROUP_P2P else {}
         posted: dict[int, tuple[object, torch.Tensor]] = {}
+        issued_at: dict[int, float] = {}  # a send's action index -> when its grouped operation was issued
         compute_at = [i for i, a in enumerate(actions) if a.kind in (FORWARD, BACKWARD)]
         next_post = 0
 
         def post_until(stop: int) -> None:
-            # receives are posted before the compute that precedes them, so the transfer overlaps it
+            # the pre-fix order (GROUP_P2P off): receives posted one compute early, each on its own
             nonlocal next_post
             for j in range(next_post, min(stop, len(actions))):
                 r = actions[j]
                 if r.kind in (RECV_ACT, RECV_GRAD):
                     buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
-                    src, tag = ranks[r.peer], self._tag(r, m)
-                    h = comm.irecv(buf, src, group=self.group, tag=tag)
+                    h = comm.irecv(buf, ranks[r.peer], group=self.group, tag=self._tag(r, m))
                     posted[j] = (h, buf)
             next_post = max(next_post, stop)
+
+        def outgoing(a: Action, key: tuple[int, int]) -> torch.Tensor:
+            t = outputs[key].detach() if a.kind == SEND_ACT else grads_in.pop(("send", *key))
+            return t.contiguous()
+
+        def exchange(group_of: list[int]) -> None:
+            # one slot's sends and receives as one grouped operation (pp_exchange); each receive is waited where
+            # the schedule reads it, the sends at the end of the step
+            sends, recvs = [], []
+            now = time.perf_counter()
+            for j in group_of:
+                r = actions[j]
+                if r.kind in (SEND_ACT, SEND_GRAD):
+                    sends.append((outgoing(r, (r.mb, r.chunk)), ranks[r.peer], self._tag(r, m)))
+                    issued_at[j] = now
+                else:
+                    recvs.append((torch.empty(act_shape, dtype=self.dtype, device=self.device), ranks[r.peer], j))
+            tags = [t for *_, t in sends] + [self._tag(actions[j], m) for *_, j in recvs]
+            h = batch_send_recv([s[:2] for s in sends], [r[:2] for r in recvs], self.group, tags=tags)
+            for buf, _, j in recvs:
+                posted[j] = (h, buf)
+            pending.append((h, sends))
 
         ci = 0
         for i, a in enumerate(actions):
             key = (a.mb, a.chunk)
             shape = None
+            for group_of in plan.get(i, ()):
+                exchange(group_of)
             t0 = time.perf_counter()
-            if a.kind in (FORWARD, BACKWARD):
+            if a.kind in (FORWARD, BACKWARD) and not GROUP_P2P:
                 ci += 1
                 post_until(compute_at[ci] if ci < len(compute_at) else len(actions))
             if a.kind == FORWARD:
@@ -215,12 +262,13 @@ class PipelineExecutor:
                 if x is not None:
                     grads_in[("send", *key)] = x.grad
             elif a.kind in (SEND_ACT, SEND_GRAD):
-                t = outputs[key].detach() if a.kind == SEND_ACT else grads_in.pop(("send", *key))
-                t = t.contiguous()
-                shape = tuple(t.shape)
-                dst, tag = ranks[a.peer], self._tag(a, m)
-                h = comm.isend(t, dst, group=self.group, tag=tag)
-                pending.append((h, t))
+                if GROUP_P2P:
+                    shape, t0 = act_shape, issued_at.pop(i)
+                else:
+                    t = outgoing(a, key)
+                    shape = tuple(t.shape)
+                    h = comm.isend(t, ranks[a.peer], group=self.group, tag=self._tag(a, m))
+                    pending.append((h, t))
             else:
                 if i not in posted:
                     post_until(i + 1)
@@ -235,6 +283,8 @@ class PipelineExecutor:
             if a.kind in (FORWARD, BACKWARD):
                 self.compute_seconds += t1 - t0
             self.trace.append(TraceEvent(a, t0, t1, shape))
+        for group_of in plan.get(len(actions), ()):  # the sends after the last compute
+            exchange(group_of)
         for h, _ in pending:
             h.wait()
         if outputs or grads_in or any(v is not None for v in inputs.values()):

@@ -6,9 +6,9 @@ compute (``FORWARD``/``BACKWARD`` of micro-batch ``mb`` on local model chunk ``c
 the executor (``pp_executor``) runs it and records what it did.
 
 Virtual stages: rank ``r`` holds ``v`` chunks, chunk ``c`` being virtual stage ``c * p + r`` of ``p * v``
-(Megatron's interleaved assignment). Sends are asynchronous and receives block; ``simulate`` proves, for given
-sizes, that a schedule cannot deadlock under that rule and that messages between each pair of ranks are received
-in the order they are sent (so in-order transports such as NCCL need no tags).
+(Megatron's interleaved assignment). When the traffic is issued, grouped, is ``pp_exchange``'s plan, and its
+``simulate`` proves for given sizes that the plan cannot deadlock on NCCL's streams and that messages between each
+pair of ranks are received in the order they are sent (so in-order transports such as NCCL need no tags).
 
 Micro-batch requirements: ``afab`` needs ``m >= 1``; ``1f1b`` needs ``m >= p`` (fewer never reaches the steady
 state, every rank would idle most of the step); ``interleaved_1f1b`` needs ``m >= p`` and ``m % p == 0``
@@ -17,7 +17,6 @@ state, every rank would idle most of the step); ``interleaved_1f1b`` needs ``m >
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -212,64 +211,6 @@ def build_all(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Every rank's action list for schedule ``name``."""
     fn = get_schedule(name)
     return [fn(p, r, m, v) for r in range(p)]
-
-
-def simulate(
-    actions: list[list[Action]],
-    p: int,
-    v: int = 1,
-    cost: Callable[[Action], float] | None = None,
-) -> dict:
-    """Run the action lists of all ranks on a model machine: sends complete at once, a receive waits for its
-    message, compute takes ``cost(action)`` time units (1 forward, 2 backward by default).
-
-    Raises ``PlanError`` if the lists deadlock, a receive finds a different message at the head of its in-order
-    channel, or a message is never received. Returns ``{"makespan", "busy": [per rank], "bubble"}`` where
-    ``bubble`` is the idle fraction ``1 - mean(busy) / makespan``.
-    """
-    cost = cost or (lambda a: 1.0 if a.kind == FORWARD else 2.0)
-    pc = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    chan: dict[tuple[int, int], deque] = {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pc[r] < len(actions[r]):
-                a = actions[r][pc[r]]
-                if a.kind in SENDS:
-                    chan.setdefault((r, a.peer), deque()).append((message_key(a, p, r), clock[r]))
-                elif a.kind in RECVS:
-                    q = chan.get((a.peer, r))
-                    if not q:
-                        break
-                    key, t = q[0]
-                    if key != message_key(a, p, r):
-                        raise PlanError(
-                            [
-                                (
-                                    "pipeline",
-                                    f"rank {r} action {pc[r]} ({a}) expects {message_key(a, p, r)} but the "
-                                    f"next message from rank {a.peer} is {key}",
-                                )
-                            ]
-                        )
-                    q.popleft()
-                    clock[r] = max(clock[r], t)
-                else:
-                    clock[r] += cost(a)
-                    busy[r] += cost(a)
-                pc[r] += 1
-                progressed = True
-    stuck = [(r, str(actions[r][pc[r]])) for r in range(p) if pc[r] < len(actions[r])]
-    if stuck:
-        raise PlanError([("pipeline", f"schedule deadlocks; blocked ranks and actions: {stuck}")])
-    left = {k: len(q) for k, q in chan.items() if q}
-    if left:
-        raise PlanError([("pipeline", f"messages sent but never received, per (src, dst): {left}")])
-    makespan = max(clock) if clock else 0.0
-    return {"makespan": makespan, "busy": busy, "bubble": 1.0 - sum(busy) / (p * makespan) if makespan else 0.0}
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
