@@ -4,7 +4,8 @@ hot path.
 Each process counts, in plain Python integers, the collectives it entered per group and the point-to-point ops
 it entered per peer (``CommGroup.seq`` / ``CommGroup.p2p``), and keeps a *progress beacon*: :func:`beat` is an
 integer increment and a clock read, called as the process works (every op the dispatch enters, the trainer per
-step, evaluation per batch, the checkpoint writer per file). Nothing is written to the store while things work.
+step through ``watchdog.settle``, evaluation per batch, a checkpoint save before and after its files). Nothing is
+written to the store while things work.
 A background *responder* thread per process blocks on the c10d TCPStore (its own client connection) on its
 "doorbell" key. When an op is late, the rank that noticed rings the doorbell of every other member (the only store
 traffic, and only on that path); every live responder answers with its counters and the seconds since its last

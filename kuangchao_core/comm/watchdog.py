@@ -20,7 +20,7 @@ grouped batch (``comm.p2p_batch``) is watched as its first op, on that op's stre
 receive posted early, while the peer compiles, evaluates or saves) from a peer that never will: both leave the op
 at the head of its stream with nothing completing. What differs is the peer: one works, the other does not. Every
 process keeps a progress beacon (``diag.beat``: the dispatch per op entered, the trainer per step, evaluation per
-batch, the checkpoint writer per file), and its responder reports the seconds since the last beat. When an op has
+batch, a checkpoint save), and its responder reports the seconds since the last beat. When an op has
 waited :data:`NOTICE_AT` of its group's timeout ``T``, the watchdog asks its members (``diag.probe``) and decides:
 
 - members that did not reach the op (counter below its number): it is a hang when any of them has not beaten for
@@ -31,15 +31,21 @@ waited :data:`NOTICE_AT` of its group's timeout ``T``, the watchdog asks its mem
   a rank that sent and now blocks on this one is not idle for lack of arrival.
 
 A hang is therefore named within about ``2 * T`` of the last progress of the rank that stopped (``NOTICE_AT * T``
-of waiting, plus up to ``T`` for the idle window to pass) and a waiting op is never named. A rank whose host is
-blocked for more than ``T`` behind another, progressing rank (a chain of waits on host) is named; on NCCL a host
-blocks only at device reads. Because torch's NCCL watchdog counts from issue (``WorkNCCL::checkTimeout``, from
+of waiting, plus up to ``T`` for the idle window to pass) and a waiting op is never named. Limits: a rank whose
+host blocks for more than ``T`` behind another rank that works (a chain of waits on hosts; on NCCL a host blocks
+only at device reads), or that works for more than ``T`` without a beat (one long compile), is named hung. Because torch's NCCL watchdog counts from issue (``WorkNCCL::checkTimeout``, from
 ``workStartTime_``), NCCL process groups are created with :data:`BACKSTOP` times the group's timeout
 (:func:`torch_timeout`): an op may wait up to that long from issue; past it torch aborts regardless.
 
 :data:`CLOCK` and :data:`JUDGE_PROGRESS` are the seams the tests use as sabotage: ``CLOCK = "issue"`` ages every
 op from its issue (the head-of-stream rule off) and ``JUDGE_PROGRESS = False`` declares every late op hung — both
 together are the watchdog before issue 41, which named an early receive hung.
+
+Not run in CI (no CUDA here); a GPU run should check, on NCCL: an all-reduce queued on the compute stream behind
+a long kernel (``torch.cuda._sleep``) is not aged while the kernel runs (its ``started`` event is incomplete), then
+is named about ``NOTICE_AT * T`` after the kernel when a member never issues it; a receive whose peer computes for
+``1.5 * T`` before it sends completes without an abort from this watchdog or torch's (``tests/test_comm_watchdog.py``
+run with ``cuda:nccl``, two GPUs).
 
 On CUDA an op is followed by two events on the compute stream, recorded before it is issued and after its wait:
 the second completes when the op does, and the time between them is the device time the op held the stream.
@@ -251,6 +257,8 @@ def _judge(entry: _Op) -> bool:
         _notice(entry, diag.find_missing(group, entry.op, entry.seq, peer=entry.peer))
         return True
     found = diag.probe(group, entry.op, entry.seq, peer=entry.peer)
+    if _safe(entry.done, True):
+        return False  # it completed while its members were asked: the next look forgets it
 
     def idle(rank: int) -> bool:
         seconds = found.idle_s.get(rank)
