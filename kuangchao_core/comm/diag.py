@@ -1,12 +1,18 @@
-"""Which ranks did not arrive? The timeout diagnosis of SPEC L2.3, at no cost on the hot path.
+"""Which ranks did not arrive, and are they still working? The timeout diagnosis of SPEC L2.3, at no cost on the
+hot path.
 
 Each process counts, in plain Python integers, the collectives it entered per group and the point-to-point ops
-it entered per peer (``CommGroup.seq`` / ``CommGroup.p2p``). Nothing is written to the store while things
-work. A background *responder* thread per process blocks on the c10d TCPStore (its own client connection)
-on its "doorbell" key. When an op times out, the timed-out rank rings the doorbell of every other member
-(the only store traffic, and only on that path); every live responder answers with its counters; a member whose counter is below the timed-out op's number never reached it — it is named
-in ``CommTimeout.missing_ranks``. A rank that does not answer within a short grace period is dead or stuck
-before it built the group, and is named too.
+it entered per peer (``CommGroup.seq`` / ``CommGroup.p2p``), and keeps a *progress beacon*: :func:`beat` is an
+integer increment and a clock read, called as the process works (every op the dispatch enters, the trainer per
+step through ``watchdog.settle``, evaluation per batch, a checkpoint save before and after its files). Nothing is
+written to the store while things work.
+A background *responder* thread per process blocks on the c10d TCPStore (its own client connection) on its
+"doorbell" key. When an op is late, the rank that noticed rings the doorbell of every other member (the only store
+traffic, and only on that path); every live responder answers with its counters and the seconds since its last
+beat (:func:`probe`). A member whose counter is below the late op's number never reached it — it is named in
+``CommTimeout.missing_ranks``; whether it is still working (``comm.watchdog`` tells waiting from hanging by it) is
+its idle time. A rank that does not answer within a short grace period is dead or stuck before it built the group,
+and is named too.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,6 +42,25 @@ def run_timeout_hooks() -> None:
             hook()
         except Exception:  # noqa: BLE001
             pass
+
+
+_beacon = [0, time.monotonic()]  # beats, and the monotonic time of the last one
+
+
+def beat() -> None:
+    """Mark that this process is making progress (an integer increment and a clock read; no store traffic)."""
+    _beacon[0] += 1
+    _beacon[1] = time.monotonic()
+
+
+def idle_s() -> float:
+    """Seconds since this process's last :func:`beat` (since the import, before the first)."""
+    return time.monotonic() - _beacon[1]
+
+
+def progress() -> dict:
+    """This process's beacon: ``{"beats": n, "idle_s": seconds since the last}``."""
+    return {"beats": _beacon[0], "idle_s": idle_s()}
 
 
 _BELL_WAIT = timedelta(days=7)
@@ -89,7 +115,7 @@ def _respond_loop(store, first: int, rank: int) -> None:
             n += 1
             if query == "stop":
                 return
-            store.set(f"r/{query}/{rank}", json.dumps(snapshot()))
+            store.set(f"r/{query}/{rank}", json.dumps({"groups": snapshot(), "progress": progress()}))
         except Exception:
             return
 
@@ -133,12 +159,27 @@ def ensure_responder() -> None:
         atexit.register(_stop_responder)
 
 
+@dataclass
+class Probe:
+    """What the members told about one late op: who did not reach it, and how long each has been idle."""
+
+    missing: list[int] = field(default_factory=list)  # below the op's number, or no answer
+    idle_s: dict[int, float | None] = field(default_factory=dict)  # each rank asked: seconds since its last beat
+    known: bool = False  # False when no store could be reached (nothing is known)
+
+
 def find_missing(group, op: str, seq: int, peer: int | None = None, grace_s: float | None = None) -> list[int]:
     """Global ranks of ``group`` that did not reach this rank's op ``seq`` (or p2p op ``seq`` with ``peer``).
 
     Asks every member's responder for its counters; members that do not answer within ``grace_s`` are counted
     as missing. Returns [] when no store is reachable.
     """
+    return probe(group, op, seq, peer=peer, grace_s=grace_s).missing
+
+
+def probe(group, op: str, seq: int, peer: int | None = None, grace_s: float | None = None) -> Probe:
+    """Ask ``peer`` (point-to-point) or every other member of ``group`` how far it got and how long it has been
+    idle; a member that does not answer within ``grace_s`` is missing, with idle time None."""
     me = dist.get_rank()
     others = [peer] if peer is not None else [r for r in group.ranks if r != me]
     if grace_s is None:
@@ -153,19 +194,22 @@ def find_missing(group, op: str, seq: int, peer: int | None = None, grace_s: flo
             store.wait(keys, timedelta(seconds=grace_s))
         except Exception:
             store, _ = _connect(timeout_s=max(grace_s, 1.0))  # a timed-out wait can leave the client out of step
-        missing = []
+        out = Probe(known=True)
         for r, key in zip(others, keys, strict=True):
             if not store.check([key]):
-                missing.append(r)
+                out.missing.append(r)
+                out.idle_s[r] = None
                 continue
-            info = json.loads(store.get(key)).get(group.name)
+            answer = json.loads(store.get(key))
+            out.idle_s[r] = float(answer["progress"]["idle_s"])
+            info = answer["groups"].get(group.name)
             if info is None:
-                missing.append(r)
+                out.missing.append(r)
             elif peer is not None:
                 if info["p2p"].get(str(me), 0) < seq:
-                    missing.append(r)
+                    out.missing.append(r)
             elif info["seq"] < seq:
-                missing.append(r)
-        return missing
+                out.missing.append(r)
+        return out
     except Exception:
-        return []
+        return Probe()

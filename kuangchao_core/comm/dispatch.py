@@ -5,7 +5,8 @@ group, the per-group sequence number, the op itself under the group's timeout, t
 A timeout becomes ``CommTimeout`` naming the ranks that did not arrive (found by ``comm.diag`` only on that
 path); any other backend failure becomes ``CommError`` naming group, op and sequence number.
 
-The hot path is a few attribute updates and two clock reads: no store traffic, no allocation beyond a closure.
+The hot path is a few attribute updates and three clock reads (one is the progress beacon, ``diag.beat``: an op
+entered is this process making progress): no store traffic, no allocation beyond a closure.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _enter(op: str, group, peer: int | None) -> int:
             "restart the job (or rebuild the group on every rank)"
         )
     group.ops[op] = group.ops.get(op, 0) + 1
+    diag.beat()
     if peer is None:
         group.seq += 1
         return group.seq

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import diag, registry, rules, stream_trace
+from kuangchao_core.comm import diag, registry, rules, stream_trace, watchdog
 from kuangchao_core.errors import CommError
 from kuangchao_core.hal import stand_in
 
@@ -87,7 +87,7 @@ def init_distributed(backend: str = "auto", timeout_ms: int = 300000) -> CommGro
             torch_backend,
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(milliseconds=timeout_ms),
+            timeout=watchdog.torch_timeout(timeout_ms, chosen),  # NCCL: a backstop behind comm.watchdog
         )
         _world_timeout_ms = timeout_ms
         _world_spec = torch_backend
@@ -166,7 +166,7 @@ class CommGroup:
         if sorted(ranks) == world.ranks and chosen == world.backend and timeout_ms == world.timeout_ms:
             pg = world.pg
         else:
-            pg = dist.new_group(ranks=sorted(ranks), timeout=timedelta(milliseconds=timeout_ms), backend=chosen)
+            pg = dist.new_group(ranks=sorted(ranks), timeout=watchdog.torch_timeout(timeout_ms, chosen), backend=chosen)
         self._setup(ranks, chosen, timeout_ms, name, pg)
 
     @classmethod

@@ -26,6 +26,7 @@ from kuangchao_core.ckpt.reader import load_shard, read_rng, read_state
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state, restore_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
+from kuangchao_core.comm import diag
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.config.settings import CheckpointSettings
 from kuangchao_core.engine.anomaly import AnomalyStop
@@ -202,7 +203,9 @@ class TrainerCheckpoints:
         if self.saver is not None:
             self.saver.start(step, tensors, capture_rng_state(), on_commit=published, **kw)
             return None
+        diag.beat()  # progress for comm.watchdog: before and after the files, this rank's longest quiet stretch
         path = self.writer.save(step, tensors, rng_state=capture_rng_state(), **kw)
+        diag.beat()
         published(path)
         self.barrier()
         return path

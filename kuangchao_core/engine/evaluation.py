@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.comm import diag
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.data import build_dataset
 from kuangchao_core.errors import DataError
@@ -54,6 +55,7 @@ class HeldOutLoss:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         try:
             for items, counted in self.batches:
+                diag.beat()  # progress for comm.watchdog: a peer waiting on this rank is not hung while it evaluates
                 batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
                 if getattr(self.mesh, "cp", 1) > 1:
                     batch = shard_inputs(batch, self.mesh.cp, self.mesh.cp_rank)
