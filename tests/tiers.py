@@ -72,6 +72,7 @@ FILE_TIERS = {
     "test_global_config_job.py": "distributed",
     "test_global_config_rollback.py": "distributed",
     "test_gpu_check.py": "distributed",
+    "test_host_staging.py": "distributed",
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch, rules
+from kuangchao_core.comm import dispatch, host_staging, rules
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup
 from kuangchao_core.errors import CommError
@@ -53,6 +53,8 @@ def batch_send_recv(
     """Issue ``sends`` (``(tensor, dst)``) and ``recvs`` (``(tensor, src)``; global ranks of ``group``) as one
     batch; the received data is in place after the returned handle's ``wait()``, and a sent tensor may be reused
     only then. Every rank pairs its sends with the peers' receives in the order both list them."""
+    if host_staging.applies(group, list(sends), list(recvs)):  # CUDA tensors on Gloo: through host memory
+        return host_staging.call(batch_send_recv, "batch_send_recv", list(sends), list(recvs), group, tag)
     ops = [("send", t, peer) for t, peer in sends] + [("recv", t, peer) for t, peer in recvs]
     if not ops:
         raise CommError(f"batch_send_recv on group {group.name!r}: nothing to send or receive")
