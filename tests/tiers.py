@@ -73,6 +73,7 @@ FILE_TIERS = {
     "test_global_config_rollback.py": "distributed",
     "test_gpu_check.py": "distributed",
     "test_host_staging.py": "distributed",
+    "test_phase_peak.py": "unit",
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",
