@@ -74,6 +74,7 @@ FILE_TIERS = {
     "test_gpu_check.py": "distributed",
     "test_host_staging.py": "distributed",
     "test_phase_peak.py": "unit",
+    "test_plan_comms.py": "unit",
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",
