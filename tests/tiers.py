@@ -200,6 +200,7 @@ TEST_TIERS = {
     "test_flow_log.py::test_task_run_formatter_and_progress_log": "unit",
     "test_global_config_job.py::test_config_set_rejects_bad_values_and_refuses_an_operator_the_job_does_not_trust": "unit",
     "test_gpu_check.py::test_flops_per_token_is_the_performance_notes_worked_example": "unit",
+    "test_gpu_check.py::test_a_failing_or_overrunning_section_is_recorded_and_the_next_one_still_runs": "unit",
     "test_job_lifetime.py::test_split_tokens_gives_a_rank_only_its_own_modules": "unit",
     "test_lora.py::test_zero3_with_lora_is_not_said_to_run_as_zero2": "unit",
     "test_mixed_precision.py::test_an_overflow_skips_halves_the_scale_and_clean_steps_grow_it": "unit",
