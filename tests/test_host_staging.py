@@ -35,6 +35,9 @@ def _ops(rank: int, world: int) -> dict[str, torch.Tensor]:
     t = base.clone()
     P.broadcast(t, src=1, group=g)
     out["broadcast"] = t
+    w = torch.nn.Parameter(base.clone())  # a leaf that requires grad, broadcast in place as the engine does
+    P.broadcast(w, src=0, group=g)
+    out["broadcast_parameter"] = w.detach()
     out["all_gather_new_list"] = torch.cat(P.all_gather(None, base.clone(), group=g))
     flat = torch.zeros(12, dtype=torch.float64)
     P.all_gather_into(flat, base.clone(), group=g, async_op=True).wait()
@@ -86,7 +89,12 @@ def test_every_primitive_staged_through_the_host_equals_the_unstaged_one():
         stats = staged[rank]["stats"]
         assert set(stats) == {"all_reduce", "broadcast", "all_gather", "all_gather_into", "reduce_scatter", "send",
                               "recv", "batch_send_recv"}, stats  # fmt: skip
-        assert stats["all_reduce"]["ops"] == 2 and stats["send"]["ops"] == 2 and stats["recv"]["ops"] == 2
+        assert (
+            stats["all_reduce"]["ops"] == 2
+            and stats["broadcast"]["ops"] == 2
+            and stats["send"]["ops"] == 2
+            and stats["recv"]["ops"] == 2
+        )
         assert stats["reduce_scatter"]["bytes"] == (6 + 3) * 8  # the input and the output shard, float64
     # the values themselves (rank 0: 0..5, rank 1: 10..15)
     want_sum = [2 * i + 10 for i in range(6)]
@@ -99,3 +107,30 @@ def test_the_broken_variant_without_the_copy_back_is_caught():
     broken = run_distributed(_body, world_size=2, args=(True, True))
     assert broken[0]["out"] != plain[0]["out"]
     assert broken[0]["out"]["all_reduce"] == [float(i) for i in range(6)]  # untouched: the sum stayed on the host
+
+
+def _job(rank: int, world: int, tmp: str, staged: bool) -> dict:
+    import os
+
+    from kuangchao_core.comm import host_staging
+    from tests.engine_helpers import run_trainer, tiny_job
+
+    if staged:
+        os.environ[host_staging.ENV] = "always"
+    cfg = tiny_job(tmp, parallel={"data_parallel_size": 2, "zero_stage": 2}, train={"steps": 3})
+    out = run_trainer(rank, world, cfg)
+    out["staged"] = host_staging.summary()
+    return out
+
+
+def test_a_zero2_job_through_host_staging_trains_the_same_weights(tmp_path):
+    plain = run_distributed(_job, world_size=2, args=(str(tmp_path / "plain"), False))
+    staged = run_distributed(_job, world_size=2, args=(str(tmp_path / "staged"), True))
+    assert staged[0]["losses"] == plain[0]["losses"] and len(plain[0]["losses"]) == 3
+    for name, value in plain[0]["params"].items():
+        assert (staged[0]["params"][name] == value).all(), name  # bit for bit: the copies are exact
+    # the initial broadcast, ZeRO-2's gradient reduce-scatter and parameter all-gather, the loss all-reduce: all
+    # through the host
+    ops = set(staged[0]["staged"])
+    assert {"broadcast", "all_reduce", "reduce_scatter"} <= ops and ops & {"all_gather", "all_gather_into"}, ops
+    assert plain[0]["staged"] == {}

@@ -53,8 +53,9 @@ def applies(group, *tensors) -> bool:
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for device_t, host_t in pairs:
-        device_t.copy_(host_t)
+    with torch.no_grad():  # a parameter broadcast in place is a leaf that requires grad
+        for device_t, host_t in pairs:
+            device_t.copy_(host_t)
 
 
 class StagedHandle:
