@@ -59,7 +59,7 @@ def run_section(
         print(f"[gpu-check] {key}: skipped ({left:.0f} s of the budget left, {need_s:.0f} s needed)", flush=True)
         write_partial(result, out)
         return result[key]
-    limit = None if limit_s is None else max(5.0, min(limit_s, left))
+    limit = None if limit_s is None else max(1.0, min(limit_s, left))
     print(f"[gpu-check] {key}: start (limit {limit or 'own'} s, budget left {left:.0f} s)", flush=True)
     t0 = time.perf_counter()
     status = "ok"
