@@ -24,6 +24,7 @@ CHECK = ROOT / "benchmarks" / "gpu" / "check.py"
 sys.path.insert(0, str(CHECK.parent))
 
 import engine_check  # noqa: E402
+import sections  # noqa: E402
 
 BF16_REL = 0.02  # tests/test_mixed_precision.py's stated bf16 tolerance per step
 
@@ -49,6 +50,31 @@ def test_a_worker_that_fails_is_reported_with_its_error_not_waited_for(tmp_path)
     assert "ConfigError" in run["error"] and "num_heads" in run["error"], run["error"]
 
 
+def test_a_failing_or_overrunning_section_is_recorded_and_the_next_one_still_runs(tmp_path):
+    import time
+
+    result: dict = {}
+
+    def broken():
+        raise ValueError("no such kernel")
+
+    def endless():
+        time.sleep(30)
+
+    def fine(x):
+        return {"x": x}
+
+    for key, fn, args in (("a", broken, ()), ("b", endless, ()), ("c", fine, (3,))):
+        sections.run_section(result, key, fn, *args, out=tmp_path, limit_s=1, budget_left=lambda: 100.0)
+    sections.run_section(result, "d", fine, 4, out=tmp_path, limit_s=1, budget_left=lambda: 5.0, need_s=30)
+    assert result["a"]["error"] == "ValueError: no such kernel" and result["c"] == {"x": 3}
+    assert result["b"]["error"].startswith("timed out after 1 s")
+    assert {k: v["status"] for k, v in result["sections"].items()} == {
+        "a": "failed", "b": "timed_out", "c": "ok", "d": "skipped"
+    }  # fmt: skip
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["complete"] is False  # written after each
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_api):
@@ -67,7 +93,15 @@ def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
-    assert json.loads((out / "gpu_check.json").read_text()) == result
+    assert json.loads((out / "gpu_check.json").read_text()) == result and result["complete"] is True
+    statuses = {k: v["status"] for k, v in result["sections"].items()}
+    assert statuses == dict.fromkeys(
+        ["phase_peak", "communicators_plan", "bf16_vs_fp32", "llama_1b_step", "packed_attention", "bytes_per_rank",
+         "engine"], "ok"
+    ), statuses  # fmt: skip
+    assert result["phase_peak"]["mem_kind"] == "rss" and "skipped" in result["phase_peak"]  # a GPU figure
+    plan = result["communicators_plan"]  # kc plan's NCCL estimate for eight GPUs: dp2×tp4 has world, tp, dp
+    assert plan["dp2_tp4"]["rank0_nccl_bytes_estimate"] == 3 * plan["per_communicator_bytes_estimate"] > 0
 
     # (a), (b): the sections that were there before
     assert math.isfinite(result["bf16_vs_fp32"]["max_rel_loss_diff"])

@@ -28,13 +28,21 @@ fast a ~1B-parameter Llama step is, beside plain PyTorch on the same shapes.
     Trainer for one step of a 0.17 B-parameter model): the engine's tensors per rank and
     ``torch.cuda.max_memory_allocated``, and their ratios (``benchmarks/bytes_per_rank.py``'s worker).
 
-Budget: the whole check fits in 10 minutes on one H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (g) < 1 min,
-(c)-(e) ~6 min (itemised in ``engine_check.py``, run last); ``--budget-s`` (600) bounds (g) and the engine sections,
-which skip what no longer fits and say so.
+(g) runs its four ranks on Gloo device groups (NCCL refuses several ranks on one GPU), as (e) does: their CUDA
+    tensors go through host memory (``kuangchao_core.comm.host_staging``).
+Also: ``phase_peak`` (the engine's per-step peak reset, ``engine.metrics.start_phase``, on the real allocator, with
+its control) and ``communicators_plan`` (``kc plan``'s communicators and NCCL buffer estimate for eight GPUs).
+
+Budget: the whole check fits in 10 minutes on one H100/H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (g) < 1 min,
+(c)-(e) ~6 min (itemised in ``engine_check.py``, run last). Every section is independent (``sections.py``): it
+prints a line when it starts and ends, runs under its own time limit, and a failure or time-out is recorded as
+``{"error": ...}`` under its key while the next section runs; a section that no longer fits ``--budget-s`` (600)
+is skipped and says so. ``benchmarks/gpu/run_all.sh`` is the one command for a device session.
 ``--smoke`` runs everything on the CPU with tiny shapes: ~1.5 min on 2 cores, ~2.1 min with a cold inductor cache
 ((g): ~10 s, two processes' start).
 
-Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) and ends with ``RESULT {json}``.
+Writes ``gpu_check.json`` into ``--out`` (default ``$OUT`` or ``.``) after every section (``"complete": false``
+until the end; ``"sections"`` holds each one's status and wall time) and ends with ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -272,6 +280,17 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _print_step(result: dict) -> None:
+    for side in ("ours", "peer"):
+        r = result[side]
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else "n/a"
+        print(
+            f"{side}: {r['params'] / 1e9:.3f} B params, {r['step_s'] * 1e3:.1f} ms/step, "
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak memory {mem}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
@@ -286,47 +305,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds for the whole check")
     args = ap.parse_args(argv)
     from engine_check import Budget, engine_checks
+    from sections import phase_peak_check, plan_communicators, run_section, write_partial
 
     budget = Budget(args.budget_s)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device here: run with --smoke for the CPU code paths", file=sys.stderr)
         return 2
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    out = Path(args.out)
     result: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    # (section key, function and arguments, time limit in s (None: bounds its own processes), seconds it needs)
+    small = args.smoke
+    plan: list[tuple] = [
+        ("phase_peak", (phase_peak_check, device), 60, 0),
+        ("communicators_plan", (plan_communicators,), 60, 0),
+    ]
     if not args.skip_tracking:
-        result["bf16_vs_fp32"] = loss_tracking(device, args.smoke, steps=10 if args.smoke else 50)
-        print(f"bf16 vs fp32: max relative loss difference {result['bf16_vs_fp32']['max_rel_loss_diff']:.4f}")
-    result["llama_1b_step"] = step_timing(device, args.smoke, args.steps, args.blocks, args.batch, args.recompute)
-    for side in ("ours", "peer"):
-        r = result["llama_1b_step"][side]
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-        mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else "n/a"
-        print(
-            f"{side}: {r['params'] / 1e9:.3f} B params, {r['step_s'] * 1e3:.1f} ms/step, "
-            f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak memory {mem}"
-        )
-    from attention_check import attention_check
-
-    result["packed_attention"] = attention_check(device, args.smoke)
-    out = Path(args.out)
-    _release(device)
-    if budget.allows(90 if not args.smoke else 30):
-        from engine_check import _reported
-        from memory_check import memory_check
-
-        result["bytes_per_rank"] = _reported(memory_check, device, args.smoke)
-    else:
-        result["bytes_per_rank"] = {"skipped": f"budget: {budget.left():.0f} s left"}
+        plan.append(("bf16_vs_fp32", (loss_tracking, device, small, 10 if small else 50), 150, 30))
+    step_args = (step_timing, device, small, args.steps, args.blocks, args.batch, args.recompute)
+    plan += [("llama_1b_step", step_args, 240, 60), ("packed_attention", (_attention, device, small), 120, 20)]
+    plan.append(("bytes_per_rank", (_bytes_per_rank, device, small), None, 30 if small else 90))
     if not args.skip_engine:
-        result["engine"] = engine_checks(device, args.smoke, out, steps=args.kc_train_steps, budget=budget)
+        engine = (engine_checks, device, small, out, args.kc_train_steps, budget)
+        plan.append(("engine", (_engine, *engine), None, 0))
+    for key, (fn, *fn_args), limit, need in plan:
+        run_section(result, key, fn, *fn_args, out=out, limit_s=limit, budget_left=budget.left, need_s=need)
+        if key == "bf16_vs_fp32" and "max_rel_loss_diff" in result[key]:
+            print(f"bf16 vs fp32: max relative loss difference {result[key]['max_rel_loss_diff']:.4f}")
+        if key == "llama_1b_step" and "ours" in result[key]:
+            _print_step(result[key])
+        if key in ("llama_1b_step", "packed_attention"):
+            _release(device)  # what the in-process sections left on the device, before the jobs start
+    from kuangchao_core.comm import host_staging
+
+    result["host_staging"] = host_staging.summary()  # this process's staged ops (the jobs' are in their logs)
     result["wall_s"] = round(args.budget_s - budget.left(), 1)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
+    write_partial(result, out, complete=True)
     print("RESULT " + json.dumps(result, default=str))
     return 0
+
+
+def _attention(device: torch.device, smoke: bool) -> dict:
+    from attention_check import attention_check
+
+    return attention_check(device, smoke)
+
+
+def _bytes_per_rank(device: torch.device, smoke: bool) -> dict:
+    from memory_check import memory_check
+
+    return memory_check(device, smoke)
+
+
+def _engine(fn, device: torch.device, smoke: bool, out: Path, steps: int | None, budget) -> dict:
+    return fn(device, smoke, out, steps=steps, budget=budget)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@
     MLflow store and run directories go to a scratch directory removed at the end. Reported: tokens/s (median of
     the steps after the first ``WARM`` ones, which pay the compilation), MFU = tokens/s × F_tok ÷ the device's bf16
     dense peak with F_tok = 6·N_matmul + 12·L·d·T (``/work/shared/reference/performance.md`` §2.1: the input
-    embedding is not a matmul, the head is), the compile time the engine logs, the peak memory (CUDA peak allocated;
-    RSS on the CPU) against ``kc plan``'s estimate of rank 0, and the engine's measured parameter, gradient and
-    optimizer bytes against the plan's.
+    embedding is not a matmul, the head is), the compile time the engine logs, the peak memory (largest step peak
+    after warm-up, each its own: ``metrics.start_phase``; RSS on the CPU) against ``kc plan``'s rank 0, and the
+    engine's measured parameter, gradient and optimizer bytes against the plan's.
 (d) **the loss against fp32**: the same job file with ``--set train.dtype=fp32 train.compile=false`` trained for its
     first 8 steps by the engine's Trainer in this process; the relative difference of each step's loss from the
     ``kc train`` run's (bf16), with tests/test_mixed_precision.py's stated 2 % beside it.
@@ -286,7 +286,7 @@ def run_kc_train(job_path: Path, work: Path, out: Path, timeout_s: float, warm: 
     cfg_uri = f"sqlite:///{work / 'mlflow.db'}"
     res["losses"] = [v for _, v in _metric_history(cfg_uri, summary["mlflow_run_id"], "loss")]
     tps = [v for s, v in _metric_history(cfg_uri, summary["mlflow_run_id"], "tokens_per_s") if s > warm]
-    mem = [v for _, v in _metric_history(cfg_uri, summary["mlflow_run_id"], "mem_bytes")]
+    mem = [v for s, v in _metric_history(cfg_uri, summary["mlflow_run_id"], "mem_bytes") if s > warm]  # step peaks
     res["tokens_per_s"] = statistics.median(tps) if tps else None
     res["peak_mem_bytes"] = max(mem) if mem else None
     for rec in _json_lines(Path(summary["run_dir"]) / "logs" / "worker-0.jsonl"):

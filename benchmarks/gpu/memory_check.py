@@ -1,7 +1,8 @@
 """Section (g) of the GPU check: bytes per rank on the device (issue 29 item 5), bf16 parameters with fp32 master
 weights (``train.param_dtype: bf16``) against bf16 autocast (fp32 parameters).
 
-Four Gloo processes share the one device (CUDA tensors, as section (e) runs several ranks on one GPU) and run
+Four Gloo processes share the one device (``parallel.backend: gloo``, CUDA tensors staged through host memory by
+``comm.host_staging``, as in section (e)) and run
 ``benchmarks/bytes_per_rank.py``'s worker: per job one optimizer step of two micro-batches through the engine's
 Trainer, then per rank the engine's tensors (``GradSync.tensor_bytes``: parameters, gradients, moments and fp32
 masters held after the step) and ``torch.cuda.max_memory_allocated`` over the job (its peak: activations,
@@ -55,7 +56,14 @@ def memory_check(device: Any, smoke: bool) -> dict[str, Any]:
     stages = (1,) if smoke else (1, 2)
     ranks = 2 if smoke else 4
     setup: dict[str, Any] = {
-        "parallel": {"data_parallel_size": ranks, "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        # Gloo device groups: NCCL refuses several ranks on one GPU (``auto`` would pick it on CUDA); the CUDA
+        # tensors go through host memory (``comm.host_staging``)
+        "parallel": {
+            "data_parallel_size": ranks,
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "backend": "gloo",
+        },
         "train": {"device": device.type},
     }
     if not smoke:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch, rules, stream_trace
+from kuangchao_core.comm import dispatch, host_staging, rules, stream_trace
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup
 from kuangchao_core.comm.timing import COMM_STATS
@@ -56,6 +56,8 @@ def batch_send_recv(
     batch; the received data is in place after the returned handle's ``wait()``, and a sent tensor may be reused
     only then. Every rank pairs its sends with the peers' receives in the order both list them. ``tags``: one per
     op (the sends', then the receives'), else ``tag`` for all (Gloo matches by tag; NCCL ignores tags)."""
+    if host_staging.applies(group, list(sends), list(recvs)):  # CUDA tensors on Gloo: through host memory
+        return host_staging.call(batch_send_recv, "batch_send_recv", list(sends), list(recvs), group, tag, tags)
     ops = [("send", t, peer) for t, peer in sends] + [("recv", t, peer) for t, peer in recvs]
     tags = list(tags) if tags is not None else [tag] * len(ops)
     if len(tags) != len(ops):

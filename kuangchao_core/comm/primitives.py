@@ -2,7 +2,8 @@
 
 ``src``/``dst`` are global ranks. ``group=None`` means the world group. Reductions take ``op`` as one of
 ``sum``, ``avg``, ``max``, ``min``, ``prod``; Gloo has no native average, so ``avg`` there is a sum followed
-by a division by the group size.
+by a division by the group size. CUDA tensors on a Gloo device group (several ranks on one GPU) go through
+:mod:`~kuangchao_core.comm.host_staging`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch, rules
+from kuangchao_core.comm import dispatch, host_staging, rules
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup, world_group
 from kuangchao_core.errors import CommError
@@ -51,6 +52,8 @@ def _divide(tensor: torch.Tensor, n: int) -> None:
 def broadcast(tensor: torch.Tensor, src: int, group: CommGroup | None = None) -> torch.Tensor:
     """Copy ``tensor`` from global rank ``src`` to every member of ``group`` (in place); returns ``tensor``."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(broadcast, "broadcast", tensor, src, g)
     if src not in g.ranks:
         raise CommError(f"broadcast on group {g.name!r}: src rank {src} is not in {g.ranks}")
     rules.admit("broadcast", g, tensor)
@@ -61,6 +64,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: CommGroup | None = None) ->
 def all_reduce(tensor: torch.Tensor, group: CommGroup | None = None, op: str = "sum", async_op: bool = False):
     """Reduce ``tensor`` across ``group`` in place; returns ``tensor``, or a ``CommHandle`` if ``async_op``."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(all_reduce, "all_reduce", tensor, g, op, async_op)
     rop, divide = _reduce_op(op, g)
     rules.admit("all_reduce", g, tensor)
 
@@ -79,6 +84,8 @@ def all_reduce(tensor: torch.Tensor, group: CommGroup | None = None, op: str = "
 def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, group: CommGroup | None = None):
     """Gather ``tensor`` from every member, in group order, into ``tensor_list`` (allocated if None); returns it."""
     g = _group(group)
+    if host_staging.applies(g, tensor, tensor_list or ()):
+        return host_staging.call(all_gather, "all_gather", tensor_list, tensor, g)
     if tensor_list is None:
         tensor_list = [torch.empty_like(tensor) for _ in range(g.size)]
     elif len(tensor_list) != g.size:
@@ -106,6 +113,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup
     """Gather ``tensor`` from every member into the flat ``output`` (member i's copy at ``[i*n, (i+1)*n)``, group
     order); returns ``output``, or a ``CommHandle`` whose ``wait()`` leaves the data there if ``async_op``."""
     g = _group(group)
+    if host_staging.applies(g, tensor, output):
+        return host_staging.call(all_gather_into, "all_gather_into", output, tensor, g, async_op)
     n = tensor.numel()
     if output.numel() != n * g.size or not output.is_contiguous():
         raise CommError(
@@ -151,6 +160,8 @@ def reduce_scatter(
     ``output``-sized chunks laid end to end. Returns ``output``.
     """
     g = _group(group)
+    if host_staging.applies(g, output, input_list):
+        return host_staging.call(reduce_scatter, "reduce_scatter", output, input_list, g, op)
     if isinstance(input_list, torch.Tensor):
         if input_list.numel() != output.numel() * g.size:
             raise CommError(
@@ -211,6 +222,8 @@ def reduce_scatter(
 def send(tensor: torch.Tensor, dst: int, group: CommGroup | None = None) -> None:
     """Send ``tensor`` to global rank ``dst`` (a member of ``group``); blocks until it is handed over."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(send, "send", tensor, dst, g)
     if dst not in g.ranks:
         raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
     rules.admit("send", g, tensor, peer=dst)
@@ -220,6 +233,8 @@ def send(tensor: torch.Tensor, dst: int, group: CommGroup | None = None) -> None
 def recv(tensor: torch.Tensor, src: int, group: CommGroup | None = None) -> torch.Tensor:
     """Receive into ``tensor`` from global rank ``src`` (a member of ``group``); returns ``tensor``."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(recv, "recv", tensor, src, g)
     if src not in g.ranks:
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
     rules.admit("recv", g, tensor, peer=src)
@@ -231,6 +246,8 @@ def isend(tensor: torch.Tensor, dst: int, group: CommGroup | None = None, tag: i
     """Send ``tensor`` to global rank ``dst`` asynchronously with a message ``tag``; wait on the returned handle
     before reusing ``tensor``. Guarded and timed as ``send``, like every primitive."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(isend, "send", tensor, dst, g, tag)
     if dst not in g.ranks:
         raise CommError(f"send on group {g.name!r}: dst rank {dst} is not in {g.ranks}")
     rules.admit("send", g, tensor, peer=dst, tag=tag)
@@ -243,6 +260,8 @@ def irecv(tensor: torch.Tensor, src: int, group: CommGroup | None = None, tag: i
     """Receive into ``tensor`` from global rank ``src`` asynchronously (message ``tag``); the data is there after
     the returned handle's ``wait()``. Guarded and timed as ``recv``."""
     g = _group(group)
+    if host_staging.applies(g, tensor):
+        return host_staging.call(irecv, "recv", tensor, src, g, tag)
     if src not in g.ranks:
         raise CommError(f"recv on group {g.name!r}: src rank {src} is not in {g.ranks}")
     rules.admit("recv", g, tensor, peer=src, tag=tag)

@@ -7,7 +7,8 @@
   it before launch (:func:`raise_for_plan`, which also refuses a layout whose largest rank's estimated memory
   exceeds what a rank of the devices may use: ``engine.plan_memory``).
 - :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
-  (virtual) stage holds, micro-batches per step, the expected bubble fraction and the estimated memory per rank.
+  (virtual) stage holds, micro-batches per step, the expected bubble fraction, the estimated memory per rank and
+  the communicators each rank creates with NCCL's estimated buffers (``engine.plan_comms``).
 
 Memory per rank: :func:`rank_memory`, which is ``engine.memory_model.estimate_ranks`` (state bytes from the
 engine's own model ``parallel.state_memory``, autocast's weight copies, activations; ``kc recommend`` uses it too).
@@ -20,6 +21,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
+from kuangchao_core.engine.plan_comms import communicators, format_communicators
 from kuangchao_core.engine.plan_vision import format_vision, pretrained_tower_problems, vision_plan
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.errors import ConfigError, PlanError
@@ -300,6 +302,7 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
         "model_parameters": mcfg.num_params(),
         "ranks": ranks,
         "vision": vision_plan(cfg),  # the encoder's own layout (issue 31)
+        "communicators": communicators(cfg),  # per rank, with NCCL's reserved buffers (an estimate)
     }
 
 
@@ -361,4 +364,4 @@ def format_plan(plan: dict[str, Any]) -> str:
         "traffic per group member per step (MiB, estimate): "
         + ", ".join(f"{k} {traffic[k] / 2**20:.4g}{notes.get(k, '') if traffic[k] else ''}" for k in traffic)
     )
-    return "\n".join(lines + format_vision(plan.get("vision")))
+    return "\n".join(lines + format_vision(plan.get("vision")) + format_communicators(plan.get("communicators")))

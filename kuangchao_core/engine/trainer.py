@@ -35,7 +35,7 @@ from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
 from kuangchao_core.engine.grad_snapshot import write_snapshot
 from kuangchao_core.engine.job_data import job_data
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
-from kuangchao_core.engine.metrics import memory_bytes, memory_kind
+from kuangchao_core.engine.metrics import memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.engine.vlm_data import log_sample_images
@@ -217,8 +217,8 @@ class Trainer:
     # ------------------------------------------------------------------ the step
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over this rank's micro-batches; returns global metrics."""
-        t0 = time.perf_counter()
-        comm0 = COMM_STATS.total_seconds()
+        start_phase(self.device)  # mem_bytes: this step's peak on CUDA (metrics.start_phase)
+        t0, comm0 = time.perf_counter(), COMM_STATS.total_seconds()
         train = self.train_settings
         schedule = (train.lr, train.steps, train.warmup_steps, train.lr_schedule, train.min_lr_ratio)
         lr = lr_at(self.state.step, *schedule) * self.lr_scale

@@ -41,11 +41,23 @@ def encoder_group_lists(tp_groups: list[list[int]], e: int) -> tuple[list[list[i
     return tps, shares
 
 
+def encoder_group_plan(section: Any, tp_groups: list[list[int]]) -> list[tuple[str, list[int]]]:
+    """The groups :func:`encoder_layout` builds for ``model.vision`` ``section`` over the decoder's ``tp_groups``, as
+    ``(kind, ranks)`` in construction order: ``vtp`` then ``vshare`` groups when ``1 < e < t``, else none (the
+    decoder's TP group serves, or no group is needed). ``kc plan`` lists the encoder's communicators from it."""
+    t = len(tp_groups[0]) if tp_groups else 1
+    e = encoder_tp_size(section, t)
+    if t == 1 or e in (1, t):
+        return []
+    tps, shares = encoder_group_lists(tp_groups, e)
+    return [("vtp", r) for r in tps] + [("vshare", r) for r in shares]
+
+
 def encoder_layout(section: Any, mesh: Any) -> EncoderLayout:
     """The encoder's groups for ``model.vision`` ``section`` in ``mesh`` (a
     :class:`~kuangchao_core.parallel.mesh.ParallelMesh`). Collective when new groups are needed (``1 < e <
-    tp``): every rank builds every group, in the same order. Raises PlanError naming ``model.vision.…`` when the
-    layout does not fit."""
+    tp``): every rank builds every group of :func:`encoder_group_plan`, in the same order. Raises PlanError naming
+    ``model.vision.…`` when the layout does not fit."""
     t = mesh.tp
     errors = vision_layout_errors(section, t)
     if errors:
@@ -60,10 +72,8 @@ def encoder_layout(section: Any, mesh: Any) -> EncoderLayout:
     from kuangchao_core.comm import CommGroup
 
     mine: dict[str, Any] = {}
-    tps, shares = encoder_group_lists(mesh.layout.tp_groups(), e)
-    for kind, lists in (("vtp", tps), ("vshare", shares)):
-        for ranks in lists:  # all of them, in order, on every rank: construction is collective
-            group = CommGroup(ranks, backend=mesh.backend, timeout_ms=mesh.timeout_ms, name=group_name(kind, ranks))
-            if mesh.rank in ranks:
-                mine[kind] = group
+    for kind, ranks in encoder_group_plan(section, mesh.layout.tp_groups()):  # all of them, on every rank
+        group = CommGroup(ranks, backend=mesh.backend, timeout_ms=mesh.timeout_ms, name=group_name(kind, ranks))
+        if mesh.rank in ranks:
+            mine[kind] = group
     return EncoderLayout(e, mine["vtp"], mine["vshare"], t // e)

@@ -27,6 +27,7 @@ __all__ = [
     "coords_of",
     "dp_subgroups",
     "group_name",
+    "mesh_group_lists",
     "mesh_layout",
     "rank_of",
     "validate_sizes",
@@ -115,6 +116,17 @@ def dp_subgroups(layout: MeshLayout, node_of_rank: list[int] | None, mode: str) 
     return [("dpn" if kind == "n" else "dpx", ranks) for kind, ranks in subgroup_lists(groups, nodes)]
 
 
+def mesh_group_lists(
+    layout: MeshLayout, node_of_rank: list[int] | None = None, hierarchical: str = "off"
+) -> list[tuple[str, list[int]]]:
+    """Every group :class:`ParallelMesh` builds, as ``(kind, ranks)`` in construction order: the groups of each of
+    ``layout.kinds()`` (tp, pp, dp, then cp and dp_cp), then the DP groups' ``dpn`` / ``dpx`` subgroups when the
+    hierarchical all-reduce applies. The mesh builds exactly this list and ``kc plan`` lists its communicators
+    from it (``engine.plan_comms``)."""
+    out = [(kind, list(ranks)) for kind in layout.kinds() for ranks in layout.groups(kind)]
+    return out + dp_subgroups(layout, node_of_rank, hierarchical)
+
+
 def mesh_layout(dp: int, tp: int, pp: int, world_size: int | None = None, cp: int = 1) -> MeshLayout:
     """Validated layout of a dp x cp x pp x tp mesh (raises PlanError with every number)."""
     validate_sizes(dp, tp, pp, world_size, cp)
@@ -161,35 +173,21 @@ class ParallelMesh:
         at = self.layout.axes.coords_of(rank)
         self.dp_rank, self.cp_rank, self.pp_rank, self.tp_rank = at["dp"], at["cp"], at["pp"], at["tp"]
         self.cp_group = None  # no CP group at cp 1 (the mesh builds the groups of ``layout.kinds()``)
-        for kind in self.layout.kinds():  # tp, pp, dp, then cp and dp_cp: every rank in the same order
-            setattr(self, f"{kind}_group", self._build(kind, self.layout.groups(kind)))
-        if cp == 1:
-            self.dp_cp_group = self.dp_group  # the replicas of a parameter are its DP group
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
         self.dp_intra_group = self.dp_inter_group = None
-        if dp_subgroups(self.layout, self.node_of_rank, hierarchical):
-            self._build_dp_subgroups()
+        attr = {"dpn": "dp_intra_group", "dpx": "dp_inter_group"}
+        for kind, ranks in mesh_group_lists(self.layout, self.node_of_rank, hierarchical):  # every rank, in order
+            group = self._build(kind, ranks)
+            if rank in ranks:
+                setattr(self, attr.get(kind, f"{kind}_group"), group)
+        if cp == 1:
+            self.dp_cp_group = self.dp_group  # the replicas of a parameter are its DP group
 
-    def _build_dp_subgroups(self) -> None:
+    def _build(self, kind: str, ranks: list[int]):
         from kuangchao_core.comm import CommGroup
 
-        for kind, ranks in dp_subgroups(self.layout, self.node_of_rank, "on"):
-            group = CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=group_name(kind, ranks))
-            if self.rank in ranks:
-                if kind == "dpn":
-                    self.dp_intra_group = group
-                else:
-                    self.dp_inter_group = group
-
-    def _build(self, kind: str, groups: list[list[int]]):
-        from kuangchao_core.comm import CommGroup
-
-        mine = None
-        for ranks in groups:  # all of them, in order, on every rank: construction is collective
-            group = CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=group_name(kind, ranks))
-            if self.rank in ranks:
-                mine = group
-        return mine
+        # construction is collective: every rank builds every group, members or not
+        return CommGroup(ranks, backend=self.backend, timeout_ms=self.timeout_ms, name=group_name(kind, ranks))
 
     @classmethod
     def from_config(
