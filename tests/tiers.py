@@ -31,6 +31,8 @@ FILE_TIERS = {
     "test_bad_steps.py": "distributed",
     "test_bench_ratios.py": "unit",
     "test_bench_context_parallel.py": "distributed",
+    "test_bench_smoke.py": "distributed",
+    "test_bench_tables.py": "unit",
     "test_bf16_params.py": "distributed",
     "test_fp32_accumulation.py": "distributed",
     "test_blocks.py": "flows",
