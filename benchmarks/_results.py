@@ -55,9 +55,7 @@ def check_keys(result: dict, keys: Iterable[str], where: str = "the benchmark") 
     missing = [k for k in declared if k not in result]
     extra = [k for k in result if k not in declared]
     if missing or extra:
-        raise ResultKeysError(
-            f"{where}: RESULT keys differ from RESULT_KEYS: missing {missing}, not declared {extra}"
-        )
+        raise ResultKeysError(f"{where}: RESULT keys differ from RESULT_KEYS: missing {missing}, not declared {extra}")
 
 
 def machine() -> dict[str, Any]:

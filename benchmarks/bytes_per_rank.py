@@ -22,7 +22,6 @@ ratio and each job's bytes.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -16,7 +16,6 @@ and async stall ÷ sync stall (goal ≤ 0.2).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

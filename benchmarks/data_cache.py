@@ -71,6 +71,7 @@ def main() -> int:
     if args.smoke:
         args.docs = 2_000
     from _results import emit  # here: a measuring child imports this module as benchmarks.data_cache
+
     with tempfile.TemporaryDirectory() as tmp:
         big, small = Path(tmp) / "big", Path(tmp) / "small"
         big.mkdir()

@@ -17,7 +17,6 @@ The last line is ``RESULT {json}`` with ``ratio_vs_peer`` = median of the per-bl
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys

@@ -15,7 +15,6 @@ Prints the median step time of each with its interquartile range and ends with `
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

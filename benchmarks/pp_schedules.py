@@ -19,7 +19,6 @@ step times beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

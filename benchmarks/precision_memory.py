@@ -19,7 +19,6 @@ Goals (the issue): ZeRO-3 ≤ 0.30× ZeRO-0; activation memory full ≤ 0.5×, s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

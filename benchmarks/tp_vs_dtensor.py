@@ -18,7 +18,6 @@ Ends with ``RESULT {"ratio_vs_peer": median of the per-block ratios, "ratio_iqr"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time

@@ -85,7 +85,11 @@ def _literal_keys(value: ast.expr, tree: ast.Module) -> tuple[str, ...] | None:
 def _ratio_fields() -> tuple[str, ...]:
     tree = ast.parse((BENCH / "_ratios.py").read_text(encoding="utf-8"))
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if getattr(target, "id", None) == "FIELDS":
             return tuple(ast.literal_eval(node.value))
     raise AssertionError("benchmarks/_ratios.py has no FIELDS")

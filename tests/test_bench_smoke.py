@@ -34,6 +34,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_tables  # noqa: E402
 
+from benchmarks._results import bench_name  # noqa: E402
+
+
 def _params():
     out = []
     for path in scripts():
@@ -68,7 +71,8 @@ def test_each_benchmark_smoke_run_prints_the_keys_it_declares(script: Path, tmp_
         return
     json_dir = tmp_path / "json"
     result = check_script(script, json_dir=json_dir)
-    record = json.loads(next(json_dir.glob("*.json")).read_text())
+    assert [p.name for p in json_dir.glob("*.json")] == [f"{bench_name(script)}.json"]
+    record = json.loads((json_dir / f"{bench_name(script)}.json").read_text())
     assert record["result"] == result and record["smoke"] is True
     assert record["machine"]["cores"] >= 1 and record["date"] and record["command"].endswith("--smoke")
     copy = tmp_path / "RESULTS.md"

@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import SECTIONS  # noqa: E402
+
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "RESULTS.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

@@ -272,6 +272,11 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+#: the RESULT's keys (benchmarks/_results.py); a section left out by a flag or the budget says so as its value
+RESULT_KEYS = ("device", "torch", "bf16_vs_fp32", "llama_1b_step", "packed_attention", "bytes_per_rank", "engine",
+               "wall_s")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the code paths only")
@@ -299,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tracking:
         result["bf16_vs_fp32"] = loss_tracking(device, args.smoke, steps=10 if args.smoke else 50)
         print(f"bf16 vs fp32: max relative loss difference {result['bf16_vs_fp32']['max_rel_loss_diff']:.4f}")
+    else:
+        result["bf16_vs_fp32"] = {"skipped": "--skip-tracking"}
     result["llama_1b_step"] = step_timing(device, args.smoke, args.steps, args.blocks, args.batch, args.recompute)
     for side in ("ours", "peer"):
         r = result["llama_1b_step"][side]
@@ -322,10 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         result["bytes_per_rank"] = {"skipped": f"budget: {budget.left():.0f} s left"}
     if not args.skip_engine:
         result["engine"] = engine_checks(device, args.smoke, out, steps=args.kc_train_steps, budget=budget)
+    else:
+        result["engine"] = {"skipped": "--skip-engine"}
     result["wall_s"] = round(args.budget_s - budget.left(), 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
-    print("RESULT " + json.dumps(result, default=str))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _results import emit
+
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 
