@@ -1,4 +1,4 @@
-"""The all-gather-K/V variant of context-parallel attention, and the bytes each variant moves (issue 41, item 6).
+"""The all-gather-K/V variant of context-parallel attention, and the bytes each variant moves (issue 30).
 
 torchtitan offers two ways to run causal attention over a sequence sharded across CP ranks: a ring that passes
 K/V shards around (ours: ``models/ring_attention.py``) and an all-gather of every rank's K/V before one local

@@ -1,5 +1,5 @@
 """Context parallelism's step time and bytes: our ring attention at cp2 against the all-gather-K/V variant
-torchtitan also offers, and against one process on the same sequence (issue 30; issue 41, item 6).
+torchtitan also offers, and against one process on the same sequence (issue 30).
 
 Two Gloo processes. A Llama-style model (hidden 128, 2 layers, 4 query and 2 K/V heads) whose attention runs over
 the CP group in one of two ways (``models.ring_attention.use_attention``): ``ring`` — ours, ``cp_attention``

@@ -26,7 +26,7 @@ from _ratios import FIELDS, block_stats, format_line, result_fields  # noqa: E40
 from _results import emit  # noqa: E402
 from attention_packed import packed_batch  # noqa: E402
 
-RESULT_KEYS = FIELDS
+RESULT_KEYS = (*FIELDS,)
 
 
 @contextlib.contextmanager

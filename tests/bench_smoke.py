@@ -55,9 +55,11 @@ def declared_keys(path: Path) -> tuple[str, ...]:
     """The literal ``RESULT_KEYS`` of the script at ``path``; an error naming the script when there is none, when
     it is not a literal, or when the script prints a ``RESULT`` line by itself instead of through ``emit``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("RESULT "):
-            raise AssertionError(f"{rel(path)}:{node.lineno} prints a RESULT line itself: use _results.emit")
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "print":
+            for node in (n for arg in call.args for n in ast.walk(arg)):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("RESULT "):
+                    raise AssertionError(f"{rel(path)}:{node.lineno} prints a RESULT line itself: use _results.emit")
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "RESULT_KEYS" for t in node.targets):
             keys = _literal_keys(node.value, tree)

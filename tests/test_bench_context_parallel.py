@@ -1,4 +1,4 @@
-"""``benchmarks/context_parallel.py``'s two cp2 sides, checked where they can fail (issue 41, item 6): our ring attention
+"""``benchmarks/context_parallel.py``'s two cp2 sides, checked where they can fail (issue 30): our ring attention
 and the all-gather-K/V variant (``benchmarks/_allgather_kv.py``) each give the one-process attention's output and
 gradients in float64 on two Gloo ranks, and the bytes the comm layer counts for each equal the formula from the
 shapes exactly; the other variant's formula does not fit (the control: the count tells the two apart). The

@@ -245,6 +245,7 @@ RUN_FIRST = (
     "test_slurm_placement.py",
     "test_recovery.py",
     "test_gpu_check.py",
+    "test_bench_smoke.py",
     "test_deployment.py",
 )
 
