@@ -40,8 +40,11 @@ test-fast: test-unit  ## the unit tier: in-process tests, under 2 minutes
 test-unit test-distributed test-flows test-e2e: setup
 	$(PY) -m pytest tests -q -ra --durations=10 -m $(@:test-%=%)
 
-bench: setup  ## side-by-side benchmarks against the torch-native peers (agree.py is the repeat-runs checker, not one)
-	@for b in benchmarks/[!_]*.py; do [ "$$b" = benchmarks/agree.py ] && continue; echo "== $$b"; $(PY) $$b || exit 1; done
+# every benchmark script, then its figures rendered into benchmarks/RESULTS.md's generated tables (tools/bench_tables.py;
+# BENCH_FLAGS="--only dp_vs_ddp,placement" for some, "--smoke" for every smoke mode into runs/bench/RESULTS.smoke.md)
+BENCH_FLAGS ?=
+bench: setup  ## side-by-side benchmarks against the torch-native peers; rewrites RESULTS.md's generated tables
+	$(PY) tools/bench_tables.py run $(BENCH_FLAGS)
 
 lint: setup  ## ruff, and the size rule: no module past 400 lines (tools/size_exceptions.txt may only shrink)
 	$(VENV)/bin/ruff check .

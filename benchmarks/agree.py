@@ -17,7 +17,11 @@ lies inside every other run's min–max.
 ``--runs`` and ``--timeout`` go to the benchmark; after ``--`` everything does. ``OMP_NUM_THREADS`` defaults to 1
 in the runs. Exit status: 0 the runs agree, 1 they do not, 2 a run failed or printed no ``RESULT`` with a spread.
 
-Not a benchmark itself: ``make bench`` skips this file explicitly (its loop over ``benchmarks/[!_]*.py``).
+``--smoke`` (what ``tests/test_bench_smoke.py`` runs): two runs of the benchmark's own ``--smoke`` (NAME defaults to
+``packed_rows_step``), the whole report, exit status 0 whether they agree or not (one-block runs say nothing about
+agreement; the smoke run checks the machinery). Ends with ``AGREE {json}`` and the same as ``RESULT {json}``.
+
+Not a benchmark itself: ``make bench`` skips this file (``tools/bench_tables.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULT_KEYS = ("benchmark", "runs", "agree", "each")
+SMOKE_BENCHMARK = "packed_rows_step"
 
 
 def _fail(msg: str) -> SystemExit:
@@ -57,6 +63,7 @@ def run_once(script: Path, bench_args: list[str], index: int, timeout: float | N
     """Run the benchmark once, echo its output prefixed with ``[run index]``; return its parsed RESULT."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("KC_BENCH_JSON", None)  # the repeated runs are checked here, not rendered into RESULTS.md
     cmd = [sys.executable, str(script), *bench_args]
     print(f"[run {index}] $ {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
@@ -133,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("name", help="benchmark: dp_vs_ddp, pp_schedules.py, or a path")
+    ap.add_argument("name", nargs="?", help="benchmark: dp_vs_ddp, pp_schedules.py, or a path")
     ap.add_argument("--runs", type=int, default=3, help="runs in a row (default 3)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds one run may take (default: no limit)")
+    ap.add_argument("--smoke", action="store_true", help=f"2 runs of NAME --smoke (default {SMOKE_BENCHMARK})")
     args, bench_args = ap.parse_known_args(argv)
     bench_args += passthrough
+    if args.smoke:
+        args.name, args.runs = args.name or SMOKE_BENCHMARK, 2
+        bench_args.append("--smoke")
+    if args.name is None:
+        ap.error("the benchmark NAME is required")
     if args.runs < 2:
         ap.error("--runs must be at least 2")
     script = _script(args.name)
@@ -165,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'yes' if not note else 'no: outside ' + note}"
             )
         print(f"agree: {'yes' if ok else 'no'}")
-    print("\nAGREE " + json.dumps({"benchmark": script.stem, "runs": args.runs, "agree": all_agree, "each": summary}))
-    return 0 if all_agree else 1
+    record = {"benchmark": script.stem, "runs": args.runs, "agree": all_agree, "each": summary}
+    print("\nAGREE " + json.dumps(record))
+    sys.path.insert(0, str(HERE))
+    from _results import emit
+
+    emit(record, RESULT_KEYS, smoke=args.smoke)
+    return 0 if all_agree or args.smoke else 1
 
 
 if __name__ == "__main__":

@@ -25,16 +25,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import emit  # noqa: E402
+
 METHODS = ("flat", "hier", "hier+fp16", "hier+topk")
+RESULT_KEYS = ("link", "buckets", "elements", "hier_vs_flat", "fp16_vs_dense_time", "topk_vs_dense_time",
+               "fp16_bytes_ratio", "topk_bytes_ratio", "goals")  # fmt: skip
 
 
-def _bucket_sizes(bucket_mb: float) -> list[int]:
+def _bucket_sizes(bucket_mb: float, smoke: bool = False) -> list[int]:
     import torch
 
-    from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
+    from kuangchao_core.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM
     from kuangchao_core.parallel.data import DataParallel
 
-    cfg = LlamaConfig(
+    cfg = PRESETS["tiny"] if smoke else LlamaConfig(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=688,
@@ -42,7 +46,7 @@ def _bucket_sizes(bucket_mb: float) -> list[int]:
         num_heads=8,
         num_kv_heads=4,
         max_seq_len=64,
-    )
+    )  # fmt: skip
     model = LlamaForCausalLM(cfg)
 
     class _One:  # a group of one: bucket layout only, no communication
@@ -55,7 +59,7 @@ def _bucket_sizes(bucket_mb: float) -> list[int]:
     return sizes
 
 
-def worker(rounds: int, bucket_mb: float) -> None:
+def worker(rounds: int, bucket_mb: float, smoke: bool = False) -> None:
     """One rank: time each method ``rounds`` times, print this rank's JSON."""
     import torch
 
@@ -73,7 +77,7 @@ def worker(rounds: int, bucket_mb: float) -> None:
     nproc = int(os.environ["LOCAL_WORLD_SIZE"])
     nodes = [r // nproc for r in range(world)]
     mesh = ParallelMesh(world, 1, 1, rank, world, backend="gloo", node_of_rank=nodes, hierarchical="on")
-    sizes = _bucket_sizes(bucket_mb)
+    sizes = _bucket_sizes(bucket_mb, smoke)
     gen = torch.Generator().manual_seed(rank)
     buckets = [torch.randn(n, generator=gen) for n in sizes]
     fp16, topk = CastCompressor("fp16"), TopKCompressor(0.01)
@@ -122,9 +126,12 @@ def main() -> int:
     ap.add_argument("--rate", default="400mbit")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="the tiny preset's buckets, one round")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = 1
     if args.worker:
-        worker(args.rounds, args.bucket_mb)
+        worker(args.rounds, args.bucket_mb, args.smoke)
         return 0
     from _multihost import Bench, bench_unavailable, run_ranks, spread
 
@@ -136,7 +143,8 @@ def main() -> int:
         outs = run_ranks(
             bench,
             2,
-            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb)],
+            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb)]
+            + (["--smoke"] if args.smoke else []),
         )
     per_rank = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     r0 = per_rank[0]
@@ -161,7 +169,7 @@ def main() -> int:
         "topk_bytes_ratio": b["topk"] / b["dense"],
         "goals": {"hier_vs_flat": 0.6, "fp16_bytes_ratio": 0.55, "topk_bytes_ratio": 0.2},
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 

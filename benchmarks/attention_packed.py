@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
+from _results import emit  # noqa: E402
+
+RESULT_KEYS = ("memory_ratio", "peak_bytes", *FIELDS)
 
 
 def dense_attend(q, k, v, documents=None):
@@ -88,7 +90,10 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--doc-tokens", type=int, nargs=2, metavar=("LO", "HI"), help="document lengths (32..s/4)")
     ap.add_argument("--per-document", action="store_true", help="ours: one SDPA call per document at every length")
+    ap.add_argument("--smoke", action="store_true", help="s = 256, batch 1, one block of one step (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.steps, args.batch, args.seqs = 1, 1, 1, [256]
 
     import torch
 
@@ -154,7 +159,7 @@ def main() -> None:
         result["memory_ratio"][f"s{seq}"] = round(ours / dense, 4)
         result["peak_bytes"][f"s{seq}"] = {"ours": ours, "dense": dense}
     result.update(keyed_result_fields(stats))
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

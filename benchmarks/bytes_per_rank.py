@@ -13,14 +13,15 @@ the step — and the largest rank's total is compared:
 Bytes are exact counts, the same on every run: one run, no spread. Autocast's per-step weight copies are not
 tensors the rank holds after the step (``tests/test_memory_model.py`` measures the peak within a step).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bytes_per_rank.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bytes_per_rank.py [--smoke]
 
-Ends with ``RESULT {json}``.
+``--smoke``: the same two comparisons on two processes each (dp2 ZeRO-1; pp2 without data parallelism, where
+ZeRO-3 shards over a group of one). Ends with ``RESULT {json}``: per comparison the layout, its processes, the
+ratio and each job's bytes.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -28,16 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _engine_ranks import init_rank, run_ranks  # noqa: E402
+from _results import emit  # noqa: E402
 
+#: comparison -> (layout, processes, {job: its config over the base}); the peer's job first
 JOBS = {
-    "dp4_zero1": (
+    "zero1_bf16_params_vs_autocast": (
+        "dp4 ZeRO-1",
         4,
         {
             "bf16_autocast": {"parallel": {"zero_stage": 1}, "train": {"dtype": "bf16"}},
             "bf16_params": {"parallel": {"zero_stage": 1}, "train": {"dtype": "bf16", "param_dtype": "bf16"}},
         },
     ),
-    "dp4_pp2": (
+    "zero3_vs_zero2_under_pp": (
+        "dp4 x pp2 (1F1B), fp32",
         8,
         {
             "zero2": {"parallel": {"zero_stage": 2, "pipeline_parallel_size": 2}},
@@ -45,6 +50,11 @@ JOBS = {
         },
     ),
 }
+
+
+SMOKE = {"zero1_bf16_params_vs_autocast": ("dp2 ZeRO-1", 2, {"parallel": {"data_parallel_size": 2}}),
+         "zero3_vs_zero2_under_pp": ("pp2, fp32", 2, {"parallel": {"data_parallel_size": 1}})}  # fmt: skip
+RESULT_KEYS = ("zero1_bf16_params_vs_autocast", "zero3_vs_zero2_under_pp")  # JOBS' comparisons
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -127,8 +137,14 @@ def measure(world: int, jobs: dict, setup: dict | None = None, timeout_s: float 
 
 
 def main() -> int:
+    smoke = "--smoke" in sys.argv[1:]
+    if set(sys.argv[1:]) - {"--smoke"}:
+        raise SystemExit(f"usage: bytes_per_rank.py [--smoke] (got {' '.join(sys.argv[1:])})")
     result = {}
-    for layout, (world, jobs) in JOBS.items():
+    for name, (layout, world, jobs) in JOBS.items():
+        if smoke:
+            layout, world, setup = SMOKE[name]
+            jobs = {job: _merge(extra, setup) for job, extra in jobs.items()}
         measured = measure(world, jobs)
         (ours, ours_bytes), (peer, peer_bytes) = reversed(list(measured.items()))  # JOBS: the peer first
         ratio = ours_bytes["max_total"] / peer_bytes["max_total"]
@@ -136,8 +152,8 @@ def main() -> int:
             kinds = ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in m["rank0"].items())
             print(f"{layout} {job}: largest rank {m['max_total'] / 2**10:.1f} KiB (rank 0: {kinds})")
         print(f"{layout}: {ours} ÷ {peer} = {ratio:.3f}")
-        result[layout] = {"ratio": round(ratio, 4), "jobs": measured}
-    print("RESULT " + json.dumps(result))
+        result[name] = {"layout": layout, "processes": world, "ratio": round(ratio, 4), "jobs": measured}
+    emit(result, RESULT_KEYS, smoke=smoke)
     return 0
 
 

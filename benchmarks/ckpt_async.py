@@ -16,12 +16,15 @@ and async stall ÷ sync stall (goal ≤ 0.2).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _results import emit
+
+RESULT_KEYS = ("async_stall_steps", "sync_stall_steps", "async_over_sync_stall", "async_over_sync_iqr", "goal")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -75,7 +78,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--every", type=int, default=8, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3, help="saves per block")
+    ap.add_argument("--smoke", action="store_true", help="hidden 64, one layer, one block of one save (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.hidden, args.layers, args.every, args.saves = 1, 64, 1, 2, 1
     import torch
 
     from kuangchao_core.perm import guard_api
@@ -121,7 +127,7 @@ def main() -> None:
         "async_over_sync_iqr": [round(lo, 3), round(hi, 3)],
         "goal": "async stall <= 1 step and <= 0.2 x sync",
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

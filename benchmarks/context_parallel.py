@@ -1,31 +1,31 @@
-"""Context parallelism's step time: ours at cp2 against one process on the same sequence, and against torch's own
-context parallelism (``torch.distributed.tensor.experimental.context_parallel``) where torch can run it (issue 30).
+"""Context parallelism's step time and bytes: our ring attention at cp2 against the all-gather-K/V variant
+torchtitan also offers, and against one process on the same sequence (issue 30).
 
-Two Gloo processes. Ours: a Llama-style model (hidden 128, 2 layers, 4 query and 2 K/V heads) whose attention is
-ring attention over the CP group (``models.ring_attention.use_attention`` + ``cp_attention``, what the trainer
-sets at cp > 1); each rank keeps its load-balanced shard of the batch (``parallel.context.shard_inputs``), the loss
-is the global batch's mean, and gradients are summed over the CP group (the trainer reduces them over dp×cp). The
-baseline: the same model and sequence in one process (rank 0; rank 1 waits). A step is forward + backward +
-AdamW, seen by rank 0; blocks of ``--steps`` steps alternate the two sides, the order flipped every block, and each
-block gives one ratio, median cp2 step ÷ median one-process step (``benchmarks/_ratios.py``).
+Two Gloo processes. A Llama-style model (hidden 128, 2 layers, 4 query and 2 K/V heads) whose attention runs over
+the CP group in one of two ways (``models.ring_attention.use_attention``): ``ring`` — ours, ``cp_attention``
+(K/V shards passed around the ring, the next exchange overlapping the current block, a second ring pass in the
+backward) — or ``allgather`` — every rank's K/V gathered before one local SDPA, ``dK``/``dV`` reduce-scattered in
+the backward (``benchmarks/_allgather_kv.py``). Each rank keeps its load-balanced shard of the batch
+(``parallel.context.shard_inputs``), the loss is the global batch's mean and gradients are summed over the group.
+The baseline: the same model and sequence in one process (rank 0; rank 1 waits). A step is forward + backward +
+AdamW, seen by rank 0; blocks of ``--steps`` steps rotate the three sides, and each block gives one ratio per
+comparison, median ours ÷ median peer (``benchmarks/_ratios.py``).
 
-Torch's context parallelism: probed with one causal SDPA forward and backward on the two CPU ranks. Torch 2.13
-dispatches only the CUDA flash, memory-efficient and cuDNN SDPA ops to its ring; on CPU the SDPA op is
-``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor sharding strategy, so the probe fails
-and the benchmark prints torch's exact error instead of a ratio. (Timing torch's ring needs two or more GPUs and
-NCCL; this CPU/Gloo benchmark does not do it.)
+Bytes: the comm layer's counters over one step of each cp2 side, against the formula from the shapes
+(``_allgather_kv.payload_formula``: exact, so the run fails when they differ); times are reported, not asserted.
+Torch's own ``context_parallel`` is not timed: torch 2.13 runs it only with the CUDA SDPA kernels.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/context_parallel.py [--blocks 10] [--steps 3] [--seq 2048]
     .venv/bin/python benchmarks/context_parallel.py --smoke     # seconds: one block of one step, seq 64
 
-Ends with ``RESULT {json}``: ``ratio_vs_peer`` etc. keyed by comparison (``cp2_vs_one_process``), ``torch_cp``
-("ran" or torch's error).
+Ends with ``RESULT {json}``: ``ratio_vs_peer`` etc. keyed by comparison (``ring_vs_allgather_kv``,
+``ring_vs_one_process``), each cp2 side's first loss against one process's, and ``bytes_per_step`` (counted,
+formula, bytes a rank sends) per side.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,10 +34,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _allgather_kv import allgather_attention, counted, payload_formula, sent_bytes  # noqa: E402
 from _engine_ranks import init_rank, run_ranks  # noqa: E402
-from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
+from _results import emit  # noqa: E402
 
 WORLD = 2
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # _model's
+RESULT_KEYS = (*FIELDS, "first_loss_rel_diff", "bytes_per_step", "batch", "cp", "backend")
 
 
 def _model(seq: int):
@@ -57,84 +61,68 @@ def _model(seq: int):
     return model
 
 
-def probe_torch_cp(device) -> str:
-    """ "ran" when torch's ``context_parallel`` runs a causal SDPA forward and backward on ``device`` over the
-    default group, else torch's exception as ``Type: message``."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    mesh = DeviceMesh(device.type, list(range(WORLD)))
-    q, k, v = (torch.randn(1, 4, 64, 16, device=device) for _ in range(3))  # buffers torch reshards in place
-    try:
-        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
-            for t in (q, k, v):
-                t.requires_grad_()
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    except Exception as exc:  # torch's own refusal is the result
-        cause = exc.__context__ if isinstance(exc, RuntimeError) and exc.__context__ is not None else exc
-        return f"{type(cause).__name__}: {cause}"
-    return "ran"
-
-
 def _worker(rank: int, world: int, port: int, root: str, args, queue) -> None:
     init_rank(rank, world, port)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from kuangchao_core.comm import COMM_STATS
     from kuangchao_core.comm import primitives as P
     from kuangchao_core.comm.group import CommGroup
     from kuangchao_core.models.ring_attention import cp_attention, use_attention
     from kuangchao_core.parallel.context import shard_inputs
 
-    device = torch.device("cpu")
-    torch_cp = probe_torch_cp(device)
     group = CommGroup(list(range(world)), backend="gloo", name="cp")
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(3))
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].contiguous()}
     count = batch["labels"].numel()
     local = shard_inputs(batch, world, rank)
-    ours, one = _model(args.seq), _model(args.seq)
-    use_attention(ours, cp_attention(group))
-    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in (("cp2", ours), ("one", one))}
+    models = {"ring": _model(args.seq), "allgather": _model(args.seq), "one": _model(args.seq)}
+    use_attention(models["ring"], cp_attention(group))
+    use_attention(models["allgather"], allgather_attention(group))
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
 
     def loss_of(model, b):
         logits = model(b["input_ids"], b.get("position_ids"))
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum") / count
 
-    def step_cp2() -> float:
-        loss = loss_of(ours, local)
+    def step_cp2(name: str) -> float:
+        loss = loss_of(models[name], local)
         loss.backward()
-        for p in ours.parameters():
+        for p in models[name].parameters():
             P.all_reduce(p.grad, group=group)
-        opts["cp2"].step()
-        opts["cp2"].zero_grad(set_to_none=True)
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
         return float(P.all_reduce(loss.detach().clone(), group=group))
 
     def step_one() -> float:
         if rank == 0:
-            loss = loss_of(one, batch)
+            loss = loss_of(models["one"], batch)
             loss.backward()
             opts["one"].step()
             opts["one"].zero_grad(set_to_none=True)
             return float(loss.detach())
         return 0.0
 
-    first = {"cp2": step_cp2(), "one": step_one()}  # also the warm-up
-    sides = [("cp2", step_cp2), ("one", step_one)]
-    times: dict[str, list[list[float]]] = {name: [] for name, _ in sides}
+    sides = {"ring": lambda: step_cp2("ring"), "allgather": lambda: step_cp2("allgather"), "one": step_one}
+    first, counts = {}, {}
+    for name, fn in sides.items():  # the first step of each: its loss, its bytes, and the warm-up
+        before = COMM_STATS.bytes_by_op()
+        first[name] = fn()
+        counts[name] = counted(before, COMM_STATS.bytes_by_op())
+    order = list(sides)
+    times: dict[str, list[list[float]]] = {name: [] for name in sides}
     for blk in range(args.blocks):
-        for name, fn in sides if blk % 2 == 0 else sides[::-1]:
+        for name in order[blk % 3 :] + order[: blk % 3]:
             got = []
             for _ in range(args.steps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                fn()
+                sides[name]()
                 got.append(time.perf_counter() - t0)
             times[name].append(got)
-    queue.put((rank, {"times": times, "first": first, "torch_cp": torch_cp}))
+    queue.put((rank, {"times": times, "first": first, "counted": counts}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,22 +136,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.blocks, args.steps, args.seq = 1, 1, 64
     out = run_ranks(WORLD, _worker, (args,))[0]
-    times = out["times"]
-    stats = {"cp2_vs_one_process": block_stats(list(zip(times["cp2"], times["one"], strict=True)))}
+    times, first = out["times"], out["first"]
+    stats = {
+        "ring_vs_allgather_kv": block_stats(list(zip(times["ring"], times["allgather"], strict=True))),
+        "ring_vs_one_process": block_stats(list(zip(times["ring"], times["one"], strict=True))),
+    }
     med = {k: statistics.median(t for blk in v for t in blk) for k, v in times.items()}
-    first = out["first"]
-    print(f"cp2 {med['cp2'] * 1e3:.1f} ms/step, one process {med['one'] * 1e3:.1f} ms/step (all blocks)")
-    print(format_line("cp2 ÷ one process", stats["cp2_vs_one_process"]))
-    print(f"torch's context_parallel on CPU/Gloo: {out['torch_cp']}")
+    print(", ".join(f"{k} {v * 1e3:.1f} ms/step" for k, v in med.items()) + " (all blocks)")
+    for name, st in stats.items():
+        print(format_line(name.replace("_vs_", " ÷ "), st))
+    n = args.seq // WORLD
+    k_bytes = args.batch * KV_HEADS * n * HEAD_DIM * 4  # fp32
+    nbytes = {}
+    for side in ("ring", "allgather"):
+        formula = {op: LAYERS * b for op, b in payload_formula(side, k_bytes, n, WORLD).items()}
+        nbytes[side] = {
+            "counted": out["counted"][side],
+            "formula": formula,
+            "sent_per_rank": sent_bytes(formula, WORLD),
+        }
+        print(
+            f"{side}: bytes counted {out['counted'][side]}, formula {formula}; a rank sends {nbytes[side]['sent_per_rank']:,}"
+        )
     result = {
         **keyed_result_fields(stats),
-        "first_loss_rel_diff": abs(first["cp2"] - first["one"]) / abs(first["one"]),
-        "torch_cp": out["torch_cp"],
+        "first_loss_rel_diff": {k: abs(first[k] - first["one"]) / abs(first["one"]) for k in ("ring", "allgather")},
+        "bytes_per_step": nbytes,
         "batch": [args.batch, args.seq],
         "cp": WORLD,
         "backend": "gloo",
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
+    wrong = [side for side, b in nbytes.items() if b["counted"] != b["formula"]]
+    if wrong:
+        print(f"context_parallel: the bytes counted differ from the formula for {wrong}", file=sys.stderr)
+        return 1
     return 0
 
 

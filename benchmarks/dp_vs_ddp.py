@@ -15,7 +15,6 @@ Ends with ``RESULT {"ratio_vs_peer": median of the per-block ratios, "ratio_iqr"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -24,11 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _ratios import block_stats, format_line, result_fields
+from _ratios import FIELDS, block_stats, format_line, result_fields
+from _results import emit
 
 from kuangchao_core.sched.launcher import free_port
 
 WORLD = 2
+RESULT_KEYS = (*FIELDS, "ours_median_s", "ddp_median_s", "params_equal")
 
 
 def _model_config():
@@ -124,7 +125,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--smoke", action="store_true", help="one block of one step, batch 2 x 16 (seconds)")
     args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.steps, args.batch, args.seq = 1, 1, 2, 16
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -156,17 +160,13 @@ def main() -> None:
     print(format_line("ours/ddp", stats))
     print(f"parameters equal after training: {results[0]['same_params']}")
     print(f"wall time {time.perf_counter() - t_start:.1f} s")
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                **result_fields(stats),
-                "ours_median_s": round(ours_med, 5),
-                "ddp_median_s": round(ddp_med, 5),
-                "params_equal": results[0]["same_params"],
-            }
-        )
-    )
+    result = {
+        **result_fields(stats),
+        "ours_median_s": round(ours_med, 5),
+        "ddp_median_s": round(ddp_med, 5),
+        "params_equal": results[0]["same_params"],
+    }
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ The last line is ``RESULT {json}`` with ``ratio_vs_peer`` = median of the per-bl
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -27,9 +26,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import block_stats, format_line, result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, result_fields  # noqa: E402
+from _results import emit  # noqa: E402
 
 JOB = "bench"
+RESULT_KEYS = (
+    *FIELDS,
+    "enforcing_step_ms",
+    "trusted_step_ms",
+    "steps_per_mode_per_rank",
+    "check_ns",
+    "allow_all_check_ns",
+    "checks_per_step",
+    "guard_cost_per_step_pct",
+    "verify_us",
+    "world_size",
+    "backend",
+)
 
 
 def _body(rank, world_size, token, trust, trust_root, policy_file, audit, blocks, steps):
@@ -105,7 +118,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=20, help="blocks of enforcing + trusted")
     ap.add_argument("--steps", type=int, default=20, help="steps of each mode per block")
+    ap.add_argument("--smoke", action="store_true", help="one block of two steps (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.blocks, args.steps = 1, 2
 
     from kuangchao_core.perm.authority import Authority
     from kuangchao_core.perm.issuance import POLICY_TYP
@@ -187,7 +203,7 @@ def main(argv=None) -> int:
         f"one check {check_ns:.0f} ns (AllowAll {allow_ns:.0f} ns); {checks} checks/step "
         f"= {result['guard_cost_per_step_pct']}% of a step; token verify {verify_us:.1f} us"
     )
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import block_stats, format_line, result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, result_fields  # noqa: E402
+from _results import emit  # noqa: E402
 from attention_packed import packed_batch  # noqa: E402
+
+RESULT_KEYS = (*FIELDS,)
 
 
 @contextlib.contextmanager
@@ -44,7 +46,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="one block of one step (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.steps = 1, 1
 
     import torch
 
@@ -84,7 +89,7 @@ def main() -> None:
         f"tiny preset, 8 rows of 64 tokens, documents of 8..14 tokens ({len(packed_batch(8, 64, doc_tokens=(8, 14)).spans[0])} in row 0)"
     )
     print(format_line("training step short_rows_mask ÷ per-document", stats))
-    print("RESULT " + json.dumps(result_fields(stats)))
+    emit(result_fields(stats), RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

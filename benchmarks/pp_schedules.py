@@ -19,7 +19,6 @@ step times beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,10 +33,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
+from _results import emit  # noqa: E402
 
 from kuangchao_core.sched.launcher import free_port  # noqa: E402
 
+RESULT_KEYS = (*FIELDS, "bubble", "interleaved_gain", "sim_step", "config")
 M = 8
 V = 2
 MB = 2
@@ -238,12 +239,15 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=10, help="blocks of the four real-compute runners")
     ap.add_argument("--steps", type=int, default=2, help="steps of each runner per block")
     ap.add_argument("--sim-rounds", type=int, default=2, help="rounds of the simulated-compute runs")
+    ap.add_argument("--smoke", action="store_true", help="p=2 only, one block of one step, one simulated round")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.blocks, args.steps, args.sim_rounds = 1, 1, 1
     from kuangchao_core.parallel.pp_schedules import bubble_fraction
 
     t_start = time.perf_counter()
     stats, bubble, sim, gain = {}, {}, {}, {}
-    for p in (2, 4):
+    for p in (2,) if args.smoke else (2, 4):
         per_rank = _run(p, args)
         for name, short, v in (("1f1b", "1f1b", 1), ("interleaved_1f1b", "interleaved", V)):
             ours, b = _summary(per_rank, "real", f"ours_{name}", p)
@@ -289,7 +293,7 @@ def main(argv=None):
             "sim_rounds": args.sim_rounds,
         },
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Goals (the issue): ZeRO-3 ≤ 0.30× ZeRO-0; activation memory full ≤ 0.5×, s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,9 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _engine_ranks import init_rank, run_ranks  # noqa: E402
 from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+from _results import emit  # noqa: E402
 
 MODES = ("none", "full", "selective")
-ZERO_WORLD = 4
+ZERO_WORLD = 4  # --smoke: 2
+RESULT_KEYS = (
+    "zero_bytes_per_rank",
+    "zero_vs_zero0",
+    "activation_memory_vs_none",
+    "activation_bytes",
+    "step_time_ratio_vs_peer",
+    "step_time_ratio_iqr",
+    "step_time_ratio_min_max",
+    "step_time_blocks",
+    "goals",
+)
 
 
 def _zero_worker(rank: int, world: int, port: int, root: str, queue) -> None:
@@ -51,7 +62,7 @@ def _zero_worker(rank: int, world: int, port: int, root: str, queue) -> None:
                 "task": {"name": f"zero{stage}", "seed": 1},
                 "model": {"preset": "tiny", "num_layers": 4},
                 "data": {"format": "synthetic", "seq_len": 32, "synthetic": {"num_train": 256, "num_eval": 8}},
-                "parallel": {"data_parallel_size": ZERO_WORLD, "zero_stage": stage, "micro_batch_size": 2},
+                "parallel": {"data_parallel_size": world, "zero_stage": stage, "micro_batch_size": 2},
                 "optimizer": {"lr": 1e-3},
                 "train": {"steps": 1, "device": "cpu", "log_interval": 100},
                 "permission": {"mode": "trusted"},
@@ -59,8 +70,8 @@ def _zero_worker(rank: int, world: int, port: int, root: str, queue) -> None:
                 "tracking": {"uri": f"sqlite:///{root}/mlflow.db"},
             }
         )
-        mesh = ParallelMesh.from_config(cfg.parallel, rank, ZERO_WORLD)
-        trainer = Trainer(run_settings(cfg), rank, ZERO_WORLD, torch.device("cpu"), world_group(), mesh)
+        mesh = ParallelMesh.from_config(cfg.parallel, rank, world)
+        trainer = Trainer(run_settings(cfg), rank, world, torch.device("cpu"), world_group(), mesh)
         trainer.run(resume="never", max_steps=1)
         out[stage] = trainer.sync.tensor_bytes()
         out["psi"] = trainer.model_config.num_params()
@@ -68,12 +79,12 @@ def _zero_worker(rank: int, world: int, port: int, root: str, queue) -> None:
     queue.put((rank, out))
 
 
-def zero_memory() -> dict:
-    """Bytes per rank (the largest over the four ranks) of parameters + gradients + AdamW state by ZeRO stage."""
-    results = run_ranks(ZERO_WORLD, _zero_worker)
+def zero_memory(world: int = ZERO_WORLD) -> dict:
+    """Bytes per rank (the largest over the ``world`` ranks) of parameters + gradients + AdamW state by ZeRO stage."""
+    results = run_ranks(world, _zero_worker)
     psi = results[0]["psi"]
-    per_stage = {stage: max(sum(results[r][stage].values()) for r in range(ZERO_WORLD)) for stage in (0, 1, 2, 3)}
-    n = ZERO_WORLD
+    per_stage = {stage: max(sum(results[r][stage].values()) for r in range(world)) for stage in (0, 1, 2, 3)}
+    n = world
     formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
     return {"psi": psi, "bytes": per_stage, "formula": formula}
 
@@ -85,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--skip-zero", action="store_true", help="only the activation-checkpointing part")
+    ap.add_argument("--smoke", action="store_true", help="ZeRO at dp2; 2 x 32 tokens, one block of one step")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.blocks, args.steps, args.seq, args.batch = 1, 1, 32, 2
+    world = 2 if args.smoke else ZERO_WORLD
 
-    zero = None if args.skip_zero else zero_memory()
+    zero = None if args.skip_zero else zero_memory(world)
     if zero is not None:
-        print(f"ZeRO at dp{ZERO_WORLD}, {zero['psi'] / 1e6:.3f} M params: params + grads + AdamW state per rank")
+        print(f"ZeRO at dp{world}, {zero['psi'] / 1e6:.3f} M params: params + grads + AdamW state per rank")
         for stage, b in zero["bytes"].items():
             print(
                 f"  ZeRO-{stage}: {b / 2**20:7.3f} MiB  ({b / zero['bytes'][0]:.3f}x ZeRO-0; formula "
@@ -153,15 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:<10} activations held after the forward: {held[mode] / 2**20:8.2f} MiB")
     for mode, st in stats.items():
         print(format_line(f"step time {mode} ÷ none", st) + f"; memory {mem[mode]:.3f}× of none")
+    skipped = {"skipped": "--skip-zero"}
     result = {
-        **(
-            {
-                "zero_bytes_per_rank": zero["bytes"],
-                "zero_vs_zero0": {s: round(b / zero["bytes"][0], 4) for s, b in zero["bytes"].items()},
-            }
-            if zero is not None
-            else {}
-        ),
+        "zero_bytes_per_rank": zero["bytes"] if zero is not None else skipped,
+        "zero_vs_zero0": {s: round(b / zero["bytes"][0], 4) for s, b in zero["bytes"].items()} if zero else skipped,
         "activation_memory_vs_none": {m: round(v, 4) for m, v in mem.items()},
         "activation_bytes": held,
         **{f"step_time_{k}": v for k, v in keyed_result_fields(stats).items()},
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_time": {"full": 1.35, "selective": 1.15},
         },
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -41,6 +40,9 @@ LAYOUTS = [
     ("dp2 b4", {"data_parallel_size": 2, "micro_batch_size": 4}, "aware"),
     ("dp2 fp16", {"data_parallel_size": 2, "micro_batch_size": 8, "grad_compression": "fp16"}, "aware"),
 ]
+
+
+RESULT_KEYS = ("link", "calibration", "layouts", "worst_error", "goal_error", "scaling", "goal_efficiency")
 
 
 def _cfg(parallel: dict):
@@ -69,13 +71,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rate", default="400mbit")
+    ap.add_argument("--smoke", action="store_true", help="3 steps, the calibration and one layout")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 3
     from _multihost import Bench, bench_unavailable, engine_step_times, probe_bench, spread
+    from _results import emit
 
     from kuangchao_core.config import load_config
     from kuangchao_core.engine.traffic import group_traffic
     from kuangchao_core.models.llama import config_from_model_section
-    from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step, scaling_table
+    from kuangchao_core.sched.perf_model import ClusterModel, Layout, predict_step
+    from kuangchao_core.sched.perf_scaling import scaling_table
     from kuangchao_core.sched.rank_placement import place_ranks
 
     why = bench_unavailable()
@@ -119,7 +126,7 @@ def main() -> int:
             "matmul rate",
             flush=True,
         )
-        for name, parallel, mode in LAYOUTS:
+        for name, parallel, mode in LAYOUTS[:1] if args.smoke else LAYOUTS:
             cfg = _cfg(parallel)
             got = measure(parallel, mode)
             pred = predict_step(mcfg, Layout.from_config(cfg), calibrated, method=_method(cfg, nproc), placement=mode)
@@ -172,7 +179,7 @@ def main() -> int:
         "scaling": scale,
         "goal_efficiency": {"64": 0.90, "128": 0.85, "512": 0.80},
     }
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 

@@ -31,7 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import block_stats, format_line, keyed_result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
+from _results import emit  # noqa: E402
+
+RESULT_KEYS = (*FIELDS, "seconds", "kc_phases")
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -72,7 +75,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prefect-api", default=None, help="a running Prefect API (default: the temporary server)")
     parser.add_argument("--kc-root", default=str(ROOT), help="the checkout whose kc train runs (e.g. an older one)")
+    parser.add_argument("--smoke", action="store_true", help="one block of 2 steps, no warm-up runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.steps = 1, 2
 
     work = Path(tempfile.mkdtemp(prefix="kc-startup-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": args.kc_root, "KC_RUNS_DIR": str(work / "runs")}
@@ -100,8 +106,9 @@ def main() -> None:
     def run(side: str) -> dict[str, float]:
         return _timed(sides[side], env, work, args.steps, log)
 
-    print(f"work directory {work}; warm-up runs (not counted)", flush=True)
-    run("ours"), run("peer")
+    if not args.smoke:
+        print(f"work directory {work}; warm-up runs (not counted)", flush=True)
+        run("ours"), run("peer")
     times: dict[str, list[dict[str, float]]] = {"ours": [], "peer": []}
     for b in range(args.blocks):
         for side in ("ours", "peer") if b % 2 == 0 else ("peer", "ours"):
@@ -117,17 +124,17 @@ def main() -> None:
     seconds = {
         side: {what: round(statistics.median(t[what] for t in times[side]), 2) for what in stats} for side in times
     }
-    phases = _kc_phases(work / "runs")
+    phases = _kc_phases(work / "runs", warm_up=not args.smoke)
     for what, s in stats.items():
         print(format_line(f"kc train ÷ torchrun, {what}", s))
     print(f"medians (s): {json.dumps(seconds)}")
     print(f"kc train's phases, medians of the counted runs (s): {json.dumps(phases)}")
-    print("RESULT " + json.dumps({**keyed_result_fields(stats), "seconds": seconds, "kc_phases": phases}))
+    emit({**keyed_result_fields(stats), "seconds": seconds, "kc_phases": phases}, RESULT_KEYS, smoke=args.smoke)
 
 
-def _kc_phases(runs: Path) -> dict[str, dict[str, float]]:
+def _kc_phases(runs: Path, warm_up: bool = True) -> dict[str, dict[str, float]]:
     """Median per phase of ``startup_s`` and ``after_last_step_s`` over the counted runs' summary.json files."""
-    summaries = sorted(runs.glob("*/*/summary.json"))[1:]  # the first is the warm-up's
+    summaries = sorted(runs.glob("*/*/summary.json"))[1 if warm_up else 0 :]  # the first is the warm-up's
     out: dict[str, dict[str, float]] = {}
     for key in ("startup_s", "after_last_step_s"):
         rows = [json.loads(p.read_text()).get(key) for p in summaries]

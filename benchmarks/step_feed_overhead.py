@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import statistics
 import subprocess
 import sys
@@ -27,14 +26,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import block_stats, format_line, result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, result_fields  # noqa: E402
+from _results import emit  # noqa: E402
+
+RESULT_KEYS = ("benchmark", "step_ms_with", "step_ms_without", *FIELDS, "record_ns")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--smoke", action="store_true", help="one block of 5 steps (seconds)")
     args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.steps = 1, 5
 
     import torch
 
@@ -78,7 +83,7 @@ def main() -> None:
         blocks.append((got[True], got[False]))
     feed.close()
 
-    n = 100_000
+    n = 1_000 if args.smoke else 100_000
     probe = StepFeed(period_s=3600, emit=lambda kind, **fields: None)
     t0 = time.perf_counter_ns()
     for i in range(n):
@@ -100,7 +105,7 @@ def main() -> None:
         "step_ms_without": round(without_ms, 4),
     }
     result |= result_fields(stats) | {"record_ns": round(record_ns)}
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Ends with ``RESULT {"ratio_vs_peer": median of the per-block ratios, "ratio_iqr"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,11 +26,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _ratios import block_stats, format_line, result_fields
+from _ratios import FIELDS, block_stats, format_line, result_fields
+from _results import emit
 
 from kuangchao_core.sched.launcher import free_port
 
 WORLD = 2
+RESULT_KEYS = (
+    *FIELDS,
+    "ours_median_step_s",
+    "dtensor_median_step_s",
+    "steps_each",
+    "first_loss_ours",
+    "first_loss_dtensor",
+    "first_loss_rel_diff",
+    "ours_comm_ops_per_step",
+    "model",
+    "batch",
+    "tp",
+    "backend",
+)
 BATCH, SEQ = 4, 64
 
 
@@ -144,7 +158,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", "--rounds", dest="blocks", type=int, default=16, help="blocks of ours + DTensor")
     parser.add_argument("--steps", type=int, default=4, help="steps of each side per block")
+    parser.add_argument("--smoke", action="store_true", help="one block of one step (seconds)")
     args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.steps = 1, 1
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -176,7 +193,7 @@ def main() -> None:
     }
     print(f"ours {med['ours'] * 1e3:.1f} ms/step, DTensor {med['dtensor'] * 1e3:.1f} ms/step (all blocks)")
     print(format_line("ours/dtensor", stats))
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_smoke import assert_smoke_result
 from tests.tolerances import FP32_LOSS_REL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +94,7 @@ def test_gpu_check_smoke_runs_every_section_with_sane_figures(tmp_path, prefect_
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
+    assert_smoke_result(CHECK, result, proc.stdout)  # the keys every benchmark's smoke run is held to
     assert json.loads((out / "gpu_check.json").read_text()) == result and result["complete"] is True
     statuses = {k: v["status"] for k, v in result["sections"].items()}
     assert statuses == dict.fromkeys(

@@ -31,6 +31,8 @@ FILE_TIERS = {
     "test_bad_steps.py": "distributed",
     "test_bench_ratios.py": "unit",
     "test_bench_context_parallel.py": "distributed",
+    "test_bench_smoke.py": "distributed",
+    "test_bench_tables.py": "unit",
     "test_bf16_params.py": "distributed",
     "test_fp32_accumulation.py": "distributed",
     "test_blocks.py": "flows",
@@ -177,6 +179,7 @@ TEST_TIERS = {
     "test_anomaly.py::test_a_scrape_is_a_monitor_read_under_its_roles_rules": "unit",
     "test_anomaly.py::test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet": "unit",
     "test_anomaly.py::test_thresholds_are_warmed_up_and_relative_to_the_run": "unit",
+    "test_bench_tables.py::test_make_bench_smoke_runs_a_script_and_renders_it_into_a_scratch_copy": "distributed",
     "test_bounded_readers.py::test_a_1_gib_single_line_text_file_is_refused_fast_with_bounded_memory": "distributed",
     "test_ckpt.py::test_crash_during_save_keeps_previous": "distributed",
     "test_ckpt.py::test_two_process_save_verifies": "distributed",
@@ -248,6 +251,7 @@ RUN_FIRST = (
     "test_slurm_placement.py",
     "test_recovery.py",
     "test_gpu_check.py",
+    "test_bench_smoke.py",
     "test_deployment.py",
 )
 

@@ -48,7 +48,6 @@ until the end; ``"sections"`` holds each one's status and wall time) and ends wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -280,6 +279,12 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+#: the RESULT's keys (benchmarks/_results.py); a section left out by a flag or the budget says so as its value
+RESULT_KEYS = ("device", "torch", "phase_peak", "communicators_plan", "bf16_vs_fp32", "llama_1b_step",
+               "packed_attention", "bytes_per_rank", "engine", "host_staging", "wall_s", "sections",
+               "complete")  # fmt: skip
+
+
 def _print_step(result: dict) -> None:
     for side in ("ours", "peer"):
         r = result[side]
@@ -304,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kc-train-steps", type=int, default=None, help="steps of the kc train run (40; --smoke 3)")
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds for the whole check")
     args = ap.parse_args(argv)
+    from _results import emit
     from engine_check import Budget, engine_checks
     from sections import phase_peak_check, plan_communicators, run_section, write_partial
 
@@ -325,12 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.skip_tracking:
         plan.append(("bf16_vs_fp32", (loss_tracking, device, small, 10 if small else 50), 150, 30))
+    else:
+        result["bf16_vs_fp32"] = {"skipped": "--skip-tracking"}
     step_args = (step_timing, device, small, args.steps, args.blocks, args.batch, args.recompute)
     plan += [("llama_1b_step", step_args, 240, 60), ("packed_attention", (_attention, device, small), 120, 20)]
     plan.append(("bytes_per_rank", (_bytes_per_rank, device, small), None, 30 if small else 90))
     if not args.skip_engine:
         engine = (engine_checks, device, small, out, args.kc_train_steps, budget)
         plan.append(("engine", (_engine, *engine), None, 0))
+    else:
+        result["engine"] = {"skipped": "--skip-engine"}
     for key, (fn, *fn_args), limit, need in plan:
         run_section(result, key, fn, *fn_args, out=out, limit_s=limit, budget_left=budget.left, need_s=need)
         if key == "bf16_vs_fp32" and "max_rel_loss_diff" in result[key]:
@@ -344,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     result["host_staging"] = host_staging.summary()  # this process's staged ops (the jobs' are in their logs)
     result["wall_s"] = round(args.budget_s - budget.left(), 1)
     write_partial(result, out, complete=True)
-    print("RESULT " + json.dumps(result, default=str))
+    emit(result, RESULT_KEYS, smoke=args.smoke)
     return 0
 
 
