@@ -9,14 +9,15 @@ mask of the tokens' global positions (``parallel.context``'s load-balanced layou
 
 The bytes are exact functions of the shapes. Per attention call and rank, with ``S`` the bytes of the local K (or
 V) shard, ``n`` local tokens and ``cp`` ranks, as the comm layer counts them (``COMM_STATS.bytes_by_op``: a
-batched exchange counts its sends and its receives, an ``all_gather`` its output, a ``reduce_scatter`` its input):
+batched exchange counts its sends under ``send`` and its receives under ``recv``, an ``all_gather`` its output, a
+``reduce_scatter`` its input):
 
 - ring: forward ``cp - 1`` exchanges of ``stack(K, V)`` and the int64 positions (``2S + 8n`` each way), backward
   the same again plus ``cp`` exchanges of the ``dK``/``dV`` accumulator (``2S'`` each way, ``S'`` in the
-  accumulation dtype) — all under ``send``;
+  accumulation dtype) — half of it under ``send``, half under ``recv``;
 - all-gather: ``all_gather`` ``cp · 2S`` forward, ``reduce_scatter`` ``cp · 2S`` backward.
 
-A rank sends half of the ring's count (its exchanges are symmetric) and ``(cp - 1) / cp`` of each collective's
+A rank sends the ring's ``send`` count and ``(cp - 1) / cp`` of each collective's
 (ring algorithms: every rank forwards ``cp - 1`` of the ``cp`` chunks): :func:`sent_bytes`.
 """
 
@@ -78,7 +79,8 @@ def payload_formula(variant: str, k_bytes: int, tokens: int, cp: int, acc_k_byte
     acc = k_bytes if acc_k_bytes is None else acc_k_bytes
     if variant == "ring":
         exchange = 2 * (2 * k_bytes + 8 * tokens)  # stack(K, V) and the positions, sent and received
-        return {"send": 2 * (cp - 1) * exchange + cp * 2 * (2 * acc)}
+        both_ways = 2 * (cp - 1) * exchange + cp * 2 * (2 * acc)
+        return {"send": both_ways // 2, "recv": both_ways // 2}
     if variant == "allgather":
         return {"all_gather": cp * 2 * k_bytes, "reduce_scatter": cp * 2 * k_bytes}
     raise ValueError(f"payload_formula: unknown variant {variant!r}")
@@ -91,8 +93,7 @@ def counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def sent_bytes(payload: dict[str, int], cp: int) -> int:
-    """Bytes a rank sends for ``payload`` (ops as counted): half of a symmetric exchange, ``(cp-1)/cp`` of a
-    collective's."""
-    p2p = payload.get("send", 0) // 2
+    """Bytes a rank sends for ``payload`` (ops as counted): its ``send`` bytes, ``(cp-1)/cp`` of a collective's."""
+    p2p = payload.get("send", 0)
     coll = sum(payload.get(op, 0) for op in ("all_gather", "reduce_scatter")) * (cp - 1) // cp
     return p2p + coll

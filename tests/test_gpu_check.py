@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "benchmarks" / "gpu" / "check.py"
 sys.path.insert(0, str(CHECK.parent))
 
+import _sections as sections  # noqa: E402
 import engine_check  # noqa: E402
-import sections  # noqa: E402
 
 BF16_REL = 0.02  # tests/test_mixed_precision.py's stated bf16 tolerance per step
 

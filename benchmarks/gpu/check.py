@@ -34,7 +34,7 @@ Also: ``phase_peak`` (the engine's per-step peak reset, ``engine.metrics.start_p
 its control) and ``communicators_plan`` (``kc plan``'s communicators and NCCL buffer estimate for eight GPUs).
 
 Budget: the whole check fits in 10 minutes on one H100/H200 — (a) ~0.5 min, (b) ~2.5 min, (f) < 1 min, (g) < 1 min,
-(c)-(e) ~6 min (itemised in ``engine_check.py``, run last). Every section is independent (``sections.py``): it
+(c)-(e) ~6 min (itemised in ``engine_check.py``, run last). Every section is independent (``_sections.py``): it
 prints a line when it starts and ends, runs under its own time limit, and a failure or time-out is recorded as
 ``{"error": ...}`` under its key while the next section runs; a section that no longer fits ``--budget-s`` (600)
 is skipped and says so. ``benchmarks/gpu/run_all.sh`` is the one command for a device session.
@@ -310,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds for the whole check")
     args = ap.parse_args(argv)
     from _results import emit
+    from _sections import phase_peak_check, plan_communicators, run_section, write_partial
     from engine_check import Budget, engine_checks
-    from sections import phase_peak_check, plan_communicators, run_section, write_partial
 
     budget = Budget(args.budget_s)
     if not args.smoke and not torch.cuda.is_available():

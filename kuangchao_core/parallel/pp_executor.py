@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.comm import diag
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.comm.group import CommGroup
 from kuangchao_core.comm.p2p_batch import batch_send_recv
@@ -282,6 +283,7 @@ class PipelineExecutor:
             t1 = time.perf_counter()
             if a.kind in (FORWARD, BACKWARD):
                 self.compute_seconds += t1 - t0
+                diag.beat()  # progress for comm.watchdog: a peer's receive posted ahead waits on this compute
             self.trace.append(TraceEvent(a, t0, t1, shape))
         for group_of in plan.get(len(actions), ()):  # the sends after the last compute
             exchange(group_of)
