@@ -112,7 +112,7 @@ def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, gro
     """
     g = _group(group)
     if tensor_list is None and staging.flat_enabled():
-        out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
+        out = tensor.new_empty((g.size * tensor.numel(),))  # new_empty: on the device as tensor (stand-in too)
         all_gather_into(out, tensor, group=g)
         return list(out.view(g.size, *tensor.shape).unbind(0))
     reason = "staged" if tensor_list is None else "list"
