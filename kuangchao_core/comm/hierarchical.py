@@ -132,7 +132,8 @@ class HierarchicalPipeline:
     ``wait()`` drives the sums up to its own to the end. Which collective is issued when depends only on the order
     of the ``start`` and ``wait`` calls, never on timing, so every rank issues the same sequence on every group.
     With ``overlap=False`` each ``start`` runs its sum to the end before returning (the blocking behaviour, kept
-    as the benchmark's control).
+    as the benchmark's control). On Gloo a wait blocks the host; on NCCL it orders the current stream after the
+    op (the host goes on), so backward kernels queued after a launch wait for the step issued one launch before.
     """
 
     def __init__(self, overlap: bool = True) -> None:

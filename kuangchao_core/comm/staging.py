@@ -1,9 +1,9 @@
 """Bytes the gathers and reduce-scatters copy through staging buffers, per op (issue 41, item 4).
 
 A collective is cheapest when the backend reads its input and writes its output where the caller keeps them:
-``all_gather_single`` / ``reduce_scatter_single`` on one flat buffer. The list forms (``all_gather`` into a list,
-``reduce_scatter`` of a list) make torch flatten them into a buffer of its own and copy through it once per call —
-for ZeRO-3, which gathers every unit every micro-batch, a second full copy of every gathered byte.
+``all_gather_single`` / ``reduce_scatter_single`` on one flat buffer. An ``all_gather`` into a list makes torch
+gather into a flat buffer of its own and copy out of it, and a reduce-scatter of chunks concatenated first copies
+its whole input — for ZeRO-3, which gathers every unit every micro-batch, a second full copy of every byte.
 
 :data:`STAGING` accounts every gather and reduce-scatter of ``comm.primitives``, by op:
 
