@@ -11,7 +11,10 @@ flipped every round, so drift hits all alike):
 
 Per round and reducer three timings, each the slowest rank's: ``step`` (forward, backward with the exchange,
 the final wait), ``compute`` (the same under ``no_sync``: no exchange) and ``comm`` (every bucket's exchange alone,
-launched and waited with nothing else running). The hidden share of the exchange is
+launched and waited with nothing else running). With ``--compute sleep`` (the default) the backward is simulated:
+each bucket's share of ``--sleep-ms`` is slept, then the bucket launches — the cores stay free for the exchange, so
+what is measured is how much of it the schedule overlaps (four ranks' real backward and their exchange compete for
+two shared cores here; ``--compute real`` runs the model's backward). The hidden share of the exchange is
 ``(compute + comm − step) / comm``: 1 when backward hides all of it, 0 when none. Prints each reducer's median
 with its interquartile range, and ends with ``RESULT {json}``: hidden shares, the times, and ``hier``'s step time
 over ``flat``'s (median of per-round ratios with spread, ``benchmarks/_ratios.py``).
@@ -69,8 +72,11 @@ def _rank(rank: int, world: int, port: int, root: str, args: dict, queue) -> Non
         intra, inter = (mesh.dp_intra_group, mesh.dp_inter_group) if m != "flat" else (None, None)
         reducer = BucketReducer(mesh.dp_group, intra, inter)
         reducer.pipeline.overlap = m != "hier_blocking"
+        reducer.pipeline.lag = args["lag"]
         dps[m] = (model, DataParallel(model, mesh.dp_group, bucket_cap_mb=args["bucket_mb"], reducer=reducer))
     world_g = world_group()
+    simulated = args["compute"] == "sleep"
+    per_bucket_s = args["sleep_ms"] / 1e3 / len(dps["flat"][1]._buckets)
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
@@ -87,10 +93,22 @@ def _rank(rank: int, world: int, port: int, root: str, args: dict, queue) -> Non
         model, dp = dps[m]
 
         def step() -> None:
+            if simulated:  # each bucket's gradients take their share of the compute, then the bucket launches
+                handles = []
+                for k, b in enumerate(dp._buckets):
+                    time.sleep(per_bucket_s)
+                    handles.append(dp.reducer.launch(k, b.buffer))
+                for hd in handles:
+                    hd.wait()
+                return
             causal_lm_loss(model(x), y).backward()
             dp.finish_gradient_sync()
 
         def compute() -> None:
+            if simulated:
+                for _ in dp._buckets:
+                    time.sleep(per_bucket_s)
+                return
             with dp.no_sync():
                 causal_lm_loss(model(x), y).backward()
 
@@ -130,10 +148,19 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument(
+        "--compute",
+        choices=("sleep", "real"),
+        default="sleep",
+        help="sleep: backward simulated as a sleep per bucket, which leaves the cores to the exchange (the schedule "
+        "measured, as the pipeline-bubble benchmark does); real: the model's own backward",
+    )
+    ap.add_argument("--lag", type=int, default=1, help="launches a pipelined step gets before it is waited for")
+    ap.add_argument("--sleep-ms", type=float, default=150.0, help="simulated backward time per step (all buckets)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, two rounds: seconds on a CPU")
     args = vars(ap.parse_args())
     if args["smoke"]:
-        args.update(rounds=2, reps=1, hidden=32, layers=2, seq=8, batch=2, bucket_mb=0.01)
+        args.update(rounds=2, reps=1, hidden=32, layers=2, seq=8, batch=2, bucket_mb=0.01, sleep_ms=20.0)
     from _engine_ranks import run_ranks
     from _ratios import block_stats, format_line, result_fields
 
@@ -145,6 +172,7 @@ def main() -> int:
             t = rd[m]
             hidden[m].append((t["compute"] + t["comm"] - t["step"]) / t["comm"])
     result = {
+        "compute": args["compute"],
         "world": WORLD,
         "nodes": 2,
         "buckets": len(out["buckets"]),

@@ -106,21 +106,22 @@ def hierarchical_all_reduce(
 class _Reduction:
     """One tensor's hierarchical sum in flight: ``advance()`` waits for the step issued last and issues the next."""
 
-    __slots__ = ("_steps", "_handle", "done")
+    __slots__ = ("_steps", "_handle", "done", "issued_at")
 
-    def __init__(self, flat, intra, inter, cross) -> None:
+    def __init__(self, flat, intra, inter, cross, now: int) -> None:
         self._steps = _steps(flat, intra, inter, cross)
         self._handle = None
         self.done = False
-        self.advance()
+        self.advance(now)
 
-    def advance(self) -> None:
+    def advance(self, now: int = 0) -> None:
         if self.done:
             return
         if self._handle is not None:
             self._handle.wait()
         self._handle = next(self._steps, None)
         self.done = self._handle is None
+        self.issued_at = now
 
 
 class HierarchicalPipeline:
@@ -132,19 +133,24 @@ class HierarchicalPipeline:
     ``wait()`` drives the sums up to its own to the end. Which collective is issued when depends only on the order
     of the ``start`` and ``wait`` calls, never on timing, so every rank issues the same sequence on every group.
     With ``overlap=False`` each ``start`` runs its sum to the end before returning (the blocking behaviour, kept
-    as the benchmark's control). On Gloo a wait blocks the host; on NCCL it orders the current stream after the
+    as the benchmark's control). ``lag``: the launches a step gets before the next ``start`` waits for it (1: the
+    next one). On Gloo a wait blocks the host; on NCCL it orders the current stream after the
     op (the host goes on), so backward kernels queued after a launch wait for the step issued one launch before.
     """
 
-    def __init__(self, overlap: bool = True) -> None:
+    def __init__(self, overlap: bool = True, lag: int = 1) -> None:
         self.overlap = overlap
+        self.lag = lag
+        self._starts = 0
         self._inflight: list[_Reduction] = []
 
     def start(self, flat: torch.Tensor, intra, inter, cross=None) -> _PipelineHandle:
         """Begin the sum of ``flat`` (see the class docstring); returns its handle."""
+        self._starts += 1
         for r in self._inflight:
-            r.advance()
-        r = _Reduction(flat, intra, inter, cross)
+            if self._starts - r.issued_at >= self.lag:
+                r.advance(self._starts)
+        r = _Reduction(flat, intra, inter, cross, self._starts)
         self._inflight = [x for x in self._inflight if not x.done] + ([] if r.done else [r])
         handle = _PipelineHandle(self, r)
         if not self.overlap:
