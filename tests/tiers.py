@@ -46,6 +46,7 @@ FILE_TIERS = {
     "test_cli_config.py": "unit",
     "test_cluster.py": "e2e",
     "test_comm.py": "distributed",
+    "test_comm_staging.py": "distributed",
     "test_comm_watchdog.py": "distributed",
     "test_compile.py": "distributed",
     "test_config.py": "unit",

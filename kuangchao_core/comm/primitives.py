@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kuangchao_core.comm import dispatch, host_staging, rules
+from kuangchao_core.comm import dispatch, host_staging, rules, staging
 from kuangchao_core.comm.dispatch import CommHandle
 from kuangchao_core.comm.group import CommGroup, world_group
 from kuangchao_core.errors import CommError
@@ -23,8 +23,9 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
+_ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_rs_native_ok: dict[str, bool] = {}  # backend -> native reduce_scatter works
+_flat_ok: dict[tuple[str, str], bool] = {}  # (backend, op) -> the backend takes the flat form
 
 
 def _group(group: CommGroup | None) -> CommGroup:
@@ -81,37 +82,71 @@ def all_reduce(tensor: torch.Tensor, group: CommGroup | None = None, op: str = "
     return tensor
 
 
+def _run(op: str, g: CommGroup, nbytes: int, issue, async_op: bool, finish=None):
+    """``issue`` through dispatch: a ``CommHandle`` when ``async_op`` (``finish`` runs after its wait), else run it,
+    then ``finish``, and return None."""
+    if async_op:
+        return dispatch.run_async(op, g, nbytes, issue, finish)
+    dispatch.run(op, g, nbytes, issue)
+    if finish is not None:
+        finish()
+    return None
+
+
+def _try_flat(op: str, g: CommGroup, nbytes: int, issue, async_op: bool, finish=None):
+    """(True, what :func:`_run` returns) for the flat form of ``op``; (False, None) where the backend refuses it
+    (remembered per backend, so later calls go straight to the caller's fallback)."""
+    if not _flat_ok.get((g.backend, op), True):
+        return False, None
+    try:
+        return True, _run(op, g, nbytes, issue, async_op, finish)
+    except CommError as exc:
+        text = str(exc.__cause__ or exc).lower()
+        if "not supported" not in text and "does not support" not in text and "not implemented" not in text:
+            raise
+        _flat_ok[(g.backend, op)] = False
+        g.broken = None
+        return False, None
+
+
 def all_gather(tensor_list: list[torch.Tensor] | None, tensor: torch.Tensor, group: CommGroup | None = None):
-    """Gather ``tensor`` from every member, in group order, into ``tensor_list`` (allocated if None); returns it."""
+    """Gather ``tensor`` from every member, in group order, into ``tensor_list``; returns it.
+
+    With ``tensor_list=None`` the result is ``group.size`` views of one flat buffer the backend gathers into
+    directly (:func:`all_gather_into`); a caller's list takes the list form, which backends stage (``comm.staging``).
+    """
     g = _group(group)
     if host_staging.applies(g, tensor, tensor_list or ()):
         return host_staging.call(all_gather, "all_gather", tensor_list, tensor, g)
+    if tensor_list is None and staging.flat_enabled():
+        out = tensor.new_empty((g.size * tensor.numel(),))  # new_empty: on the device as tensor (stand-in too)
+        all_gather_into(out, tensor, group=g)
+        return list(out.view(g.size, *tensor.shape).unbind(0))
+    reason = "staged" if tensor_list is None else "list"
     if tensor_list is None:
         tensor_list = [torch.empty_like(tensor) for _ in range(g.size)]
     elif len(tensor_list) != g.size:
         raise CommError(f"all_gather on group {g.name!r}: tensor_list has {len(tensor_list)} entries, need {g.size}")
     rules.admit("all_gather", g, tensor, *tensor_list)
     order = _group_order(g)
-    if order is None:
-        dispatch.run(
-            "all_gather",
-            g,
-            tensor.nbytes * g.size,
-            lambda a: dist.all_gather(tensor_list, tensor, group=g.pg, async_op=a),
-        )
-    else:  # the caller's rank order differs from torch's sorted order: gather, then reorder
-        tmp = [torch.empty_like(tensor) for _ in range(g.size)]
-        dispatch.run(
-            "all_gather", g, tensor.nbytes * g.size, lambda a: dist.all_gather(tmp, tensor, group=g.pg, async_op=a)
-        )
+    tmp = tensor_list if order is None else [torch.empty_like(tensor) for _ in range(g.size)]
+    payload = tensor.nbytes * g.size
+    dispatch.run("all_gather", g, payload, lambda a: dist.all_gather(tmp, tensor, group=g.pg, async_op=a))
+    if order is not None:  # the caller's rank order differs from torch's sorted order: reorder
         for i, j in enumerate(order):
             tensor_list[i].copy_(tmp[j])
+    staging.account("all_gather", g, "list", payload, payload, 0 if order is None else payload, reason)
     return tensor_list
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup | None = None, async_op: bool = False):
     """Gather ``tensor`` from every member into the flat ``output`` (member i's copy at ``[i*n, (i+1)*n)``, group
-    order); returns ``output``, or a ``CommHandle`` whose ``wait()`` leaves the data there if ``async_op``."""
+    order); returns ``output``, or a ``CommHandle`` whose ``wait()`` leaves the data there if ``async_op``.
+
+    The backend writes straight into ``output`` (``all_gather_single``); a group whose rank order is not torch's
+    sorted one gathers into a staging buffer and reorders, a backend that refuses the flat op gets the list form
+    (both counted in ``comm.staging``).
+    """
     g = _group(group)
     if host_staging.applies(g, tensor, output):
         return host_staging.call(all_gather_into, "all_gather_into", output, tensor, g, async_op)
@@ -122,25 +157,30 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: CommGroup
             f"(group size {g.size} x {n}), got {output.numel()}"
         )
     rules.admit("all_gather", g, tensor, output)
-    parts = list(output.view(g.size, n).unbind(0))
-    order = _group_order(g)
     src = tensor.reshape(-1)
-    tmp = parts if order is None else [torch.empty_like(src) for _ in range(g.size)]
-
-    def reorder() -> None:
-        for i, j in enumerate(order):
-            parts[i].copy_(tmp[j])
-
-    def issue(a):
-        return dist.all_gather(tmp, src, group=g.pg, async_op=a)
-
-    finish = None if order is None else reorder
-    if async_op:
-        return dispatch.run_async("all_gather", g, tensor.nbytes * g.size, issue, finish)
-    dispatch.run("all_gather", g, tensor.nbytes * g.size, issue)
-    if finish is not None:
-        finish()
-    return output
+    payload = output.nbytes
+    copied = 0 if src.data_ptr() == tensor.data_ptr() else tensor.nbytes
+    rows = output.view(g.size, n)
+    order = _group_order(g)
+    target, finish, reason = rows, None, None
+    if order is not None:  # torch gathers in sorted rank order
+        target, reason = torch.empty_like(rows), "order"
+        index = torch.tensor(order, device=output.device)
+        finish = lambda: torch.index_select(target, 0, index, out=rows)  # noqa: E731
+        copied += payload
+    flat, handle = False, None
+    if staging.flat_enabled():
+        issue_flat = lambda a: _ag_single(target.view(-1), src, group=g.pg, async_op=a)  # noqa: E731
+        flat, handle = _try_flat("all_gather", g, payload, issue_flat, async_op, finish)
+        reason = reason if flat else "unsupported"
+    else:
+        reason = "staged"
+    if not flat:
+        parts = list(target.unbind(0))
+        issue_list = lambda a: dist.all_gather(parts, src, group=g.pg, async_op=a)  # noqa: E731
+        handle = _run("all_gather", g, payload, issue_list, async_op, finish)
+    staging.account("all_gather", g, "flat" if flat else "list", payload, payload, copied, reason)
+    return handle if async_op else output
 
 
 def _group_order(g: CommGroup) -> list[int] | None:
@@ -152,22 +192,31 @@ def _group_order(g: CommGroup) -> list[int] | None:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input_list: list[torch.Tensor] | torch.Tensor, group: CommGroup | None = None, op: str = "sum"
-) -> torch.Tensor:
+    output: torch.Tensor,
+    input_list: list[torch.Tensor] | torch.Tensor,
+    group: CommGroup | None = None,
+    op: str = "sum",
+    async_op: bool = False,
+):
     """Reduce ``input_list`` across the group and leave member i's chunk (group order) in ``output``.
 
     ``input_list`` is a list of ``group.size`` tensors shaped like ``output``, or one tensor of that many
-    ``output``-sized chunks laid end to end. Returns ``output``.
+    ``output``-sized chunks laid end to end. Returns ``output``, or a ``CommHandle`` whose ``wait()`` leaves the
+    result there if ``async_op``. One contiguous tensor (in a group in torch's rank
+    order) goes to the backend as it is (``reduce_scatter_single``); a list, or chunks to reorder, are concatenated
+    into a staging buffer first (counted in ``comm.staging``).
     """
     g = _group(group)
     if host_staging.applies(g, output, input_list):
-        return host_staging.call(reduce_scatter, "reduce_scatter", output, input_list, g, op)
+        return host_staging.call(reduce_scatter, "reduce_scatter", output, input_list, g, op, async_op)
+    whole = None
     if isinstance(input_list, torch.Tensor):
         if input_list.numel() != output.numel() * g.size:
             raise CommError(
                 f"reduce_scatter on group {g.name!r}: input has {input_list.numel()} elements, "
                 f"need group size {g.size} x output {output.numel()}"
             )
+        whole = input_list
         chunks = list(input_list.reshape(g.size, -1).unbind(0))
     else:
         if len(input_list) != g.size:
@@ -183,40 +232,42 @@ def reduce_scatter(
         chunks = by_sorted
     rop, divide = _reduce_op(op, g)
     rules.admit("reduce_scatter", g, *chunks, output)
-    flat = torch.cat([c.reshape(-1) for c in chunks])
+    reason = None
+    if whole is not None and order is None and whole.is_contiguous() and staging.flat_enabled():
+        flat, copied, own = whole.view(-1), 0, False
+    else:
+        own = True
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        copied = flat.nbytes
+        reason = "staged" if not staging.flat_enabled() else ("order" if order is not None else "list")
     nbytes = flat.nbytes
-    out_flat = (
-        output.view(-1)
-        if output.is_contiguous()
-        else torch.empty(output.numel(), dtype=output.dtype, device=output.device)
-    )
-    native = _rs_native_ok.get(g.backend, True)
+    out_flat = output.view(-1) if output.is_contiguous() else torch.empty_like(output).view(-1)
+    tail = []  # what runs once the op has completed
+    if out_flat.data_ptr() != output.data_ptr():
+        tail.append(lambda: output.copy_(out_flat.view_as(output)))
+        copied += output.nbytes
+    if divide:
+        tail.append(lambda: _divide(output, g.size))
+
+    def finish() -> None:
+        for step in tail:
+            step()
 
     def issue_native(a):
         return _rs_single(out_flat, flat, op=rop, group=g.pg, async_op=a)
 
-    def issue_emulated(a):
-        return dist.all_reduce(flat, op=rop, group=g.pg, async_op=a)
-
-    if native:
-        try:
-            dispatch.run("reduce_scatter", g, nbytes, issue_native)
-        except CommError as exc:
-            text = str(exc.__cause__ or exc).lower()
-            if "not supported" not in text and "does not support" not in text and "not implemented" not in text:
-                raise
-            _rs_native_ok[g.backend] = False
-            g.broken = None
-            native = False
-    if not native:
-        dispatch.run("reduce_scatter", g, nbytes, issue_emulated)
+    native, handle = _try_flat("reduce_scatter", g, nbytes, issue_native, async_op, finish)
+    if not native:  # the backend has no reduce-scatter: all-reduce a copy, keep this member's chunk
+        if not own:  # the all-reduce writes its input: never the caller's
+            flat = flat.clone()
+            copied += nbytes
         me = sorted(g.ranks).index(g.global_rank)
-        out_flat.copy_(flat.view(g.size, -1)[me])
-    if out_flat.data_ptr() != output.data_ptr():
-        output.copy_(out_flat.view_as(output))
-    if divide:
-        _divide(output, g.size)
-    return output
+        tail.insert(0, lambda: out_flat.copy_(flat.view(g.size, -1)[me]))
+        copied, reason = copied + output.nbytes, "unsupported"
+        issue_emulated = lambda a: dist.all_reduce(flat, op=rop, group=g.pg, async_op=a)  # noqa: E731
+        handle = _run("reduce_scatter", g, nbytes, issue_emulated, async_op, finish)
+    staging.account("reduce_scatter", g, "flat" if native else "emulated", nbytes, output.nbytes, copied, reason)
+    return handle if async_op else output
 
 
 def send(tensor: torch.Tensor, dst: int, group: CommGroup | None = None) -> None:

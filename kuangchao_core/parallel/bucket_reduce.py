@@ -9,8 +9,11 @@
 - compressed (``parallel.grad_compression``): the cross-node step (or, without a hierarchy, the whole exchange)
   goes through a compressor of :mod:`kuangchao_core.parallel.grad_compression`; inside a node the sum stays dense.
 
-Hierarchical and compressed reductions run when the bucket is launched (synchronously, in bucket order on every
-rank); the flat one stays asynchronous.
+The flat and the hierarchical sums are issued asynchronously when the bucket is launched and overlap the rest of
+backward: the hierarchical one through a :class:`~kuangchao_core.comm.hierarchical.HierarchicalPipeline`, which
+issues a bucket's intra-node reduce-scatter at its launch and its cross-node and intra-node steps at the next
+launches (or at the final wait), in the same order on every rank. A compressed exchange without a hierarchy runs
+when the bucket is launched (synchronously, in bucket order on every rank).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kuangchao_core.comm import primitives as comm
-from kuangchao_core.comm.hierarchical import hierarchical_all_reduce
+from kuangchao_core.comm.hierarchical import HierarchicalPipeline
 
 
 class _Done:
@@ -37,6 +40,7 @@ class BucketReducer:
         self.group = group
         self.intra, self.inter = intra, inter
         self.compressor = compressor
+        self.pipeline = HierarchicalPipeline()  # ``pipeline.overlap = False``: each bucket's sum blocks its launch
 
     @property
     def kind(self) -> str:
@@ -48,13 +52,12 @@ class BucketReducer:
         """Start (or run) the sum of bucket ``key``; returns a handle whose ``wait()`` completes it."""
         if self.intra is None and self.compressor is None:
             return comm.all_reduce(buffer, group=self.group, op="sum", async_op=True)
-        if self.intra is not None:
+        if self.intra is not None:  # issued now, advanced at the next launches, completed by the handle's wait
             cross = None
             if self.compressor is not None:
                 cross = lambda shard: self.compressor.exchange(key, shard, self.inter)  # noqa: E731
-            hierarchical_all_reduce(buffer, self.intra, self.inter, cross=cross)
-        else:
-            buffer.copy_(self.compressor.exchange(key, buffer, self.group))
+            return self.pipeline.start(buffer, self.intra, self.inter, cross=cross)
+        buffer.copy_(self.compressor.exchange(key, buffer, self.group))
         return _Done()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
