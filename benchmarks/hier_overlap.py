@@ -26,7 +26,6 @@ over ``flat``'s (median of per-round ratios with spread, ``benchmarks/_ratios.py
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,8 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _ratios import FIELDS  # noqa: E402
+from _results import emit  # noqa: E402
+
 METHODS = ("flat", "hier", "hier_blocking")
 WORLD, NODES = 4, [0, 0, 1, 1]
+#: the RESULT's keys (benchmarks/_results.py)
+RESULT_KEYS = ("compute", "world", "nodes", "buckets", "elements", "rounds", "hidden_share", "step_ms", "compute_ms",
+               "comm_ms", *FIELDS)  # fmt: skip
 
 
 def _rank(rank: int, world: int, port: int, root: str, args: dict, queue) -> None:
@@ -192,7 +197,7 @@ def main() -> int:
     stats = block_stats([([rd["hier"]["step"]], [rd["flat"]["step"]]) for rd in rounds])
     print(format_line("hier step ÷ flat step", stats))
     result.update(result_fields(stats))
-    print("RESULT " + json.dumps(result))
+    emit(result, RESULT_KEYS, smoke=args["smoke"])
     return 0
 
 
