@@ -157,6 +157,9 @@ def _host_wait(rank: int, world_size: int, sabotage: bool) -> str:
     a = CommGroup([0, 1, 2], backend="gloo", name="a[0,1,2]")
     b = CommGroup([0, 1], backend="gloo", name="b[0,1]")
     x, y, w = torch.ones(2, device=dev), torch.ones(3, device=dev), torch.ones(4, device=dev)
+    P.all_reduce(x, group=a)  # both communicators created first, in one order (NCCL creates them at first use)
+    if rank < 2:
+        (P.send if rank == 0 else P.recv)(y, 1 - rank, group=b)
     if rank == 0:
         if not sabotage:
             P.all_reduce(x, group=a)

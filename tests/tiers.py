@@ -82,6 +82,7 @@ FILE_TIERS = {
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",
+    "test_stream_model.py": "unit",
     "test_vlm.py": "unit",
     "test_llava_finetune.py": "distributed",
     "test_llava_prepare.py": "unit",

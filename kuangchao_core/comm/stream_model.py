@@ -16,7 +16,10 @@ until the peers arrive). :class:`StreamReplay` runs them under NCCL's rules (``.
   a communicator pairs with B's k-th receive from A); a send is a rendezvous, as large messages are on NCCL;
 - a grouped batch completes when each of its sends and receives has found its partner started;
 - a host sync blocks the host until the compute stream has passed every wait before it; a host-group operation
-  blocks the host until every member's host reaches it.
+  blocks the host until every member's host reaches it;
+- a communicator is created at its first operation (torch creates NCCL communicators lazily, and
+  ``ncclCommInitRank`` blocks until every member joins): a rank's first operation on a stream blocks its host until
+  every member of that communicator (the group, or the pair) has issued its first operation there too.
 
 The state persists between checks (the trainer checks after every step, and the check itself is a host-group
 collective): operations still in flight carry over. A rank whose host cannot reach the end of its window means the
@@ -76,6 +79,7 @@ class StreamReplay:
         self.counts: dict[tuple, int] = {}  # (rank, counter key) -> ops issued so far
         self.index: dict[tuple, dict] = {}  # match key -> {rank or side: (op, part)}
         self.host_arrived: dict[tuple, set[int]] = {}
+        self.created: set[tuple[int, str]] = set()  # (rank, stream) whose communicator this rank has joined
         self.replayed = {"collective": 0, "p2p": 0, "grouped": 0, "host": 0}  # operations replayed, by kind
 
     # ------------------------------------------------------------------ feeding
@@ -127,6 +131,12 @@ class StreamReplay:
             ev = q[0]
             kind = ev[0]
             if kind == "op":
+                if (r, ev[2]) not in self.created:
+                    key, members = self._creation(r, ev)
+                    self.host_arrived.setdefault(key, set()).add(r)
+                    if not members <= self.host_arrived[key]:
+                        break
+                    self.created.add((r, ev[2]))
                 self._issue(r, ev)
             elif kind == "wait":
                 self.waits[r].append(int(ev[1]))
@@ -159,6 +169,13 @@ class StreamReplay:
                 n = self._count(r, ("host", group, op, int(peer)))
                 ev += [("host", group, src, dst, n), [src, dst]]
         return ev[4], set(ev[5])
+
+    def _creation(self, r: int, ev: list) -> tuple[tuple, set[int]]:
+        """The rendezvous of creating the communicator of ``ev``'s stream, and its members."""
+        _, _, stream, group, parts = ev[:5]
+        if stream == group:
+            return ("create", stream), set(self.members.get(group, [r]))
+        return ("create", stream), {r, int(parts[0][1])}
 
     def _count(self, r: int, key: tuple) -> int:
         n = self.counts.get((r, key), 0)
@@ -277,6 +294,10 @@ class StreamReplay:
         if ev[0] == "host":
             key, members = self._host_key(r, ev)
             why = f"is in {ev[2]} on host group {ev[1]!r} and waits for"
+            return [(why, ("host", m)) for m in sorted(members - self.host_arrived.get(key, set()))]
+        if ev[0] == "op":
+            key, members = self._creation(r, ev)
+            why = f"creates the communicator of stream {ev[2]!r} (its first operation there) and waits for"
             return [(why, ("host", m)) for m in sorted(members - self.host_arrived.get(key, set()))]
         return []
 
