@@ -27,10 +27,13 @@ def _check_collectives(device_type: str, seen: list[str]):
     import torch
     import torch.distributed as dist
 
+    from kuangchao_core.comm import primitives
+
     def wrap(fn):
         def checked(*args, **kwargs):
             for a in list(args) + list(kwargs.values()):
                 for t in a if isinstance(a, (list, tuple)) else [a]:
+                    t = t.tensor if isinstance(t, dist.P2POp) else t  # a grouped batch's sends and receives
                     if isinstance(t, torch.Tensor) and t.device.type != device_type:
                         seen.append(f"{fn.__name__}: a {tuple(t.shape)} tensor on {t.device}")
                         raise RuntimeError(seen[-1])
@@ -38,8 +41,11 @@ def _check_collectives(device_type: str, seen: list[str]):
 
         return checked
 
-    for name in ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv", "isend", "irecv"):
+    names = ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor", "send", "recv", "isend", "irecv")
+    for name in (*names, "batch_isend_irecv"):
         setattr(dist, name, wrap(getattr(dist, name)))
+    primitives._ag_single = wrap(primitives._ag_single)  # the flat forms, bound when the comm layer was imported
+    primitives._rs_single = wrap(primitives._rs_single)
 
 
 def _pre_fix_norm_reduction():

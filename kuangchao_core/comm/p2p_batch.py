@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from kuangchao_core.comm import dispatch, host_staging, rules, stream_trace
 from kuangchao_core.comm.dispatch import CommHandle
@@ -72,8 +73,8 @@ def batch_send_recv(
             rules.admit(op, group, t, peer=peer, tag=op_tag)
     for op, _, peer in ops[1:]:  # the first op enters through run_async below
         dispatch._enter(op, group, peer)
-    p2p = [
-        dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group=group.pg, tag=op_tag)
+    p2p = [  # torch's own isend/irecv: P2POp accepts no other function
+        dist.P2POp(c10d.isend if op == "send" else c10d.irecv, t, peer, group=group.pg, tag=op_tag)
         for (op, t, peer), op_tag in zip(ops, tags, strict=True)
     ]
     for op, t, _ in ops[1:]:  # one call and its bytes per op; the batch's blocking time goes to the first
