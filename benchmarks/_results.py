@@ -15,6 +15,7 @@ into ``benchmarks/RESULTS.md`` (``make bench``).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -75,7 +76,12 @@ def machine() -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         pass
     torch = sys.modules.get("torch")
-    if torch is not None:
+    if torch is None:  # a script whose ranks import torch in their own processes: the installed version
+        try:
+            info["torch"] = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    else:
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["gpu"] = f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
