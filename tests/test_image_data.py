@@ -171,7 +171,7 @@ def test_data_images_config(tmp_path):
     with_vision = config_from_dict({**base, "model": {"vision": {}}, "data": {"images": {"max_pixels": 1000}}})
     assert "data.images" not in dict(unused_settings(with_vision))
     assert "data.images" not in dict(unused_settings(config_from_dict(base)))  # control: defaults say nothing
-    assert gate_settings(cfg.data) == {"max_pixels": 1000, "workers": 0, "cache_dir": None}
+    assert gate_settings(cfg.data) == {"max_pixels": 1000, "max_aspect_ratio": 20.0, "workers": 0, "cache_dir": None}
     path = _write(tmp_path, [_record(_images(tmp_path)[0].name)])  # 70 x 45 = 3150 pixels
     with pytest.raises(DataError, match="data.jsonl:1: .*3150 pixels, above the limit 1000"):
         _build(path, **gate_settings(cfg.data))

@@ -244,3 +244,39 @@ def test_task_logs_artifact_and_mlflow_and_stops_on_bad_data(prefect_api, tmp_pa
     arts = [a for a in asyncio.run(artifacts()) if str(a.flow_run_id) in runs]
     assert len(arts) == 2
     assert any("duplicate_share | **FAIL**" in a.data for a in arts)
+
+
+def _peak_growth(fn) -> tuple[object, int]:
+    """``(fn(), the peak resident growth in bytes)``: the kernel's peak (VmHWM) reset through /proc/self/clear_refs."""
+
+    def rss(key: str) -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = rss("VmRSS:")
+    out = fn()
+    return out, rss("VmHWM:") - base
+
+
+def test_the_check_streams_its_records(tmp_path):
+    """Issue 38: the check reads each record once and keeps about 27 bytes of it (``record_facts``), so 8 MB of
+    4 KB records add far less than their size; control: holding the records as the check did before (a list of
+    them, ``load_located_records``) grows by at least their size."""
+    path = tmp_path / "big.jsonl"
+    body = "tide river stone " * 240
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(2000):
+            fh.write(json.dumps({"text": f"{i:06d} {body}"}) + "\n")
+    size = path.stat().st_size
+    assert size > 8_000_000
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": body}) + "\n", encoding="utf-8")
+    V.validate_dataset(_cfg(tmp_path, small, steps=1))  # imports and GX's context made before measuring
+    cfg = _cfg(tmp_path, path, steps=10)
+    rep, grew = _peak_growth(lambda: V.validate_dataset(cfg))
+    assert rep.success and rep.num_records == 2000 and rep.total_tokens > 8_000_000 - 2000 * 40
+    assert grew < size // 2, (grew, size)
+    held, grew_held = _peak_growth(lambda: V.load_located_records(cfg.data))
+    assert len(held[0]) == 2000 and grew_held >= size - 2000 * 40, (grew_held, size)  # control

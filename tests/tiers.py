@@ -86,6 +86,7 @@ FILE_TIERS = {
     "test_vlm.py": "unit",
     "test_llava_finetune.py": "distributed",
     "test_llava_prepare.py": "unit",
+    "test_image_bounds.py": "unit",
     "test_image_data.py": "unit",
     "test_image_gate.py": "unit",
     "test_image_pool.py": "unit",

@@ -66,8 +66,12 @@ class ImagesSection(Section):
     """Image-text records (``data.images``, issue 31): the data gate's limits and the decode pool
     (``kuangchao_core.data.image_data``); image paths are relative to each JSON-lines file's directory."""
 
-    #: width x height above which an image is refused from its header, before any pixel is decoded (4096 x 4096)
+    #: width x height above which an image is refused before any pixel is decoded: from its header, and from the size
+    #: the resize to the tower's ``image_size`` would give it (4096 x 4096)
     max_pixels: Int = Field(default=1 << 24, ge=1, le=1 << 32)
+    #: long side over short side above which an image is refused from its header (the resize to the tower's size
+    #: would stretch the long side as many times; issue 38)
+    max_aspect_ratio: Float = Field(default=20.0, ge=1, le=1 << 32)
     #: threads decoding images (Pillow releases the GIL); 0 decodes in the caller's thread
     decode_workers: Int = Field(default=4, ge=0, le=256)
 

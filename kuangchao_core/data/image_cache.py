@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kuangchao_core.data.images import DEFAULT_MAX_PIXELS, check_header, decode_image
+from kuangchao_core.data.images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, check_header, decode_image
 
 VERSION = 1
 
@@ -46,12 +46,15 @@ class ImageCache:
         assert self.root is not None
         return self.root / digest[:2] / f"{digest}-{self.size}-{self.resample}-v{VERSION}.u8"
 
-    def load(self, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    def load(
+        self, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS, max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
+    ) -> np.ndarray:
         """The pixels of ``path``: from the cache when an entry of its content exists, else decoded (and stored).
-        The header's pixel count is checked against ``max_pixels`` either way; raises ``ImageRefused``."""
-        check_header(path, max_pixels)
+        The header is checked against the limits either way (``images.size_refusal``: pixels, aspect ratio, resized
+        area); raises ``ImageRefused``."""
+        check_header(path, max_pixels, max_aspect_ratio, self.size)
         if self.root is None:
-            return decode_image(path, self.size, max_pixels, self.resample)
+            return decode_image(path, self.size, max_pixels, self.resample, max_aspect_ratio)
         entry = self._entry(fingerprint(path))
         shape = (self.size, self.size, 3)
         if entry.is_file() and entry.stat().st_size == int(np.prod(shape)):
@@ -60,7 +63,7 @@ class ImageCache:
             return np.fromfile(entry, dtype=np.uint8).reshape(shape)
         with self._lock:
             self.misses += 1
-        pixels = decode_image(path, self.size, max_pixels, self.resample)
+        pixels = decode_image(path, self.size, max_pixels, self.resample, max_aspect_ratio)
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_name(f"{entry.name}.{os.getpid()}.{id(pixels)}.tmp")
         pixels.tofile(tmp)

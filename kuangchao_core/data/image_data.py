@@ -6,7 +6,8 @@
    and ones that leave the data directory through ``..`` or a symlink — and the placeholder count against the
    images), then
 2. decodes every distinct image once on the decode pool (:func:`~kuangchao_core.data.image_pool.ordered_map`),
-   through the content cache when ``cache_dir`` is set: the header's pixel count first (decompression bombs), then
+   through the content cache when ``cache_dir`` is set: the header first (its pixels, its aspect ratio and its size
+   once resized to the tower's: decompression bombs and strips that the resize would stretch, issue 38), then
    the format, the mode and the full decode (truncated or corrupt files, a text file named ``.png``).
 
 Every refusal names its record (``file:line``) and the reason; the gate collects them all and raises one
@@ -33,7 +34,7 @@ import torch
 from kuangchao_core.data.image_cache import ImageCache
 from kuangchao_core.data.image_pool import ordered_map
 from kuangchao_core.data.image_records import ImageExample, encode_image_record
-from kuangchao_core.data.images import DEFAULT_MAX_PIXELS, ImageRefused, normalise
+from kuangchao_core.data.images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, ImageRefused, normalise
 from kuangchao_core.data.sft import iter_sft_records
 from kuangchao_core.errors import DataError
 
@@ -70,6 +71,7 @@ def gate_image_records(
     seq_len: int,
     image_root: str | Path | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
     workers: int = 4,
     cache_dir: str | Path | None = None,
     keep_pixels: bool = True,
@@ -104,7 +106,7 @@ def gate_image_records(
     cache = ImageCache(cache_dir, image_size)
     pixels = np.zeros((len(files) if keep_pixels else 0, image_size, image_size, 3), dtype=np.uint8)
     bad: dict[Path, str] = {}
-    for i, (arr, err) in enumerate(ordered_map(lambda p: cache.load(p, max_pixels), files, workers)):
+    for i, (arr, err) in enumerate(ordered_map(lambda p: cache.load(p, max_pixels, max_aspect_ratio), files, workers)):
         if err is None:
             if keep_pixels:
                 pixels[i] = arr
@@ -129,7 +131,7 @@ def gate_image_records(
     row = {p: i for i, p in enumerate(files)}
     report.examples, report.images = len(examples), len(files)
     report.cache_hits, report.cache_misses = cache.hits, cache.misses
-    store = pixels if keep_pixels else CachedPixels(files, cache, max_pixels, workers)
+    store = pixels if keep_pixels else CachedPixels(files, cache, max_pixels, workers, max_aspect_ratio)
     return examples, [[row[p] for p in ex.images] for ex in examples], store, report
 
 
@@ -137,8 +139,16 @@ class CachedPixels:
     """The gated images read back from the decode cache on the decode pool, a batch at a time: ``store[rows]`` is
     the ``(len(rows), S, S, 3)`` uint8 array, in ``rows``' order whatever the number of workers."""
 
-    def __init__(self, files: list[Path], cache: ImageCache, max_pixels: int, workers: int):
+    def __init__(
+        self,
+        files: list[Path],
+        cache: ImageCache,
+        max_pixels: int,
+        workers: int,
+        max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+    ):
         self.files, self.cache, self.max_pixels, self.workers = files, cache, max_pixels, workers
+        self.max_aspect_ratio = max_aspect_ratio
 
     def __len__(self) -> int:
         return len(self.files)
@@ -146,7 +156,9 @@ class CachedPixels:
     def __getitem__(self, rows: list[int]) -> np.ndarray:
         out = np.zeros((len(rows), self.cache.size, self.cache.size, 3), dtype=np.uint8)
         for i, (arr, err) in enumerate(
-            ordered_map(lambda r: self.cache.load(self.files[r], self.max_pixels), rows, self.workers)
+            ordered_map(
+                lambda r: self.cache.load(self.files[r], self.max_pixels, self.max_aspect_ratio), rows, self.workers
+            )
         ):
             if err is not None:  # changed on disk since the gate passed it
                 raise DataError(f"image {self.files[rows[i]]} no longer passes the data gate: {err}") from err
@@ -203,6 +215,7 @@ def gate_settings(data_cfg: Any) -> dict[str, Any]:
     ``data.cache_dir``)."""
     return {
         "max_pixels": int(data_cfg.images.max_pixels),
+        "max_aspect_ratio": float(data_cfg.images.max_aspect_ratio),
         "workers": int(data_cfg.images.decode_workers),
         "cache_dir": data_cfg.cache_dir or None,
     }
@@ -227,7 +240,7 @@ def build_image_dataset(
     **gate: Any,
 ) -> ImageTextDataset:
     """The gated :class:`ImageTextDataset` of the records under ``path`` (``gate``: :func:`gate_image_records`'s
-    keywords ``image_root``, ``max_pixels``, ``workers``, ``cache_dir``; ``dtype`` of ``pixel_values``)."""
+    keywords ``image_root``, ``max_pixels``, ``max_aspect_ratio``, ``workers``, ``cache_dir``; ``dtype`` of ``pixel_values``)."""
     dtype = gate.pop("dtype", None)
     examples, rows, pixels, report = gate_image_records(
         path, tokenizer, image_token_id, per_image, image_size, seq_len, **gate

@@ -18,9 +18,13 @@ Modes: 8-bit ones are converted (``1``, ``L``, ``LA``, ``P``, ``PA``, ``RGB``, `
 ``HSV``) are refused, because Pillow's RGB conversion clips them to 0..255 instead of scaling and the image would be
 silently wrong. Formats: PNG and JPEG (others are refused, whatever the file is named).
 
-Size: the header's width x height is checked against ``max_pixels`` before any pixel is decoded (``Image.open``
-reads only the header), so a small file claiming a huge image costs nothing; Pillow's own decompression-bomb error
-(twice ``Image.MAX_IMAGE_PIXELS``) is reported the same way.
+Size (issue 38): what decoding will allocate is bounded from the header, before any pixel is decoded (``Image.open``
+reads only the header), by :func:`size_refusal`: the header's width x height against ``max_pixels``, the long side
+over the short one against ``max_aspect_ratio``, and the size step 2 would resize to (before the crop) against
+``max_pixels`` again. So a small file claiming a huge image costs nothing, and neither does a 1 x 400 000 strip
+that step 2 would otherwise stretch to ``S x 400 000 S``. Every buffer a passing image makes (the decoded pixels,
+their RGB conversion, either pass of the resize) then holds at most ``max_pixels`` pixels of 4 bytes. Pillow's own
+decompression-bomb error (twice ``Image.MAX_IMAGE_PIXELS``) is reported the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: default pixel limit (width x height) checked from the header: 4096 x 4096
 DEFAULT_MAX_PIXELS = 1 << 24
+#: default limit on the long side over the short one, checked from the header
+DEFAULT_MAX_ASPECT_RATIO = 20.0
 FORMATS = ("PNG", "JPEG")
 CONVERTED_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
 
@@ -47,7 +53,35 @@ class ImageRefused(ValueError):
         self.reason = reason
 
 
-def _open(path: Path, max_pixels: int):
+def size_refusal(
+    width: int,
+    height: int,
+    max_pixels: int,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+    size: int | None = None,
+) -> str | None:
+    """Why a ``width`` x ``height`` image is refused before decoding (None: it passes), naming the limit's field:
+    its pixels over ``max_pixels``, its aspect ratio over ``max_aspect_ratio``, or (given the tower's ``size``) its
+    size after step 2's resize over ``max_pixels``."""
+    w, h = width, height
+    if w < 1 or h < 1 or w * h > max_pixels:
+        return f"decompression bomb: the header says {w}x{h} = {w * h} pixels, above the limit {max_pixels} (data.images.max_pixels)"
+    if max(w, h) > max_aspect_ratio * min(w, h):
+        return (
+            f"aspect ratio {max(w, h) / min(w, h):.6g} ({w}x{h}) is above the limit {max_aspect_ratio:g} "
+            "(data.images.max_aspect_ratio): resizing its short side would stretch its long side as many times"
+        )
+    if size is not None:
+        rw, rh = resized_size(w, h, size)
+        if rw * rh > max_pixels:
+            return (
+                f"{w}x{h} resized to the tower's {size} px short side is {rw}x{rh} = {rw * rh} pixels, above the limit "
+                f"{max_pixels} (data.images.max_pixels)"
+            )
+    return None
+
+
+def _open(path: Path, max_pixels: int, max_aspect_ratio: float, size: int | None):
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -60,12 +94,10 @@ def _open(path: Path, max_pixels: int):
         raise ImageRefused(f"not a {' or '.join(FORMATS)} image (Pillow cannot identify it)") from None
     except OSError as exc:
         raise ImageRefused(f"cannot be read: {exc}") from None
-    w, h = img.size
-    if w < 1 or h < 1 or w * h > max_pixels:
+    refusal = size_refusal(*img.size, max_pixels, max_aspect_ratio, size)
+    if refusal is not None:
         img.close()
-        raise ImageRefused(
-            f"decompression bomb: the header says {w}x{h} = {w * h} pixels, above the limit {max_pixels}"
-        )
+        raise ImageRefused(refusal)
     if img.mode not in CONVERTED_MODES:
         img.close()
         raise ImageRefused(
@@ -75,9 +107,15 @@ def _open(path: Path, max_pixels: int):
     return img
 
 
-def check_header(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int, str]:
-    """``(width, height, mode)`` from the file's header, nothing decoded; raises :class:`ImageRefused`."""
-    img = _open(Path(path), max_pixels)
+def check_header(
+    path: str | Path,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+    size: int | None = None,
+) -> tuple[int, int, str]:
+    """``(width, height, mode)`` from the file's header, nothing decoded (:func:`size_refusal`'s limits, the resized
+    area given the tower's ``size``); raises :class:`ImageRefused`."""
+    img = _open(Path(path), max_pixels, max_aspect_ratio, size)
     try:
         return img.size[0], img.size[1], img.mode
     finally:
@@ -101,13 +139,20 @@ def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
     return int(size * width / height), size
 
 
-def decode_image(path: str | Path, size: int, max_pixels: int = DEFAULT_MAX_PIXELS, resample: str = "bicubic"):
+def decode_image(
+    path: str | Path,
+    size: int,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    resample: str = "bicubic",
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+):
     """Steps 1-3 of the module docstring: the ``(size, size, 3)`` uint8 pixels of the file at ``path``; raises
-    :class:`ImageRefused` for a file the gate refuses (a truncated or corrupt one included)."""
+    :class:`ImageRefused` for a file the gate refuses (a truncated or corrupt one included, and any that
+    :func:`size_refusal` refuses from its header)."""
     from PIL import Image
 
     filters = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
-    img = _open(Path(path), max_pixels)
+    img = _open(Path(path), max_pixels, max_aspect_ratio, size)
     try:
         try:
             img.load()

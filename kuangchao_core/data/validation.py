@@ -1,8 +1,9 @@
 """Data validation before any compute is spent: a great-expectations suite over the raw dataset records.
 
-The records (documents, before tokenisation and packing) become a pandas DataFrame with the columns ``text``,
-``n_bytes``, ``n_tokens``, ``is_valid_utf8``, ``is_blank``, ``has_control`` and ``text_hash``; a GX 1.x expectation
-suite runs over it in an ephemeral context. Expectations, each named in its ``meta``:
+The records (documents, before tokenisation and packing) stream past once (issue 38): each becomes a row of compact
+columns (``kuangchao_core.data.record_facts``: ``n_bytes``, ``n_tokens``, ``is_valid_utf8``, ``is_blank``,
+``has_control`` and a 64-bit ``text_hash``, about 27 bytes a record), so no record's text is held and memory does
+not grow with the records' sizes; a GX 1.x expectation suite runs over that DataFrame in an ephemeral context. Expectations, each named in its ``meta``:
 
 - ``not_empty``: at least one record.
 - ``no_empty_records``: no record is empty or whitespace only.
@@ -35,18 +36,16 @@ used; it draws problems with replacement by design, so ``validate_dataset`` does
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kuangchao_core.config.access import setting
-from kuangchao_core.data.files import decode_record
+from kuangchao_core.data.record_facts import CONTROL_CHARS, NAMED, RecordFacts, control_char_at  # noqa: F401
 from kuangchao_core.data.stream import Oversize
 from kuangchao_core.errors import DataError
 
@@ -65,12 +64,6 @@ EXPECTATION_NAMES = (
 )
 
 _log = logging.getLogger(__name__)
-
-#: NUL and control characters refused in text: C0 but tab/newline, a CR not before LF, DEL and C1
-CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)")
-_LINE_OF = re.compile(r"^(.*):(\d+)$", re.DOTALL)
-#: how many offending records a detail names
-NAMED = 3
 
 
 @dataclass
@@ -173,21 +166,30 @@ def load_located_records(
     data_cfg: Any, max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES, images: bool = False
 ) -> tuple[list[Located], str]:
     """:func:`load_records` with where each record came from (``file:line``); ``images``: a vision job's records."""
+    located, source = iter_located_records(data_cfg, max_record_bytes, images)
+    return list(located), source
+
+
+def iter_located_records(
+    data_cfg: Any, max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES, images: bool = False
+) -> tuple[Iterator[Located], str]:
+    """:func:`load_located_records` as a stream: the records are read as the iterator is consumed."""
     from kuangchao_core.data.files import JSONL_LINE_FACTOR, iter_records
 
     path = setting(data_cfg, "path")
     fmt = setting(data_cfg, "format", "auto")
     text_field = setting(data_cfg, "text_field", "text")
     if path is None or fmt == "synthetic":
-        return [(doc, f"synthetic#{i}") for i, doc in enumerate(_synthetic_records(data_cfg))], "synthetic corpus"
+        docs = _synthetic_records(data_cfg)
+        return ((doc, f"synthetic#{i}") for i, doc in enumerate(docs)), "synthetic corpus"
     if fmt == "sft" or images:  # each record's text as the model reads it; a record training cannot use fails here
         from kuangchao_core.data.image_records import image_record_text
         from kuangchao_core.data.sft import iter_sft_records, record_text
 
         line_limit = None if max_record_bytes is None else JSONL_LINE_FACTOR * max_record_bytes + (64 << 10)
         text_of = image_record_text if images else record_text
-        return [(text_of(r, where), where) for r, where in iter_sft_records(path, line_limit)], str(path)
-    return list(iter_records(path, fmt, text_field, max_record_bytes)), str(path)
+        return ((text_of(r, where), where) for r, where in iter_sft_records(path, line_limit)), str(path)
+    return iter_records(path, fmt, text_field, max_record_bytes), str(path)
 
 
 def _synthetic_records(data_cfg: Any) -> list[bytes | str]:
@@ -207,63 +209,16 @@ def _token_counter(tokenizer: Any):
         from kuangchao_core.data.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(str(tokenizer))
-    return lambda texts: [len(tokenizer.encode(t)) for t in texts]
-
-
-def control_char_at(text: str) -> int | None:
-    """Offset of the first refused control character in ``text`` (see :data:`CONTROL_CHARS`), or None."""
-    found = CONTROL_CHARS.search(text)
-    return None if found is None else found.start()
-
-
-def _control_where(raw: bytes | str, text: str, at: int, where: str) -> str:
-    """``file:line: U+XXXX`` of a control character: a text file's line is counted from the record's first line."""
-    m = _LINE_OF.match(where)
-    if m and isinstance(raw, bytes):  # a .txt document: its newlines are the file's
-        where = f"{m.group(1)}:{int(m.group(2)) + text.count(chr(10), 0, at)}"
-    return f"{where or 'record'}: U+{ord(text[at]):04X} at character {at}"
+    return tokenizer
 
 
 def records_frame(records: Sequence[bytes | str | Oversize], tokenizer: Any = None, allow_control_chars: bool = False):
-    """DataFrame of the records with the columns the suite checks (an Oversize record: its size, no text)."""
-    import pandas as pd
-
-    texts: list[str] = []
-    valid: list[bool] = []
-    n_bytes: list[int] = []
-    control: list[bool] = []
-    for i, raw in enumerate(records):
-        if isinstance(raw, Oversize):
-            texts.append(f"\x00oversize record {i}")  # never blank, never a duplicate; not tokenised
-            valid.append(True)
-            n_bytes.append(raw.n_bytes)
-            control.append(False)
-            continue
-        text, ok = decode_record(raw)
-        texts.append(text)
-        valid.append(ok)
-        n_bytes.append(len(raw) if isinstance(raw, bytes) else len(text.encode("utf-8", "replace")))
-        control.append(not allow_control_chars and control_char_at(text) is not None)
-    kept = [i for i, raw in enumerate(records) if not isinstance(raw, Oversize)]  # an oversize record adds none
-    counter = _token_counter(tokenizer)
-    counts = [n_bytes[i] for i in kept] if counter is None else counter([texts[i] for i in kept])
-    n_tokens = [0] * len(texts)
-    for i, count in zip(kept, counts, strict=True):
-        n_tokens[i] = count
-    return pd.DataFrame(
-        {
-            "text": pd.Series(texts, dtype="object"),
-            "n_bytes": pd.Series(n_bytes, dtype="int64"),
-            "n_tokens": pd.Series(n_tokens, dtype="int64"),
-            "is_valid_utf8": pd.Series(valid, dtype="bool"),
-            "is_blank": pd.Series([not t.strip() for t in texts], dtype="bool"),
-            "has_control": pd.Series(control, dtype="bool"),
-            "text_hash": pd.Series(
-                [hashlib.blake2b(t.encode("utf-8", "replace"), digest_size=16).hexdigest() for t in texts],
-                dtype="object",
-            ),
-        }
-    )
+    """DataFrame of the records with the columns the suite checks (:class:`RecordFacts`; an Oversize record: its
+    size, no text)."""
+    facts = RecordFacts(_token_counter(tokenizer), allow_control_chars)
+    for raw in records:
+        facts.add(raw)
+    return facts.frame()
 
 
 # ------------------------------------------------------------------------------------------------- suite
@@ -309,7 +264,7 @@ def _build_suite(gx, max_record_bytes: int, min_tokens: int, max_duplicate_share
 
 
 def validate_records(
-    records: Sequence[bytes | str],
+    records: Iterable[bytes | str | Oversize],
     *,
     planned_tokens: int = 0,
     seq_len: int = 0,
@@ -321,14 +276,30 @@ def validate_records(
     wheres: Sequence[str] | None = None,
     allow_control_chars: bool = False,
 ) -> ValidationReport:
-    """Run the expectation suite over ``records`` (bytes, str or Oversize) and return the report; ``wheres`` (one
-    per record, ``file:line``) name the offending records in the details."""
+    """Run the expectation suite over ``records`` (bytes, str or Oversize; read once, as a stream) and return the
+    report; ``wheres`` (one per record, ``file:line``) name the offending records in the details."""
+    where_of = iter(wheres) if wheres is not None else None
+    facts = RecordFacts(_token_counter(tokenizer), allow_control_chars, max_record_bytes)
+    for raw in records:
+        facts.add(raw, next(where_of) if where_of is not None else "")
+    return _validate_facts(facts, planned_tokens, seq_len, max_epochs, max_record_bytes, max_duplicate_share, source)
+
+
+def _validate_facts(
+    facts: RecordFacts,
+    planned_tokens: int,
+    seq_len: int,
+    max_epochs: float,
+    max_record_bytes: int,
+    max_duplicate_share: float,
+    source: str,
+) -> ValidationReport:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     logging.getLogger("great_expectations").setLevel(logging.ERROR)
-    df = records_frame(records, tokenizer, allow_control_chars)
+    df = facts.frame()
     min_tokens = required_tokens(planned_tokens, max_epochs, seq_len)
 
     ctx = gx.get_context(mode="ephemeral")
@@ -352,9 +323,9 @@ def validate_records(
             int(df["n_bytes"].max()) if n else 0,
             f"{int((df['n_bytes'] > max_record_bytes).sum())} records over {max_record_bytes} bytes"
             + (f" (largest {int(df['n_bytes'].max())})" if n else "")
-            + _named([i for i, b in enumerate(df["n_bytes"]) if b > max_record_bytes], wheres),
+            + _named(facts.oversize, facts.n_oversize),
         ),
-        "no_control_chars": _control_fact(records, df, wheres, allow_control_chars),
+        "no_control_chars": _control_fact(facts),
         "valid_utf8": (
             int((~df["is_valid_utf8"]).sum()),
             f"{int((~df['is_valid_utf8']).sum())} records not valid UTF-8",
@@ -397,26 +368,24 @@ def validate_records(
     )
 
 
-def _named(rows: list[int], wheres: Sequence[str] | None) -> str:
-    """``: file:line, …`` for the first few offending rows (empty without ``wheres``)."""
-    if not rows or not wheres:
+def _named(named: list[str], count: int) -> str:
+    """``: file:line, …`` for the first few offending records (empty when none was named)."""
+    if not named:
         return ""
-    more = f", … {len(rows) - NAMED} more" if len(rows) > NAMED else ""
-    return ": " + ", ".join(wheres[i] for i in rows[:NAMED]) + more
+    more = f", … {count - NAMED} more" if count > NAMED else ""
+    return ": " + ", ".join(named) + more
 
 
-def _control_fact(records, df, wheres: Sequence[str] | None, allowed: bool) -> tuple[int, str]:
+def _control_fact(facts: RecordFacts) -> tuple[int, str]:
     """(records with control characters, the detail naming the first few by ``file:line: U+XXXX``)."""
-    if allowed:
+    if facts.allow_control_chars:
         return 0, "control characters allowed (allow_control_chars)"
-    rows = [i for i, bad in enumerate(df["has_control"]) if bad]
-    named = []
-    for i in rows[:NAMED]:
-        text = df["text"].iat[i]
-        named.append(_control_where(records[i], text, control_char_at(text) or 0, wheres[i] if wheres else ""))
-    more = f", … {len(rows) - NAMED} more" if len(rows) > NAMED else ""
-    detail = f"{len(rows)} records with NUL or control characters" + (": " + "; ".join(named) + more if rows else "")
-    return len(rows), detail
+    count = facts.n_control
+    more = f", … {count - NAMED} more" if count > NAMED else ""
+    detail = f"{count} records with NUL or control characters" + (
+        ": " + "; ".join(facts.controls) + more if count else ""
+    )
+    return count, detail
 
 
 def planned_tokens_of(cfg: Any) -> tuple[int, int]:
@@ -440,21 +409,12 @@ def validate_dataset(
 ) -> ValidationReport:
     """Load the records of ``cfg.data`` (streamed, ``max_record_bytes`` applied while reading) and validate them
     against the job's planned token budget."""
-    located, source = load_located_records(cfg.data, max_record_bytes, images=setting(cfg, "model.vision") is not None)
-    records = [raw for raw, _ in located]
+    located, source = iter_located_records(cfg.data, max_record_bytes, images=setting(cfg, "model.vision") is not None)
     planned, seq_len = planned_tokens_of(cfg)
     tok = setting(cfg.data, "tokenizer", "byte")
     if source == "synthetic corpus":
         max_duplicate_share = 1.0
-    return validate_records(
-        records,
-        planned_tokens=planned,
-        seq_len=seq_len,
-        max_epochs=max_epochs,
-        max_record_bytes=max_record_bytes,
-        max_duplicate_share=max_duplicate_share,
-        tokenizer=None if tok in (None, "byte") else tok,
-        source=source,
-        wheres=[where for _, where in located],
-        allow_control_chars=allow_control_chars,
-    )
+    facts = RecordFacts(_token_counter(None if tok in (None, "byte") else tok), allow_control_chars, max_record_bytes)
+    for raw, where in located:  # streamed: one record's text at a time
+        facts.add(raw, where)
+    return _validate_facts(facts, planned, seq_len, max_epochs, max_record_bytes, max_duplicate_share, source)
