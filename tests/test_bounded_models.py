@@ -72,3 +72,125 @@ def test_negative_control_without_the_cache_a_diamond_reads_its_shared_base_once
     tree, errors = loader._load_tree(top, [top], top, None)  # the resolution of before: no cache
     assert not errors and tree["train"] == {"steps": 7}
     assert reads[f"l{levels}a.yaml"] == 2 ** (levels - 1)  # what the cache removes (the test above: once)
+
+
+# ------------------------------------------------------------------------------------------- weight_map entries
+def _sharded(d):
+    """A tiny Llama as an HF directory of two shards and an index; returns (its LlamaConfig, its state dict)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kuangchao_core.models.llama import LlamaForCausalLM
+    from tests.fixtures import tiny_llama
+
+    cfg = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2)
+    torch.manual_seed(0)
+    state = {k: v.detach().clone().contiguous() for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    names = sorted(state)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    d.mkdir(parents=True)
+    for fname, part in shards.items():
+        save_file({n: state[n] for n in part}, str(d / fname))
+    _write_index(d, {n: f for f, part in shards.items() for n in part})
+    return cfg, state
+
+
+def _write_index(d, weight_map):
+    import json
+
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _repoint(d, to):
+    """Point every ``b.safetensors`` entry of the index at ``to``."""
+    import json
+
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    _write_index(d, {n: (to if f == "b.safetensors" else f) for n, f in index.items()})
+
+
+def _outside(tmp_path, d):
+    """``b.safetensors`` moved out of the model directory: a real file that the old ``d / name`` read."""
+    (d / "b.safetensors").rename(tmp_path / "outside.safetensors")
+    return tmp_path / "outside.safetensors"
+
+
+def test_a_normal_sharded_directory_loads(tmp_path):
+    import torch
+
+    from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
+
+    cfg, state = _sharded(tmp_path / "model")
+    (tmp_path / "model" / "sub").mkdir()  # a link that stays inside the directory is followed
+    (tmp_path / "model" / "b.safetensors").rename(tmp_path / "model" / "sub" / "b.safetensors")
+    (tmp_path / "model" / "b.safetensors").symlink_to("sub/b.safetensors")
+    got = load_hf_weights_for_layout(tmp_path / "model", cfg)
+    assert sorted(got) == sorted(state) and all(torch.equal(got[n], state[n]) for n in state)
+
+
+@pytest.mark.parametrize("attack", ["dotdot", "absolute", "symlink_out"])
+def test_a_weight_map_entry_leading_out_of_the_model_directory_is_refused(tmp_path, attack):
+    from safetensors import safe_open
+
+    from kuangchao_core.ckpt.hf import hf_weight_files
+    from kuangchao_core.errors import CheckpointError
+
+    d = tmp_path / "model"
+    _sharded(d)
+    outside = _outside(tmp_path, d)
+    entry = {"dotdot": "../outside.safetensors", "absolute": str(outside), "symlink_out": "b.safetensors"}[attack]
+    if attack == "symlink_out":
+        (d / "b.safetensors").symlink_to(outside)
+    else:
+        _repoint(d, entry)
+    with safe_open(str(d / entry), framework="pt", device="cpu") as h:  # the control: the path of before reads it
+        assert len(list(h.keys())) > 0
+    with pytest.raises(CheckpointError) as info:
+        hf_weight_files(d)
+    message = str(info.value)
+    assert "weight_map[" in message and "model.safetensors.index.json" in message
+    assert ("leads outside the model directory" if attack == "symlink_out" else "not a file inside") in message
+
+
+def test_a_weight_map_entry_naming_a_fifo_is_refused_without_opening_it(tmp_path):
+    import faulthandler
+    import os
+    import subprocess
+    import sys
+
+    from kuangchao_core.ckpt.hf import hf_weight_files
+    from kuangchao_core.errors import CheckpointError
+
+    d = tmp_path / "model"
+    _sharded(d)
+    (d / "b.safetensors").unlink()
+    os.mkfifo(d / "b.safetensors")
+    # the control, bounded in a process of its own: the reader of before blocks on the FIFO (holding the GIL)
+    opener = f"from safetensors import safe_open; safe_open({str(d / 'b.safetensors')!r}, framework='pt')"
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", opener], timeout=1.0, stdin=subprocess.DEVNULL, capture_output=True)
+    faulthandler.dump_traceback_later(30, exit=True)  # a regression that opens the FIFO ends the run, never hangs it
+    try:
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            hf_weight_files(d)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tmp_path):
+    from kuangchao_core.ckpt.hf import hf_weight_files
+    from kuangchao_core.errors import CheckpointError
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / "rev1"
+    _sharded(snap)
+    (repo / "blobs").mkdir()
+    for name in ("a.safetensors", "b.safetensors"):  # the Hub's layout: the snapshot's files link to ../../blobs
+        (snap / name).rename(repo / "blobs" / f"sha-{name}")
+        (snap / name).symlink_to(f"../../blobs/sha-{name}")
+    assert {p.name for p in hf_weight_files(snap).values()} == {"sha-a.safetensors", "sha-b.safetensors"}
+    (repo / "blobs" / "sha-b.safetensors").rename(tmp_path / "elsewhere.safetensors")  # out of the repository
+    (snap / "b.safetensors").unlink()
+    (snap / "b.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="leads outside the model directory"):
+        hf_weight_files(snap)
