@@ -194,3 +194,50 @@ def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tmp_path):
     (snap / "b.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     with pytest.raises(CheckpointError, match="leads outside the model directory"):
         hf_weight_files(snap)
+
+
+# ------------------------------------------------------------------------------------------ a plan past any machine
+HUGE = [  # each field within its own cap; together 1.6 PiB per rank (the review's 3.4e9 MiB LLaVA shape is alike)
+    "model.preset=null",
+    "model.vocab_size=4000000",
+    "model.hidden_size=65536",
+    "model.intermediate_size=524288",
+    "model.num_layers=1000",
+    "model.num_heads=512",
+    "model.num_kv_heads=8",
+]
+
+
+def test_a_plan_past_any_machine_is_refused_by_kc_plan_and_kc_train_naming_the_fields(tmp_path):
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+    from kuangchao_core.engine.plan import check_plan, raise_for_plan
+    from kuangchao_core.engine.plan_bounds import MAX_RANK_BYTES, largest_rank, size_problems
+    from kuangchao_core.errors import PlanError
+    from tests.conftest_prefect import TINY
+
+    cfg = load_config(TINY, HUGE)
+    need = largest_rank(cfg)["memory_bytes"]["total"]
+    assert need > MAX_RANK_BYTES
+    assert size_problems(cfg, limit=need) == []  # the control: without the bound this plan passed every check
+    [(field, message)] = check_plan(cfg)
+    assert field == "model"
+    for name in ("model.hidden_size 65536", "model.num_layers 1000", "model.vocab_size 4000000", "1 PiB"):
+        assert name in message
+    with pytest.raises(PlanError) as info:  # kc train's check before launch (job/prepare.py, the worker)
+        raise_for_plan(cfg, device_memory=2.0**70)  # refused whatever memory the devices are said to have
+    assert [f for f, _ in info.value.errors] == ["model"]
+    result = CliRunner().invoke(app, ["plan", "--config", TINY, *[a for s in HUGE for a in ("--set", s)]])
+    assert result.exit_code == 2 and "model: rank 0 needs an estimated" in result.output
+    ok = load_config(TINY)  # the normal config: accepted and explained
+    assert check_plan(ok) == [] and CliRunner().invoke(app, ["plan", "--config", TINY]).exit_code == 0
+
+
+def test_activations_past_any_machine_are_refused_under_the_sequence_length():
+    from kuangchao_core.engine.plan import check_plan
+    from tests.conftest_prefect import TINY
+
+    long = ["data.seq_len=4194304", "model.max_seq_len=4194304", "parallel.micro_batch_size=32768"]
+    [(field, message)] = check_plan(load_config(TINY, long))
+    assert field == "data.seq_len" and "parallel.micro_batch_size 32768" in message
