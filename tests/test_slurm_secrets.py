@@ -88,3 +88,18 @@ def test_unreserved_options_pass(arg):
     assert reserved_option(arg) is None  # -JN is the job name "N": -J takes the rest of the group as its value
     cfg = load_config(TINY, [*SLURM, f'cluster.slurm.extra_sbatch_args=["{arg}"]'])
     assert cfg.cluster.slurm.extra_sbatch_args == [arg]
+
+
+def test_kc_slurm_script_warns_about_an_allowed_secret_and_exports_it_by_name_only():
+    from typer.testing import CliRunner
+
+    from kuangchao.cli.main import app
+
+    sets = [*SLURM, 'cluster.slurm.export_env=["HF_TOKEN"]', 'cluster.slurm.export_env_allow_secrets=["HF_TOKEN"]']
+    args = ["slurm", "script", TINY, *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(app, args, env={"HF_TOKEN": "hf_secret_value"})
+    assert result.exit_code == 0, result.output
+    assert "warning: cluster.slurm.export_env exports HF_TOKEN" in result.output
+    assert "hf_secret_value" not in result.output  # the name is exported, the value never written
+    quiet = CliRunner().invoke(app, ["slurm", "script", TINY, *[a for s in SLURM for a in ("--set", s)]])
+    assert quiet.exit_code == 0 and "warning" not in quiet.output  # the control: nothing secret, nothing said
