@@ -126,11 +126,8 @@ def _yaml_inline(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return (
-            value
-            if re.fullmatch(r"[A-Za-z0-9_./:*@-]+", value) and value not in ("null", "true")
-            else json.dumps(value)
-        )
+        plain = re.fullmatch(r"[A-Za-z0-9_./:*@-]+", value) and value not in ("null", "true")
+        return value if plain else json.dumps(value)
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, list):
@@ -206,6 +203,9 @@ FRAGMENTS: dict[str, dict[str, Any]] = {
     "cluster.nodes.role": {"cluster": {"mode": "static", "nodes": [_NODE, _COORDINATOR]}},
     "parallel.sequence_parallel": {"parallel": {"tensor_parallel_size": 2, "sequence_parallel": True}},
     "cluster.slurm.switches_wait": {"cluster": {"mode": "slurm", "slurm": {"switches": 1, "switches_wait": "10:00"}}},
+    "cluster.slurm.export_env_allow_secrets": {
+        "cluster": {"mode": "slurm", "slurm": {"export_env": ["HF_TOKEN"], "export_env_allow_secrets": ["HF_TOKEN"]}}
+    },
     "checkpoint.uri": {"checkpoint": {"uri": "s3://bucket/kuangchao", "endpoint_url": "http://127.0.0.1:9000"}},
 }
 

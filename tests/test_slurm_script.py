@@ -35,8 +35,8 @@ def _errors(*overrides: str) -> dict[str, str]:
 def test_bad_slurm_settings_are_refused_under_their_field_paths():
     assert "cluster.slurm.partition" in _errors(*SLURM, "cluster.slurm.partition=debug --export=ALL")
     assert "cluster.slurm.time_limit" in _errors(*SLURM, "cluster.slurm.time_limit=soon")
-    assert "cluster.slurm.extra_sbatch_args" in _errors(*SLURM, 'cluster.slurm.extra_sbatch_args=["--export=ALL"]')
-    assert "cluster.slurm.export_env" in _errors(*SLURM, 'cluster.slurm.export_env=["KC_TOKENS"]')
+    assert "cluster.slurm.extra_sbatch_args.0" in _errors(*SLURM, 'cluster.slurm.extra_sbatch_args=["--export=ALL"]')
+    assert "cluster.slurm.export_env.0" in _errors(*SLURM, 'cluster.slurm.export_env=["KC_TOKENS"]')
     assert "cluster.slurm.unknown" in _errors(*SLURM, "cluster.slurm.unknown=1")
     assert "cluster.slurm.switches_wait" in _errors(*SLURM, "cluster.slurm.switches_wait=10")
     assert "cluster.slurm.checkpoint_before_limit_s" in _errors(*SLURM, "cluster.slurm.checkpoint_before_limit_s=-1")

@@ -20,7 +20,7 @@ def script(
     """Print a batch script that runs ``kc train --config CONFIG`` inside the allocation it asks for."""
     from kuangchao_core.config import load_config
     from kuangchao_core.errors import ConfigError
-    from kuangchao_core.sched.slurm.script import example_script
+    from kuangchao_core.sched.slurm.script import example_script, secret_warnings
 
     try:
         cfg = load_config(config, overrides)
@@ -30,6 +30,8 @@ def script(
     if cfg.cluster.mode != "slurm":
         typer.echo(f"kc slurm script: {config}: cluster.mode is {cfg.cluster.mode}, not slurm", err=True)
         raise typer.Exit(2)
+    for warning in secret_warnings(cfg.cluster.slurm):
+        typer.echo(f"kc slurm script: {config}: {warning}", err=True)
     typer.echo(example_script(cfg, config, overrides), nl=False)
 
 

@@ -1,7 +1,8 @@
 """The Hugging Face Llama format: read the slices one rank needs from an HF directory (fine-tuning start).
 
 - :func:`load_hf_weights_for_layout` reads a local directory holding ``config.json`` and ``model.safetensors``
-  (or shards listed in ``model.safetensors.index.json``) and returns, by HF parameter name, only the slices a
+  (or shards listed in ``model.safetensors.index.json``, each entry a regular file inside the directory:
+  :func:`weight_file`) and returns, by HF parameter name, only the slices a
   :class:`~kuangchao_core.models.layout.TargetLayout` rank holds, read with ``safe_open(...).get_slice``.
 - :func:`hf_config_dict` is the ``config.json`` that ``transformers.LlamaForCausalLM`` reads for a model config
   (the export in :mod:`kuangchao_core.ckpt.convert` writes it). Safetensors and JSON only, never pickle.
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -33,28 +35,69 @@ def _as_llama_config(model_cfg: Any):
 
 
 def hf_weight_files(hf_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it, from the index file or the single/only files present."""
+    """HF tensor name -> the safetensors file holding it, from the index file or the single/only files present.
+
+    Every file is checked by :func:`weight_file` before anything opens it: inside the model directory, regular."""
     d = Path(hf_dir)
     if not d.is_dir():
         raise ConfigError([("model.checkpoint", f"{d} is not a directory; give a local Hugging Face model directory")])
     index = d / INDEX_FILE
-    if index.is_file():
+    if os.path.lexists(index):  # a FIFO or a link too: weight_file refuses them
+        index = weight_file(d, INDEX_FILE, str(index))
         try:
             weight_map = read_json_file(index)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            items = list(weight_map.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index}: cannot read its weight_map ({exc})") from None
-        return {name: d / fname for name, fname in weight_map.items()}
-    files = [d / SINGLE_FILE] if (d / SINGLE_FILE).is_file() else sorted(d.glob("*.safetensors"))
-    if not files:
+        files: dict[str, Path] = {}
+        for name, fname in items:
+            if fname not in files:
+                files[fname] = weight_file(d, fname, f"{index}: weight_map[{name!r}]")
+        return {name: files[fname] for name, fname in items}
+    listed = [d / SINGLE_FILE] if os.path.lexists(d / SINGLE_FILE) else sorted(d.glob("*.safetensors"))
+    if not listed:
         raise ConfigError(
             [("model.checkpoint", f"{d} holds no *.safetensors weights (pickle .bin files are not read); convert them")]
         )
     out: dict[str, Path] = {}
-    for f in files:
+    for f in listed:
+        f = weight_file(d, f.name, str(f))
         with safe_open(str(f), framework="pt", device="cpu") as h:
             for name in h.keys():
                 out[name] = f
     return out
+
+
+def model_root(hf_dir: Path) -> Path:
+    """Where a model directory's files may lead: the directory itself, or for a Hugging Face Hub cache snapshot
+    (``…/models--org--name/snapshots/<revision>``, whose files link to ``../../blobs/``) that repository's folder."""
+    real = hf_dir.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def weight_file(hf_dir: Path, name: Any, where: str) -> Path:
+    """The real path of file ``name`` of model directory ``hf_dir``, checked without opening it: a relative name
+    with no ``..``, whose symbolic links (if any) stay inside :func:`model_root`, naming a regular file (a FIFO
+    would block the reader, a device never end). Raises CheckpointError naming ``where`` (the entry) otherwise."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{where}: {name!r} is not a file name")
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts or os.path.isabs(name):
+        raise CheckpointError(f"{where}: {name!r} is not a file inside the model directory {hf_dir} (no '..', no /)")
+    path = hf_dir / rel
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # missing, or a loop of links
+        raise CheckpointError(f"{where}: {path} cannot be read ({exc.__class__.__name__}: {exc})") from None
+    root = model_root(hf_dir)
+    if not real.is_relative_to(root):
+        raise CheckpointError(f"{where}: {path} leads outside the model directory {root} (to {real})")
+    mode = os.lstat(real).st_mode  # resolved: no link left; a stat never opens, so a FIFO cannot block here
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{where}: {path} is not a regular file (a pipe, device, socket or directory)")
+    return real
 
 
 def load_hf_weights_for_layout(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kuangchao_core.config.cluster_schema import slurm_time_s
+from kuangchao_core.config.slurm_options import export_env_errors
 from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
 
 Errors = list[tuple[str, str]]
@@ -241,6 +242,12 @@ def _slurm_shape(cluster: Any) -> Errors:
             )
         )
     return errors
+
+
+@_check("cluster")
+def _slurm_env(cluster: Any) -> Errors:
+    """``cluster.slurm.export_env``: no credential-like name unless ``export_env_allow_secrets`` lists it."""
+    return export_env_errors(cluster.slurm) if cluster.slurm is not None else []
 
 
 @_check("cluster")

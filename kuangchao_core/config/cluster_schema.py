@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from kuangchao_core.config.section import Float, Int, Section
+from kuangchao_core.config.slurm_options import reserved_option
 
 #: what a Slurm name or option value may hold: it is written into ``#SBATCH`` lines, so no spaces or newlines
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+=%/\[\]&|!*()-]+$")
 #: Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED
 _SLURM_TIME = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
-#: sbatch options the Slurm path sets itself (the environment, the script, the node layout)
-_RESERVED = ("--export", "--wrap", "--nodes", "-N", "--ntasks-per-node", "--parsable", "--get-user-env")
 
 
 def slurm_time_s(value: str | None) -> int | None:
@@ -37,6 +36,31 @@ def _word(value: str | None) -> str | None:
     return value
 
 
+def _sbatch_arg(arg: str) -> str:
+    """One ``extra_sbatch_args`` item: one option, none that the Slurm path sets itself (by any abbreviation)."""
+    if not arg.startswith("-") or arg in ("-", "--") or any(c in arg for c in "\n\r\0"):
+        raise ValueError(f"{arg!r} is not one sbatch option (--name=value)")
+    reserved = reserved_option(arg)
+    if reserved:
+        raise ValueError(
+            f"{arg.split('=', 1)[0]} is {reserved} as sbatch reads it (a prefix of a long option is that option), "
+            "which the Slurm path sets itself (see cluster.slurm's other fields)"
+        )
+    return arg
+
+
+def _env_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"{name!r} is not an environment variable name")
+    if name.startswith("KC_"):
+        raise ValueError(f"{name} holds the job's own settings or tokens; the nodes get those otherwise")
+    return name
+
+
+SbatchArg = Annotated[str, AfterValidator(_sbatch_arg)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+
+
 class SlurmSection(Section):
     """The Slurm job of ``cluster.mode: slurm`` (``sbatch``; inside an allocation the job's own nodes via ``srun``).
 
@@ -56,7 +80,7 @@ class SlurmSection(Section):
     constraint: str | None = None
     exclusive: bool = False
     #: further ``sbatch`` options, one per item (``--mem=64G``, ``--reservation=r1``); never secrets: Slurm stores them
-    extra_sbatch_args: list[str] = Field(default_factory=list, max_length=64)
+    extra_sbatch_args: list[SbatchArg] = Field(default_factory=list, max_length=64)
     #: the ``slurm.conf`` the Slurm commands read (``SLURM_CONF``); unset: the machine's
     slurm_conf: str | None = None
     #: ask for nodes under at most this many leaf switches (``--switches``, Slurm's tree topology)
@@ -67,8 +91,13 @@ class SlurmSection(Section):
     #: seconds before the time limit at which Slurm signals the batch script (``--signal=B:USR1@<s>``; Slurm may
     #: signal up to a minute earlier): every rank checkpoints the same step and stops; 0: off
     checkpoint_before_limit_s: Int = Field(default=120, ge=0, le=65535)
-    #: names of further environment variables the nodes get from ``kc train``'s (never secrets: Slurm stores them)
-    export_env: list[str] = Field(default_factory=list, max_length=64)
+    #: names of further environment variables the nodes get from ``kc train``'s (never secrets: Slurm stores them);
+    #: a name that looks like a credential (``*_TOKEN``, ``*_KEY``, ``*SECRET*``, ``*PASSWORD*``, ``HF_TOKEN`` …)
+    #: is refused unless ``export_env_allow_secrets`` lists it too
+    export_env: list[EnvName] = Field(default_factory=list, max_length=64)
+    #: names of ``export_env`` that look like credentials and are exported all the same (each one warned about at
+    #: submission): Slurm keeps the job's environment where its administrators and accounting can read it
+    export_env_allow_secrets: list[EnvName] = Field(default_factory=list, max_length=64)
 
     @field_validator("partition", "account", "qos", "constraint")
     @classmethod
@@ -80,27 +109,6 @@ class SlurmSection(Section):
     def _time(cls, value: str | None) -> str | None:
         if value is not None and not _SLURM_TIME.match(value):
             raise ValueError(f"{value!r} is not a Slurm time (minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED)")
-        return value
-
-    @field_validator("extra_sbatch_args")
-    @classmethod
-    def _extra(cls, value: list[str]) -> list[str]:
-        for arg in value:
-            if not arg.startswith("-") or any(c in arg for c in "\n\r\0"):
-                raise ValueError(f"{arg!r} is not one sbatch option (--name=value)")
-            name = arg.split("=", 1)[0]
-            if name in _RESERVED:
-                raise ValueError(f"{name} is set by the Slurm path itself (see cluster.slurm's other fields)")
-        return value
-
-    @field_validator("export_env")
-    @classmethod
-    def _env_names(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise ValueError(f"{name!r} is not an environment variable name")
-            if name.startswith("KC_") or name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-                raise ValueError(f"{name} may hold a secret or the job's own settings; the nodes get those otherwise")
         return value
 
 

@@ -53,59 +53,94 @@ def _names_no_content(where: str) -> bool:
     return where == "(file)" or where.split(".", 1)[0] in SECTIONS
 
 
-def _load_tree(path: Path, chain: list[Path], top: Path) -> tuple[dict[str, Any], Errors]:
+def _resolved(path: Path) -> tuple[Path | None, str]:
+    """``path`` with its symbolic links followed, or None and one line naming the file (a loop of links)."""
+    try:
+        return path.resolve(), ""
+    except (RuntimeError, OSError) as exc:  # a loop: RuntimeError before Python 3.13, OSError (ELOOP) after
+        return None, f"{path} cannot be resolved: a loop of symbolic links ({exc.__class__.__name__})"
+
+
+#: one load's files by resolved path: (merged tree, errors, height = files on its longest ``extends`` chain)
+Resolved = dict[Path, tuple[dict[str, Any], Errors, int]]
+
+
+def _load_tree(path: Path, chain: list[Path], top: Path, seen: Resolved | None = None) -> tuple[dict[str, Any], Errors]:
+    """The mapping of ``path`` merged over its ``extends:`` bases, and the errors. ``seen`` (one load's) makes a file
+    that several routes reach (a diamond, a fan-out) read and merged once; None resolves it again on every route."""
+    if seen is not None and path in seen:
+        tree, errors, _ = seen[path]
+        return copy.deepcopy(tree), list(errors)
+    tree, errors, height = _read_tree(path, chain, top, seen)
+    if seen is not None:
+        seen[path] = (copy.deepcopy(tree), list(errors), height)
+    return tree, errors
+
+
+def _read_tree(path: Path, chain: list[Path], top: Path, seen: Resolved | None) -> tuple[dict[str, Any], Errors, int]:
     text, errors = read_text(path)
     if text is None:
         if path != top:
-            return {}, [("extends", msg) for _, msg in errors]
-        return {}, errors
+            return {}, [("extends", msg) for _, msg in errors], 1
+        return {}, errors, 1
     data, errors = parse_yaml(text, str(path))
     if errors:
         if path != top and not all(_names_no_content(where) for where, _ in errors):
             # another file's keys are never echoed: it may not be a config at all
             msg = f"base config {path} is not a valid YAML config; check it on its own with `kc config validate`"
-            return {}, [("extends", msg)]
-        return {}, _in_file(errors, path, top)
+            return {}, [("extends", msg)], 1
+        return {}, _in_file(errors, path, top), 1
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        return {}, _in_file(
-            [("(root)", f"a config must be a mapping of sections, got {type(data).__name__}")], path, top
+        return (
+            {},
+            _in_file([("(root)", f"a config must be a mapping of sections, got {type(data).__name__}")], path, top),
+            1,
         )
     if path != top and not set(data) <= {*SECTIONS, "extends"}:
-        return {}, [
-            (
-                "extends",
-                f"base config {path} is not a Kuangchao config: its top-level keys are not all sections "
-                f"({', '.join(SECTIONS)}); its content is not shown",
-            )
-        ]
+        return (
+            {},
+            [
+                (
+                    "extends",
+                    f"base config {path} is not a Kuangchao config: its top-level keys are not all sections "
+                    f"({', '.join(SECTIONS)}); its content is not shown",
+                )
+            ],
+            1,
+        )
 
     extends = data.pop("extends", None)
     if extends is None:
-        return data, []
+        return data, [], 1
     bases = [extends] if isinstance(extends, str) else extends
     if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
-        return {}, _in_file([("extends", f"must be a file name or a list of them, got {extends!r}")], path, top)
+        return {}, _in_file([("extends", f"must be a file name or a list of them, got {extends!r}")], path, top), 1
 
     merged: dict[str, Any] = {}
-    errors = []
+    errors, height = [], 1
     for base in bases:
-        base_path = (path.parent / base).resolve()
+        base_path, why = _resolved(path.parent / base)
+        if base_path is None:
+            errors.append(("extends", f"base config {why} (extended from {path})"))
+            continue
         shown = " -> ".join(str(p) for p in [*chain, base_path])
         if base_path in chain:
             errors.append(("extends", f"extends cycle: {shown}"))
             continue
-        if len(chain) >= MAX_EXTENDS_DEPTH:
+        below = seen[base_path][2] if seen is not None and base_path in seen else 1
+        if len(chain) + below > MAX_EXTENDS_DEPTH:
             errors.append(("extends", f"extends chain deeper than {MAX_EXTENDS_DEPTH} files: {shown}"))
             continue
         if not base_path.exists():
             errors.append(("extends", f"base config {base!r} not found (looked for {base_path}, extended from {path})"))
             continue
-        tree, base_errors = _load_tree(base_path, [*chain, base_path], top)
-        errors.extend(base_errors)
+        tree, base_errors = _load_tree(base_path, [*chain, base_path], top, seen)
+        errors.extend(e for e in base_errors if e not in errors)
+        height = max(height, 1 + (seen[base_path][2] if seen is not None else 1))
         merged = deep_merge(merged, tree)
-    return deep_merge(merged, data), errors
+    return deep_merge(merged, data), errors, height
 
 
 # ------------------------------------------------------------------------------------------------------ schema walk
@@ -283,10 +318,12 @@ def load_config(
     ``resolve`` may rewrite the merged mapping before validation (the flow replaces Prefect block references there).
     """
     source = str(path)
-    top = Path(path).resolve()
+    top, why = _resolved(Path(path))
+    if top is None:
+        raise ConfigError([("(file)", why)], source)
     if not top.exists():
         raise ConfigError([("(file)", f"file not found: {top}")], source)
-    data, errors = _load_tree(top, [top], top)
+    data, errors = _load_tree(top, [top], top, {})
     if errors:
         raise ConfigError(errors, source)
     data, errors = apply_overrides(data, overrides)

@@ -3,7 +3,8 @@
 - :func:`check_plan` returns every reason the layout cannot run, as ``(dotted_path, message)`` pairs with the
   numbers (TP not dividing heads / kv heads / vocabulary / MLP width, layers not divisible by pp x v, micro-batch
   counts the schedule cannot run, world size not matching the cluster or the launched processes, an encoder TP
-  size not dividing the heads or MLP width of a LLaVA ``model.checkpoint``'s tower). The engine runs
+  size not dividing the heads or MLP width of a LLaVA ``model.checkpoint``'s tower, a largest rank past any
+  machine's memory: ``engine.plan_bounds``). The engine runs
   it before launch (:func:`raise_for_plan`, which also refuses a layout whose largest rank's estimated memory
   exceeds what a rank of the devices may use: ``engine.plan_memory``).
 - :func:`explain_plan` returns a JSON-able description: every TP/PP/DP group's ranks, which global layers each
@@ -21,6 +22,7 @@ from typing import Any
 
 from kuangchao_core.axes import BUILD_ORDER, MeshAxes
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
+from kuangchao_core.engine.plan_bounds import size_problems
 from kuangchao_core.engine.plan_comms import communicators, format_communicators
 from kuangchao_core.engine.plan_vision import format_vision, pretrained_tower_problems, vision_plan
 from kuangchao_core.engine.traffic import group_traffic
@@ -100,7 +102,7 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
     for e in errors:
         if e not in unique:
             unique.append(e)
-    return unique
+    return unique or size_problems(cfg)  # a layout that runs, but past any machine's memory (engine.plan_bounds)
 
 
 def required_primitives(cfg: Any) -> dict[str, str]:

@@ -172,6 +172,8 @@ def launch_slurm_attempt(
     if inside and exclude:  # the allocation's nodes are the job's: a lost one cannot be left out of it
         raise SlurmRefused(f"node(s) {', '.join(exclude)} of allocation {inside} lost; run kc train in a new one")
     path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None, exclude, traffic)
+    for warning in script.secret_warnings(cfg.cluster.slurm):
+        say(warning)
     placing = traffic is not None
     out = script.slurm_dir(run_dir, attempt)
     proc = None

@@ -51,6 +51,18 @@ def exported_names(slurm: Any, env: dict[str, str] | None = None) -> list[str]:
     return [name for i, name in enumerate(wanted) if name in env and name not in wanted[:i]]
 
 
+def secret_warnings(slurm: Any) -> list[str]:
+    """One warning per ``export_env`` name that looks like a credential and is exported because
+    ``cluster.slurm.export_env_allow_secrets`` allows it (the config refuses such a name otherwise)."""
+    from kuangchao_core.config.slurm_options import exported_secrets
+
+    return [
+        f"warning: cluster.slurm.export_env exports {name}, which looks like a credential "
+        "(cluster.slurm.export_env_allow_secrets): Slurm keeps the job's environment where others can read it"
+        for name in exported_secrets(slurm)
+    ]
+
+
 def sbatch_options(cfg: Any, run_dir: str | Path, attempt: int, exclude: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The ``#SBATCH`` options of the job, from ``cluster.slurm`` (``exclude``: nodes lost in earlier attempts)."""
     slurm = cfg.cluster.slurm
