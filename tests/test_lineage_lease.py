@@ -14,6 +14,7 @@ The writers are the engine's real ``CheckpointWriter`` (one process); the lease 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import time
@@ -25,6 +26,7 @@ import torch
 from kuangchao_core.ckpt.integrity import find_latest_intact, verify_checkpoint
 from kuangchao_core.ckpt.lineage import create_lineage, lineage_dir, plan_resume
 from kuangchao_core.ckpt.lineage_lease import (
+    LeaseClockFault,
     LeaseHeld,
     LeaseKeeper,
     StaleWriter,
@@ -35,7 +37,7 @@ from kuangchao_core.ckpt.lineage_lease import (
 from kuangchao_core.ckpt.storage import DiskFull, LocalStorage
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.config.settings import lineage_key
-from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.errors import CheckpointError, WorkerFailed
 from kuangchao_core.perm import guard_api
 from kuangchao_core.sched.recovery import RestartPolicy
 from tests.engine_helpers import tiny_job
@@ -173,3 +175,69 @@ def test_the_storage_names_only_space_errors_disk_full(tmp_path):
     with pytest.raises(PermissionError):
         storage.write_with("a/c", lambda p: fill(p, errno.EACCES))
     assert not list((tmp_path / "a").iterdir())
+
+
+def _lease_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "run-x"
+    path.mkdir()
+    return path
+
+
+def test_a_fifo_lease_is_refused_without_hanging(tmp_path):
+    import faulthandler
+    import threading
+
+    path = _lease_dir(tmp_path)
+    fifo = path / "owner.json"
+    os.mkfifo(fifo)
+    faulthandler.dump_traceback_later(20, exit=True)  # a regression fails the run instead of hanging the suite
+    try:
+        with pytest.raises(CheckpointError, match="owner.json: the lineage's lease is not a regular file"):
+            read_lease(path)
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            take_lease(path, "run-B", wait_s=0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    # negative control: the plain open() the lease was read with before blocks on the FIFO until a writer appears
+    blocked = threading.Thread(target=lambda: open(fifo, "rb").close(), daemon=True)
+    blocked.start()
+    blocked.join(0.5)
+    assert blocked.is_alive()
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer end: the blocked open returns, the thread ends
+    blocked.join(5)
+    assert not blocked.is_alive()
+
+
+def test_a_symlinked_lease_is_refused(tmp_path):
+    path = _lease_dir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    take_lease(elsewhere, "run-A")
+    (path / "owner.json").symlink_to(elsewhere / "owner.json")
+    with pytest.raises(CheckpointError, match="a symbolic link: refused"):
+        read_lease(path)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        take_lease(path, "run-B", wait_s=0)
+    # negative control: the record the link points at is a valid lease; only the link is refused
+    assert read_lease(elsewhere)["owner"] == "run-A"
+
+
+def test_a_renewal_in_the_future_is_a_clock_fault_not_a_live_holder(tmp_path):
+    path = _lease_dir(tmp_path)
+    holder = take_lease(path, "run-A")
+    record = read_lease(path)
+    record["renewed_ns"] = time.time_ns() + 3600 * 10**9  # the holder's clock jumped an hour ahead
+    (path / "owner.json").write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(
+        LeaseClockFault, match=r"owner\.json: run run-A renewed the lease at .*Z, 3[56]\d\d\.\d s after"
+    ):
+        take_lease(path, "run-B", wait_s=0)
+    # negative control: without the check (pre-fix) the same record is a live holder, renewed "-3600 s ago"
+    with pytest.raises(LeaseHeld, match="renewed -3[56]\\d\\d"):
+        take_lease(path, "run-B", wait_s=0, skew_s=float("inf"))
+    # within the skew allowance a renewal slightly ahead is still a live holder; its own owner takes it back
+    record["renewed_ns"] = time.time_ns() + 10**9
+    (path / "owner.json").write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(LeaseHeld):
+        take_lease(path, "run-B", wait_s=0)
+    assert take_lease(path, "run-A").generation == holder.generation + 1

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,10 +45,18 @@ STALE_AFTER_S = 12.0
 WAIT_S = 30.0
 _LOCK_STALE_S = 10.0
 _MAX_BYTES = 64 * 1024
+#: how far in the future a renewal may lie (clocks of the hosts sharing the lineage disagree a little) before it is a
+#: clock fault rather than a live holder
+CLOCK_SKEW_S = 5.0
 
 
 class StaleWriter(CheckpointError):
     """A checkpoint write or retention pass by a writer that no longer holds its lineage's lease."""
+
+
+class LeaseClockFault(CheckpointError):
+    """The lease was renewed in the future: a clock jumped (here or on the holder's host); nobody can tell whether
+    the holder is alive."""
 
 
 class LeaseHeld(CheckpointError):
@@ -79,13 +88,21 @@ def read_lease(lineage_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The lease record of a lineage; None when it has none. A record that cannot be read is an error: a writer
     must not guess who owns a lineage."""
     path = Path(lineage_dir) / LEASE_FILE
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_BYTES + 1)
+    try:  # never follows a symlink, never blocks on a FIFO, reads at most _MAX_BYTES + 1
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
+        hint = " (a symbolic link: refused)" if path.is_symlink() else ""
+        raise CheckpointError(f"{path}: cannot read the lineage's lease{hint} ({exc}); remove it by hand") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: the lineage's lease is not a regular file; remove it by hand")
+        raw = os.read(fd, _MAX_BYTES + 1)
+    except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the lineage's lease ({exc})") from None
+    finally:
+        os.close(fd)
     try:
         if len(raw) > _MAX_BYTES:
             raise ValueError(f"larger than {_MAX_BYTES} bytes")
@@ -131,6 +148,10 @@ def _locked(lineage_dir: Path, timeout_s: float = 15.0) -> Iterator[None]:
         lock.unlink(missing_ok=True)
 
 
+def _utc(ns: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9))
+
+
 def lease_age_s(record: dict[str, Any], now_ns: int | None = None) -> float:
     """Seconds since the record's owner last renewed it."""
     renewed = record.get("renewed_ns")
@@ -146,12 +167,14 @@ def take_lease(
     stale_after_s: float = STALE_AFTER_S,
     wait_s: float = WAIT_S,
     say: Callable[[str], None] | None = None,
+    skew_s: float = CLOCK_SKEW_S,
 ) -> Lease:
     """Take the lease of the lineage in ``lineage_dir`` for ``owner`` with the next generation.
 
     A lease renewed by another owner within ``stale_after_s`` is waited for (up to ``wait_s``, said once through
     ``say``); :class:`LeaseHeld` when it is still alive then. The same owner taking it again (a new attempt of the
-    same run) also gets a new generation, which fences the ranks of its earlier attempts."""
+    same run) also gets a new generation, which fences the ranks of its earlier attempts. Another owner's renewal more
+    than ``skew_s`` in the future is :class:`LeaseClockFault`, not a live holder."""
     path = Path(lineage_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such lineage directory")
@@ -161,6 +184,12 @@ def take_lease(
         with _locked(path):
             record = read_lease(path)
             age = lease_age_s(record) if record else float("inf")
+            if record is not None and record.get("owner") != owner and age < -skew_s:
+                raise LeaseClockFault(
+                    f"{path / LEASE_FILE}: run {record.get('owner')} renewed the lease at {_utc(record['renewed_ns'])}, "
+                    f"{-age:.1f} s after this host's clock ({_utc(time.time_ns())}): a clock jumped here or on "
+                    f"{record.get('host')}; fix the clock, or remove the lease by hand once that run is gone"
+                )
             if record is None or record.get("owner") == owner or age > stale_after_s:
                 generation = (record["generation"] if record else 0) + 1
                 now = time.time_ns()
