@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -128,7 +129,8 @@ def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
     finally:
         keeper.stop()
     assert forked.lineage != plan.lineage and forked.new
-    assert forked.step_dir == resumed.step_dir and forked.step == 5
+    assert forked.step == 5 and forked.step_dir == str(lineage_dir(lineage_key(cfg), forked.lineage) / "step_00000005")
+    assert verify_checkpoint(forked.step_dir) == []  # the fork's own (linked) copy of the step it resumes
     assert any("forks a new lineage" in s for s in said)
     assert lease.path == lineage_dir(lineage_key(cfg), forked.lineage) and read_lease(lease.path)["owner"] == "run-B"
     assert read_lease(path)["owner"] == "run-A"
@@ -241,3 +243,62 @@ def test_a_renewal_in_the_future_is_a_clock_fault_not_a_live_holder(tmp_path):
     with pytest.raises(LeaseHeld):
         take_lease(path, "run-B", wait_s=0)
     assert take_lease(path, "run-A").generation == holder.generation + 1
+
+
+def test_a_racing_resume_never_forks_from_a_step_the_live_writer_deleted(tmp_path):
+    cfg = _cfg(tmp_path)
+    key = lineage_key(cfg)
+    plan = plan_resume(key, "never")
+    create_lineage(key, plan.lineage)
+    path = lineage_dir(key, plan.lineage)
+    holder = take_lease(path, "run-A")
+    live = _writer(cfg, plan.lineage, holder.generation, keep_last=1)
+    _save(live, 5)
+    keeper = LeaseKeeper(holder, interval_s=0.1)
+    keeper.start()
+    said: list[str] = []
+    try:
+        resumed = plan_resume(key, "auto")  # run B chooses step 5 before its lease wait ...
+        assert resumed.step == 5
+        _save(live, 10)  # ... meanwhile run A's keep_last removes it
+        assert not Path(resumed.step_dir).exists()
+        forked, lease = hold_lineage(key, resumed, "run-B", said.append, stale_after_s=1.0, wait_s=0.3)
+        assert forked.lineage != plan.lineage and forked.step == 10
+        assert Path(forked.step_dir).parent == lease.path and verify_checkpoint(forked.step_dir) == []
+        _save(live, 15)  # A's retention removes step 10 too: the fork's pinned copy stays intact
+        assert not (path / "step_00000010").exists() and verify_checkpoint(forked.step_dir) == []
+        worker = plan_resume(key, forked.step_dir, pinned=forked.lineage)  # what the fork's ranks resume from
+        assert worker.step_dir == forked.step_dir
+        # negative control: the pre-fix fork (an empty lineage resuming the step chosen before the wait) resumes a
+        # directory that no longer exists, which failed every attempt
+        create_lineage(key, "run-20990101T000000Z-000000")
+        stale = plan_resume(key, resumed.step_dir, pinned="run-20990101T000000Z-000000")
+        assert not Path(stale.step_dir).exists()
+
+        # every step of the busy lineage gone: a clear error, and no empty fork left behind
+        before = {p.name for p in path.parent.iterdir()}
+        shutil.rmtree(path / "step_00000015")
+        with pytest.raises(CheckpointError, match="were deleted while this run tried to fork from them"):
+            hold_lineage(key, resumed, "run-C", said.append, stale_after_s=1.0, wait_s=0.3)
+        assert {p.name for p in path.parent.iterdir()} == before
+    finally:
+        keeper.stop()
+
+
+def test_a_takeover_resumes_the_newest_step_once_it_holds_the_lineage(tmp_path):
+    cfg = _cfg(tmp_path)
+    key = lineage_key(cfg)
+    plan = plan_resume(key, "never")
+    create_lineage(key, plan.lineage)
+    path = lineage_dir(key, plan.lineage)
+    old = take_lease(path, "run-A")
+    live = _writer(cfg, plan.lineage, old.generation, keep_last=1)
+    _save(live, 10)
+    resumed = plan_resume(key, "auto")
+    _save(live, 20)  # step 10 removed between B's choice and its takeover
+    time.sleep(0.3)
+    said: list[str] = []
+    taken, lease = hold_lineage(key, resumed, "run-B", said.append, stale_after_s=0.2, wait_s=1.0)
+    assert (taken.lineage, taken.step, lease.generation) == (plan.lineage, 20, old.generation + 1)
+    assert taken.step_dir == str(path / "step_00000020") and any("resuming from" in s for s in said)
+    assert not Path(resumed.step_dir).exists()  # negative control: the step chosen before the wait is gone

@@ -300,16 +300,9 @@ class LeaseKeeper(threading.Thread):
 def hold_lineage(key: Any, plan: Any, owner: str, say: Callable[[str], None], **kw: Any) -> tuple[Any, Lease]:
     """Take the lease of ``plan``'s lineage for run ``owner`` (waiting for a live holder as :func:`take_lease`
     does). When the holder stays alive, the run does not share its lineage: it forks a new lineage from the same
-    checkpoint, says so, and returns that plan. Returns ``(plan, lease)``; ``kw`` goes to :func:`take_lease`.
-    ``key``: the job's :class:`~kuangchao_core.config.settings.LineageKey`."""
-    from kuangchao_core.ckpt.lineage import ResumePlan, create_lineage, lineage_dir, new_lineage_id
+    checkpoint (pinned against the holder's retention, :mod:`~kuangchao_core.ckpt.lineage_hold`), says so, and
+    returns that plan; the resume step is re-chosen once the lease is decided. Returns ``(plan, lease)``; ``kw``
+    goes to :func:`take_lease`. ``key``: the job's :class:`~kuangchao_core.config.settings.LineageKey`."""
+    from kuangchao_core.ckpt.lineage_hold import hold
 
-    path = lineage_dir(key, plan.lineage)
-    try:
-        return plan, take_lease(path, owner, say=say, **kw)
-    except LeaseHeld as held:
-        name = new_lineage_id()
-        say(f"{held}; this run forks a new lineage {name} from {plan.step_dir or 'scratch'} instead")
-        forked = ResumePlan(name, True, plan.step_dir, plan.step, f"{plan.reason}; forked as {name} (lineage busy)")
-        create_lineage(key, name, started_from=plan.step_dir)
-        return forked, take_lease(lineage_dir(key, name), owner, say=say, **kw)
+    return hold(key, plan, owner, say, **kw)

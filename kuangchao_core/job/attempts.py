@@ -36,7 +36,9 @@ def hold_job_lineage(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, log
     lineage_before = job.plan.lineage
     job.plan, job.lease = hold_lineage(
         lineage_key(cfg), job.plan, str(job.flow_run_id), logger.warning
-    )  # one writer per lineage
+    )  # one writer per lineage; the resume step re-chosen once the lease is decided (a fork pins its own copy)
+    if job.plan.step_dir:
+        job.worker_resume = job.plan.step_dir
     job.keeper = LeaseKeeper(job.lease)
     job.keeper.start()
     prefect_watch.note(lineage=job.plan.lineage, lineage_dir=str(lineage_dir(lineage_key(cfg), job.plan.lineage)))
