@@ -153,13 +153,13 @@ def trust_for_run(
 def log_job_ids(log_path: str | os.PathLike) -> list[str]:
     """The job ids a log names (its records' and its anchors' ``log_id``): how its pins are found wherever it lies."""
     ids: list[str] = []
-    try:
-        records = list(read_records(log_path)) + list(read_records(anchors_path_for(log_path)))
-    except (OSError, RecursionError):
-        records = []
-    for rec in records:
-        if isinstance(rec.get("log_id"), str) and rec["log_id"] not in ids:
-            ids.append(rec["log_id"])
+    for path in (log_path, anchors_path_for(log_path)):
+        try:
+            for rec in read_records(path):
+                if isinstance(rec.get("log_id"), str) and rec["log_id"] not in ids:
+                    ids.append(rec["log_id"])
+        except (OSError, RecursionError):  # no anchors, or a line nested too deep: the ids read so far
+            continue
     return ids
 
 
