@@ -10,7 +10,7 @@ pins name (``--run``), else under the ``permission.audit_log`` of ``--config``, 
 checks the hash chain and the signed checkpoints and names the first bad record. Every verifying form reads the
 audit pins kept outside the run directory (:mod:`kuangchao_core.perm.audit_external`: the MLflow store of
 ``--tracking-uri`` / ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``, the configured Prefect API, and ``--pins``);
-the job, mode and audit key come from them (:mod:`kuangchao_core.perm.audit_trust`), the run's own files are only
+pins are found by the job id the log names, never by its path alone; the job, mode and audit key come from them (:mod:`kuangchao_core.perm.audit_trust`), the run's own files are only
 compared with them. An enforcing job fails without them, and fails unless its log ends at the pin the job sealed it
 with (``--allow-unsealed`` for a job still running). Pins or anchors whose log is gone fail too. Exit code 1 if any
 log fails, 2 for bad arguments.
@@ -35,6 +35,7 @@ from kuangchao_core.perm.audit_trust import (
     trust_for_log,
     trust_for_run,
     verify_with_trust,
+    with_log_job_pins,
 )
 from kuangchao_core.perm.audit_verify import VerifyReport, read_records
 from kuangchao_core.perm.reasons import phrase
@@ -199,7 +200,7 @@ def audit(
 
         def trust_of(path: Path) -> AuditTrust:
             if run_trust is not None:
-                return run_trust
+                return with_log_job_pins(run_trust, path, external) if log is not None else run_trust
             return trust_for_log(
                 path,
                 job_id=job_id,

@@ -5,19 +5,21 @@ The orchestrator publishes every pin (:mod:`~kuangchao_core.perm.audit_pins`) to
 :func:`collect_external_pins` reads them back from the tracking store (``--tracking-uri``, ``$KC_TRACKING_URI``,
 ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; never the run's own ``config.yaml``, which a worker's uid can
 point at a forged store) and from the Prefect API this shell is configured for (only when ``PREFECT_API_URL`` is
-set: an ephemeral server would know nothing). :class:`ExternalPins` then picks those of one run (by the run
-directory each pin names), one log (by its resolved path) or one task.
+set: an ephemeral server would know nothing). :class:`ExternalPins` then picks those of one job (by the job id a log
+names: a copy of a log at another path still meets its job's pins), one run (by the run directory each pin names),
+one log (by its resolved path) or one task. Every record is parsed with the bounded JSON reader, and one record that
+cannot be read (too deep, malformed) is a note that voids only itself (issue 38).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kuangchao_core.config.bounded_json import loads_bounded
 from kuangchao_core.perm.audit_pins import (
     MLFLOW_PIN_TAG,
     MLFLOW_PINS_ARTIFACT,
@@ -57,6 +59,10 @@ class ExternalPins:
         """The pins of the log at ``log_path`` (matched by its resolved path)."""
         path = str(Path(log_path).resolve())
         return [(p, s) for p, s in self.found if p.log_path == path]
+
+    def for_job(self, job_id: str | None) -> list[tuple[AuditPin, str]]:
+        """The pins of job ``job_id`` wherever its log or run lies (``[]`` for None)."""
+        return [(p, s) for p, s in self.found if job_id and (p.job_id == job_id or p.log_id == job_id)]
 
     def for_task(self, task: str) -> list[tuple[AuditPin, str]]:
         """The pins of every job of ``task`` (job ids ``<task>@<run>``)."""
@@ -102,16 +108,24 @@ def _from_mlflow(found: ExternalPins, uri: str) -> None:
         )
         for run in page:
             seen += 1
-            where = f"MLflow run {run.info.run_id}"
             try:
-                found.add(AuditPin.from_json(json.loads(run.data.tags[MLFLOW_PIN_TAG])), f"{where} tag")
-            except (ValueError, KeyError) as exc:
-                found.notes.append(f"{where}: tag {MLFLOW_PIN_TAG} unreadable ({exc})")
-            for pin in _artifact_pins(client, run.info.run_id, found):
-                found.add(pin, f"{where} {MLFLOW_PINS_ARTIFACT}")
+                _run_pins(found, client, run)
+            except Exception as exc:  # one hostile run loses only its own pins, never the store's
+                found.notes.append(f"MLflow run {run.info.run_id}: pins unreadable ({type(exc).__name__}: {exc})")
         token = page.token
         if not token:
             break
+
+
+def _run_pins(found: ExternalPins, client, run) -> None:
+    where = f"MLflow run {run.info.run_id}"
+    try:
+        tag = loads_bounded(run.data.tags[MLFLOW_PIN_TAG], where=f"{where} tag {MLFLOW_PIN_TAG}")
+        found.add(AuditPin.from_json(tag), f"{where} tag")
+    except (ValueError, KeyError) as exc:
+        found.notes.append(f"{where}: tag {MLFLOW_PIN_TAG} unreadable ({exc})")
+    for pin in _artifact_pins(client, run.info.run_id, found):
+        found.add(pin, f"{where} {MLFLOW_PINS_ARTIFACT}")
 
 
 def _artifact_pins(client, run_id: str, found: ExternalPins) -> list[AuditPin]:
@@ -152,7 +166,11 @@ def _from_prefect(found: ExternalPins) -> None:
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PREFECT_PIN_KEY])), limit=200, offset=offset
             )
             for art in page:
-                pin = pin_from_markdown(str(art.data or ""))
+                try:
+                    pin = pin_from_markdown(str(art.data or ""))
+                except Exception as exc:  # one artifact lost, not the others
+                    found.notes.append(f"Prefect artifact {art.id}: unreadable ({exc})")
+                    continue
                 if pin is not None:
                     found.add(pin, f"Prefect artifact {art.id} (flow run {art.flow_run_id})")
             if len(page) < 200:
@@ -167,6 +185,6 @@ def pin_from_markdown(text: str) -> AuditPin | None:
     if start < 0 or end < 0:
         return None
     try:
-        return AuditPin.from_json(json.loads(text[start + 8 : end]))
+        return AuditPin.from_json(loads_bounded(text[start + 8 : end]))
     except ValueError:
         return None

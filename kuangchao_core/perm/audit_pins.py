@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.perm.audit_chain import genesis_hash, utc_now_iso
 from kuangchao_core.perm.audit_verify import VerifyReport, read_head, verify_log
@@ -175,7 +176,7 @@ def load_pins_file(path: str | os.PathLike) -> list[AuditPin]:
     MLflow tag's value saved to a file). Missing file: ``[]``; malformed: :class:`AuditPinError`."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json_file(path)
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as exc:
@@ -235,15 +236,8 @@ def save_pin(authority_dir: str | os.PathLike, pin: AuditPin) -> Path:
 
 
 def _same_state(a: AuditPin, b: AuditPin) -> bool:
-    return (a.log_id, a.seq, a.head_hash, a.audit_kid, a.audit_key_fp, a.mode, a.sealed) == (
-        b.log_id,
-        b.seq,
-        b.head_hash,
-        b.audit_kid,
-        b.audit_key_fp,
-        b.mode,
-        b.sealed,
-    )
+    fields = ("log_id", "seq", "head_hash", "audit_kid", "audit_key_fp", "mode", "sealed")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 # ---------------------------------------------------------------------------------------------- recording

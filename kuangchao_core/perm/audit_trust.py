@@ -17,7 +17,7 @@ without a log.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kuangchao_core.perm.audit_chain import anchors_path_for
@@ -129,7 +129,7 @@ def trust_for_run(
     if job_id and run_job and job_id != run_job:
         raise ValueError(f"--job-id {job_id!r} is not the job of {run} ({run_job!r} in {id_file})")
     if external is not None:
-        _add_external(trust, external.for_run(run, job_id or run_job))
+        _add_external(trust, external.for_run(run, job_id or run_job) + external.for_job(job_id or run_job))
         trust.external_sources.extend(s for s in external.sources if s not in trust.external_sources)
         trust.notes.extend(external.notes)
     if pins_file:
@@ -148,6 +148,39 @@ def trust_for_run(
         trust.notes.append(f"expected job {run_job!r} read from {id_file} (no pins outside the run)")
     _load_trust_store(trust, Path(trust_store) if trust_store else run / "authority" / "trust_store.json")
     return trust
+
+
+def log_job_ids(log_path: str | os.PathLike) -> list[str]:
+    """The job ids a log names (its records' and its anchors' ``log_id``): how its pins are found wherever it lies."""
+    ids: list[str] = []
+    for path in (log_path, anchors_path_for(log_path)):
+        try:
+            for rec in read_records(path):
+                if isinstance(rec.get("log_id"), str) and rec["log_id"] not in ids:
+                    ids.append(rec["log_id"])
+        except (OSError, RecursionError):  # no anchors, or a line nested too deep: the ids read so far
+            continue
+    return ids
+
+
+def job_pins(external: ExternalPins, log_path: str | os.PathLike) -> list[tuple[AuditPin, str]]:
+    """The external pins of every job the log at ``log_path`` names (:func:`log_job_ids`), wherever they say it is."""
+    return [found for job in log_job_ids(log_path) for found in external.for_job(job)]
+
+
+def with_log_job_pins(trust: AuditTrust, log_path: str | os.PathLike, external: ExternalPins | None) -> AuditTrust:
+    """``trust`` (of a run) for a log given with it: the pins of another job that the log names make it fail
+    (``pin_wrong_job``) and are checked against it, so a job's sealed log copied beside another run never passes."""
+    extra = [(p, s) for p, s in (job_pins(external, log_path) if external else []) if p not in trust.pins]
+    if not extra:
+        return trust
+    jobs = sorted({p.job_id for p, _ in extra})
+    problem = (
+        "pin_wrong_job",
+        f"{log_path} names job {', '.join(jobs)}, whose pins outside the run ({extra[0][1]}) are not the run's "
+        f"job {trust.job_id!r}",
+    )
+    return replace(trust, pins=trust.pins + [p for p, _ in extra], problems=[*trust.problems, problem])
 
 
 def _looks_enforcing(log_path: Path) -> bool:
@@ -171,13 +204,17 @@ def trust_for_log(
     external: ExternalPins | None = None,
     allow_unsealed: bool = False,
 ) -> AuditTrust:
-    """The trust of a log verified without its run: the external pins that name the log (and ``pins_file``);
+    """The trust of a log verified without its run: the external pins that name the log or a job the log names (a
+    copy at another path meets its job's pins, issue 38), and ``pins_file``;
     the keys, job and mode are theirs. Without any: ``--mode``, else enforcing when the log looks like an enforcing
     job's (see :func:`_looks_enforcing`), else unknown (missing evidence only warns). The trust store is
     ``trust_store`` or ``<log>.trust.json``, compared with the pins."""
     trust = AuditTrust(allow_unsealed=allow_unsealed)
     if external is not None:
-        _add_external(trust, external.for_log(log_path))
+        _add_external(trust, external.for_log(log_path) + job_pins(external, log_path))
+        here = str(Path(log_path).resolve())
+        for where in sorted({p.log_path for p in trust.external if p.log_path != here}):
+            trust.notes.append(f"the log's job was pinned at {where}: checked against those pins, not its path")
         trust.external_sources.extend(s for s in external.sources if s not in trust.external_sources)
         trust.notes.extend(external.notes)
     if pins_file:
