@@ -26,12 +26,12 @@ import torch
 
 from kuangchao_core.ckpt.integrity import find_latest_intact, verify_checkpoint
 from kuangchao_core.ckpt.lineage import create_lineage, lineage_dir, plan_resume
+from kuangchao_core.ckpt.lineage_hold import hold_lineage
 from kuangchao_core.ckpt.lineage_lease import (
     LeaseClockFault,
     LeaseHeld,
     LeaseKeeper,
     StaleWriter,
-    hold_lineage,
     read_lease,
     take_lease,
 )

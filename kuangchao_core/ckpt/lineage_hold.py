@@ -76,8 +76,14 @@ def _fork(key: Any, plan: ResumePlan, owner: str, say: Callable[[str], None], he
     )
 
 
-def hold(key: Any, plan: ResumePlan, owner: str, say: Callable[[str], None], **kw: Any) -> tuple[ResumePlan, Lease]:
-    """See :func:`~kuangchao_core.ckpt.lineage_lease.hold_lineage`."""
+def hold_lineage(
+    key: Any, plan: ResumePlan, owner: str, say: Callable[[str], None], **kw: Any
+) -> tuple[ResumePlan, Lease]:
+    """Take the lease of ``plan``'s lineage for run ``owner`` (waiting for a live holder as
+    :func:`~kuangchao_core.ckpt.lineage_lease.take_lease` does). When the holder stays alive, the run does not share
+    its lineage: it forks a new lineage from the same checkpoint (pinned against the holder's retention), says so, and
+    returns that plan; the resume step is re-chosen once the lease is decided. Returns ``(plan, lease)``; ``kw``
+    goes to ``take_lease``. ``key``: the job's :class:`~kuangchao_core.config.settings.LineageKey`."""
     path = lineage_dir(key, plan.lineage)
     try:
         lease = take_lease(path, owner, say=say, **kw)

@@ -295,14 +295,3 @@ class LeaseKeeper(threading.Thread):
         self.join(timeout=5)
         if release and not self.lost.is_set():
             release_lease(self.lease)
-
-
-def hold_lineage(key: Any, plan: Any, owner: str, say: Callable[[str], None], **kw: Any) -> tuple[Any, Lease]:
-    """Take the lease of ``plan``'s lineage for run ``owner`` (waiting for a live holder as :func:`take_lease`
-    does). When the holder stays alive, the run does not share its lineage: it forks a new lineage from the same
-    checkpoint (pinned against the holder's retention, :mod:`~kuangchao_core.ckpt.lineage_hold`), says so, and
-    returns that plan; the resume step is re-chosen once the lease is decided. Returns ``(plan, lease)``; ``kw``
-    goes to :func:`take_lease`. ``key``: the job's :class:`~kuangchao_core.config.settings.LineageKey`."""
-    from kuangchao_core.ckpt.lineage_hold import hold
-
-    return hold(key, plan, owner, say, **kw)

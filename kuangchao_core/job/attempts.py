@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kuangchao_core.ckpt.lineage import create_lineage, lineage_dir
-from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, LeaseKeeper, hold_lineage
+from kuangchao_core.ckpt.lineage_hold import hold_lineage
+from kuangchao_core.ckpt.lineage_lease import ENV_GENERATION, LeaseKeeper
 from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.job.ckpt_mirror import CheckpointMirror, register_mirror

@@ -131,7 +131,7 @@ def prepare_run(
 
 def open_job(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any) -> None:
     """The doctor, the topology probe (one machine: measured now; several: started, finished by
-    :func:`~kuangchao_core.job.attempts.hold_lineage`), the job's MLflow run and its Prometheus endpoint."""
+    :func:`~kuangchao_core.ckpt.lineage_hold.hold_lineage`), the job's MLflow run and its Prometheus endpoint."""
     cfg = job.cfg
     with clock.phase("doctor"):
         steps.doctor(cfg)
