@@ -106,5 +106,10 @@ def test_a_node_killed_mid_run_is_left_out_and_the_job_finishes_every_step_once(
     assert sorted(p.name for p in (run_dir / "attempt_1/nodes").iterdir()) == ["n1", "n3"]
     states = (run_dir / "attempt_1/slurm/states.log").read_text()
     assert f"Slurm job {second_job}: RUNNING on n[1,3]" in states, states
-    assert first_job not in lab.run(["squeue", "-h", "-o", "%i"]).stdout.split(), "the first job was cancelled"
+    # scancel ended the first job (sacct: CANCELLED, not NODE_FAIL from Slurm's own timeout); squeue may still list
+    # it COMPLETING while the dead node cannot confirm, never running
+    first_state = lab.run(["sacct", "-n", "-X", "-P", "-j", str(first_job), "-o", "State"]).stdout.strip()
+    assert first_state.startswith("CANCELLED"), f"the first job was cancelled: {first_state!r}"
+    queued = dict(line.split() for line in lab.run(["squeue", "-h", "-o", "%i %T"]).stdout.splitlines())
+    assert queued.get(str(first_job), "COMPLETING") == "COMPLETING", queued
     _assert_losses(store, summary, one_process_losses)  # steps 1-8 once each: 5-8 from the resumed job
