@@ -141,10 +141,17 @@ def reference_run(prefect_api, session_store, tmp_path_factory) -> dict:
     workers run under NCCL's rules (``KC_COMM_RULES=nccl``: a stand-in device, host tensors refused on device
     groups), so every test of this run is also a test of the GPU path's contract."""
     workdir = tmp_path_factory.mktemp("reference")
+    pin_store = workdir / "pin-store"  # an audit pin store (issue 38), a plain one: no root needed
+    pin_store.mkdir()
+    (pin_store / "pins.jsonl").touch()
     overrides = tiny_overrides(
         workdir,
         session_store,
-        **{"tracking.system_metrics_interval_s": 1, "tracking.register_model": f"kc-test-{uuid.uuid4().hex[:6]}"},
+        **{
+            "tracking.system_metrics_interval_s": 1,
+            "tracking.register_model": f"kc-test-{uuid.uuid4().hex[:6]}",
+            "permission.pin_store": str(pin_store),
+        },
     )
     started = time.time()
     summary = run_flow(workdir, overrides, env={"KC_COMM_RULES": "nccl"})
@@ -157,5 +164,6 @@ def reference_run(prefect_api, session_store, tmp_path_factory) -> dict:
         "overrides": overrides,
         "summary": summary,
         "tracking_uri": uri,
+        "pin_store": str(pin_store),
         "losses": loss_history(uri, summary["mlflow_run_id"]),
     }

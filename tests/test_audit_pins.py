@@ -29,11 +29,11 @@ from kuangchao_core.perm.audit_pins import (
     record_audit_pin,
     record_audit_pin_or_log,
     save_pin,
-    verify_against_pins,
 )
 from kuangchao_core.perm.audit_trust import trust_for_run
 from kuangchao_core.perm.audit_verify import read_records
 from kuangchao_core.perm.authority import Authority
+from kuangchao_core.perm.pin_check import verify_against_pins
 from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustedKey, TrustStore, public_raw
 
 JOB = "task-p@run1"

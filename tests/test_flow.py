@@ -116,6 +116,23 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     in_mlflow = collect_external_pins(reference_run["tracking_uri"], prefect=False).for_run(run_dir)
     in_prefect = collect_external_pins(f"sqlite:///{run_dir}/no-store.db").for_run(run_dir)  # Prefect only
     assert any(p.sealed for p, _ in in_mlflow) and any(p.sealed for p, _ in in_prefect), (in_mlflow, in_prefect)
+    nowhere = f"sqlite:///{run_dir}/no-store.db"  # issue 38: permission.pin_store holds the start and sealed pins
+    in_store = collect_external_pins(nowhere, prefect=False, pin_store=reference_run["pin_store"]).for_run(run_dir)
+    assert [p.sealed for p, _ in in_store][-1] and len(in_store) >= 2, in_store
+    res = CliRunner().invoke(
+        app,
+        [
+            "audit",
+            "--verify",
+            "--run",
+            str(run_dir),
+            "--tracking-uri",
+            nowhere,
+            "--pin-store",
+            reference_run["pin_store"],
+        ],
+    )
+    assert res.exit_code == 0, res.output
     res = CliRunner().invoke(
         app, ["audit", "--verify", "--run", str(run_dir), "--tracking-uri", reference_run["tracking_uri"]]
     )

@@ -27,6 +27,7 @@ FILE_TIERS = {
     "test_attention_paths.py": "unit",
     "test_attention_paths_distributed.py": "distributed",
     "test_audit_pins.py": "unit",
+    "test_audit_pin_store.py": "flows",
     "test_audit_pins_by_job.py": "flows",
     "test_audit_trust.py": "flows",
     "test_bad_steps.py": "distributed",

@@ -2,13 +2,14 @@
 
     kc audit --task NAME [--since DATE] [--action deny|allow|all] [--module M] [--json] [--verify] [--log PATH]
     kc audit --verify --run RUN_DIR [--job-id ID] [--mode enforcing|trusted] [--pins FILE] [--log PATH]
-             [--tracking-uri URI] [--allow-unsealed]
+             [--tracking-uri URI] [--pin-store DIR] [--allow-unsealed]
 
 Lines look like ``2024-01-15 10:23:45 | worker-3 | memory_alloc | DENIED | token expired (memory:params)``
 (UTC). Logs are found under ``--log`` (a file, or a directory holding ``<task>/*.jsonl``), else the ones the run's
 pins name (``--run``), else under the ``permission.audit_log`` of ``--config``, else ``audit/<task>/``. ``--verify``
 checks the hash chain and the signed checkpoints and names the first bad record. Every verifying form reads the
-audit pins kept outside the run directory (:mod:`kuangchao_core.perm.audit_external`: the MLflow store of
+audit pins kept outside the run directory (:mod:`kuangchao_core.perm.audit_external`: the append-only pin store of
+``--pin-store`` / ``$KC_AUDIT_PIN_STORE``, the MLflow store of
 ``--tracking-uri`` / ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``, the configured Prefect API, and ``--pins``);
 pins are found by the job id the log names, never by its path alone; the job, mode and audit key come from them (:mod:`kuangchao_core.perm.audit_trust`), the run's own files are only
 compared with them. An enforcing job fails without them, and fails unless its log ends at the pin the job sealed it
@@ -132,6 +133,9 @@ def audit(
     tracking_uri: str = typer.Option(
         None, "--tracking-uri", help="The MLflow store holding the job's pins (default $KC_TRACKING_URI)."
     ),
+    pin_store: str = typer.Option(
+        None, "--pin-store", help="An append-only audit pin store directory (default $KC_AUDIT_PIN_STORE)."
+    ),
     allow_unsealed: bool = typer.Option(
         False, "--allow-unsealed", help="Accept a log its job has not sealed yet (a job still running)."
     ),
@@ -155,7 +159,7 @@ def audit(
     if verify:
         from kuangchao_core.perm.audit_external import collect_external_pins
 
-        external = collect_external_pins(tracking_uri)
+        external = collect_external_pins(tracking_uri, pin_store=pin_store)
     run_trust = None
     if run is not None:
         if not run.is_dir():

@@ -87,6 +87,7 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
     from kuangchao_core.perm.audit_pins import record_audit_pin_or_log
     from kuangchao_core.perm.audit_seal import register_seal
     from kuangchao_core.perm.issuance import close_authority, issue_script_tokens
+    from kuangchao_core.perm.pin_store import checked_pin_store
     from kuangchao_core.perm.runtime import RenewalServer
     from kuangchao_core.perm.tokens import public_raw
 
@@ -115,6 +116,7 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
             mlflow_run_id=pin_run,
             tracking_uri=tracking_uri(cfg),
             mode="enforcing",
+            pin_store=checked_pin_store(cfg.permission.pin_store),
         )
         pin()
         register_seal(run, pin)  # close_authority (below) seals the log with it: the job's last act

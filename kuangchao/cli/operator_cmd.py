@@ -1,4 +1,5 @@
-"""``kc operator``: your operator key, with which you change running jobs (``kc config set``, ``kc token revoke``)."""
+"""``kc operator``: your operator key, with which you change running jobs (``kc config set``, ``kc token revoke``),
+and the append-only audit pin store an operator creates for jobs (``kc operator pin-store``)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,31 @@ def show_cmd(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(key.public.spec())
+
+
+@operator_app.command("pin-store")
+def pin_store_cmd(
+    directory: str = typer.Argument(..., help="The store's directory (created, root-owned, mode 0755)."),
+    owner: str = typer.Option(None, "--owner", help="The user jobs run as: owns pins.jsonl, may only append to it."),
+) -> None:
+    """Create an append-only audit pin store (run as root): jobs name it in permission.pin_store, `kc audit --verify`
+    reads it with --pin-store. Exit 1 when the kernel refuses the append-only flag."""
+    import pwd
+
+    from kuangchao_core.perm.pin_store import PinStoreError, init_store
+
+    try:
+        uid = pwd.getpwnam(owner).pw_uid if owner else None
+    except KeyError:
+        typer.echo(f"--owner {owner!r}: no such user", err=True)
+        raise typer.Exit(2) from None
+    try:
+        path = init_store(directory, uid)
+    except PinStoreError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"append-only audit pin store {path} (owner {owner or 'unchanged'})")
+    typer.echo(f"name it in a job with  permission.pin_store: {directory}  (or export KC_AUDIT_PIN_STORE={directory})")
 
 
 def register(app: typer.Typer) -> None:

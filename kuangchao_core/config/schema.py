@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 import yaml
@@ -326,6 +327,7 @@ class PermissionSection(Section):
     mode: Literal["enforcing", "trusted"] = "enforcing"
     token_ttl_seconds: Int = Field(default=3600, ge=1, le=24 * 3600)  # the verifier's maximum, never raised
     audit_log: str | None = None
+    pin_store: str | None = None  # an append-only audit pin store directory (default $KC_AUDIT_PIN_STORE)
     allowed_interfaces: list[str] | None = None
     roles: dict[str, RoleSpec] = Field(default_factory=dict)
     #: operator keys (``NAME:PUBLIC_KEY``, as ``kc operator show`` prints them) that may change or revoke in a
@@ -335,8 +337,6 @@ class PermissionSection(Section):
     @field_validator("operators")
     @classmethod
     def _operator_keys(cls, value: list[str]) -> list[str]:
-        import re
-
         for spec in value:
             name, sep, key = str(spec).partition(":")
             if (

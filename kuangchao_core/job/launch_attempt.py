@@ -37,6 +37,7 @@ from kuangchao_core.perm.issuance import (
     node_token_env,
     token_env,
 )
+from kuangchao_core.perm.pin_store import checked_pin_store
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.perm.tokens import public_raw
 from kuangchao_core.sched.launch_spec import LaunchSpec
@@ -188,6 +189,7 @@ def launch_workers(
             )
             if worker_env.get("KC_AUDIT_LOG"):  # the audit key and the chain's head, kept outside the log's dir
                 audit_kid, audit_key = authority.audit_signing_key()
+                store = checked_pin_store(cfg.permission.pin_store)
                 pin = partial(
                     record_audit_pin_or_log,
                     run_dir,
@@ -198,6 +200,7 @@ def launch_workers(
                     mlflow_run_id=mlflow_run_id,
                     tracking_uri=tracking_uri(cfg),
                     mode=str(cfg.permission.mode),
+                    pin_store=store,
                 )
                 pin()  # before the workers start: this process's audit key
                 register_seal(run_dir, pin)  # issue 26: the job's end (close_authority) seals the log with it

@@ -1,8 +1,10 @@
 """The audit pins kept outside the run directory, read back for ``kc audit --verify`` (issue 26).
 
 The orchestrator publishes every pin (:mod:`~kuangchao_core.perm.audit_pins`) to the job's MLflow run (tag
-``kuangchao.audit_pin``, artifact ``audit/pins.json``) and as a Prefect artifact ``kc-audit-pin`` of the flow run.
-:func:`collect_external_pins` reads them back from the tracking store (``--tracking-uri``, ``$KC_TRACKING_URI``,
+``kuangchao.audit_pin``, artifact ``audit/pins.json``), as a Prefect artifact ``kc-audit-pin`` of the flow run and,
+when one is configured, to an append-only pin store (:mod:`~kuangchao_core.perm.pin_store`: the one place a worker
+with the job's uid cannot rewrite). :func:`collect_external_pins` reads them back from the pin store
+(``--pin-store``, ``$KC_AUDIT_PIN_STORE``), the tracking store (``--tracking-uri``, ``$KC_TRACKING_URI``,
 ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; never the run's own ``config.yaml``, which a worker's uid can
 point at a forged store) and from the Prefect API this shell is configured for (only when ``PREFECT_API_URL`` is
 set: an ephemeral server would know nothing). :class:`ExternalPins` then picks those of one job (by the job id a log
@@ -28,6 +30,7 @@ from kuangchao_core.perm.audit_pins import (
     AuditPinError,
     load_pins_file,
 )
+from kuangchao_core.perm.pin_store import configured_store, is_append_only, read_store, store_file
 
 log = logging.getLogger("kuangchao.perm.audit_external")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -69,10 +72,19 @@ class ExternalPins:
         return [(p, s) for p, s in self.found if p.job_id.startswith(f"{task}@")]
 
 
-def collect_external_pins(tracking_uri: str | None = None, *, prefect: bool = True) -> ExternalPins:
-    """Every pin in the MLflow store at ``tracking_uri`` (see module docstring) and, with ``prefect``, in the
-    configured Prefect API. Never raises: an unreachable source is a note."""
+def collect_external_pins(
+    tracking_uri: str | None = None, *, prefect: bool = True, pin_store: str | None = None
+) -> ExternalPins:
+    """Every pin in the append-only ``pin_store`` (default ``$KC_AUDIT_PIN_STORE``), the MLflow store at
+    ``tracking_uri`` (see module docstring) and, with ``prefect``, in the configured Prefect API. Never raises: an
+    unreachable source is a note."""
     found = ExternalPins()
+    store = configured_store(pin_store)
+    if store:
+        try:
+            _from_pin_store(found, store)
+        except OSError as exc:
+            found.notes.append(f"audit pin store {store} not read: {exc}")
     uri = tracking_uri or os.environ.get("KC_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
     uri = uri or DEFAULT_TRACKING_URI
     try:
@@ -85,6 +97,18 @@ def collect_external_pins(tracking_uri: str | None = None, *, prefect: bool = Tr
         except Exception as exc:
             found.notes.append(f"Prefect artifacts not read: {exc}")
     return found
+
+
+def _from_pin_store(found: ExternalPins, directory: str) -> None:
+    where = f"pin store {store_file(directory)}"
+    found.sources.append(where + ("" if is_append_only(store_file(directory)) else " (not append-only)"))
+    for number, record, why in read_store(directory):
+        try:
+            if record is None:
+                raise ValueError(why)
+            found.add(AuditPin.from_json(record), f"{where}:{number}")
+        except ValueError as exc:  # one bad line voids only itself
+            found.notes.append(f"{where}:{number}: unreadable ({exc})")
 
 
 def _from_mlflow(found: ExternalPins, uri: str) -> None:

@@ -7,16 +7,17 @@ those can vouch for the others against someone with the workers' uid; pins are k
 
 - ``<run_dir>/authority/audit_pins.json`` (directory 0700, file 0600, every pin of the run, append-only);
 - the job's MLflow run: tag ``kuangchao.audit_pin`` (the latest pin) and artifact ``audit/pins.json`` (all);
-- a Prefect artifact ``kc-audit-pin`` of the flow run.
+- a Prefect artifact ``kc-audit-pin`` of the flow run;
+- an append-only pin store when the job names one (:mod:`~kuangchao_core.perm.pin_store`).
 
 A pin carries the raw public audit key, so checkpoints verify against the pin and never against a trust store in
 the run directory; ``run_dir`` names the run it belongs to, so ``kc audit --run`` finds it outside the run
 (:mod:`~kuangchao_core.perm.audit_external`); ``sealed`` marks the job's last pin, after which no record may follow
-(:mod:`~kuangchao_core.perm.audit_seal`). Only the MLflow and Prefect copies count as trust: the authority file is
-in the run directory, which a worker's uid can rewrite, and is only compared with them.
+(:mod:`~kuangchao_core.perm.audit_seal`). Only the copies outside the run count as trust: the authority file is in
+the run directory, which a worker's uid can rewrite, and is only compared with them.
 
-:func:`record_audit_pin` writes all three (the orchestrator calls it when a launch starts and after the final
-signed checkpoint; :func:`record_audit_pin_or_log` on shutdown paths); :func:`verify_against_pins` says how a
+:func:`record_audit_pin` writes them all (the orchestrator calls it when a launch starts and after the final signed
+checkpoint; :func:`record_audit_pin_or_log` on shutdown paths); :mod:`~kuangchao_core.perm.pin_check` says how a
 verified log disagrees with them.
 """
 
@@ -29,13 +30,13 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.perm.audit_chain import genesis_hash, utc_now_iso
-from kuangchao_core.perm.audit_verify import VerifyReport, read_head, verify_log
-from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustStore, b64d, b64e
+from kuangchao_core.perm.audit_verify import read_head
+from kuangchao_core.perm.pin_store import append_pin
+from kuangchao_core.perm.tokens import b64d, b64e
 
 log = logging.getLogger("kuangchao.perm.audit_pins")
 
@@ -254,16 +255,21 @@ def record_audit_pin(
     tracking_uri: str | None = None,
     mode: str | None = None,
     sealed: bool = False,
+    pin_store: str | None = None,
 ) -> AuditPin:
-    """Pin the job's audit log now: into ``<run_dir>/authority/audit_pins.json``, the MLflow run ``mlflow_run_id``
-    (at ``tracking_uri``, else ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``) and the current Prefect flow run.
+    """Pin the job's audit log now: into ``<run_dir>/authority/audit_pins.json``, the append-only ``pin_store``
+    (:mod:`~kuangchao_core.perm.pin_store`) when one is given, the MLflow run ``mlflow_run_id`` (at
+    ``tracking_uri``, else ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``) and the current Prefect flow run.
 
     MLflow or Prefect being unavailable costs a warning, never the pin in the authority file. Raises
-    :class:`AuditPinError` (nothing written) if the log cannot be pinned (missing, unreadable, another job's).
+    :class:`AuditPinError` (nothing written) if the log cannot be pinned (missing, unreadable, another job's), and
+    ``PinStoreError`` (an ``OSError``) when the configured pin store cannot take it.
     """
     pin = pin_of(log_path, job_id, audit_kid, public_key_raw, mode=mode, run_dir=run_dir, sealed=sealed)
     authority_dir = Path(run_dir) / "authority"
     save_pin(authority_dir, pin)
+    if pin_store:
+        append_pin(pin_store, pin.to_json())
     if mlflow_run_id:
         try:
             _publish_mlflow(
@@ -315,102 +321,3 @@ def _publish_prefect(pin: AuditPin) -> None:
         key=PREFECT_PIN_KEY,
         description="Audit trust pinned outside the log's directory",
     )
-
-
-# ---------------------------------------------------------------------------------------------- checking
-
-
-class PinProblem(NamedTuple):
-    """One way a log disagrees with its pins: a short ``problem`` code and a sentence."""
-
-    problem: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.problem}: {self.detail}"
-
-
-def verify_against_pins(
-    report_or_log: VerifyReport | str | os.PathLike,
-    pins: list[AuditPin],
-    expected_job_id: str,
-    *,
-    trust_store: TrustStore | None = None,
-) -> list[PinProblem]:
-    """How a log disagrees with the pins of job ``expected_job_id`` (``[]``: it agrees).
-
-    ``report_or_log``: a :func:`verify_log` report made with ``hash_at`` = the pins' seqs, or a log path (verified
-    here). Checked: every pin names the expected job; the log is that job's; the chain reaches every pinned head
-    with the pinned hash (fewer records = truncated); no record follows a sealed pin (the job's last act); every
-    checkpoint is signed by a pinned audit key; and the trust store's copy of each pinned key has the pinned
-    fingerprint (a key swapped in beside the log is not).
-    """
-    if isinstance(report_or_log, VerifyReport):
-        report = report_or_log
-    else:
-        report = verify_log(
-            report_or_log, log_id=expected_job_id, trust_store=trust_store, hash_at=[p.seq for p in pins]
-        )
-    if not pins:
-        return [PinProblem("no_pins", f"no audit pins for job {expected_job_id!r}: the log's trust is unpinned")]
-    problems = []
-    for p in pins:
-        if p.job_id != expected_job_id or p.log_id != expected_job_id:
-            problems.append(
-                PinProblem("pin_wrong_job", f"a pin names job {p.job_id!r} (log {p.log_id!r}), not {expected_job_id!r}")
-            )
-    if report.log_id != expected_job_id:
-        problems.append(
-            PinProblem("wrong_job", f"the log is job {report.log_id!r}'s, not {expected_job_id!r}'s: it was swapped")
-        )
-    for p in sorted(pins, key=lambda x: x.seq):
-        if p.seq > report.records:
-            problems.append(
-                PinProblem(
-                    "pin_truncated",
-                    f"the log ends at seq {report.records}, but seq {p.seq} was pinned ({p.pinned_at}): "
-                    f"{p.seq - report.records} records were cut off",
-                )
-            )
-        elif p.seq and p.seq in report.hash_at and report.hash_at[p.seq] != p.head_hash:
-            problems.append(
-                PinProblem(
-                    "pin_mismatch",
-                    f"seq {p.seq} differs from the head pinned at {p.pinned_at}: records up to it were rewritten",
-                )
-            )
-    sealed = [p.seq for p in pins if p.sealed]
-    if sealed and report.records > min(sealed):
-        problems.append(
-            PinProblem(
-                "after_seal",
-                f"the job sealed its log at seq {min(sealed)} as its last act, but it holds {report.records} records: "
-                f"{report.records - min(sealed)} were appended afterwards",
-            )
-        )
-    pinned: dict[str, set[str]] = {}
-    for p in pins:
-        pinned.setdefault(p.audit_kid, set()).add(p.audit_key_fp)
-    for kid in report.checkpoint_kids:
-        if kid not in pinned:
-            problems.append(
-                PinProblem("unpinned_key", f"checkpoints are signed by audit key {kid!r}, which no pin names")
-            )
-    for kid, fps in sorted(pinned.items()):
-        if len(fps) > 1:
-            problems.append(PinProblem("pin_key_conflict", f"the pins give audit key {kid!r} {len(fps)} fingerprints"))
-            continue
-        if trust_store is None:
-            continue
-        key = trust_store.keys.get(kid)
-        if key is None or key.purpose != PURPOSE_AUDIT:
-            problems.append(PinProblem("pin_key_missing", f"the trust store has no audit key {kid!r} (pinned)"))
-        elif key_fingerprint(key.public) not in fps:
-            problems.append(
-                PinProblem(
-                    "pin_key_mismatch",
-                    f"the trust store's audit key {kid!r} has fingerprint {key_fingerprint(key.public)[:16]}…, "
-                    f"not the pinned {next(iter(fps))[:16]}…: the trust store was replaced",
-                )
-            )
-    return problems

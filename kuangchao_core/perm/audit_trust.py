@@ -22,8 +22,9 @@ from pathlib import Path
 
 from kuangchao_core.perm.audit_chain import anchors_path_for
 from kuangchao_core.perm.audit_external import ExternalPins
-from kuangchao_core.perm.audit_pins import AuditPin, AuditPinError, load_pins_file, pins_path, verify_against_pins
+from kuangchao_core.perm.audit_pins import AuditPin, AuditPinError, load_pins_file, pins_path
 from kuangchao_core.perm.audit_verify import VerifyReport, read_records, verify_log
+from kuangchao_core.perm.pin_check import verify_against_pins
 from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustedKey, TrustStore
 
 MODES = ("enforcing", "trusted")
