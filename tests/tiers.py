@@ -147,6 +147,7 @@ FILE_TIERS = {
     "test_run_settings.py": "unit",
     "test_runs_compare.py": "flows",
     "test_s3.py": "unit",
+    "test_sample_context.py": "unit",
     "test_second_run.py": "flows",
     "test_sft_data.py": "unit",
     "test_slurm_lab.py": "e2e",

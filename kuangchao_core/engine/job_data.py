@@ -17,9 +17,11 @@ from kuangchao_core.engine.samples import sample_evaluator_for
 log = logging.getLogger("kuangchao.engine")
 
 
-def job_data(run: Any, parts: Any, mesh: Any, device: Any, vocab_size: int, rank: int) -> tuple[Any, Any, Any]:
-    """``(train dataset, held-out loss or None, greedy samples or None)`` for this rank; what a job without
-    held-out data (or samples) lacks is said once, on rank 0."""
+def job_data(run: Any, parts: Any, mesh: Any, device: Any, model_config: Any, rank: int) -> tuple[Any, Any, Any]:
+    """``(train dataset, held-out loss or None, greedy samples or None)`` for this rank (``model_config``: the built
+    model's, its vocabulary and context length); what a job without held-out data (or samples) lacks is said once,
+    on rank 0."""
+    vocab_size = model_config.vocab_size
     micro, eval_interval = run.batches.micro_batch_size, run.train.eval_interval
     if run.model.vision is not None:
         from kuangchao_core.engine.vlm_data import held_out_for_vision, vision_datasets
@@ -37,7 +39,7 @@ def job_data(run: Any, parts: Any, mesh: Any, device: Any, vocab_size: int, rank
             log.warning("train.eval_interval %d: no held-out loss for this job: %s", eval_interval, no_eval)
         return train, None, None
     evaluator = held_out_loss_for(micro, parts, mesh, eval_data, device)
-    samples, no_samples = sample_evaluator_for(parts, mesh, eval_data, device)
+    samples, no_samples = sample_evaluator_for(parts, mesh, eval_data, device, model_config.max_seq_len)
     if samples is None and rank == 0:
         log.warning("no greedy samples at evaluations: %s", no_samples)
     return train, evaluator, samples

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.errors import ConfigError
 from kuangchao_core.models.ring_attention import use_attention
 
 log = logging.getLogger("kuangchao.engine.samples")
@@ -184,9 +185,40 @@ class SampleEvaluator:
             return f"<could not be rendered: ids {ids} ({type(exc).__name__}: {exc})>"
 
 
-def sample_evaluator_for(parts: Any, mesh: Any, dataset: Any, device: Any) -> tuple[SampleEvaluator | None, str]:
-    """The sample evaluator of this job's model part, or None with the reason."""
-    cases = sample_cases(dataset)
+def fitting_cases(cases: list[Case], max_len: int | None) -> list[Case]:
+    """The cases whose prompt and greedy continuation (but its last token) fit in ``max_len`` positions (the model's
+    ``max_seq_len``; None: all). Raises :class:`ConfigError` naming ``model.max_seq_len`` when none fits: the
+    evaluation would fail at its first sample, after the steps before it, in every attempt."""
+    answers = [len(c.answer) for c in cases if c.answer is not None]
+    new = max(answers) if answers else TEXT_NEW_TOKENS
+    fit = [c for c in cases if not max_len or len(c.prompt) + new - 1 <= max_len]  # the last token is never fed
+    if cases and not fit:
+        need = min(len(c.prompt) for c in cases) + new - 1
+        raise ConfigError(
+            [
+                (
+                    "model.max_seq_len",
+                    f"{max_len} positions cannot hold an evaluation's greedy sample (a prompt of {need + 1 - new} and "
+                    f"{new} new tokens, the last never fed back): raise model.max_seq_len to at least {need}",
+                )
+            ]
+        )
+    if len(fit) < len(cases):
+        log.warning(
+            "greedy samples: %d of %d held-out prompts are too long for model.max_seq_len %d and are left out",
+            len(cases) - len(fit),
+            len(cases),
+            max_len,
+        )
+    return fit
+
+
+def sample_evaluator_for(
+    parts: Any, mesh: Any, dataset: Any, device: Any, max_len: int | None = None
+) -> tuple[SampleEvaluator | None, str]:
+    """The sample evaluator of this job's model part, or None with the reason. ``max_len``: the model's
+    ``max_seq_len`` (see :func:`fitting_cases`)."""
+    cases = fitting_cases(sample_cases(dataset), max_len)
     if not cases:
         return None, "the held-out data has no prompts"
     model = parts.model

@@ -145,8 +145,7 @@ class Trainer:
             gqa = self.model_config.num_heads // self.model_config.num_kv_heads
             log_event(log, "attention", path=self.attention_path, gqa_groups=gqa, repeated_kv=False)
 
-        vocab = self.model_config.vocab_size
-        self.dataset, self.evaluator, self.samples = job_data(run, self.parts, mesh, device, vocab, rank)
+        self.dataset, self.evaluator, self.samples = job_data(run, self.parts, mesh, device, self.model_config, rank)
         self.sampler = ResumableBatchSampler(
             len(self.dataset), micro_batch_size=batches.micro_batch_size, grad_accum=batches.gradient_accumulation_steps,
             dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=train.seed, shuffle=batches.shuffle,
