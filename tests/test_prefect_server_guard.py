@@ -349,7 +349,7 @@ def test_kc_train_killed_once_its_flow_runs_leaves_no_prefect_server(tmp_path, s
 @pytest.mark.slow
 def test_kc_train_that_finishes_leaves_no_prefect_server(tmp_path):
     """A short ``kc train`` without ``PREFECT_API_URL`` that ends normally (exit 0): no process of its temporary
-    server is left once it has exited, and the port is free."""
+    server is left once it has exited (2 s allowed for the kernel's bookkeeping), and the port is free."""
     kc, _task = _start_kc_train(tmp_path, steps=2)
     servers: list[tuple[int, int, int]] = []
     try:
@@ -360,8 +360,11 @@ def test_kc_train_that_finishes_leaves_no_prefect_server(tmp_path):
 
         assert _wait_for(seen_or_done, 300, 0.2) and servers, f"no temporary server seen:\n{_output(tmp_path)}"
         assert kc.wait(timeout=400) == 0, _output(tmp_path)
+        ended = time.monotonic()
         ((_pid, pgid, port),) = servers
-        _assert_nothing_left(port, pgid, time.monotonic(), "the end of kc train")
+        # stopped before kc train exits (Prefect's stop at exit waits for the guard, the guard for its group)
+        assert _wait_for(lambda: not _left_of(port, pgid) and _port_free(port), 2.0), _left_of(port, pgid)
+        assert time.monotonic() - ended < GONE_WITHIN_S
     finally:
         if kc.poll() is None:
             kc.kill()

@@ -12,8 +12,8 @@ and anything it started, grandchildren included — is stopped (SIGTERM, then SI
 
 The command is started with ``PR_SET_PDEATHSIG`` (SIGKILL), so even a ``kill -9`` of the guard takes the command
 with it. Being in its own group, the command never sees the terminal's Ctrl-C meant for the caller; the caller's
-end of the pipe decides. Used for Prefect's temporary API server under ``kc train`` (``kuangchao/cli/prefect_server.py``),
-which otherwise outlived a killed ``kc train``, its port and 200 MB with it.
+end of the pipe decides. Used for Prefect's temporary API server under ``kc train``
+(``kuangchao/cli/prefect_server.py``), which otherwise outlived a killed ``kc train``, its port and 200 MB with it.
 """
 
 from __future__ import annotations
