@@ -229,6 +229,23 @@ def test_terminate_of_the_guard_stops_a_command_that_ignores_sigterm_within_the_
 
 # --- Prefect's temporary server: the attack and its fix -------------------------------------------------------------
 
+
+def test_the_guarded_server_runs_prefects_own_command_and_environment(monkeypatch):
+    """The guarded server's command and environment are those Prefect's ``SubprocessASGIServer`` uses (caught at
+    its ``Popen``, nothing started): a Prefect upgrade that changes them fails here, not in a user's run."""
+    import prefect.server.api.server as prefect_server_module
+
+    from kuangchao.cli.prefect_server import uvicorn_command
+
+    seen: dict = {}
+    monkeypatch.setattr(prefect_server_module.subprocess, "Popen", lambda args, env: seen.update(args=args, env=env))
+    plain = object.__new__(prefect_server_module.SubprocessASGIServer)  # not registered as any port's instance
+    plain.port = 8123
+    prefect_server_module.SubprocessASGIServer._run_uvicorn_command(plain)
+    argv, env = uvicorn_command(8123)
+    assert seen["args"] == argv and seen["env"] == env
+
+
 _SERVER_CODE = (
     "import sys, time\n"
     "if sys.argv[1] == 'guarded':\n"
