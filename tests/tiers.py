@@ -133,6 +133,7 @@ FILE_TIERS = {
     "test_plan_long_context.py": "unit",
     "test_plan_memory.py": "unit",
     "test_prefect_api_lost.py": "e2e",
+    "test_prefect_server_guard.py": "distributed",
     "test_prometheus_metrics.py": "distributed",
     "test_prometheus_scrape.py": "e2e",
     "test_quiet_output.py": "unit",

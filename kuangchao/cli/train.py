@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
             if unreachable:
                 typer.echo(f"kc train: {unreachable}", err=True)
                 raise typer.Exit(1)
-            server = start_temporary_server()  # its start overlaps the flow's imports
+            server = start_temporary_server()  # its start overlaps the flow's imports; it dies with this process
         from kuangchao_core.sched.doctor import start_gloo_check
 
         start_gloo_check()  # the doctor's Gloo processes start now too (the flow's doctor takes their result)
@@ -159,27 +159,16 @@ def prefect_api_problem(timeout_s: float = 3.0) -> str | None:
 
 
 def start_temporary_server():
-    """Without ``PREFECT_API_URL`` the flow runs on Prefect's temporary server, which takes seconds to start: start
-    it now in a thread (returned; join it before the flow starts) while this process imports the flow, instead of
-    when the flow's client first asks for it. None when an API is configured. The server's module is imported here,
-    in this thread: two threads importing the same modules at once could see them half initialised."""
-    import threading
-
+    """Without ``PREFECT_API_URL``, Prefect's temporary server started now, guarded so that it dies with this
+    process (:func:`kuangchao.cli.prefect_server.start_temporary_server`: a thread to join before the flow starts);
+    None when an API is configured (the server's modules are then not imported at all)."""
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
         return None
-    from prefect.server.api.server import SubprocessASGIServer
+    from kuangchao.cli import prefect_server  # imported here, in this thread, not in the thread that starts it
 
-    def start() -> None:
-        try:
-            SubprocessASGIServer().start()  # the instance the flow's client uses (start is once per process)
-        except Exception:  # noqa: BLE001 - the flow's own start says what is wrong (and retries)
-            pass
-
-    thread = threading.Thread(target=start, name="kc-prefect-server", daemon=True)
-    thread.start()
-    return thread
+    return prefect_server.start_temporary_server()
 
 
 def _print_summary(summary: dict) -> None:

@@ -22,7 +22,7 @@ cancelled in the Prefect UI or API (``prefect flow-run cancel``: Cancelling) whi
 process — no worker to kill it — stops the training the same way (the launcher cancels a Slurm job with ``scancel``
 and ends every rank) and leaves the body as :class:`FlowRunCancelled`; the flow then ends Cancelled (issue 32 §3).
 
-Without a configured ``PREFECT_API_URL`` (Prefect's ephemeral server, a child of this process) nothing is watched.
+Without a configured ``PREFECT_API_URL`` (Prefect's ephemeral server, started by this process) nothing is watched.
 """
 
 from __future__ import annotations
