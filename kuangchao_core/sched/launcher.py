@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME, RDZV_BACKEND, TORCHRUN, is_loopback
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
@@ -181,10 +182,13 @@ class _OwnerWatch:
         return f"no beat in {silent:.1f} s (limit {self.lost_after_s:g} s)" if silent > self.lost_after_s else None
 
 
+_TORCHRUNS = (TORCHRUN, "torch.distributed.run")
+
+
 def _given_command(spec: LaunchSpec, log_dir: Path) -> list[str]:
     """``spec.command`` (a torchrun command line, e.g. from a Slurm batch script) with this node's own options
-    added after ``torch.distributed.run``: its address, its log directory, the rank-prefixed output."""
-    at = spec.command.index("torch.distributed.run") + 1
+    added after the torchrun module: its address, its log directory, the rank-prefixed output."""
+    at = next(i for i, word in enumerate(spec.command) if word in _TORCHRUNS) + 1
     own = [*(["--local-addr", spec.local_addr] if spec.local_addr else []), "--log-dir", str(log_dir), "--tee", "3"]
     return [*spec.command[:at], *own, "--monitor-interval", str(spec.monitor_interval_s), *spec.command[at:]]
 
@@ -200,6 +204,8 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     if spec.nnodes > 1 and spec.master_port is None:
         raise ValueError("several nodes need an agreed master_port (the rendezvous endpoint on node 0)")
     port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+    single_host = spec.nnodes == 1 and is_loopback(spec.master_addr)
+    local_addr = spec.local_addr or (spec.master_addr if single_host else None)
     endpoint = f"{spec.master_addr}:{port}"
     attempt_dir = Path(spec.run_dir) / f"attempt_{spec.attempt}"
     own_dir = Path(spec.out_dir) if spec.out_dir is not None else attempt_dir
@@ -210,7 +216,11 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
 
     full_env = dict(os.environ)
     full_env.update(spec.env or {})
-    full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # the workers are clients of the agent's store (bound to one address by kc-c10d): none of them hosts one
+    # (each attempt is a fresh torchrun, so no stale keys carry over: pytorch#135712 needs a restart in one)
+    full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
+    if single_host:  # Gloo's (and NCCL's bootstrap) listening sockets on loopback too
+        full_env["GLOO_SOCKET_IFNAME"] = full_env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
@@ -230,7 +240,7 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
         else [
             spec.python,
             "-m",
-            "torch.distributed.run",
+            TORCHRUN,
             "--nnodes",
             str(spec.nnodes),
             "--node-rank",
@@ -238,12 +248,12 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
             "--nproc-per-node",
             str(spec.nproc),
             "--rdzv-backend",
-            "c10d",
+            RDZV_BACKEND,
             "--rdzv-endpoint",
             endpoint,
             "--rdzv-id",
             spec.rdzv_id or f"kc-{spec.attempt}-{uuid.uuid4().hex[:8]}",
-            *(["--local-addr", spec.local_addr] if spec.local_addr else []),
+            *(["--local-addr", local_addr] if local_addr else []),
             *(["--rdzv-conf", f"is_host={str(spec.rdzv_is_host).lower()}"] if spec.rdzv_is_host is not None else []),
             "--max-restarts",
             "0",
