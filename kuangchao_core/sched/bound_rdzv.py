@@ -18,6 +18,7 @@ endpoint's address hosts it) and ``read_timeout`` (seconds, default 60), as for 
 from __future__ import annotations
 
 import errno
+import logging
 import sys
 from datetime import timedelta
 
@@ -28,10 +29,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from kuangchao_core.sched.bind_address import RDZV_BACKEND as BACKEND
-from kuangchao_core.sched.bind_address import numeric_address
+from kuangchao_core.sched.bind_address import is_loopback, numeric_address
 from kuangchao_core.sched.bound_store import hosted_store
 
 DEFAULT_PORT = 29400
+log = logging.getLogger(__name__)
 
 
 class _Backend(C10dRendezvousBackend):
@@ -54,8 +56,18 @@ class BoundRendezvousHandler(DynamicRendezvousHandler):
         return hosted_store(master_addr, master_port)
 
 
-def _store(host: str, port: int, is_host: bool | None, timeout: timedelta) -> tuple[dist.TCPStore, bool]:
+def _store(
+    host: str, port: int, is_host: bool | None, timeout: timedelta, max_nodes: int = 1
+) -> tuple[dist.TCPStore, bool]:
     """The rendezvous store and whether this process hosts it."""
+    if max_nodes > 1 and is_loopback(host):  # several agents of one host may meet there; others never will
+        log.warning(
+            "the rendezvous endpoint %s is a loopback address (%s) in a job of up to %d nodes: nodes on other "
+            "hosts cannot reach the store there; give node 0's address on the training network",
+            host,
+            numeric_address(host),
+            max_nodes,
+        )
     if is_host is not False:
         try:
             return hosted_store(host, port, timeout), True
@@ -75,7 +87,8 @@ def create_handler(params: RendezvousParameters) -> BoundRendezvousHandler:
     """The ``kc-c10d`` handler for torchrun's ``params`` (endpoint, run id, node counts, ``--rdzv-conf``)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
-    store, hosting = _store(host, port, params.get_as_bool("is_host"), timedelta(seconds=read_timeout))
+    is_host = params.get_as_bool("is_host")
+    store, hosting = _store(host, port, is_host, timedelta(seconds=read_timeout), params.max_nodes)
     timeout = RendezvousTimeout(*(_timeout(params, k) for k in ("join", "last_call", "close", "heartbeat")))
     handler = BoundRendezvousHandler.from_backend(
         params.run_id,
