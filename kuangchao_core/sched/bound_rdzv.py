@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -31,8 +37,11 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from kuangchao_core.sched.bind_address import RDZV_BACKEND as BACKEND
 from kuangchao_core.sched.bind_address import is_loopback, numeric_address
 from kuangchao_core.sched.bound_store import hosted_store
+from kuangchao_core.sched.store_gate import ENV_KEY_FD, Gate, Relay
 
 DEFAULT_PORT = 29400
+LOOPBACK = "127.0.0.1"
+_KEY: list[bytes] = []  # the job's store key (multi-host jobs): set once by main()
 log = logging.getLogger(__name__)
 
 
@@ -47,13 +56,22 @@ class _Backend(C10dRendezvousBackend):
 class BoundRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous whose workers' store listens on one address (see the module docstring)."""
 
-    hosted: dist.TCPStore | None = None  # the rendezvous store, when this node hosts it
+    hosted: dist.TCPStore | None = None  # the rendezvous store, when this node hosts it (or, gated, any store)
     hosted_addr: str | None = None
+    local_endpoint: tuple[str, int] | None = None  # gated: where this node's ranks reach the store (loopback)
+    gate: Gate | Relay | None = None
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> dist.TCPStore:
-        if self.hosted is not None and numeric_address(master_addr) == self.hosted_addr:
+        if self.hosted is not None and (self.local_endpoint or numeric_address(master_addr) == self.hosted_addr):
             return self.hosted  # the workers reach it where the agents do: one port for the job
         return hosted_store(master_addr, master_port)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = super().next_rendezvous()
+        if self.local_endpoint is None:
+            return info
+        # gated: this node's ranks reach the one store on their own loopback (the store, or this node's relay)
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(*self.local_endpoint))
 
 
 def _store(
@@ -78,6 +96,36 @@ def _store(
     return dist.TCPStore(host, port, is_master=False, timeout=timeout), False
 
 
+def _gated(host: str, port: int, is_host: bool | None, timeout: timedelta, key: bytes):
+    """The rendezvous store behind the gate: ``(store, local endpoint, gate or relay)``. The hosting node keeps the
+    store on loopback and the gate on ``host:port``; every other node reaches it through a relay on its loopback."""
+    if is_host is not False:
+        try:
+            store = hosted_store(LOOPBACK, 0, timeout)
+            gate = Gate(host, port, (LOOPBACK, store.port), key)
+            return store, (LOOPBACK, store.port), gate
+        except OSError as exc:
+            if is_host or exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                raise OSError(exc.errno, f"cannot host the store gate on {host}:{port}: {exc.strerror}") from exc
+    relay = Relay((host, port), key, LOOPBACK, connect_wait_s=timeout.total_seconds())
+    store = dist.TCPStore(LOOPBACK, relay.port, is_master=False, timeout=timeout)
+    return store, (LOOPBACK, relay.port), relay
+
+
+def read_store_key() -> bytes | None:
+    """The job's store key, read once from the pipe the launcher passed (``KC_STORE_KEY_FD``, taken out of the
+    environment so the ranks never see it); None for a job without one."""
+    fd = os.environ.pop(ENV_KEY_FD, None)
+    if fd is None:
+        return None
+    with os.fdopen(int(fd), "rb") as f:
+        text = f.read(4096).strip()
+    try:
+        return bytes.fromhex(text.decode("ascii"))
+    except ValueError:
+        raise ValueError(f"{ENV_KEY_FD}: the store key is not hex") from None
+
+
 def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
     seconds = params.get_as_int(f"{key}_timeout")
     return None if seconds is None else timedelta(seconds=seconds)
@@ -88,7 +136,11 @@ def create_handler(params: RendezvousParameters) -> BoundRendezvousHandler:
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     is_host = params.get_as_bool("is_host")
-    store, hosting = _store(host, port, is_host, timedelta(seconds=read_timeout), params.max_nodes)
+    if _KEY:
+        store, local, gate = _gated(host, port, is_host, timedelta(seconds=read_timeout), _KEY[0])
+        hosting = False
+    else:
+        store, hosting = _store(host, port, is_host, timedelta(seconds=read_timeout), params.max_nodes)
     timeout = RendezvousTimeout(*(_timeout(params, k) for k in ("join", "last_call", "close", "heartbeat")))
     handler = BoundRendezvousHandler.from_backend(
         params.run_id,
@@ -103,6 +155,8 @@ def create_handler(params: RendezvousParameters) -> BoundRendezvousHandler:
     )
     if hosting:
         handler.hosted, handler.hosted_addr = store, numeric_address(host)
+    elif _KEY:
+        handler.hosted, handler.local_endpoint, handler.gate = store, local, gate
     return handler
 
 
@@ -115,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     """torchrun (``torch.distributed.run``) with ``kc-c10d`` registered."""
     from torch.distributed.run import main as torchrun_main
 
+    key = read_store_key()
+    if key:
+        _KEY.append(key)
     register()
     torchrun_main(argv if argv is not None else sys.argv[1:])
 

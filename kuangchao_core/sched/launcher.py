@@ -37,6 +37,8 @@ from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, H
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
 from kuangchao_core.sched.ports import free_port  # noqa: F401 - callers take it from here
+from kuangchao_core.sched.store_gate import ENV_KEY as ENV_STORE_KEY
+from kuangchao_core.sched.store_gate import ENV_KEY_FD
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -193,6 +195,16 @@ def _given_command(spec: LaunchSpec, log_dir: Path) -> list[str]:
     return [*spec.command[:at], *own, "--monitor-interval", str(spec.monitor_interval_s), *spec.command[at:]]
 
 
+def _key_pipe(key: str) -> int:
+    """The read end of a pipe holding ``key`` (a few dozen bytes: the pipe's buffer takes them at once)."""
+    r, w = os.pipe()
+    try:
+        os.write(w, key.encode("ascii") + b"\n")
+    finally:
+        os.close(w)
+    return r
+
+
 def run_workers(spec: LaunchSpec) -> LaunchResult:
     """Run one attempt of ``spec`` (a :class:`~kuangchao_core.sched.launch_spec.LaunchSpec`) and wait for the group
     to finish: ``python -m module *args`` under torchrun, watched as the spec says.
@@ -233,6 +245,11 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
     lifeline = Lifeline(tokens, rank_map)
     full_env.update(lifeline.env())
+    # a multi-host job's store key reaches torchrun (its store gate or relay) by pipe, never the ranks' environment
+    store_key = full_env.pop(ENV_STORE_KEY, "")
+    key_fd = _key_pipe(store_key) if store_key else None
+    if key_fd is not None:
+        full_env[ENV_KEY_FD] = str(key_fd)
 
     cmd = (
         _given_command(spec, log_dir)
@@ -306,11 +323,15 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
             text=True,
             errors="replace",
             start_new_session=True,
+            pass_fds=(key_fd,) if key_fd is not None else (),
         )
     except BaseException:
         lifeline.close()
         launcher_log.close()
         raise
+    finally:
+        if key_fd is not None:
+            os.close(key_fd)
     lifeline.watch(proc.pid)
     readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
     for t in readers:
