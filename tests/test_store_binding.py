@@ -24,6 +24,7 @@ import torch.distributed as dist
 from kuangchao_core.sched.bound_store import hosted_store
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import free_port, process_tree, run_workers
+from kuangchao_core.sched.store_gate import new_key
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.listening import exposed, listening
 
@@ -38,12 +39,18 @@ WORKER = textwrap.dedent(
     dist.init_process_group("gloo")
     t = torch.ones(4)
     dist.all_reduce(t)
+    if dist.get_rank() == 0 and os.environ.get("KC_TEST_SECRET"):  # a key the job holds, in its own store
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        store.set(os.environ["KC_TEST_SECRET"], "s3")
     ready = os.path.join(os.environ["KC_TEST_DIR"], f"ready_{dist.get_rank()}")
     open(ready, "w").close()
     release = os.path.join(os.environ["KC_TEST_DIR"], "release")
     deadline = time.monotonic() + 90
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if dist.get_rank() == 0 and os.environ.get("KC_TEST_SECRET"):
+        planted = store.check(["kc-planted"])
+        open(os.path.join(os.environ["KC_TEST_DIR"], "planted"), "w").write(str(planted))
     dist.barrier()
     dist.destroy_process_group()
     """
@@ -198,3 +205,98 @@ def test_store_client_from_another_namespace_is_refused(tmp_path, prefix):
     else:
         assert all(v == {"connect": "ConnectionRefusedError"} for v in seen.values()), seen
         assert not planted
+
+
+NODE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from kuangchao_core.sched.launch_spec import LaunchSpec
+    from kuangchao_core.sched.launcher import run_workers
+
+    a = json.loads(sys.argv[1])
+    run_workers(LaunchSpec(
+        "kc_store_worker", [], nproc=1, env=a["env"], run_dir=Path(a["run_dir"]), out_dir=Path(a["out_dir"]),
+        nnodes=2, node_rank=a["node_rank"], master_addr=a["master"], master_port=a["port"],
+        local_addr=a["local"], rdzv_is_host=a["node_rank"] == 0, rdzv_id="kc-gate-test", timeout_s=150,
+    ))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated-negative-control"])
+def test_multi_host_store_refuses_a_client_without_the_job_key(tmp_path, gated):
+    """Two hosts run a job; a third host that knows the store's address and port can neither read nor write a key
+    (with the job's store key); without the key (the negative control) it reads the job's key and plants one."""
+    why = bench_unavailable()
+    if why:
+        pytest.skip(why)
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "kc_store_worker.py").write_text(WORKER)
+    job = tmp_path / "job"
+    job.mkdir()
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(mods), str(ROOT)]),
+        "KC_TEST_DIR": str(job),
+        "KC_TEST_SECRET": SECRET,
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "1",
+        **({"KC_STORE_KEY": new_key()} if gated else {}),
+    }
+    with Bench(3, rate=None) as bench:
+        master, port = bench.hosts[0].address, free_port()
+        nodes = [
+            bench.popen(
+                n,
+                [
+                    sys.executable,
+                    "-c",
+                    NODE,
+                    json.dumps(
+                        {
+                            "env": env,
+                            "run_dir": str(tmp_path / "run"),
+                            "out_dir": str(tmp_path / f"node{n}"),
+                            "node_rank": n,
+                            "master": master,
+                            "port": port,
+                            "local": bench.hosts[n].address,
+                        }
+                    ),
+                ],  # fmt: skip
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for n in range(2)
+        ]
+        deadline = time.monotonic() + 120
+        while not all((job / f"ready_{r}").exists() for r in range(2)):
+            assert all(p.poll() is None for p in nodes), [p.communicate()[0][-3000:] for p in nodes]
+            assert time.monotonic() < deadline, "the ranks did not come up in 120 s"
+            time.sleep(0.1)
+        attack = subprocess.run(
+            bench.hosts[2].command(
+                [sys.executable, "-c", ATTACK, master, json.dumps([port]), json.dumps([port]), SECRET]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        (job / "release").touch()
+        outs = [p.communicate(timeout=120)[0] for p in nodes]
+    assert attack.returncode == 0, attack.stderr[-2000:]
+    assert all(p.returncode == 0 for p in nodes), [o[-3000:] for o in outs]
+    seen = json.loads(attack.stdout.strip().splitlines()[-1])[str(port)]
+    planted = (job / "planted").read_text()
+    if gated:
+        assert seen["connect"] == "ok" and "error" in seen, seen  # it reaches the gate, and no further
+        assert seen.get("read") is None and not seen.get("wrote"), seen
+        assert planted == "False"
+    else:
+        assert seen.get("read") == "s3" and seen.get("wrote"), seen
+        assert planted == "True"
