@@ -24,7 +24,7 @@ import torch.distributed as dist
 from kuangchao_core.sched.bound_store import hosted_store
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import free_port, process_tree, run_workers
-from kuangchao_core.sched.store_gate import new_key
+from kuangchao_core.sched.store_gate import Gate, Relay, new_key
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.listening import exposed, listening
 
@@ -300,3 +300,24 @@ def test_multi_host_store_refuses_a_client_without_the_job_key(tmp_path, gated):
     else:
         assert seen.get("read") == "s3" and seen.get("wrote"), seen
         assert planted == "True"
+
+
+def test_gate_lets_through_only_the_job_key():
+    """In one process: a relay with the job's key reaches the store behind the gate; one with another key does not,
+    and the gate counts it refused."""
+    key = bytes.fromhex(new_key())
+    store = hosted_store("127.0.0.1", 0, timeout=timedelta(seconds=10))
+    store.set("k", "v")
+    gate = Gate("127.0.0.1", 0, ("127.0.0.1", store.port), key)
+    good, bad = Relay(("127.0.0.1", gate.port), key), Relay(("127.0.0.1", gate.port), b"x" * 32, connect_wait_s=1)
+    try:
+        client = dist.TCPStore("127.0.0.1", good.port, is_master=False, timeout=timedelta(seconds=10))
+        assert client.get("k") == b"v"
+        client.set("from-relay", "1")
+        assert store.get("from-relay") == b"1"
+        with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistNetworkError / RuntimeError
+            dist.TCPStore("127.0.0.1", bad.port, is_master=False, timeout=timedelta(seconds=3)).get("k")
+        assert gate.refused >= 1
+    finally:
+        for listener in (gate, good, bad):
+            listener.close()
