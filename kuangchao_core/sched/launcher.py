@@ -1,6 +1,6 @@
 """Launch one attempt of a worker group under torch's elastic agent and turn any failure into ``WorkerFailed``.
 
-``run_workers`` starts ``python -m torch.distributed.run`` (torchrun) with ``--max-restarts 0``: restarts are decided by
+``run_workers`` starts torchrun (``python -m kuangchao_core.sched.bound_rdzv``) with ``--max-restarts 0``: restarts are decided by
 ``sched.recovery.supervise``, one fresh rendezvous port and heartbeat directory per attempt, so no stale store keys
 (pytorch#135712) or stale beats carry over. It streams every output line (prefixed ``[rank<r>]:`` for worker lines) to
 ``log_sink``, watches heartbeats, and on failure names the rank and the cause:
@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
-from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME, RDZV_BACKEND, TORCHRUN, is_loopback
+from kuangchao_core.sched.bind_address import RDZV_BACKEND, TORCHRUN, is_loopback
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
 from kuangchao_core.sched.ports import free_port  # noqa: F401 - callers take it from here
-from kuangchao_core.sched.store_gate import ENV_KEY as ENV_STORE_KEY
-from kuangchao_core.sched.store_gate import ENV_KEY_FD
+from kuangchao_core.sched.store_gate import bind_env
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -195,16 +194,6 @@ def _given_command(spec: LaunchSpec, log_dir: Path) -> list[str]:
     return [*spec.command[:at], *own, "--monitor-interval", str(spec.monitor_interval_s), *spec.command[at:]]
 
 
-def _key_pipe(key: str) -> int:
-    """The read end of a pipe holding ``key`` (a few dozen bytes: the pipe's buffer takes them at once)."""
-    r, w = os.pipe()
-    try:
-        os.write(w, key.encode("ascii") + b"\n")
-    finally:
-        os.close(w)
-    return r
-
-
 def run_workers(spec: LaunchSpec) -> LaunchResult:
     """Run one attempt of ``spec`` (a :class:`~kuangchao_core.sched.launch_spec.LaunchSpec`) and wait for the group
     to finish: ``python -m module *args`` under torchrun, watched as the spec says.
@@ -228,11 +217,6 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
 
     full_env = dict(os.environ)
     full_env.update(spec.env or {})
-    # the workers are clients of the agent's store (bound to one address by kc-c10d): none of them hosts one
-    # (each attempt is a fresh torchrun, so no stale keys carry over: pytorch#135712 needs a restart in one)
-    full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
-    if single_host:  # Gloo's (and NCCL's bootstrap) listening sockets on loopback too
-        full_env["GLOO_SOCKET_IFNAME"] = full_env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
@@ -245,11 +229,7 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
     lifeline = Lifeline(tokens, rank_map)
     full_env.update(lifeline.env())
-    # a multi-host job's store key reaches torchrun (its store gate or relay) by pipe, never the ranks' environment
-    store_key = full_env.pop(ENV_STORE_KEY, "")
-    key_fd = _key_pipe(store_key) if store_key else None
-    if key_fd is not None:
-        full_env[ENV_KEY_FD] = str(key_fd)
+    key_fd = bind_env(full_env, single_host)  # where the job listens; its store key, if any, by pipe
 
     cmd = (
         _given_command(spec, log_dir)

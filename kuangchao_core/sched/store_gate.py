@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -42,6 +43,31 @@ class GateRefused(ConnectionError):
 def new_key() -> str:
     """A fresh per-job store key (hex)."""
     return secrets.token_hex(32)
+
+
+def bind_env(env: dict[str, str], single_host: bool) -> int | None:
+    """Set a launch's ``env`` for where its ranks listen and connect (issue 38 item 2); returns the read end of a
+    pipe holding the job's store key for torchrun (pass it with ``pass_fds``, close it after), or None.
+
+    The ranks are clients of the agent's store (``kc-c10d`` binds it to one address), so none of them hosts one
+    (each attempt is a fresh torchrun: no stale keys carry over, pytorch#135712 needs a restart in one torchrun). A
+    single-host job's Gloo (and NCCL bootstrap) sockets are on loopback. ``KC_STORE_KEY`` leaves ``env``: torchrun
+    reads it from the pipe (``KC_STORE_KEY_FD``) before any rank starts, so no rank's environment holds it."""
+    from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME
+
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
+    if single_host:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+    key = env.pop(ENV_KEY, "")
+    if not key:
+        return None
+    r, w = os.pipe()
+    try:
+        os.write(w, key.encode("ascii") + b"\n")  # a few dozen bytes: the pipe's buffer takes them at once
+    finally:
+        os.close(w)
+    env[ENV_KEY_FD] = str(r)
+    return r
 
 
 def _mac(key: bytes, label: bytes, nonce_g: bytes, nonce_c: bytes) -> bytes:
