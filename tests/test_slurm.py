@@ -205,7 +205,11 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
     # Slurm ran it: two nodes, completed; the run directory keeps the batch script, its sbatch line and the states
     assert Path(summary["run_dir"]) == run_dir and run_dir.is_relative_to(tmp_path / "runs")
     script = (run_dir / "attempt_0/slurm/job.sbatch").read_text()
-    assert "#SBATCH --nodes=2" in script and "torch.distributed.run" in script and "--rdzv_backend=c10d" in script
+    assert (
+        "#SBATCH --nodes=2" in script
+        and "kuangchao_core.sched.bound_rdzv" in script
+        and "--rdzv_backend=kc-c10d" in script
+    )
     assert kept["state/script"].rstrip("\0") == script, "Slurm runs the script the run directory keeps"
     with get_client(sync_client=True) as client:  # the flow run's artifact, on the session's Prefect server
         found = client.read_artifacts(

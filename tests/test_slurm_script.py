@@ -88,12 +88,12 @@ def test_the_batch_script_runs_one_torchrun_per_node_on_the_first_nodes_address(
     assert 'scontrol show node -o "$head_node"' in text and "NodeAddr=" in text
     step = shlex.split(text[text.index("srun ") : text.index(" &\n")].replace("\\\n", " "))
     assert step[:4] == ["srun", "--ntasks-per-node=1", "--nodes=$SLURM_NNODES", "--kill-on-bad-exit=1"]
-    run = step.index("torch.distributed.run")
+    run = step.index("kuangchao_core.sched.bound_rdzv")  # torchrun with the kc-c10d rendezvous (issue 38 item 2)
     assert step[run - 2 : run] == ["/py", "-m"] and step[run - 3] == "--"
     assert step[run + 1 :] == [
         "--nnodes=$SLURM_NNODES",
         "--nproc-per-node=2",
-        "--rdzv_backend=c10d",
+        "--rdzv_backend=kc-c10d",
         "--rdzv_endpoint=$head_addr:29601",
         "--rdzv_id=$SLURM_JOB_ID-3",
         "--max-restarts=0",

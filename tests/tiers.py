@@ -103,6 +103,7 @@ FILE_TIERS = {
     "test_job_paths.py": "flows",
     "test_launch.py": "distributed",
     "test_launcher.py": "distributed",
+    "test_store_binding.py": "distributed",
     "test_lazy_dynamo.py": "distributed",
     "test_lineage.py": "unit",
     "test_lineage_lease.py": "unit",

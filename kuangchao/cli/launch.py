@@ -131,12 +131,29 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
         )
     else:
         typer.echo("kc launch: permission.mode is TRUSTED: no tokens, no checks", err=True)
-    rdzv = (
-        ["--standalone"]
-        if nnodes == 1
-        else ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc), script, *args]
+    if nnodes == 1:  # every store and endpoint of the job on loopback (issue 38 item 2)
+        from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME, RDZV_BACKEND, TORCHRUN
+        from kuangchao_core.sched.ports import free_port
+
+        endpoint = f"127.0.0.1:{free_port()}"
+        rdzv = ["--nnodes", "1", "--rdzv-backend", RDZV_BACKEND, "--rdzv-endpoint", endpoint, "--rdzv-id", run.name]
+        rdzv += ["--local-addr", "127.0.0.1"]
+        env.update(GLOO_SOCKET_IFNAME=LOOPBACK_IFNAME, NCCL_SOCKET_IFNAME=LOOPBACK_IFNAME)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"  # the ranks are clients of torchrun's store
+        torchrun = TORCHRUN
+    else:  # torchrun's static rendezvous: node 0's store binds every address (issue 38 item 2, still open)
+        rdzv = [
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+        ]
+        torchrun = "torch.distributed.run"
+    cmd = [sys.executable, "-m", torchrun, *rdzv, "--nproc-per-node", str(nproc), script, *args]
     code = None
     from kuangchao_core.sched.lifeline import Lifeline
 

@@ -1,6 +1,6 @@
 """Launch one attempt of a worker group under torch's elastic agent and turn any failure into ``WorkerFailed``.
 
-``run_workers`` starts ``python -m torch.distributed.run`` (torchrun) with ``--max-restarts 0``: restarts are decided by
+``run_workers`` starts torchrun (``python -m kuangchao_core.sched.bound_rdzv``) with ``--max-restarts 0``: restarts are decided by
 ``sched.recovery.supervise``, one fresh rendezvous port and heartbeat directory per attempt, so no stale store keys
 (pytorch#135712) or stale beats carry over. It streams every output line (prefixed ``[rank<r>]:`` for worker lines) to
 ``log_sink``, watches heartbeats, and on failure names the rank and the cause:
@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched.bind_address import RDZV_BACKEND, TORCHRUN, is_loopback
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
 from kuangchao_core.sched.ports import free_port  # noqa: F401 - callers take it from here
+from kuangchao_core.sched.store_gate import bind_env
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -181,10 +183,13 @@ class _OwnerWatch:
         return f"no beat in {silent:.1f} s (limit {self.lost_after_s:g} s)" if silent > self.lost_after_s else None
 
 
+_TORCHRUNS = (TORCHRUN, "torch.distributed.run")
+
+
 def _given_command(spec: LaunchSpec, log_dir: Path) -> list[str]:
     """``spec.command`` (a torchrun command line, e.g. from a Slurm batch script) with this node's own options
-    added after ``torch.distributed.run``: its address, its log directory, the rank-prefixed output."""
-    at = spec.command.index("torch.distributed.run") + 1
+    added after the torchrun module: its address, its log directory, the rank-prefixed output."""
+    at = next(i for i, word in enumerate(spec.command) if word in _TORCHRUNS) + 1
     own = [*(["--local-addr", spec.local_addr] if spec.local_addr else []), "--log-dir", str(log_dir), "--tee", "3"]
     return [*spec.command[:at], *own, "--monitor-interval", str(spec.monitor_interval_s), *spec.command[at:]]
 
@@ -200,6 +205,8 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     if spec.nnodes > 1 and spec.master_port is None:
         raise ValueError("several nodes need an agreed master_port (the rendezvous endpoint on node 0)")
     port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+    single_host = spec.nnodes == 1 and is_loopback(spec.master_addr)
+    local_addr = spec.local_addr or (spec.master_addr if single_host else None)
     endpoint = f"{spec.master_addr}:{port}"
     attempt_dir = Path(spec.run_dir) / f"attempt_{spec.attempt}"
     own_dir = Path(spec.out_dir) if spec.out_dir is not None else attempt_dir
@@ -210,7 +217,6 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
 
     full_env = dict(os.environ)
     full_env.update(spec.env or {})
-    full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
@@ -223,6 +229,7 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
     rank_map = [int(r) for r in json.loads(full_env["KC_RANK_MAP"])] if full_env.get("KC_RANK_MAP") else None
     lifeline = Lifeline(tokens, rank_map)
     full_env.update(lifeline.env())
+    key_fd = bind_env(full_env, single_host)  # where the job listens; its store key, if any, by pipe
 
     cmd = (
         _given_command(spec, log_dir)
@@ -230,7 +237,7 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
         else [
             spec.python,
             "-m",
-            "torch.distributed.run",
+            TORCHRUN,
             "--nnodes",
             str(spec.nnodes),
             "--node-rank",
@@ -238,12 +245,12 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
             "--nproc-per-node",
             str(spec.nproc),
             "--rdzv-backend",
-            "c10d",
+            RDZV_BACKEND,
             "--rdzv-endpoint",
             endpoint,
             "--rdzv-id",
             spec.rdzv_id or f"kc-{spec.attempt}-{uuid.uuid4().hex[:8]}",
-            *(["--local-addr", spec.local_addr] if spec.local_addr else []),
+            *(["--local-addr", local_addr] if local_addr else []),
             *(["--rdzv-conf", f"is_host={str(spec.rdzv_is_host).lower()}"] if spec.rdzv_is_host is not None else []),
             "--max-restarts",
             "0",
@@ -296,11 +303,15 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
             text=True,
             errors="replace",
             start_new_session=True,
+            pass_fds=(key_fd,) if key_fd is not None else (),
         )
     except BaseException:
         lifeline.close()
         launcher_log.close()
         raise
+    finally:
+        if key_fd is not None:
+            os.close(key_fd)
     lifeline.watch(proc.pid)
     readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
     for t in readers:

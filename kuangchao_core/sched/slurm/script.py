@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core.sched.bind_address import RDZV_BACKEND, TORCHRUN
 from kuangchao_core.sched.slurm import time_limit
 
 #: environment variables the batch job gets from ``kc train``'s (when set), plus ``cluster.slurm.export_env``
@@ -100,14 +101,15 @@ def torchrun_line(
     cfg: Any, args: list[str], port: int, attempt: int, python: str = sys.executable, module: str = WORKER,
     rdzv_suffix: str = "",
 ) -> list[str]:  # fmt: skip
-    """The torchrun command every node's launcher runs (shell words; ``$…`` expanded by the batch shell)."""
+    """The torchrun command every node's launcher runs (shell words; ``$…`` expanded by the batch shell): torchrun
+    with the ``kc-c10d`` rendezvous, whose store the head node binds to ``$head_addr`` only (issue 38 item 2)."""
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN,
         '--nnodes="$SLURM_NNODES"',
         f"--nproc-per-node={cfg.cluster.slurm.tasks_per_node}",
-        "--rdzv_backend=c10d",
+        f"--rdzv_backend={RDZV_BACKEND}",
         f'--rdzv_endpoint="$head_addr:{port}"',
         f'--rdzv_id="$SLURM_JOB_ID-{attempt}{rdzv_suffix}"',
         "--max-restarts=0",
