@@ -384,6 +384,9 @@ class TrackingSection(Section):
 
     uri: str = Field(default="sqlite:///mlflow.db", min_length=1)
     experiment: str | None = None
+    #: a store another process holds locked (SQLite's ``database is locked``) is waited for this long, at the job's
+    #: start and at every write, before the job ends with one line saying so; 0 fails at once
+    store_wait_s: Float = Field(default=60.0, ge=0, le=3600)
     #: the job's Prometheus ``/metrics`` (served by the orchestrator): this port, or when another job holds it the
     #: first free one of the next ``PROMETHEUS_PORT_SPAN - 1`` (a Prometheus scrapes 9400-9415); 0 for any free
     #: port, null for none

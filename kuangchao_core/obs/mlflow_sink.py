@@ -2,17 +2,23 @@
 
 The metric names are a contract: ``loss``, ``lr``, ``tokens_per_s``, ``grad_norm``, ``mem_bytes``, ``comm_share``;
 ``step`` is the optimizer step. A resumed attempt logs each step once: steps already in the run are skipped.
+A store locked by another process is waited for (``KC_TRACKING_WAIT_S``, the job's ``tracking.store_wait_s``): the
+batch stays queued and every step reaches the run once the lock is gone; a store unusable past that (still locked,
+corrupt, unreachable) costs the batch and one warning, never the training or its checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from typing import Any
 
 from kuangchao_core import guard_api
+from kuangchao_core.errors import TrackingStoreError
+from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, StoreClient
 
 log = logging.getLogger("kuangchao.obs.mlflow")
 
@@ -26,8 +32,20 @@ class MlflowMetricSink:
     Creating a sink needs ``metrics_write`` on ``metrics:<task>`` (raises ``PermissionDenied`` otherwise).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150):
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        *,
+        task: str,
+        flush_every_s: float = 2.0,
+        max_batch: int = 150,
+        wait_s: float | None = None,
+    ):
         guard_api.check("metrics_write", f"metrics:{task}")
+        if wait_s is None:
+            wait_s = float(os.environ.get("KC_TRACKING_WAIT_S") or DEFAULT_WAIT_S)
+        self._wait_s = wait_s  # for a locked store, per write
 
         self._tracking_uri = tracking_uri
         self._client = None  # made on the thread: importing MLflow and opening its store take seconds
@@ -44,9 +62,7 @@ class MlflowMetricSink:
     def _open(self) -> None:
         """The client and the run's last logged step (the thread's first work, while the job starts)."""
         try:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self._tracking_uri)
+            self._client = StoreClient(self._tracking_uri, self._wait_s)
             self.last_logged_step = self._last_step_in_run()
         finally:
             self._ready.set()
@@ -116,8 +132,11 @@ class MlflowMetricSink:
             batch = self._drain()
             if not batch:
                 return
-            try:
+            try:  # a locked store: retried until it frees or the wait is over
                 self._client.log_batch(self.run_id, metrics=batch)
+            except TrackingStoreError as exc:
+                log.warning("%d metrics not logged: %s", len(batch), exc)
+                return
             except Exception as exc:
                 log.warning("mlflow log_batch failed (%d metrics dropped): %s", len(batch), exc)
                 return
@@ -125,4 +144,4 @@ class MlflowMetricSink:
     def close(self) -> None:
         """Flush everything queued and stop the thread."""
         self._stop.set()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=60 + self._wait_s)
