@@ -18,7 +18,7 @@ from typing import Any
 
 from kuangchao_core import guard_api
 from kuangchao_core.errors import TrackingStoreError
-from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, StoreClient
+from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, StoreClient, reason
 
 log = logging.getLogger("kuangchao.obs.mlflow")
 
@@ -87,20 +87,26 @@ class MlflowMetricSink:
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store ``text`` as the run's artifact ``artifact_file`` (evaluation samples); a failure is logged, never
         raised (the run goes on)."""
-        self._ready.wait(timeout=120)
+        self._ready.wait(timeout=120 + self._wait_s)
+        if self._client is None:
+            log.warning("%s not logged: the MLflow store %s was not opened", artifact_file, self._tracking_uri)
+            return
         try:
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as exc:
-            log.warning("mlflow log_text %s failed: %s", artifact_file, exc)
+            log.warning("mlflow log_text %s failed: %s", artifact_file, reason(self._tracking_uri, exc))
 
     def log_image(self, image: Any, artifact_file: str) -> None:
         """Store ``image`` (uint8 H x W x 3) as the run's artifact ``artifact_file`` (a vision job's evaluation
         samples); a failure is logged, never raised."""
-        self._ready.wait(timeout=120)
+        self._ready.wait(timeout=120 + self._wait_s)
+        if self._client is None:
+            log.warning("%s not logged: the MLflow store %s was not opened", artifact_file, self._tracking_uri)
+            return
         try:
             self._client.log_image(self.run_id, image, artifact_file=artifact_file)
         except Exception as exc:
-            log.warning("mlflow log_image %s failed: %s", artifact_file, exc)
+            log.warning("mlflow log_image %s failed: %s", artifact_file, reason(self._tracking_uri, exc))
 
     def _drain(self) -> list:
         from mlflow.entities import Metric
@@ -138,7 +144,9 @@ class MlflowMetricSink:
                 log.warning("%d metrics not logged: %s", len(batch), exc)
                 return
             except Exception as exc:
-                log.warning("mlflow log_batch failed (%d metrics dropped): %s", len(batch), exc)
+                log.warning(
+                    "mlflow log_batch failed (%d metrics dropped): %s", len(batch), reason(self._tracking_uri, exc)
+                )
                 return
 
     def close(self) -> None:

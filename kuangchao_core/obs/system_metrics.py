@@ -12,8 +12,7 @@ import threading
 from typing import Any
 
 from kuangchao_core import guard_api
-from kuangchao_core.errors import TrackingStoreError
-from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, call
+from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, call, reason
 
 log = logging.getLogger("kuangchao.obs.system_metrics")
 
@@ -35,15 +34,19 @@ class SystemMetrics:
         except ImportError as exc:  # psutil missing: the run goes on without them
             log.warning("system metrics not logged: %s", exc)
             return
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, node_id=node, tracking_uri=uri)
-        # a first sample now: MLflow's loop logs only after an interval, which a short job may not outlive
-        monitor.collect_metrics()
-        sample = monitor.aggregate_metrics()
         wait_s = float(os.environ.get("KC_TRACKING_WAIT_S") or DEFAULT_WAIT_S)
+
+        def first_sample() -> Any:
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, node_id=node, tracking_uri=uri)
+            # a first sample now: MLflow's loop logs only after an interval, which a short job may not outlive
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            return monitor
+
         try:
-            call(uri, lambda: monitor.publish_metrics(sample), wait_s=wait_s, say=log.warning, what="system metrics")
-        except TrackingStoreError as exc:
-            log.warning("system metrics not logged: %s", exc)
+            monitor = call(uri, first_sample, wait_s=wait_s, say=log.warning, what="system metrics")
+        except Exception as exc:  # the store unusable (TrackingStoreError) or MLflow's monitor failing: not the run
+            log.warning("system metrics not logged: %s", reason(uri, exc))
             return
         monitor.start()
         self._monitor = monitor

@@ -152,6 +152,16 @@ def store_error(uri: str, problem: StoreProblem, waited_s: float = 0.0) -> Track
     return TrackingStoreError(UNREACHABLE, uri, f"cannot be reached ({problem.detail})", fix)
 
 
+def reason(uri: str, exc: BaseException) -> str:
+    """``exc`` in one line for a warning: a store failure as its :func:`store_error` line (not SQLAlchemy's
+    statement and parameters), anything else as its first line."""
+    problem = classify(exc)
+    if problem is not None:
+        return str(exc) if isinstance(exc, TrackingStoreError) else str(store_error(uri, problem))
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def call(
     uri: str,
     fn: Callable[[], T],

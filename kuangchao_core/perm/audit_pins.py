@@ -270,7 +270,10 @@ def record_audit_pin(
                 pin, [p for p in load_pins(authority_dir) if p.job_id == job_id], mlflow_run_id, tracking_uri
             )
         except Exception as exc:  # MLflow down or absent: the authority file still holds the pin
-            log.warning("audit pin not recorded in MLflow run %s (%s); it is in %s", mlflow_run_id, exc, authority_dir)
+            from kuangchao_core.obs.tracking_store import reason
+
+            why = reason(str(tracking_uri or os.environ.get("KC_TRACKING_URI") or "the tracking store"), exc)
+            log.warning("audit pin not recorded in MLflow run %s (%s); it is in %s", mlflow_run_id, why, authority_dir)
     try:
         _publish_prefect(pin)
     except Exception as exc:
