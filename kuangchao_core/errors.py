@@ -84,6 +84,20 @@ class NothingToTrain(ConfigError):
         )
 
 
+class TrackingStoreError(KuangchaoError):
+    """The MLflow tracking store cannot be used: ``kind`` is ``locked`` (held by another process past the job's
+    wait), ``corrupt`` (not a database MLflow can read), ``schema`` (another MLflow version's database) or
+    ``unreachable`` (a server that does not answer, a directory that cannot be opened). One line naming the config
+    field, the store and what to do; the job's checkpoints are never touched by it."""
+
+    def __init__(self, kind: str, uri: str, problem: str, fix: str, field: str = "tracking.uri"):
+        self.kind, self.uri, self.problem, self.fix, self.field = kind, uri, problem, fix, field
+        super().__init__(f"{field}: the MLflow store {uri} {problem}; {fix}")
+
+    def __reduce__(self):
+        return (type(self), (self.kind, self.uri, self.problem, self.fix, self.field))
+
+
 class DataError(KuangchaoError):
     """A dataset is missing, malformed or too small for the planned job."""
 

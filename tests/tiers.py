@@ -151,6 +151,8 @@ FILE_TIERS = {
     "test_s3.py": "unit",
     "test_sample_context.py": "unit",
     "test_second_run.py": "flows",
+    "test_tracking_store.py": "distributed",
+    "test_tracking_store_job.py": "e2e",
     "test_sft_data.py": "unit",
     "test_slurm_lab.py": "e2e",
     "test_slurm.py": "e2e",

@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
             for path, msg in exc.errors:
                 typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
             raise typer.Exit(2) from None
-        except KuangchaoError as exc:  # an unreadable --resume directory: exit 1, as from the flow
+        except KuangchaoError as exc:  # an unreadable --resume directory, a corrupt tracking store: exit 1
             lines, code = failure_lines(exc, config)
             for line in lines:
                 typer.echo(line, err=True)
@@ -131,7 +131,22 @@ def refuse_early(config: str, overrides: list[str], resume: str | None, if_finis
     # a registered base (models:/NAME@ALIAS) has no local files yet: the flow resolves it, then checks the plan
     if not registered_base:
         raise_for_plan(cfg)
+    refuse_broken_store(cfg)
     return cfg
+
+
+def refuse_broken_store(cfg) -> None:
+    """A SQLite tracking store that is not a database MLflow can read (garbage, malformed, another program's):
+    :class:`~kuangchao_core.errors.TrackingStoreError` in a second, before Prefect starts (issue 38 item 8). A store
+    locked now is left to the job, which waits for it; the flow's pre-flight says the rest."""
+    from kuangchao_core.obs.tracking import tracking_uri
+    from kuangchao_core.obs.tracking_store import LOCKED, probe_sqlite, sqlite_path, store_error
+
+    uri = tracking_uri(cfg)
+    path = sqlite_path(uri)
+    problem = probe_sqlite(path) if path else None
+    if problem is not None and problem.kind != LOCKED:
+        raise store_error(uri, problem)
 
 
 def prefect_api_problem(timeout_s: float = 3.0) -> str | None:

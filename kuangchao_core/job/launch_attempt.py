@@ -151,6 +151,7 @@ def launch_workers(
         "KC_ATTEMPT": str(attempt),
         "KC_JOB_ID": cfg.task.name,
         "KC_TRACKING_URI": cfg.tracking.uri,
+        "KC_TRACKING_WAIT_S": str(cfg.tracking.store_wait_s),  # rank 0's metric writes wait this for a locked store
         "PYTHONUNBUFFERED": "1",
         UNUSED_REPORTED_ENV: "1",  # the flow said them at start, from the user's own config
     }

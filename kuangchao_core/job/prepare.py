@@ -19,7 +19,7 @@ from kuangchao_core.errors import ConfigError
 from kuangchao_core.job.checkpoints import s3_settings_for
 from kuangchao_core.job.metrics_endpoint import start_exporter
 from kuangchao_core.job.steps import JobSteps
-from kuangchao_core.obs import phases, prefect_watch, tracking
+from kuangchao_core.obs import phases, prefect_watch, tracking, tracking_store
 from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX, resolve_model_uri
 from kuangchao_core.perm.issuance import open_authority
 
@@ -131,7 +131,9 @@ def prepare_run(
 
 def open_job(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any) -> None:
     """The doctor, the topology probe (one machine: measured now; several: started, finished by
-    :func:`~kuangchao_core.ckpt.lineage_hold.hold_lineage`), the job's MLflow run and its Prometheus endpoint."""
+    :func:`~kuangchao_core.ckpt.lineage_hold.hold_lineage`), the job's MLflow run — its store opened first
+    (:func:`~kuangchao_core.obs.tracking_store.preflight`: ``TrackingStoreError`` before any compute) — and its
+    Prometheus endpoint."""
     cfg = job.cfg
     with clock.phase("doctor"):
         steps.doctor(cfg)
@@ -142,7 +144,8 @@ def open_job(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any
         logger.info("cluster.mode slurm: Slurm grants the nodes; the job probes them and places its ranks itself")
     else:  # the node agents measure every pair of candidate nodes while the data is validated
         job.probing = steps.start_cluster_probe(cfg, job.run_dir, logger)
-    with clock.phase("mlflow"):
+    with clock.phase("mlflow"):  # a locked store waited for (bounded); a corrupt or unreachable one: one line, now
+        tracking_store.preflight(tracking.tracking_uri(cfg), tracking.store_wait_s(cfg), logger.warning)
         tags = {"kuangchao.run_dir": str(job.run_dir), "kuangchao.lineage": job.plan.lineage, **job.base_model}
         job.run_id = tracking.open_run(cfg, job.flow_run_id, extra_tags=tags)
     prefect_watch.note(mlflow_run_id=job.run_id)

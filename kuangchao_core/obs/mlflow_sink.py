@@ -2,17 +2,23 @@
 
 The metric names are a contract: ``loss``, ``lr``, ``tokens_per_s``, ``grad_norm``, ``mem_bytes``, ``comm_share``;
 ``step`` is the optimizer step. A resumed attempt logs each step once: steps already in the run are skipped.
+A store locked by another process is waited for (``KC_TRACKING_WAIT_S``, the job's ``tracking.store_wait_s``): the
+batch stays queued and every step reaches the run once the lock is gone; a store unusable past that (still locked,
+corrupt, unreachable) costs the batch and one warning, never the training or its checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from typing import Any
 
 from kuangchao_core import guard_api
+from kuangchao_core.errors import TrackingStoreError
+from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, StoreClient, reason
 
 log = logging.getLogger("kuangchao.obs.mlflow")
 
@@ -26,8 +32,20 @@ class MlflowMetricSink:
     Creating a sink needs ``metrics_write`` on ``metrics:<task>`` (raises ``PermissionDenied`` otherwise).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, *, task: str, flush_every_s: float = 2.0, max_batch: int = 150):
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        *,
+        task: str,
+        flush_every_s: float = 2.0,
+        max_batch: int = 150,
+        wait_s: float | None = None,
+    ):
         guard_api.check("metrics_write", f"metrics:{task}")
+        if wait_s is None:
+            wait_s = float(os.environ.get("KC_TRACKING_WAIT_S") or DEFAULT_WAIT_S)
+        self._wait_s = wait_s  # for a locked store, per write
 
         self._tracking_uri = tracking_uri
         self._client = None  # made on the thread: importing MLflow and opening its store take seconds
@@ -44,9 +62,7 @@ class MlflowMetricSink:
     def _open(self) -> None:
         """The client and the run's last logged step (the thread's first work, while the job starts)."""
         try:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self._tracking_uri)
+            self._client = StoreClient(self._tracking_uri, self._wait_s)
             self.last_logged_step = self._last_step_in_run()
         finally:
             self._ready.set()
@@ -71,20 +87,26 @@ class MlflowMetricSink:
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store ``text`` as the run's artifact ``artifact_file`` (evaluation samples); a failure is logged, never
         raised (the run goes on)."""
-        self._ready.wait(timeout=120)
+        self._ready.wait(timeout=120 + self._wait_s)
+        if self._client is None:
+            log.warning("%s not logged: the MLflow store %s was not opened", artifact_file, self._tracking_uri)
+            return
         try:
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as exc:
-            log.warning("mlflow log_text %s failed: %s", artifact_file, exc)
+            log.warning("mlflow log_text %s failed: %s", artifact_file, reason(self._tracking_uri, exc))
 
     def log_image(self, image: Any, artifact_file: str) -> None:
         """Store ``image`` (uint8 H x W x 3) as the run's artifact ``artifact_file`` (a vision job's evaluation
         samples); a failure is logged, never raised."""
-        self._ready.wait(timeout=120)
+        self._ready.wait(timeout=120 + self._wait_s)
+        if self._client is None:
+            log.warning("%s not logged: the MLflow store %s was not opened", artifact_file, self._tracking_uri)
+            return
         try:
             self._client.log_image(self.run_id, image, artifact_file=artifact_file)
         except Exception as exc:
-            log.warning("mlflow log_image %s failed: %s", artifact_file, exc)
+            log.warning("mlflow log_image %s failed: %s", artifact_file, reason(self._tracking_uri, exc))
 
     def _drain(self) -> list:
         from mlflow.entities import Metric
@@ -116,13 +138,18 @@ class MlflowMetricSink:
             batch = self._drain()
             if not batch:
                 return
-            try:
+            try:  # a locked store: retried until it frees or the wait is over
                 self._client.log_batch(self.run_id, metrics=batch)
+            except TrackingStoreError as exc:
+                log.warning("%d metrics not logged: %s", len(batch), exc)
+                return
             except Exception as exc:
-                log.warning("mlflow log_batch failed (%d metrics dropped): %s", len(batch), exc)
+                log.warning(
+                    "mlflow log_batch failed (%d metrics dropped): %s", len(batch), reason(self._tracking_uri, exc)
+                )
                 return
 
     def close(self) -> None:
         """Flush everything queued and stop the thread."""
         self._stop.set()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=60 + self._wait_s)

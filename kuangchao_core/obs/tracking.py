@@ -2,6 +2,8 @@
 
 All calls use ``MlflowClient`` (not the fluent API, which is not thread-safe) against ``tracking.uri``
 (default ``sqlite:///mlflow.db`` in the working directory); the experiment is ``tracking.experiment`` or the task name.
+Every call goes through :class:`~kuangchao_core.obs.tracking_store.StoreClient`: a locked store is waited for (at most
+``tracking.store_wait_s``), a corrupt or unreachable one raises a one-line ``TrackingStoreError``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from kuangchao_core.obs.tracking_store import DEFAULT_WAIT_S, StoreClient
 
 log = logging.getLogger("kuangchao.obs.tracking")
 
@@ -67,10 +71,19 @@ def experiment_name(cfg: Any) -> str:
     return cfg.tracking.experiment or cfg.task.name
 
 
-def _client(uri: str):
-    from mlflow.tracking import MlflowClient
+def store_wait_s(cfg: Any) -> float:
+    """How long the job waits for a locked store (``tracking.store_wait_s``)."""
+    return float(getattr(cfg.tracking, "store_wait_s", DEFAULT_WAIT_S))
 
-    return MlflowClient(tracking_uri=uri)
+
+def _client(uri: str) -> StoreClient:
+    """A client of ``uri`` with the default wait for a locked store (the model registry's calls)."""
+    return StoreClient(uri)
+
+
+def store_client(cfg: Any) -> StoreClient:
+    """The job's MLflow client: every call retried while the store is locked, any other store failure one line."""
+    return StoreClient(tracking_uri(cfg), store_wait_s(cfg))
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
@@ -94,8 +107,7 @@ def open_run(cfg: Any, flow_run_id: str | None = None, extra_tags: dict[str, str
     """Create the MLflow run of a job: params = flattened config, tags = layout, flow run, config hash, git commit."""
     from mlflow.entities import Param, RunTag
 
-    uri = tracking_uri(cfg)
-    client = _client(uri)
+    client = store_client(cfg)
     name = experiment_name(cfg)
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -128,14 +140,14 @@ def open_run(cfg: Any, flow_run_id: str | None = None, extra_tags: dict[str, str
 
 def set_tags(cfg: Any, run_id: str, tags: dict[str, str]) -> None:
     """Set tags on a run."""
-    client = _client(tracking_uri(cfg))
+    client = store_client(cfg)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
 
 
 def log_json_artifact(cfg: Any, run_id: str, obj: Any, artifact_path: str, filename: str) -> None:
     """Store ``obj`` as a JSON file artifact of the run."""
-    client = _client(tracking_uri(cfg))
+    client = store_client(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, filename)
         with open(path, "w", encoding="utf-8") as fh:
@@ -145,22 +157,22 @@ def log_json_artifact(cfg: Any, run_id: str, obj: Any, artifact_path: str, filen
 
 def log_file_artifact(cfg: Any, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
     """Store a local file as an artifact of the run."""
-    _client(tracking_uri(cfg)).log_artifact(run_id, str(path), artifact_path=artifact_path)
+    store_client(cfg).log_artifact(run_id, str(path), artifact_path=artifact_path)
 
 
 def log_metrics(cfg: Any, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     """Log a few metrics at ``step`` (not for per-step training metrics: those go through the worker's sink)."""
-    client = _client(tracking_uri(cfg))
+    client = store_client(cfg)
     for key, value in metrics.items():
         client.log_metric(run_id, key, float(value), step=step)
 
 
 def close_run(cfg: Any, run_id: str, status: str = "FINISHED") -> None:
     """Mark the run FINISHED, FAILED or KILLED."""
-    _client(tracking_uri(cfg)).set_terminated(run_id, status=status)
+    store_client(cfg).set_terminated(run_id, status=status)
 
 
 def metric_history(cfg: Any, run_id: str, key: str = "loss") -> list[tuple[int, float]]:
     """(step, value) pairs of a metric, sorted by step."""
-    hist = _client(tracking_uri(cfg)).get_metric_history(run_id, key)
+    hist = store_client(cfg).get_metric_history(run_id, key)
     return sorted((m.step, m.value) for m in hist)

@@ -296,10 +296,10 @@ def record_audit_pin_or_log(*args, **kwargs) -> AuditPin | None:
 
 
 def _publish_mlflow(pin: AuditPin, pins: list[AuditPin], run_id: str, tracking_uri: str | None) -> None:
-    from mlflow.tracking import MlflowClient
+    from kuangchao_core.obs.tracking_store import StoreClient  # a store failure in one line (issue 38 item 8)
 
     uri = tracking_uri or os.environ.get("KC_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI")
-    client = MlflowClient(tracking_uri=uri or "sqlite:///mlflow.db")
+    client = StoreClient(uri or "sqlite:///mlflow.db")
     client.set_tag(run_id, MLFLOW_PIN_TAG, json.dumps(pin.to_json(), sort_keys=True, separators=(",", ":")))
     client.log_dict(run_id, {"version": PIN_VERSION, "pins": [p.to_json() for p in pins]}, MLFLOW_PINS_ARTIFACT)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.obs.tracking_store import LOCKED, probe_sqlite, store_error
 from kuangchao_core.sched.doctor_report import Check
 from kuangchao_core.sched.version_agent import CONNECT_TIMEOUT_S
 
@@ -99,7 +100,9 @@ def _http_health(url: str, timeout: float) -> str | None:
 
 
 def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
-    """The MLflow tracking store is reachable (sqlite/file: directory writable; http: ``/health``)."""
+    """The MLflow tracking store is reachable (sqlite/file: directory writable, and an existing SQLite file a
+    database with MLflow's tables; http: ``/health``). A SQLite store locked by another process passes with a note:
+    the job waits for it (``tracking.store_wait_s``)."""
     uri = str(setting(cfg, "tracking.uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     fix_dir = "set tracking.uri to a location you can write, e.g. sqlite:///mlflow.db in the working directory"
     if uri.startswith("sqlite:"):
@@ -130,6 +133,15 @@ def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
             pass
     except OSError as exc:
         return Check("mlflow", False, f"cannot create files in {directory}: {exc}", fix_dir)
+    if uri.startswith("sqlite:"):
+        problem = probe_sqlite(str(Path(path).expanduser()))
+        if problem is not None and problem.kind == LOCKED:
+            wait = setting(cfg, "tracking.store_wait_s", None)
+            waits = f"up to {float(wait):.0f} s" if wait is not None else "up to tracking.store_wait_s"
+            return Check("mlflow", True, f"{uri}: locked by another process now (a job waits {waits} for it)")
+        if problem is not None:
+            err = store_error(uri, problem)
+            return Check("mlflow", False, f"{err.field}: the MLflow store {uri} {err.problem}", err.fix)
     return Check("mlflow", True, f"{uri}: {directory} writable")
 
 
