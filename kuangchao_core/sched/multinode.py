@@ -21,6 +21,7 @@ from typing import Any
 from kuangchao_core.sched.node_share import Beat, NodeShare, node_dir, owner_beat_path
 from kuangchao_core.sched.node_watch import AttemptWatch
 from kuangchao_core.sched.placement import NodeAssignment
+from kuangchao_core.sched.store_key import drop_attempt_key, write_attempt_key
 
 #: rendezvous ports are drawn from this range (the orchestrator cannot probe a port on another machine)
 RDZV_PORTS = (29500, 29999)
@@ -127,6 +128,7 @@ def launch_on_nodes(
     tails: list[LogTail] = []
     owner = Beat(owner_beat_path(run_dir, attempt), 0.5)  # the agents stop their ranks when this goes silent
     owner.start()
+    key_env = write_attempt_key(run_dir, attempt) if len(assignments) > 1 else {}  # the store gate's key
     try:
         for a in assignments:
             share = NodeShare(
@@ -143,7 +145,7 @@ def launch_on_nodes(
                 ifname=a.ifname,
                 module=module,
                 args=list(args),
-                env=env_for(a),
+                env={**env_for(a), **key_env},
                 heartbeat_timeout_s=heartbeat_timeout_s,
                 heartbeat_interval_s=heartbeat_interval_s,
                 owner_lost_after_s=OWNER_LOST_AFTER_S,
@@ -156,6 +158,7 @@ def launch_on_nodes(
             watch.add(a.name, _start_flow_run(deployment, share))
         watch.watch(poll_s)
     finally:
+        drop_attempt_key(run_dir, attempt)
         owner.halt.set()
         for tail in tails:
             tail.halt.set()

@@ -26,6 +26,8 @@ import socket
 import threading
 import time
 
+from kuangchao_core.sched.store_key import ENV_KEY_FILE, new_key, read_key_file  # noqa: F401 - new_key: the API
+
 MAGIC = b"KCSG1"
 NONCE = 32
 MAC = hashlib.sha256().digest_size
@@ -40,25 +42,23 @@ class GateRefused(ConnectionError):
     """The other side does not hold the job's store key (or does not speak the gate's handshake)."""
 
 
-def new_key() -> str:
-    """A fresh per-job store key (hex)."""
-    return secrets.token_hex(32)
-
-
 def bind_env(env: dict[str, str], single_host: bool) -> int | None:
     """Set a launch's ``env`` for where its ranks listen and connect (issue 38 item 2); returns the read end of a
     pipe holding the job's store key for torchrun (pass it with ``pass_fds``, close it after), or None.
 
     The ranks are clients of the agent's store (``kc-c10d`` binds it to one address), so none of them hosts one
     (each attempt is a fresh torchrun: no stale keys carry over, pytorch#135712 needs a restart in one torchrun). A
-    single-host job's Gloo (and NCCL bootstrap) sockets are on loopback. ``KC_STORE_KEY`` leaves ``env``: torchrun
-    reads it from the pipe (``KC_STORE_KEY_FD``) before any rank starts, so no rank's environment holds it."""
+    single-host job's Gloo (and NCCL bootstrap) sockets are on loopback. The key (``KC_STORE_KEY``, or a multi-host
+    attempt's ``KC_STORE_KEY_FILE``, :mod:`~kuangchao_core.sched.store_key`) leaves ``env``: torchrun reads it from
+    the pipe (``KC_STORE_KEY_FD``) before any rank starts, so no rank's environment holds it."""
     from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME
 
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"
     if single_host:
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
-    key = env.pop(ENV_KEY, "")
+    key, key_file = env.pop(ENV_KEY, ""), env.pop(ENV_KEY_FILE, "")
+    if not key and key_file and not single_host:
+        key = read_key_file(key_file)  # a multi-host attempt's key (node agents, Slurm nodes)
     if not key:
         return None
     r, w = os.pipe()

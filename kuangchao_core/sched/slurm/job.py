@@ -35,6 +35,7 @@ from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT
 from kuangchao_core.sched.node_watch import AttemptWatch
 from kuangchao_core.sched.slurm import commands, facts, placement, script, time_limit
 from kuangchao_core.sched.slurm.commands import SlurmRefused
+from kuangchao_core.sched.store_key import drop_attempt_key, write_attempt_key
 
 #: states a job ends in that are Slurm's (or a user's) decision, not a failure to retry
 ENDED_BY_SLURM = {"CANCELLED", "TIMEOUT", "DEADLINE", "PREEMPTED", "REVOKED"}
@@ -171,6 +172,8 @@ def launch_slurm_attempt(
     inside = os.environ.get("SLURM_JOB_ID")
     if inside and exclude:  # the allocation's nodes are the job's: a lost one cannot be left out of it
         raise SlurmRefused(f"node(s) {', '.join(exclude)} of allocation {inside} lost; run kc train in a new one")
+    if int(cfg.cluster.slurm.nodes or 1) > 1:  # the store gate's key, in a 0600 file the nodes read
+        worker_env = {**worker_env, **write_attempt_key(run_dir, attempt)}
     path, text = write_attempt(cfg, run_dir, attempt, args, worker_env, tokens_for is not None, exclude, traffic)
     for warning in script.secret_warnings(cfg.cluster.slurm):
         say(warning)
@@ -236,6 +239,7 @@ def launch_slurm_attempt(
             commands.cancel(job_id, env)
         raise
     finally:
+        drop_attempt_key(run_dir, attempt)
         owner.halt.set()
         for tail in tails:
             tail.halt.set()
