@@ -25,6 +25,7 @@ from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import is_alive, wait_gone
 from tests.cluster.bench import Bench, bench_unavailable
 from tests.conftest_prefect import TINY, loss_history
+from tests.listening import assert_store_gated
 from tests.reference_runs import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
 
@@ -280,15 +281,12 @@ def test_kill_9_of_the_orchestrator_stops_every_nodes_ranks(cluster, tmp_path, s
     proc = _start_train(cluster, tmp_path, overrides)
     try:
         beats = _wait(
-            lambda: (found if len(found := list((tmp_path / "runs").glob("**/attempt_0/heartbeat/rank_*.hb"))) == 4
-                     else None),
-            300,
-            "the four ranks beating",
-        )  # fmt: skip
+            lambda: f if len(f := list(tmp_path.glob("runs/**/attempt_0/heartbeat/rank_*.hb"))) == 4 else None, 300, "4"
+        )
         time.sleep(2.0)  # past the start: the ranks train
         pids = [b.pid for f in beats if (b := read_beat(f)) is not None]
         assert len(pids) == 4 and all(is_alive(p) for p in pids)
-        _assert_store_gated(cluster, tmp_path, pids)
+        assert_store_gated(tmp_path, pids, cluster.bench.hosts[0].address)  # issue 38 item 2
         proc.kill()
         proc.wait(timeout=10)
         killed = time.monotonic()
@@ -359,33 +357,6 @@ def test_dynamic_picks_two_of_three_probed_nodes_and_shrinks_when_one_is_lost(
     _assert_losses(store, summary, one_process_losses)
     _assert_probed_and_placed(store, summary, ["h0", "h1"])
     assert not list(runs.glob("*/tokens/*.store_key")), "each attempt's store key is removed when it ends"
-
-
-def _assert_store_gated(cluster: Cluster, tmp_path: Path, pids: list[int]) -> None:
-    """Issue 38 item 2: a multi-host job's store answers only the job's key. The attempt's key is in a 0600 file
-    (never in a rank's environment); on h0 the job's torchrun listens on the training address only with the gate,
-    and a store client from the orchestrator's namespace that knows the port cannot write a key through it (an
-    ungated store would take the write)."""
-    import stat
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from tests.listening import listening
-
-    [key_file] = list((tmp_path / "runs").glob("**/tokens/attempt_0.store_key"))
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    key = key_file.read_text().strip().encode()
-    for pid in pids:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-        assert key not in environ and b"KC_STORE_KEY" not in environ, f"rank pid {pid} holds the store key"
-    agents = sorted({int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in pids})
-    h0 = cluster.bench.hosts[0].address
-    ports = sorted({port for _, addr, port in listening(agents) if addr == h0})
-    assert ports, listening(agents)
-    for port in ports:
-        with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistNetworkError / RuntimeError
-            dist.TCPStore(h0, port, is_master=False, timeout=timedelta(seconds=5)).set("kc-probe", "planted")
 
 
 def _assert_probed_and_placed(store: Path, summary: dict, nodes: list[str]) -> None:
