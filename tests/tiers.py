@@ -102,6 +102,7 @@ FILE_TIERS = {
     "test_job_lifetime.py": "distributed",
     "test_job_paths.py": "flows",
     "test_launch.py": "distributed",
+    "test_launch_gate.py": "e2e",
     "test_launcher.py": "distributed",
     "test_store_binding.py": "distributed",
     "test_lazy_dynamo.py": "distributed",

@@ -39,6 +39,9 @@ def register(app: typer.Typer) -> None:
         role: str = typer.Option("trainer", "--role", help="The role every rank's token carries."),
         run_dir: str = typer.Option(None, "--run-dir", help="Where the job's public state goes (default runs/…)."),
         job_id: str = typer.Option(None, "--job-id", help="The job id (the same on every node; needed with --nnodes)."),
+        store_key_file: str = typer.Option(
+            None, "--store-key-file", help="With --nnodes: a secret file, the same on every node, that gates the store."
+        ),
     ) -> None:
         """Run SCRIPT on --nproc-per-node ranks (torchrun flags), each with its own capability token.
 
@@ -72,6 +75,8 @@ def register(app: typer.Typer) -> None:
         (run / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         if job_id:
             (run / "job_id").write_text(job_id + "\n")
+        if store_key_file:
+            os.environ["KC_STORE_KEY_FILE"] = str(Path(store_key_file).resolve())
         try:
             code = _run(
                 cfg, run, script, list(ctx.args), nproc_per_node, nnodes, node_rank, master_addr, master_port, role
@@ -131,28 +136,20 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
         )
     else:
         typer.echo("kc launch: permission.mode is TRUSTED: no tokens, no checks", err=True)
-    if nnodes == 1:  # every store and endpoint of the job on loopback (issue 38 item 2)
-        from kuangchao_core.sched.bind_address import LOOPBACK_IFNAME, RDZV_BACKEND, TORCHRUN
-        from kuangchao_core.sched.ports import free_port
+    from kuangchao_core.sched.bind_address import TORCHRUN
+    from kuangchao_core.sched.ports import free_port
+    from kuangchao_core.sched.script_rdzv import script_rendezvous
+    from kuangchao_core.sched.store_key import ENV_KEY_FILE
 
-        endpoint = f"127.0.0.1:{free_port()}"
-        rdzv = ["--nnodes", "1", "--rdzv-backend", RDZV_BACKEND, "--rdzv-endpoint", endpoint, "--rdzv-id", run.name]
-        rdzv += ["--local-addr", "127.0.0.1"]
-        env.update(GLOO_SOCKET_IFNAME=LOOPBACK_IFNAME, NCCL_SOCKET_IFNAME=LOOPBACK_IFNAME)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0"  # the ranks are clients of torchrun's store
-        torchrun = TORCHRUN
-    else:  # torchrun's static rendezvous: node 0's store binds every address (issue 38 item 2, still open)
-        rdzv = [
-            "--nnodes",
-            str(nnodes),
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            addr,
-            "--master-port",
-            str(port),
-        ]
-        torchrun = "torch.distributed.run"
+    if nnodes > 1 and not env.get(ENV_KEY_FILE):
+        typer.echo(
+            f"kc launch: no store key: node 0's store on {addr}:{port} takes any client that reaches it; "
+            "pass --store-key-file FILE (the same secret file on every node)",
+            err=True,
+        )
+    rdzv_id = (run / "job_id").read_text().strip() if (run / "job_id").is_file() else run.name  # every node's
+    rdzv, key_fd = script_rendezvous(nnodes, node_rank, addr, port if nnodes > 1 else free_port(), rdzv_id, env)
+    torchrun = TORCHRUN
     cmd = [sys.executable, "-m", torchrun, *rdzv, "--nproc-per-node", str(nproc), script, *args]
     code = None
     from kuangchao_core.sched.lifeline import Lifeline
@@ -161,7 +158,9 @@ def _run(cfg, run: Path, script: str, args: list[str], nproc: int, nnodes: int, 
     lifeline = Lifeline(json.loads(env.pop("KC_TOKENS", "") or "{}"))
     env.update(lifeline.env())
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env, pass_fds=(key_fd,) if key_fd is not None else ())
+        if key_fd is not None:
+            os.close(key_fd)  # torchrun holds it now
         lifeline.watch(proc.pid)
         code = proc.wait()
         return code

@@ -34,13 +34,13 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from kuangchao_core.sched import bound_static
 from kuangchao_core.sched.bind_address import RDZV_BACKEND as BACKEND
 from kuangchao_core.sched.bind_address import is_loopback, numeric_address
-from kuangchao_core.sched.bound_store import hosted_store
+from kuangchao_core.sched.bound_store import gated_store, hosted_store
 from kuangchao_core.sched.store_gate import ENV_KEY_FD, Gate, Relay
 
 DEFAULT_PORT = 29400
-LOOPBACK = "127.0.0.1"
 _KEY: list[bytes] = []  # the job's store key (multi-host jobs): set once by main()
 log = logging.getLogger(__name__)
 
@@ -96,22 +96,6 @@ def _store(
     return dist.TCPStore(host, port, is_master=False, timeout=timeout), False
 
 
-def _gated(host: str, port: int, is_host: bool | None, timeout: timedelta, key: bytes):
-    """The rendezvous store behind the gate: ``(store, local endpoint, gate or relay)``. The hosting node keeps the
-    store on loopback and the gate on ``host:port``; every other node reaches it through a relay on its loopback."""
-    if is_host is not False:
-        try:
-            store = hosted_store(LOOPBACK, 0, timeout)
-            gate = Gate(host, port, (LOOPBACK, store.port), key)
-            return store, (LOOPBACK, store.port), gate
-        except OSError as exc:
-            if is_host or exc.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
-                raise OSError(exc.errno, f"cannot host the store gate on {host}:{port}: {exc.strerror}") from exc
-    relay = Relay((host, port), key, LOOPBACK, connect_wait_s=timeout.total_seconds())
-    store = dist.TCPStore(LOOPBACK, relay.port, is_master=False, timeout=timeout)
-    return store, (LOOPBACK, relay.port), relay
-
-
 def read_store_key() -> bytes | None:
     """The job's store key, read once from the pipe the launcher passed (``KC_STORE_KEY_FD``, taken out of the
     environment so the ranks never see it); None for a job without one."""
@@ -137,7 +121,7 @@ def create_handler(params: RendezvousParameters) -> BoundRendezvousHandler:
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     is_host = params.get_as_bool("is_host")
     if _KEY:
-        store, local, gate = _gated(host, port, is_host, timedelta(seconds=read_timeout), _KEY[0])
+        store, local, gate = gated_store(host, port, is_host, timedelta(seconds=read_timeout), _KEY[0])
         hosting = False
     else:
         store, hosting = _store(host, port, is_host, timedelta(seconds=read_timeout), params.max_nodes)
@@ -160,9 +144,15 @@ def create_handler(params: RendezvousParameters) -> BoundRendezvousHandler:
     return handler
 
 
+def _create_static(params: RendezvousParameters):
+    return bound_static.create_handler(params, _KEY[0] if _KEY else None)
+
+
 def register() -> None:
-    """Make ``--rdzv-backend kc-c10d`` known to torchrun in this process (idempotent)."""
+    """Make ``--rdzv-backend kc-c10d`` and ``kc-static`` (:mod:`.bound_static`) known to torchrun in this process
+    (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, create_handler)
+    rendezvous_handler_registry.register(bound_static.BACKEND, _create_static)
 
 
 def main(argv: list[str] | None = None) -> None:
