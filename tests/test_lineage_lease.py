@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ from kuangchao_core.ckpt.lineage_lease import (
     LeaseKeeper,
     StaleWriter,
     read_lease,
+    release_lease,
     take_lease,
 )
 from kuangchao_core.ckpt.storage import DiskFull, LocalStorage
@@ -110,7 +112,7 @@ def test_a_resumed_run_fences_the_stale_writer_of_its_lineage(tmp_path):
     assert (path / "step_00000030").is_dir()
 
 
-def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
+def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path, caplog):
     cfg = _cfg(tmp_path)
     plan = plan_resume(lineage_key(cfg), "never")
     create_lineage(lineage_key(cfg), plan.lineage)
@@ -134,8 +136,13 @@ def test_a_run_waits_for_a_live_holder_then_forks_and_says_so(tmp_path):
     assert any("forks a new lineage" in s for s in said)
     assert lease.path == lineage_dir(lineage_key(cfg), forked.lineage) and read_lease(lease.path)["owner"] == "run-B"
     assert read_lease(path)["owner"] == "run-A"
-    # the holder released at its end: the next run takes the lineage at once, with the next generation
-    assert take_lease(path, "run-C", wait_s=0).generation == holder.generation + 1
+    # the holder released at its end: the next run takes the lineage at once, with the next generation, and says it
+    # was released, not "last renewed 1.8e9 s ago" (issue 45: a released lease's renewal time is 0)
+    release_lease(holder)
+    with caplog.at_level(logging.INFO, logger="kuangchao.ckpt"):
+        assert take_lease(path, "run-C", wait_s=0).generation == holder.generation + 1
+    said = [r.getMessage() for r in caplog.records]
+    assert any("run run-A released it" in m for m in said) and not any("last renewed" in m for m in said), said
 
 
 def _small_tmpfs(where: Path, size: str) -> Path:

@@ -206,7 +206,9 @@ def take_lease(
                         "previous_owner": record.get("owner") if record else None,
                     },
                 )
-                if record is not None and record.get("owner") != owner:
+                if record is not None and record.get("owner") != owner and record.get("renewed_ns") == 0:
+                    logger.info("lineage %s: run %s released it when it ended", path.name, record.get("owner"))
+                elif record is not None and record.get("owner") != owner:
                     logger.warning(
                         "lineage %s: took over from run %s (generation %d, last renewed %.1f s ago); its writers are "
                         "now refused",
