@@ -145,7 +145,7 @@ def _base_layouts(world: int, seq_len: int, eb: int) -> list[Layout]:
 
 def _needed_gib(message: str) -> float:
     """The GiB per rank an out-of-memory message of :func:`evaluate_layout` says the layout needs."""
-    return float(re.match(r"needs ([\d.]+) GiB", message).group(1))
+    return float(re.search(r"needs ([\d.]+) GiB", message).group(1))
 
 
 def _context_parallel_choice(valid: list[dict[str, Any]], least: str | None, seq_len: int) -> dict[str, Any] | None:
@@ -157,8 +157,8 @@ def _context_parallel_choice(valid: list[dict[str, Any]], least: str | None, seq
     cp = min(cps)
     return {
         "cp": cp,
-        "why": f"no layout without context parallelism fits {seq_len}-token sequences (the least one "
-        f"{least}); context_parallel_size {cp} splits each sequence into {2 * cp} chunks, {seq_len // cp} tokens "
+        "why": f"no layout without context parallelism fits {seq_len}-token sequences (the one "
+        f"that needs least: {least}); context_parallel_size {cp} splits each sequence into {2 * cp} chunks, {seq_len // cp} tokens "
         "per rank, and is the smallest that fits",
     }
 
@@ -185,7 +185,7 @@ def evaluate_layout(
         return None, [
             (
                 "out of memory: estimated memory per rank exceeds the usable GPU memory",
-                f"needs {mem['total'] / GIB:.1f} GiB per rank (states "
+                f"out of memory: needs {mem['total'] / GIB:.1f} GiB per rank (states "
                 f"{(mem['params'] + mem['grads'] + mem['optimizer']) / GIB:.1f}, autocast casts "
                 f"{mem['autocast_casts'] / GIB:.1f}, activations {mem['activations_estimate'] / GIB:.1f}) > "
                 f"{pool.usable_bytes / GIB:.1f} GiB usable",
@@ -358,9 +358,8 @@ def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
     for e in result["rejections"]:
         ex = e["example"]
         lay = ex["layout"]
-        lines.append(
-            f"  {e['count']:>4} x {e['reason']}\n"
-            f"         e.g. dp {lay['dp']}{_cp_sp(lay)} tp {lay['tp']} pp {lay['pp']} zero {lay['zero_stage']} "
-            f"micro {lay['micro_batch_size']}: {ex['message']}"
+        lines.append(  # the example's own numbers: the grouping key's N placeholders are not for reading
+            f"  {e['count']:>4} x like dp {lay['dp']}{_cp_sp(lay)} tp {lay['tp']} pp {lay['pp']} "
+            f"zero {lay['zero_stage']} micro {lay['micro_batch_size']}: {ex['message']}"
         )
     return "\n".join(lines)
