@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -269,3 +272,16 @@ def test_flow_doctor_reuses_a_recent_gloo_pass_and_kc_doctor_does_not(tmp_path, 
     data = json.loads(memo.read_text())
     memo.write_text(json.dumps({**data, "key": "another-machine"}))
     assert D.recent_gloo_pass(600) is None  # another host, Python or torch: run it again
+
+
+def test_the_prefect_check_reads_the_active_profiles_api(tmp_path):
+    """Issue 45: with no PREFECT_API_URL in the environment but one in the active Prefect profile, the doctor
+    checks that server (here nothing listens: it fails naming it), never 'not set' (control: no profile)."""
+    url = f"http://127.0.0.1:{free_port()}/api"
+    (tmp_path / "profiles.toml").write_text(f'active = "remote"\n\n[profiles.remote]\nPREFECT_API_URL = "{url}"\n')
+    code = "from kuangchao_core.sched.service_checks import check_prefect; c = check_prefect(2); print(c.ok, c.detail)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    for home, expect in ((tmp_path, f"False Prefect API {url}"), (tmp_path / "none", "True PREFECT_API_URL not set")):
+        run_env = {**env, "PREFECT_HOME": str(home)}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=60)
+        assert out.stdout.startswith(expect), out.stdout + out.stderr[-2000:]

@@ -145,10 +145,26 @@ def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
     return Check("mlflow", True, f"{uri}: {directory} writable")
 
 
+def profile_api_url() -> str | None:
+    """``PREFECT_API_URL`` of the active Prefect profile (``$PREFECT_PROFILE``, else the ``active`` one of
+    ``$PREFECT_HOME/profiles.toml``, default ``~/.prefect``), read without importing Prefect; None when unset."""
+    import tomllib
+
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    try:
+        data = tomllib.loads((home / "profiles.toml").read_text(encoding="utf-8")[: 1 << 20])
+    except (OSError, ValueError):
+        return None
+    name = os.environ.get("PREFECT_PROFILE") or data.get("active")
+    profile = data.get("profiles", {}).get(name) if isinstance(data.get("profiles"), dict) else None
+    url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
+    return url if isinstance(url, str) and url else None
+
+
 def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
     """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used."""
-    api = os.environ.get("PREFECT_API_URL")
-    if not api and "prefect" in sys.modules:  # a profile or an active test harness may set it
+    api = os.environ.get("PREFECT_API_URL") or profile_api_url()
+    if not api and "prefect" in sys.modules:  # an active test harness may set it
         try:
             from prefect.settings import get_current_settings
 
@@ -164,5 +180,6 @@ def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
         "prefect",
         False,
         f"Prefect API {api} not reachable: {err}",
-        "start the server (`prefect server start`) or unset PREFECT_API_URL to use the ephemeral API",
+        "start the server (`prefect server start`) or unset PREFECT_API_URL (the environment's or the active Prefect "
+        "profile's) to use the ephemeral API",
     )
