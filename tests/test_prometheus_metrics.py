@@ -143,7 +143,9 @@ def test_the_endpoint_stays_up_until_a_scrape_reads_the_final_values():
     url = exporter.start()
     try:
         assert exporter.linger(30) == 0.0  # nothing scraped it: nobody to wait for
-        _scrape(url)  # a Prometheus scrapes during the job
+        _scrape(url)  # one read by hand (issue 45: it used to hold the job for the whole grace period)
+        assert exporter.linger(30) == 0.0
+        _scrape(url)  # a Prometheus scrapes during the job: two reads, the last within twice their interval
         metrics.observe({"event": "steps", "step": 3000, "first_step": 3000, "step_times": [0.01]})  # the last step
         seen: dict[str, float] = {}
 
@@ -157,6 +159,8 @@ def test_the_endpoint_stays_up_until_a_scrape_reads_the_final_values():
         scraper.join()
         assert 0.4 < waited < 10 and seen["kuangchao_train_step"] == 3000
         assert 0.25 <= exporter.linger(0.3) < 5  # no further scrape: at most the grace period
+        time.sleep(1.2)  # the scraper gone: nothing to wait for
+        assert exporter.linger(30) == 0.0
     finally:
         exporter.stop()
 
@@ -171,6 +175,7 @@ def test_a_denied_scrape_does_not_end_the_grace_period():
     exporter = MetricsExporter(JobMetrics("t", "r"), authorize=authorize)
     url = exporter.start()
     try:
+        _scrape(url)
         _scrape(url)
         allowed["yes"] = False
         codes: list[int] = []
@@ -267,7 +272,8 @@ def test_the_flow_waits_for_the_last_scrape_but_not_once_the_prefect_api_is_lost
     exporter = MetricsExporter(JobMetrics("t", "r"))
     url = exporter.start()
     try:
-        _scrape(url)  # scraped during the job
+        _scrape(url)  # scraped during the job, by a scraper at work
+        _scrape(url)
         t0 = time.monotonic()
         metrics_endpoint.last_scrape(cfg, exporter, _NullLogger())
         assert 0.45 <= time.monotonic() - t0 < 5  # nobody scraped again: the whole grace period

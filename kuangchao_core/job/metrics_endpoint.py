@@ -50,7 +50,7 @@ def start_exporter(cfg: Any, run_dir: Path, run_id: str, logger: Any):
 def last_scrape(cfg: Any, exporter: Any, logger: Any) -> None:
     """The job's last values for whoever reads them: pushed to ``tracking.prometheus_pushgateway`` when set, and the
     endpoint stays up until one more scrape has read them (at most ``tracking.prometheus_grace_s``; not at all when
-    nothing scraped it during the job). Neither once the Prefect API is lost (the run must end now)."""
+    no scraper is at work: nothing scraped it, or one read by hand). Neither once the Prefect API is lost (the run must end now)."""
     grace = float(cfg.tracking.prometheus_grace_s)
     if prefect_watch.current().lost:  # the run must end now (issue 26 §5)
         return
@@ -63,7 +63,7 @@ def last_scrape(cfg: Any, exporter: Any, logger: Any) -> None:
             logger.info("final metrics pushed to the Pushgateway %s", gateway)
         except Exception as exc:  # the run's outcome does not depend on its metrics' last copy
             logger.warning("could not push the final metrics to the Pushgateway %s: %s", gateway, exc)
-    if grace > 0 and exporter.scrapes:
+    if grace > 0 and exporter.scraper_at_work():
         logger.info("waiting up to %.0f s for Prometheus to scrape the final metrics at %s", grace, exporter.address)
         waited = exporter.linger(grace)
         if waited >= grace:

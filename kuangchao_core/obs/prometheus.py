@@ -127,6 +127,7 @@ class MetricsExporter:
         self.denied = 0
         #: scrapes answered with the metrics (the denied ones not counted)
         self.scrapes = 0
+        self._scraped_at: list[float] = []  # the last two answered scrapes (monotonic)
         counting = threading.Lock()  # scrapes are served on threads of their own
         prometheus_app = make_wsgi_app(metrics.registry)
 
@@ -142,6 +143,7 @@ class MetricsExporter:
                 return [f"denied: {exc}\n".encode()]
             with counting:  # before the values are read: this scrape sees every update made before now
                 self.scrapes += 1
+                self._scraped_at = [*self._scraped_at[-1:], time.monotonic()]
             return prometheus_app(environ, start_response)
 
         self._server = _bind(host, port, port_span, app)
@@ -164,11 +166,19 @@ class MetricsExporter:
         self._thread.start()
         return self.address
 
+    def scraper_at_work(self) -> bool:
+        """Whether something scrapes the endpoint periodically: two scrapes answered, the last within twice their
+        interval (at least a second) of now."""
+        if len(self._scraped_at) < 2:
+            return False
+        before, last = self._scraped_at
+        return time.monotonic() - last <= max(2 * (last - before), 1.0)
+
     def linger(self, grace_s: float, poll_s: float = 0.05) -> float:
         """Call after the job's last update: serve on until one more scrape has been answered (it reads the final
-        values), at most ``grace_s`` seconds; at once when nothing scraped the endpoint so far (nobody to wait
-        for). Returns the seconds waited."""
-        if grace_s <= 0 or self.scrapes == 0:
+        values), at most ``grace_s`` seconds, when a scraper is at work (:meth:`scraper_at_work`); at once otherwise:
+        nothing scraped it, one read by hand, or a scraper gone. Returns the seconds waited."""
+        if grace_s <= 0 or not self.scraper_at_work():
             return 0.0
         seen, t0 = self.scrapes, time.monotonic()
         while self.scrapes == seen and time.monotonic() - t0 < grace_s:
