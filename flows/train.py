@@ -143,10 +143,7 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
         result = run_attempts(job, STEPS, clock, logger)
         return finish_run(job, result, STEPS, clock, logger)
     except BaseException as exc:
-        try:
-            tracking.close_run(cfg, job.run_id, "KILLED" if prefect_watch.current().cancelled else "FAILED")
-        except Exception as closing:  # a store gone bad mid-run: the job's own error is what the user sees
-            logger.warning("MLflow run %s not marked failed: %s", job.run_id, closing)
+        tracking.close_failed_run(cfg, job.run_id, "KILLED" if prefect_watch.current().cancelled else "FAILED", logger)
         interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:

@@ -65,6 +65,7 @@ FILE_TIERS = {
     "test_deployment.py": "flows",
     "test_determinism.py": "unit",
     "test_diverged_run.py": "e2e",
+    "test_error_file.py": "unit",
     "test_doctor.py": "unit",
     "test_document_packing.py": "distributed",
     "test_engine_3d.py": "distributed",

@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import sys
+from functools import partial
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -29,6 +30,7 @@ from kuangchao_core.config import load_config
 from kuangchao_core.config.settings import ProcessSettings, run_settings
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
 from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
+from kuangchao_core.sched.error_file import AtomicErrorHandler
 from kuangchao_core.sched.heartbeat import HeartbeatWriter
 
 log = logging.getLogger("kuangchao.engine.worker")
@@ -47,7 +49,7 @@ def _install_guard(process: ProcessSettings, rank: int) -> None:
     install_from_environment(rank, tokens, os.environ.get("KC_AUDIT_LOG") or process.audit_log)
 
 
-@record
+@partial(record, error_handler=AtomicErrorHandler())  # a whole error file or none, for torchrun's report
 def main(argv: list[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="kuangchao-worker")

@@ -172,6 +172,15 @@ def close_run(cfg: Any, run_id: str, status: str = "FINISHED") -> None:
     store_client(cfg).set_terminated(run_id, status=status)
 
 
+def close_failed_run(cfg: Any, run_id: str, status: str, logger: Any) -> None:
+    """Mark a failed job's run ``status`` (FAILED or KILLED); a store gone bad meanwhile costs a warning, so the
+    job's own error stays what the user sees."""
+    try:
+        close_run(cfg, run_id, status)
+    except Exception as exc:
+        logger.warning("MLflow run %s not marked %s: %s", run_id, status.lower(), exc)
+
+
 def metric_history(cfg: Any, run_id: str, key: str = "loss") -> list[tuple[int, float]]:
     """(step, value) pairs of a metric, sorted by step."""
     hist = store_client(cfg).get_metric_history(run_id, key)
