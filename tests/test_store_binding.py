@@ -126,13 +126,26 @@ class _Job:
             assert self.thread.is_alive(), f"the job ended before its ranks were up: {self.outcome}"
             assert time.monotonic() < deadline, "the ranks did not come up in 90 s"
             time.sleep(0.1)
-        return [p for p in process_tree(os.getpid()) if p != os.getpid()]
+        return _torchrun_tree(os.getpid())
 
     def release(self) -> None:
         """Let the ranks finish; the job must have succeeded."""
         (self.dir / "release").touch()
         self.thread.join(timeout=60)
         assert self.outcome and not isinstance(self.outcome[0], BaseException), self.outcome
+
+
+def _torchrun_tree(pid: int) -> list[int]:
+    """The job's torchrun agent under ``pid`` and its descendants, the agent first (the test process may have other
+    children: servers of other tests in the same session)."""
+    for p in process_tree(pid):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kuangchao_core.sched.bound_rdzv" in cmdline or b"torch.distributed.run" in cmdline:
+            return process_tree(p)
+    raise AssertionError(f"no torchrun under pid {pid}")
 
 
 def _store_ports(pids: list[int]) -> list[int]:
