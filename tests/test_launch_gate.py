@@ -12,14 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kuangchao_core.sched.launcher import free_port
 from kuangchao_core.sched.store_key import new_key
 from tests.cluster.bench import Bench, bench_unavailable
-from tests.test_store_binding import ATTACK, ROOT, SECRET, WORKER
+from tests.test_store_binding import ROOT, SECRET, WORKER, attack_two_host_job
 
 pytestmark = [pytest.mark.slow]
 
@@ -57,22 +56,7 @@ def test_kc_launch_across_hosts_gates_its_store(tmp_path, keyed):
                     n, [*argv, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
                 )
             )
-        deadline = time.monotonic() + 120
-        while not all((job / f"ready_{r}").exists() for r in range(2)):
-            assert all(p.poll() is None for p in nodes), [p.communicate()[0][-3000:] for p in nodes]
-            assert time.monotonic() < deadline, "the ranks did not come up in 120 s"
-            time.sleep(0.1)
-        attack = subprocess.run(
-            bench.hosts[2].command(
-                [sys.executable, "-c", ATTACK, master, json.dumps([port]), json.dumps([port]), SECRET]
-            ),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        (job / "release").touch()
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        attack, outs = attack_two_host_job(bench, nodes, job, master, port)
     assert attack.returncode == 0, attack.stderr[-2000:]
     assert all(p.returncode == 0 for p in nodes), [o[-3000:] for o in outs]
     seen = json.loads(attack.stdout.strip().splitlines()[-1])[str(port)]

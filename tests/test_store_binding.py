@@ -88,10 +88,24 @@ ATTACK = textwrap.dedent(
 def _prefix_command(port: int) -> list[str]:
     """The launch before the fix: torchrun's own c10d rendezvous (its stores bind every address)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "kc-prefix",
-        "--max-restarts", "0", "-m", "kc_store_worker",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "kc-prefix",
+        "--max-restarts",
+        "0",
+        "-m",
+        "kc_store_worker",
+    ]
 
 
 class _Job:
@@ -106,9 +120,14 @@ class _Job:
         self.dir.mkdir()
         env = {"PYTHONPATH": os.pathsep.join([str(mods), str(ROOT)]), "KC_TEST_DIR": str(self.dir)}
         self.spec = LaunchSpec(
-            "kc_store_worker", [], nproc=2, env=env, run_dir=tmp_path / "run", timeout_s=120,
+            "kc_store_worker",
+            [],
+            nproc=2,
+            env=env,
+            run_dir=tmp_path / "run",
+            timeout_s=120,
             command=_prefix_command(free_port()) if prefix else None,
-        )  # fmt: skip
+        )
         self.outcome: list = []
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -207,9 +226,7 @@ def test_store_client_from_another_namespace_is_refused(tmp_path, prefix):
             )
             assert attack.returncode == 0, attack.stderr[-2000:]
             seen = {int(k): v for k, v in json.loads(attack.stdout.strip().splitlines()[-1]).items()}
-            planted = [
-                p for p in stores if dist.TCPStore("127.0.0.1", p, is_master=False).check(["kc-planted"])
-            ]  # fmt: skip
+            planted = [p for p in stores if dist.TCPStore("127.0.0.1", p, is_master=False).check(["kc-planted"])]
         finally:
             job.release()
     if prefix:  # the attack works before the fix: a key read and a key written from the other namespace
@@ -235,6 +252,21 @@ NODE = textwrap.dedent(
     ))
     """
 )
+
+
+def attack_two_host_job(bench, nodes: list, job: Path, master: str, port: int):
+    """Once both ranks of the two-host job ``nodes`` are up: the attack from host 2 on ``master:port``, then the job
+    released; ``(the attack's CompletedProcess, each node's output)``."""
+    deadline = time.monotonic() + 120
+    while not all((job / f"ready_{r}").exists() for r in range(2)):
+        assert all(p.poll() is None for p in nodes), [p.communicate()[0][-3000:] for p in nodes]
+        assert time.monotonic() < deadline, "the ranks did not come up in 120 s"
+        time.sleep(0.1)
+    argv = [sys.executable, "-c", ATTACK, master, json.dumps([port]), json.dumps([port]), SECRET]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    attack = subprocess.run(bench.hosts[2].command(argv), capture_output=True, text=True, timeout=120, env=env)
+    (job / "release").touch()
+    return attack, [p.communicate(timeout=120)[0] for p in nodes]
 
 
 @pytest.mark.slow
@@ -278,7 +310,7 @@ def test_multi_host_store_refuses_a_client_without_the_job_key(tmp_path, gated):
                             "local": bench.hosts[n].address,
                         }
                     ),
-                ],  # fmt: skip
+                ],
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -286,22 +318,7 @@ def test_multi_host_store_refuses_a_client_without_the_job_key(tmp_path, gated):
             )
             for n in range(2)
         ]
-        deadline = time.monotonic() + 120
-        while not all((job / f"ready_{r}").exists() for r in range(2)):
-            assert all(p.poll() is None for p in nodes), [p.communicate()[0][-3000:] for p in nodes]
-            assert time.monotonic() < deadline, "the ranks did not come up in 120 s"
-            time.sleep(0.1)
-        attack = subprocess.run(
-            bench.hosts[2].command(
-                [sys.executable, "-c", ATTACK, master, json.dumps([port]), json.dumps([port]), SECRET]
-            ),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        (job / "release").touch()
-        outs = [p.communicate(timeout=120)[0] for p in nodes]
+        attack, outs = attack_two_host_job(bench, nodes, job, master, port)
     assert attack.returncode == 0, attack.stderr[-2000:]
     assert all(p.returncode == 0 for p in nodes), [o[-3000:] for o in outs]
     seen = json.loads(attack.stdout.strip().splitlines()[-1])[str(port)]
