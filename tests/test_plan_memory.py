@@ -16,7 +16,14 @@ from typer.testing import CliRunner
 from kuangchao.cli.main import app
 from kuangchao_core.config import load_config
 from kuangchao_core.engine import plan_memory
-from kuangchao_core.engine.plan import explain_plan, memory_problems, raise_for_plan, rank_memory
+from kuangchao_core.engine.plan import (
+    explain_plan,
+    format_plan,
+    memory_problems,
+    raise_for_plan,
+    rank_memory,
+    rank_ranges,
+)
 from kuangchao_core.engine.plan_memory import (
     GIB,
     DeviceMemory,
@@ -106,6 +113,26 @@ def test_the_hint_follows_the_layout_and_the_largest_rank_is_named():
     assert "(now 1, so raise it too)" in msg  # ZeRO needs data parallel ranks to shard over
 
 
+def test_ranks_with_the_same_memory_share_one_row_naming_them():
+    cfg = load_config(
+        TINY,
+        [
+            "parallel.data_parallel_size=4",
+            "parallel.pipeline_parallel_size=2",
+            "cluster.nproc_per_node=8",
+            "parallel.gradient_accumulation_steps=2",
+        ],
+    )
+    text = format_plan(explain_plan(cfg))
+    rows = [line for line in text.splitlines() if line.startswith("  rank")]
+    assert [r.split(":")[0] for r in rows] == ["  ranks 0, 2, 4, 6 (tp 0, pp 0)", "  ranks 1, 3, 5, 7 (tp 0, pp 1)"], (
+        rows
+    )
+    per_rank = {r["rank"]: r["memory_bytes"]["total"] for r in rank_memory(cfg)}
+    assert per_rank[0] == per_rank[6] != per_rank[1] == per_rank[7]  # the grouping is the figures', not the layout's
+    assert rank_ranges([5, 0, 1, 2, 4, 9]) == "0-2, 4-5, 9"
+
+
 def test_rank_memory_is_the_memory_kc_plan_explains():
     cfg = load_config(TINY)
     assert rank_memory(cfg) == explain_plan(cfg)["ranks"]
@@ -164,6 +191,9 @@ def test_a_huge_hf_model_on_the_cpu_is_refused_by_kc_train_before_any_launch(tmp
     warned = RUN.invoke(app, ["plan", "--config", str(job)])  # kc plan explains it, after the warning
     assert warned.exit_code == 0 and "warning: parallel: the plan needs an estimated" in warned.output
     assert "kc train would refuse this plan here" in warned.output
+    warning = warned.output.split("warning: parallel: ")[1].split("\nmodel")[0].splitlines()
+    assert any(line.startswith("  but cpu has") for line in warning), warning  # the finding, then each remedy below
+    assert "  - lower micro_batch_size (now 4) to hold fewer activations" in warning, warning
     small = _hf_job(tmp_path)  # the control: the same directory with sane sizes fits this machine
     raise_for_plan(load_config(small))
     assert "warning" not in RUN.invoke(app, ["plan", "--config", str(small)]).output

@@ -105,11 +105,11 @@ def plan(
         from kuangchao_core.engine.plan import memory_problems
 
         for path, message in memory_problems(cfg):
-            typer.echo(f"{config}: warning: {path}: {message}; kc train would refuse this plan here", err=True)
+            _warn(config, path, f"{message}; kc train would refuse this plan here")
     from kuangchao_core.engine.plan import unbuilt_problems
 
     for path, message in unbuilt_problems(cfg):  # described here, refused by kc train (context parallelism)
-        typer.echo(f"{config}: warning: {path}: {message}; kc train would refuse this plan", err=True)
+        _warn(config, path, f"{message}; kc train would refuse this plan")
     result = explain_plan(cfg)
     report = _scale(cfg, scale, topk_ratio, overlap_dp, config) if scale else None
     placement = _placement(cfg)
@@ -130,6 +130,14 @@ def plan(
         text += "\n" + format_placement(placement)
     scaled = format_scale_report(report) if report is not None else None
     typer.echo("\n".join(x for x in (note, text, scaled) if x))
+
+
+def _warn(config: str, path: str, message: str) -> None:
+    """A warning as its finding on one line and each of its remedies (the message's ``; ``-separated clauses) on its
+    own indented line below, instead of one line of several hundred characters."""
+    finding, *remedies = message.split("; ")
+    finding = finding.replace(" but ", "\n  but ", 1)
+    typer.echo("\n".join([f"{config}: warning: {path}: {finding}", *(f"  - {r}" for r in remedies)]), err=True)
 
 
 def _placement(cfg):

@@ -308,6 +308,39 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
     }
 
 
+_MEMORY_COLUMNS = ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")
+
+
+def rank_memory_rows(ranks: list[dict[str, Any]]) -> list[str]:
+    """One row per distinct memory figure: ranks with the same figures share a row that names them and the
+    coordinates they have in common (16 ranks of a dp4 × tp2 × pp2 plan print as 2 rows, one per pipeline stage)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in ranks:
+        figures = " / ".join(f"{r['memory_bytes'][k] / 2**20:.2f}" for k in _MEMORY_COLUMNS)
+        groups.setdefault(figures, []).append(r)
+    rows = []
+    for figures, members in groups.items():
+        coords = [m["coords"] for m in members]
+        shared = [k for k in ("dp", "cp", "tp", "pp") if k in coords[0] and len({c[k] for c in coords}) == 1]
+        where = ", ".join(f"{k} {coords[0][k]}" for k in shared) or "every coordinate"
+        label = (
+            f"rank {members[0]['rank']}" if len(members) == 1 else f"ranks {rank_ranges(m['rank'] for m in members)}"
+        )
+        rows.append(f"  {label} ({where}): {figures}")
+    return rows
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``0-1, 4-5, 8`` for ranks 0, 1, 4, 5, 8."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """Human-readable text of :func:`explain_plan`'s result."""
     s = plan["sizes"]
@@ -348,20 +381,11 @@ def format_plan(plan: dict[str, Any]) -> str:
         "memory per rank (MiB): params / grads / optimizer / autocast casts / activations (rough) / total"
         + (f" ({'; '.join(split)})" if split else "")
     )
-    for r in plan["ranks"]:
-        mem = r["memory_bytes"]
-        c = r["coords"]
-        where = ", ".join(f"{k} {c[k]}" for k in ("dp", "cp", "tp", "pp") if k in c)
-        lines.append(
-            f"  rank {r['rank']} ({where}): "
-            + " / ".join(
-                f"{mem[k] / 2**20:.2f}"
-                for k in ("params", "grads", "optimizer", "autocast_casts", "activations_estimate", "total")
-            )
-        )
+    lines += rank_memory_rows(plan["ranks"])
     traffic = plan.get("traffic_bytes_per_step", {})
-    notes = {"tp": " (all-gather + reduce-scatter, norm weights)" if plan.get("sequence_parallel") else "",
-             "cp": " (ring attention K/V and dK/dV)"}  # fmt: skip
+    notes = {"cp": " (ring attention K/V and dK/dV)"}
+    if plan.get("sequence_parallel"):
+        notes["tp"] = " (all-gather + reduce-scatter, norm weights)"
     lines.append(
         "traffic per group member per step (MiB, estimate): "
         + ", ".join(f"{k} {traffic[k] / 2**20:.4g}{notes.get(k, '') if traffic[k] else ''}" for k in traffic)
