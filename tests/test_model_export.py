@@ -159,6 +159,21 @@ def test_a_registered_model_resolves_to_its_files_and_adapters_are_refused(train
         resolve_model_uri("models:/base@newest", uri, tmp_path / "dl")
 
 
+def test_a_relative_store_read_from_another_directory_is_named_and_not_created(tmp_path, monkeypatch):
+    from kuangchao_core.errors import ConfigError
+    from kuangchao_core.obs.model_registry import resolve_model_uri
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the demo's store is sqlite:///mlflow.db, made in the directory `make demo` ran in
+    with pytest.raises(ConfigError, match=r"relative path, read from the working directory .*elsewhere.*absolute path"):
+        resolve_model_uri("models:/kc-tiny-demo@champion", "sqlite:///mlflow.db", tmp_path / "dl")
+    assert not (elsewhere / "mlflow.db").exists()  # no empty store left behind
+    with pytest.raises(ConfigError, match="no such model version"):  # control: an existing store is opened and read
+        MlflowClient(f"sqlite:///{tmp_path / 'real.db'}").search_experiments()
+        resolve_model_uri("models:/kc-tiny-demo@champion", f"sqlite:///{tmp_path / 'real.db'}", tmp_path / "dl")
+
+
 def test_kc_train_hands_a_registered_base_to_the_flow(monkeypatch):
     """`kc train --config configs/finetune-demo.yaml` (base `models:/kc-tiny-demo@champion`) gets past its pre-flight
     checks to the launch: the flow resolves the base and checks the plan then. Control: a local base that cannot be

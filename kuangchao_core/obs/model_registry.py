@@ -189,6 +189,27 @@ def _parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     raise ConfigError([("model.checkpoint", f"{uri!r}: use models:/NAME@ALIAS or models:/NAME/VERSION")])
 
 
+def _require_store_file(uri: str, tracking: str) -> None:
+    """Refuse a ``sqlite:///`` store whose file is not there (opening it would create an empty one), saying where a
+    relative path was looked for: it is read from the working directory, not from the config's."""
+    from kuangchao_core.errors import ConfigError
+    from kuangchao_core.obs.tracking_store import sqlite_path
+
+    path = sqlite_path(tracking)
+    if path is None or Path(path).is_file():
+        return
+    where = "" if Path(path).is_absolute() else f" (a relative path, read from the working directory {Path.cwd()})"
+    raise ConfigError(
+        [
+            (
+                "model.checkpoint",
+                f"{uri}: the tracking store {tracking} has no database at {Path(path).absolute()}{where}; run from the "
+                "directory that holds it or give tracking.uri an absolute path",
+            )
+        ]
+    )
+
+
 def resolve_model_uri(uri: str, tracking: str, download_root: str | Path) -> tuple[Path, dict[str, Any]]:
     """The local directory of a registered model version (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) in the
     MLflow store ``tracking``: its source directory when the artifact store is local, else a download into
@@ -200,6 +221,7 @@ def resolve_model_uri(uri: str, tracking: str, download_root: str | Path) -> tup
     from kuangchao_core.errors import ConfigError
 
     name, alias, number = _parse_model_uri(uri)
+    _require_store_file(uri, tracking)
     client = _client(tracking)
     try:
         version = (
