@@ -257,14 +257,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = at_least_fp32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · x / rms(x)`` by torch's fused kernel, normalised in at least fp32 and cast back to ``x``'s dtype
+    before the scale (Hugging Face's order); in fp32 and fp64 with a weight of the same dtype the scale is fused too."""
+    if weight.dtype == x.dtype == at_least_fp32(x).dtype:
+        return F.rms_norm(x, weight.shape, weight, eps=eps)
+    return weight * F.rms_norm(at_least_fp32(x), weight.shape, eps=eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of rotary position embeddings (frequencies repeated, the rotate_half layout)."""
+    """cos/sin tables of rotary position embeddings in the rotate_half layout (frequencies repeated over the two
+    halves), the sin table's first half negated: :func:`apply_rotary` rotates with one ``roll`` instead of a ``cat``."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
@@ -282,18 +288,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         if emb.dim() == 3:
             emb = emb.unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the last dimension: (x1, x2) -> (-x2, x1)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        sin = emb.sin()
+        sin[..., : freqs.shape[-1]].neg_()
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embeddings to ``x`` of shape (batch, heads, seq, head_dim)."""
-    return x * cos + rotate_half(x) * sin
+    """Apply rotary embeddings to ``x`` of shape (batch, heads, seq, head_dim) with :class:`RotaryEmbedding`'s
+    tables: ``x·cos + (−x2, x1)·sin`` (Hugging Face's ``rotate_half``) computed as ``x·cos + (x2, x1)·(−sin, sin)``,
+    the same numbers (a negation is exact) without slicing and concatenating ``x``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 LinearFactory = Callable[[int, int, str], nn.Module]
