@@ -257,15 +257,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · x / rms(x)`` by torch's fused kernel, normalised in at least fp32 and cast back to ``x``'s dtype
-    before the scale (Hugging Face's order); in fp32 and fp64 with a weight of the same dtype the scale is fused too."""
-    if weight.dtype == x.dtype == at_least_fp32(x).dtype:
-        return F.rms_norm(x, weight.shape, weight, eps=eps)
-    return weight * F.rms_norm(at_least_fp32(x), weight.shape, eps=eps).to(x.dtype)
+        """torch's fused kernel; half precision normalised in fp32, cast back before the scale (as HF does)."""
+        if self.weight.dtype == x.dtype == at_least_fp32(x).dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
+        return self.weight * F.rms_norm(at_least_fp32(x), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -294,9 +289,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embeddings to ``x`` of shape (batch, heads, seq, head_dim) with :class:`RotaryEmbedding`'s
-    tables: ``x·cos + (−x2, x1)·sin`` (Hugging Face's ``rotate_half``) computed as ``x·cos + (x2, x1)·(−sin, sin)``,
-    the same numbers (a negation is exact) without slicing and concatenating ``x``."""
+    """Rotary embeddings on ``x`` (batch, heads, seq, head_dim): HF's ``x·cos + (−x2, x1)·sin`` as ``x·cos + (x2,
+    x1)·(−sin, sin)`` with :class:`RotaryEmbedding`'s tables, the same numbers (a negation is exact)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
