@@ -129,6 +129,7 @@ FILE_TIERS = {
     "test_perm_mp.py": "distributed",
     "test_perm_tokens.py": "unit",
     "test_pipeline.py": "distributed",
+    "test_param_placement.py": "unit",
     "test_pipeline_schedules.py": "unit",
     "test_placement.py": "unit",
     "test_plan.py": "unit",

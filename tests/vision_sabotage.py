@@ -6,8 +6,13 @@ from __future__ import annotations
 
 
 def _encoder_reduced_over_dp_only(trainer):
-    """``parallel: data`` beside decoder TP: the encoder's gradients are not summed over the TP group."""
-    trainer.parts.vision.reduce_over_tp = False
+    """``parallel: data`` beside decoder TP: the encoder's gradients are not summed over the TP group (the placement
+    record forgets that each rank's share of the images gives a partial sum)."""
+    from kuangchao_core.parallel.placement import Replicate
+
+    for axes in trainer.parts.placement.params.values():  # a later pipeline stage holds no encoder: nothing to break
+        if "vshare" in axes:
+            axes["vshare"] = Replicate()
 
 
 def _encoder_out_proj_unreduced(trainer):

@@ -147,7 +147,7 @@ class TrainerCheckpoints:
         slices: dict[str, dict[str, Any]] = {}
         regions = self.parts.regions
         with self.sync.full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
-            if self.mesh.dp_rank == 0:
+            if all(getattr(self.mesh, f"{a}_rank") == 0 for a in self.parts.placement.replica_axes()):
                 for name, p in self.parts.model.named_parameters():
                     if not p.requires_grad:  # a LoRA checkpoint holds the adapters; the frozen base is its identity
                         continue

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kuangchao_core.axes import AXES
 from kuangchao_core.config.settings import ModelBuildSettings
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
@@ -25,7 +26,10 @@ from kuangchao_core.models.lora import LoraSettings, attach_lora, lora_regions
 from kuangchao_core.models.ring_attention import cp_attention, use_attention
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.obs.jsonlog import log_event
+from kuangchao_core.parallel.forward_backward import get_forward_backward
+from kuangchao_core.parallel.partial_sums import step_partial_sums
 from kuangchao_core.parallel.pipeline import PipelineExecutor, build_stage_chunks
+from kuangchao_core.parallel.placement import PlacementRecord
 
 log = logging.getLogger("kuangchao.engine")
 
@@ -36,8 +40,8 @@ class ParallelModel:
 
     ``model``: the (pruned) module whose parameters this rank trains; ``loss_fn(logits, labels)``;
     ``executor``: the pipeline executor when pp > 1; ``regions``: parameter name -> the region of the full
-    tensor it holds; ``norm_weight``: parameter name -> 1 / number of ranks of its TP group holding the same region
-    (so a global gradient norm counts every element once); ``lora``: the adapters' settings when the base is frozen
+    tensor it holds; ``placement``: where each parameter lives on the mesh
+    (:class:`~kuangchao_core.parallel.placement.PlacementRecord`) and ``groups`` its axes' groups; ``lora``: the adapters' settings when the base is frozen
     and only adapters train (``model.lora``); ``cp_attention``: the ring attention every layer calls under
     context parallelism (None at cp 1).
     """
@@ -46,13 +50,20 @@ class ParallelModel:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     executor: PipelineExecutor | None
     regions: dict[str, Region]
-    norm_weight: dict[str, float]
+    placement: PlacementRecord
+    groups: dict[str, Any]
     lora: LoraSettings | None = None
     cp_attention: Callable | None = None
 
     def trainable(self) -> set[str]:
         """Names of the parameters the optimizer updates and checkpoints hold."""
         return {n for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def step_function(self, precision: Any = None):
+        """The step's forward and backward (:func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`),
+        with the partial sums :attr:`placement` records (:mod:`~kuangchao_core.parallel.partial_sums`)."""
+        sums = step_partial_sums(self.model, self.placement, self.groups)
+        return get_forward_backward(self.model, self.loss_fn, self.executor, precision, sums)
 
 
 def target_layout(mesh: Any, build: ModelBuildSettings) -> TargetLayout:
@@ -133,12 +144,13 @@ def build_parallel_model(
         raise PlanError(
             [("parallel", f"rank {mesh.rank}: parameters {sorted(names ^ set(regions))[:4]} do not match the layout")]
         )
-    peers = [
-        _with_adapters(TargetLayout(mesh.tp, mesh.pp, r, mesh.pp_rank, layout.virtual).param_slices(llama_cfg), lora)
-        for r in range(mesh.tp)
-    ]
-    norm_weight = {name: 1.0 / sum(1 for pr in peers if pr[name] == region) for name, region in regions.items()}
-    return ParallelModel(model, loss_fn, executor, regions, norm_weight, lora, cp_attend)
+    sizes = {axis: getattr(mesh, axis, 1) for axis in AXES}
+    # whole on every TP rank but computed in part (their layers sum them in backward): LoRA's A, and under sequence
+    # parallelism the norms and a row-parallel projection's B
+    summed = {n for n in regions if n.endswith("lora_A.weight") or sp and n.endswith(("norm.weight", "lora_B.weight"))}
+    placement = PlacementRecord.of_regions(regions, sizes, summed)
+    groups = {axis: getattr(mesh, f"{axis}_group", None) for axis in sizes}
+    return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend)
 
 
 def _with_adapters(regions: dict[str, Region], lora: LoraSettings | None) -> dict[str, Region]:

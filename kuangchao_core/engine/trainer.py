@@ -39,7 +39,7 @@ from kuangchao_core.engine.metrics import memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.engine.vlm_data import log_sample_images
-from kuangchao_core.engine.vlm_model import step_function, with_pretrained_vision, wrap_vision
+from kuangchao_core.engine.vlm_model import with_pretrained_vision, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
@@ -134,10 +134,10 @@ class Trainer:
         if run.model.vision is not None:  # the decoder under LLaVA's tower and projector (issue 31)
             self.parts = wrap_vision(self.parts, run.build, run.model.vision, self.model_config, mesh, device)
         self.model = self.parts.model
-        self.replicas = mesh.replicas()  # dp×cp hold the same parameters: gradients reduced (ZeRO shards) over it
-        self.sync = make_grad_sync(run.grad_sync, self.model, self.replicas, self.parts.norm_weight)
+        self.groups = mesh.reduce_groups(self.parts.placement.replica_axes())  # dp, or dp×cp: the replicas
+        self.sync = make_grad_sync(run.grad_sync, self.model, self.groups, self.parts.placement.norm_weight())
         self.precision = mixed_precision_for(run.precision, device)
-        self.forward_backward = step_function(self.parts, self.precision if self.precision.enabled else None)
+        self.forward_backward = self.parts.step_function(self.precision if self.precision.enabled else None)
         if rank == 0 and (report := self.sync.memory_report()) is not None:
             log_event(log, "zero memory per rank", **report)
         self.attention_path = job_attention_path(batches.documents, int(run.data.seq_len))
@@ -155,7 +155,7 @@ class Trainer:
         self.lr_scale = 1.0
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            run.checkpoint, rank, world_size, self.replicas, self.parts, self.sync, self.host_group, self.model_config,
+            run.checkpoint, rank, world_size, mesh, self.parts, self.sync, self.host_group, self.model_config,
             target_layout(mesh, run.build), self.barrier,
         )  # fmt: skip
 
@@ -230,14 +230,14 @@ class Trainer:
         ]
         tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
         # every labelled token of the global batch weighs the same, as in one process (step_loss; dp×cp counts)
-        weight = step_loss_weight(micro_batches, self.replicas.dp_group, self.device)
+        weight = step_loss_weight(micro_batches, self.groups.replicas, self.device)
         local_loss = self.forward_backward(self.sync, batches, weight)
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
         norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
         # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over the dp×cp replicas
         loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
-        for group in (self.mesh.pp_group, self.replicas.dp_group):
+        for group in (self.mesh.pp_group, self.groups.replicas):
             if group is not None and group.size > 1:
                 P.all_reduce(loss_t, group=group, op="sum")
         # the step's one read of device values, before the optimizer runs: loss and gradient norm together
@@ -246,8 +246,8 @@ class Trainer:
         bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
         if not bad:
             self.sync.step()
-        self._count_bad_step(bad, loss_sum / self.replicas.dp, grad_norm)
-        loss = loss_sum / self.replicas.dp
+        self._count_bad_step(bad, loss_sum / self.groups.replicas.size, grad_norm)
+        loss = loss_sum / self.groups.replicas.size
         self.state.step += 1
         self.state.losses.append(loss)
         dt = time.perf_counter() - t0
@@ -257,7 +257,7 @@ class Trainer:
             loss=loss,
             lr=lr,
             grad_norm=grad_norm,
-            tokens_per_s=tokens * self.replicas.dp / dt if dt > 0 else 0.0,
+            tokens_per_s=tokens * self.groups.replicas.size / dt if dt > 0 else 0.0,
             mem_bytes=memory_bytes(self.device),
             comm_share=min(1.0, comm / dt) if dt > 0 else 0.0,
             step_time_s=dt,

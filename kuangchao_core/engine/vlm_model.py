@@ -10,13 +10,11 @@ The encoder's layout (``model.vision.parallel``, default ``data``): the tower an
 rank. With decoder tensor parallelism each TP rank encodes its share of the micro-batch's images (contiguous, the
 first ``n mod tp`` ranks one more) and the features are all-gathered over the TP group for the TP-sharded decoder
 (:class:`GatherShares`: the backward keeps this rank's share of the feature gradient, which every TP rank holds whole
-because the decoder's first norm all-reduces its input gradient). The encoder's gradients then differ per TP rank:
-they are summed over the TP group once all micro-batches ran and before the data-parallel reduction, so they are
-reduced over exactly the ranks that replicate the encoder (TP group x DP group). With decoder pipeline parallelism
-the tower and projector live on the first stage only: its chunk's ``embed`` merges the features (the images ride with
-each micro-batch as a stage input). With both, the first stage's TP group shares the encoder exactly as without a
-pipeline (each TP rank encodes its share, :class:`GatherShares`), and after the schedule's step its encoder
-gradients are summed over that TP group before the data-parallel reduction; the later stages hold no encoder.
+because the decoder's first norm all-reduces its input gradient). The encoder's gradients are then partial sums
+over the TP group: its placement records them so (axis ``vshare``) and the one step path sums them once the step's
+backwards ran (:mod:`~kuangchao_core.parallel.partial_sums`), before the data-parallel reduction. With decoder
+pipeline parallelism the tower and projector live on the first stage only: its chunk's ``embed`` merges the features
+(the images ride with each micro-batch as a stage input); the later stages hold no encoder.
 
 ``model.vision.parallel: tp`` (:mod:`~kuangchao_core.engine.vlm_layout`): the tower is split
 (:func:`~kuangchao_core.models.vision_tp.shard_tower`) over encoder TP groups carved out of the decoder's TP group;
@@ -26,9 +24,7 @@ the split parameters' regions are slices of the whole tensors.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +39,7 @@ from kuangchao_core.models.layout import Region
 from kuangchao_core.models.vision import vision_config
 from kuangchao_core.models.vision_tp import shard_tower, tower_regions
 from kuangchao_core.models.vlm import VisionLanguageModel, init_vision_from_seed, merge_image_features
-from kuangchao_core.parallel.forward_backward import get_forward_backward, model_inputs
-from kuangchao_core.parallel.step_loss import weighted_loss
+from kuangchao_core.parallel.placement import Partial, Replicate, tensor_axis
 
 #: parameter-name prefixes of the encoder side (tower and projector)
 ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -90,18 +85,6 @@ class ShardedEncoderVLM(VisionLanguageModel):
             per_image = image_tokens_per_image(self.vision_config)
             local = pixel_values.new_zeros((0, per_image, self.config.hidden_size))
         return GatherShares.apply(local, counts, group, group.rank)
-
-
-@dataclass
-class VisionParts:
-    """What the engine keeps of the encoder: its parameters' names, the group its gradients are summed over
-    besides DP (the ranks sharing the images: the TP group under the default layout; None when every rank encodes
-    every image) and whether that sum runs (a test turns it off as a negative control)."""
-
-    names: list[str] = field(default_factory=list)
-    tp_group: Any = None
-    reduce_over_tp: bool = True
-    frozen: bool = False
 
 
 #: ``model.vision`` fields that are the job's choice, never the checkpoint's
@@ -172,7 +155,7 @@ def with_pretrained_vision(run: Any) -> Any:
 
 def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mesh: Any, device: torch.device) -> Any:
     """``parts`` (a :class:`~kuangchao_core.engine.parallel_model.ParallelModel`) with its model wrapped in the
-    vision-language model; ``parts.vision`` describes the encoder (:class:`VisionParts`)."""
+    vision-language model; ``parts.vision`` is the tower's config."""
     if getattr(parts.model, "sequence_parallel", False) or getattr(mesh, "cp", 1) > 1:
         raise PlanError([("model.vision", "sequence or context parallelism with a vision tower: not built yet")])
     vcfg = vision_config(vision_section, llama_cfg.vocab_size)
@@ -199,11 +182,14 @@ def wrap_vision(parts: Any, build: Any, vision_section: Any, llama_cfg: Any, mes
     regions = {f"language_model.{n}": r for n, r in parts.regions.items()}
     encoder_regions = tower_regions(model.vision_tower) if hasattr(model, "vision_tower") else {}
     regions.update({n: encoder_regions.get(n, Region.full(params[n].shape)) for n in names})
-    norm_weight = {f"language_model.{n}": w for n, w in parts.norm_weight.items()}
-    for n in names:  # 1 / the TP ranks holding the same values once reduced: each element counted once
-        norm_weight[n] = 1.0 / (layout.shares if regions[n] != Region.full(params[n].shape) else mesh.tp)
-    parts.model, parts.regions, parts.norm_weight = model, regions, norm_weight
-    parts.vision = VisionParts(names, layout.share_group if names else None, frozen=frozen)
+    placement = parts.placement  # the TP axis is cut in two: the split tower over vtp, the images' shares over vshare
+    placement.params = {f"language_model.{n}": axes for n, axes in placement.params.items()}
+    placement.sizes.update(vtp=layout.tp, vshare=layout.shares)
+    shared = Partial() if layout.shares > 1 else Replicate()  # each rank's share of the images: a partial gradient
+    for n in names:
+        placement.params[n] = {**placement.stage_axes(), "vtp": tensor_axis(regions[n], layout.tp), "vshare": shared}
+    parts.groups.update(vtp=layout.tp_group, vshare=layout.share_group)
+    parts.model, parts.regions, parts.vision = model, regions, vcfg
     return parts
 
 
@@ -230,83 +216,3 @@ def unused_encoder_parameters(model: VisionLanguageModel) -> set[str]:
         out = VisionLanguageModel.image_features(model, pixels).sum()
         grads = torch.autograd.grad(out, [p for _, p in encoder], allow_unused=True)
     return {n for (n, _), g in zip(encoder, grads, strict=True) if g is None}
-
-
-def step_function(parts: Any, precision: Any = None):
-    """The job's forward and backward of one step: :func:`vision_forward_backward` for a vision-language model,
-    else :func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`."""
-    if getattr(parts, "vision", None) is not None:
-        return vision_forward_backward(parts, precision)
-    return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
-
-
-def vision_forward_backward(parts: Any, precision: Any = None):
-    """The step's forward and backward for the vision-language model (see the module docstring): the plain or
-    pipelined path when no TP group shares the encoder; else every micro-batch (or the pipeline schedule's whole
-    step) under ``no_sync``, the encoder's gradients summed over the TP group, then the data-parallel reduction."""
-    vision: VisionParts = parts.vision
-    if vision.tp_group is None or vision.frozen:
-        return get_forward_backward(parts.model, parts.loss_fn, parts.executor, precision)
-    params = dict(parts.model.named_parameters())
-    encoder = [params[n] for n in vision.names]
-    accumulate = (
-        _pipelined(parts.executor, precision) if parts.executor is not None else _micro_batches(parts, precision)
-    )
-
-    def step(sync: Any, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None):
-        with sync.no_sync():
-            local = accumulate(batches, loss_weight)
-        if vision.reduce_over_tp:
-            _sum_grads(encoder, vision.tp_group)
-        sync.finish(accumulated=True)
-        return local
-
-    return step
-
-
-def _micro_batches(parts: Any, precision: Any):
-    """``(batches, loss_weight) -> local loss``: each micro-batch's forward and backward, gradients accumulated."""
-    model, loss_fn = parts.model, parts.loss_fn
-    autocast = precision.autocast if precision is not None else contextlib.nullcontext
-    scale = precision.scale if precision is not None else (lambda loss: loss)
-
-    def run(batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None) -> torch.Tensor:
-        n = len(batches)
-        local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
-        for batch in batches:
-            with autocast():
-                logits = model(batch["input_ids"], **model_inputs(batch))
-                loss = weighted_loss(loss_fn, logits, batch, n, loss_weight)
-            scale(loss).backward()
-            local += loss.detach().double()
-        return local
-
-    return run
-
-
-def _pipelined(executor: Any, precision: Any):
-    """``(batches, loss_weight) -> local loss``: the pipeline schedule's step (this stage's share of the loss on
-    the last stage, 0 elsewhere), gradients accumulated."""
-
-    def run(batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None) -> torch.Tensor:
-        loss = executor.run(batches, precision=precision, loss_weight=loss_weight)
-        if loss is None:
-            return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
-        return loss.detach().double()
-
-    return run
-
-
-def _sum_grads(params: list[torch.Tensor], group: Any) -> None:
-    """Sum ``params``' gradients over ``group`` in one all-reduce; a rank that encoded no image this step (no
-    gradient) still joins the sum with zeros."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    P.all_reduce(flat, group=group, op="sum")
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()

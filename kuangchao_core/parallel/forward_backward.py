@@ -7,7 +7,9 @@ micro-batch's forward and backward and completes the gradient reduction through 
 - without a pipeline: each micro-batch's loss backward under ``no_sync`` except the last, whose backward overlaps the
   reduction;
 - with a pipeline: the executor runs the schedule's whole step under ``no_sync`` (its backwards interleave with
-  forwards), then the reduction runs once.
+  forwards), then the reduction runs once;
+- with ``partial_sums`` (:mod:`~kuangchao_core.parallel.partial_sums`: gradients some parameters hold only in part,
+  the vision encoder's under TP): every backward under ``no_sync``, then those sums, then the reduction.
 
 A micro-batch's loss is the *sum* over its labelled tokens times ``loss_weight`` — the trainer passes
 ``dp / (labelled tokens of the whole global batch)`` (:mod:`kuangchao_core.parallel.step_loss`), so that, with the DP
@@ -43,43 +45,40 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def get_forward_backward(
-    model: torch.nn.Module, loss_fn: Callable, executor: Any = None, precision: Any = None
+    model: torch.nn.Module, loss_fn: Callable, executor: Any = None, precision: Any = None, partial_sums: Any = None
 ) -> ForwardBackward:
     """The step function for this rank: pipelined when ``executor`` (a PipelineExecutor) is given, else plain.
 
     ``precision``: the job's :class:`~kuangchao_core.parallel.mixed_precision.MixedPrecision` (forwards under its
-    autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled."""
-    if executor is not None:
-
-        def pipelined(
-            sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None
-        ) -> torch.Tensor:
-            with sync.no_sync():
-                loss = executor.run(batches, precision=precision, loss_weight=loss_weight)
-            sync.finish(accumulated=True)
-            if loss is None:
-                return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
-            return loss.detach().double()
-
-        return pipelined
-
+    autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled.
+    ``partial_sums``: called once the step's backwards ran, before GradSync's reduction (None: nothing to sum)."""
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
     scale = precision.scale if precision is not None else (lambda loss: loss)
 
-    def plain(
-        sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def micro_batches(sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: Any) -> torch.Tensor:
+        if executor is not None:
+            with sync.no_sync():
+                loss = executor.run(batches, precision=precision, loss_weight=loss_weight)
+            return torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device) if loss is None else loss
         n = len(batches)
         local = torch.zeros((), dtype=torch.float64, device=batches[0]["input_ids"].device)
         for i, batch in enumerate(batches):
-            with maybe_no_sync(sync, last=i == n - 1):
+            with maybe_no_sync(sync, last=i == n - 1 and partial_sums is None):
                 with autocast():
                     loss = weighted_loss(
                         loss_fn, model(batch["input_ids"], **model_inputs(batch)), batch, n, loss_weight
                     )
                 scale(loss).backward()
             local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
-        sync.finish()
         return local
 
-    return plain
+    def step(
+        sync: GradSync, batches: list[dict[str, torch.Tensor]], loss_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        local = micro_batches(sync, batches, loss_weight)
+        if partial_sums is not None:
+            partial_sums()
+        sync.finish(accumulated=executor is not None or partial_sums is not None)
+        return local.detach().double()
+
+    return step

@@ -131,7 +131,7 @@ class ReplicatedAdamW:
     def __init__(
         self,
         model: torch.nn.Module,
-        mesh: Any,
+        groups: Any,
         norm_weight: dict[str, float],
         hyper: dict,
         bucket_mb: float,
@@ -139,11 +139,10 @@ class ReplicatedAdamW:
         exclude: tuple[str, ...] = (),
     ):
         self.model = model
-        self.mesh = mesh
+        self.groups = groups
         self.norm_weight = norm_weight
-        intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
-        self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor if mesh.dp > 1 else None)
-        self.dp = DataParallel(model, mesh.dp_group, bucket_cap_mb=bucket_mb, reducer=self.reducer)
+        self.reducer = BucketReducer(groups.replicas, groups.intra, groups.inter, compressor)
+        self.dp = DataParallel(model, groups.replicas, bucket_cap_mb=bucket_mb, reducer=self.reducer)
         named = _trainable(model)
         params = [p for _, p in named]
         hyper = dict(hyper)
@@ -172,13 +171,13 @@ class ReplicatedAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """See :meth:`GradSync.clip_grad_norm`; without TP and PP, ``torch.nn.utils.clip_grad_norm_`` itself."""
-        mesh = self.mesh
-        if mesh.tp == 1 and mesh.pp == 1:
+        g = self.groups
+        if g.tp_group.size == 1 and g.pp_group.size == 1:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
             return torch.nn.utils.get_total_norm([p.grad for p in params])
-        total = _sum_over(self.grad_norm_sq(), mesh.tp_group, mesh.pp_group).sqrt()
+        total = _sum_over(self.grad_norm_sq(), g.tp_group, g.pp_group).sqrt()
         _apply_clip(self.local_grads(), total, max_norm)
         return total
 
@@ -206,7 +205,7 @@ class ReplicatedAdamW:
         """The first DP replica's AdamW moments, sliced like the parameters."""
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
-        if self.mesh.dp_rank != 0:
+        if self.groups.replicas.rank != 0:
             return tensors, slices
         for name, p in self.model.named_parameters():
             st = self.optimizer.state.get(p) or {}
@@ -258,7 +257,7 @@ class ShardedAdamW:
     def __init__(
         self,
         model: torch.nn.Module,
-        mesh: Any,
+        groups: Any,
         norm_weight: dict[str, float],
         hyper: dict,
         bucket_mb: float,
@@ -267,7 +266,7 @@ class ShardedAdamW:
         classes: tuple[type, type] | None = None,  # ZeRO-1/2 and ZeRO-3 optimizers (parallel.master_weights')
     ):
         self.model = model
-        self.mesh = mesh
+        self.groups = groups
         self.norm_weight = norm_weight
         named = _trainable(model)
         self.names = [n for n, _ in named]
@@ -279,9 +278,9 @@ class ShardedAdamW:
             units = block_units(model)
             checkpointed = getattr(model, "activation_checkpointing", "none") != "none"
             recomputed = [i for i, u in enumerate(units) if checkpointed and u in set(model.model.layers)]
-            self.optimizer = zero3(model, units, mesh.dp_group, recomputed, **hyper)
+            self.optimizer = zero3(model, units, groups.replicas, recomputed, **hyper)
         else:
-            self.optimizer = zero(named, mesh.dp_group, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
+            self.optimizer = zero(named, groups.replicas, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -302,7 +301,8 @@ class ShardedAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Sum of squares over the owned pieces of the shards, weighted per TP replication, over dp×tp×pp."""
-        total = _sum_over(self.grad_norm_sq(), self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group).sqrt()
+        g = self.groups
+        total = _sum_over(self.grad_norm_sq(), g.replicas, g.tp_group, g.pp_group).sqrt()
         _apply_clip(self.optimizer.grad_shards(), total, max_norm)
         return total
 
@@ -325,13 +325,13 @@ class ShardedAdamW:
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Each rank's flat ranges without TP; under TP (a ZeRO range of a TP slice has no slice description) the
         state gathered over DP and saved per TP slice by the first DP replica."""
-        if self.mesh.tp == 1:
+        if self.groups.tp_group.size == 1:
             tensors, slices, _ = self.optimizer.state_dict_for_checkpoint()
             return tensors, slices
         full, _ = self.optimizer.full_state_dict()
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
-        if self.mesh.dp_rank == 0:
+        if self.groups.replicas.rank == 0:
             for name in self.names:
                 for key in ADAM_KEYS:
                     k = f"optim.{name}.{key}"
@@ -390,22 +390,22 @@ class ShardedAdamW:
             )
 
 
-def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, mesh: Any, norm_weight: dict[str, float]) -> GradSync:
-    """The implementation ``parallel.zero_stage`` asks for, with the job's AdamW hyperparameters."""
+def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, groups: Any, norm_weight: dict) -> GradSync:
+    """The implementation ``parallel.zero_stage`` asks for, reducing over ``groups`` (``mesh.ReduceGroups``)."""
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
     stage = int(par.zero_stage)  # ZeRO-3 under pp: each stage's units over its DP group
     if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
         from kuangchao_core.parallel.master_weights import master_grad_sync
 
-        return master_grad_sync(par, model, mesh, norm_weight, hyper, stage, ShardedAdamW)
+        return master_grad_sync(par, model, groups, norm_weight, hyper, stage, ShardedAdamW)
     if stage:
-        return ShardedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
+        return ShardedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
     kind = par.grad_compression
     if kind == "none" and par.grad_reduce_dtype == "bf16":
         kind = "bf16"  # the same exchange: buckets summed in bfloat16
-    compressor = make_compressor(kind, par.topk_ratio, par.topk_warmup_steps)
-    return ReplicatedAdamW(model, mesh, norm_weight, hyper, par.bucket_size_mb, compressor, exclude)
+    compressor = make_compressor(kind, par.topk_ratio, par.topk_warmup_steps) if groups.replicas.size > 1 else None
+    return ReplicatedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, compressor, exclude)
 
 
 def require_full_state(optim: dict[str, torch.Tensor], names: list[str], where: str) -> bool:

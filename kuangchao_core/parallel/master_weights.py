@@ -53,7 +53,7 @@ def to_bf16_parameters(model: torch.nn.Module) -> None:
 
 
 def master_grad_sync(
-    par: Any, model: torch.nn.Module, mesh: Any, norm_weight: dict, hyper: dict, stage: int, sharded: type
+    par: Any, model: torch.nn.Module, groups: Any, norm_weight: dict, hyper: dict, stage: int, sharded: type
 ) -> Any:
     """The GradSync of a bf16-parameter job at ZeRO ``stage`` (0 replicated, 1/2/3 sharded: ``sharded`` is
     ``grad_sync.ShardedAdamW``, passed in because grad_sync imports this module), built while ``model`` is still
@@ -64,12 +64,12 @@ def master_grad_sync(
     exclude = tuple(par.weight_decay_exclude)
     if stage:
         classes = (MasterZeroOptimizer, MasterZero3Optimizer)
-        sync = sharded(model, mesh, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
+        sync = sharded(model, groups, norm_weight, hyper, par.bucket_size_mb, stage, exclude, classes)
         if par.grad_reduce_dtype == "bf16":
             sync.optimizer.reduce_dtype = PARAM_DTYPE
     else:
         sync = MasterReplicatedAdamW(
-            model, mesh, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude
+            model, groups, norm_weight, hyper, par.bucket_size_mb, par.grad_reduce_dtype, exclude
         )
     to_bf16_parameters(model)
     return sync
@@ -84,18 +84,18 @@ class MasterReplicatedAdamW:
     buckets' fp32 views. Per parameter: 2 bytes (bf16) + 4 (fp32 gradient) + 12 (fp32 master and moments).
     """
 
-    def __init__(self, model, mesh, norm_weight, hyper: dict, bucket_mb: float, reduce_dtype: str, exclude=()):
+    def __init__(self, model, groups, norm_weight, hyper: dict, bucket_mb: float, reduce_dtype: str, exclude=()):
         self.model = model
-        self.mesh = mesh
+        self.groups = groups
         self.norm_weight = norm_weight
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.masters = {n: torch.nn.Parameter(p.detach().to(MASTER_DTYPE).clone()) for n, p in self.named}
         to_bf16_parameters(model)
-        compressor = make_compressor("bf16", 0.0, 0) if reduce_dtype == "bf16" and mesh.dp > 1 else None
-        intra, inter = getattr(mesh, "dp_intra_group", None), getattr(mesh, "dp_inter_group", None)
-        self.reducer = BucketReducer(mesh.dp_group, intra, inter, compressor)
+        replicas = groups.replicas
+        compressor = make_compressor("bf16", 0.0, 0) if reduce_dtype == "bf16" and replicas.size > 1 else None
+        self.reducer = BucketReducer(replicas, groups.intra, groups.inter, compressor)
         self.dp = DataParallel(
-            model, mesh.dp_group, bucket_mb, grad_dtype=MASTER_DTYPE, reducer=self.reducer, main_grads=True
+            model, replicas, bucket_mb, grad_dtype=MASTER_DTYPE, reducer=self.reducer, main_grads=True
         )
         hyper = dict(hyper)
         groups = param_groups(list(self.masters.items()), hyper.pop("weight_decay"), exclude)
@@ -140,7 +140,7 @@ class MasterReplicatedAdamW:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """See :meth:`GradSync.clip_grad_norm` (the global norm of the fp32 gradients over tp and pp)."""
         total = self.grad_norm_sq()
-        for group in (self.mesh.tp_group, self.mesh.pp_group):
+        for group in (self.groups.tp_group, self.groups.pp_group):
             if group is not None and group.size > 1:
                 comm.all_reduce(total, group=group, op="sum")
         total = total.sqrt()
@@ -160,10 +160,10 @@ class MasterReplicatedAdamW:
     def prepare(self) -> None:
         """Broadcast DP rank 0's masters (and the frozen parameters) and round them into the parameters."""
         self.dp.sync_parameters()
-        if self.mesh.dp > 1:
+        if (replicas := self.groups.replicas).size > 1:
             with torch.no_grad():
                 flat = torch.cat([m.detach().reshape(-1) for m in self.masters.values()])
-                comm.broadcast(flat, src=self.mesh.dp_group.ranks[0], group=self.mesh.dp_group)
+                comm.broadcast(flat, src=replicas.ranks[0], group=replicas)
                 torch.nn.utils.vector_to_parameters(flat, list(self.masters.values()))
         self._round_into_params()
 
@@ -176,7 +176,7 @@ class MasterReplicatedAdamW:
         """The first DP replica's AdamW moments (fp32), sliced like the parameters."""
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
-        if self.mesh.dp_rank != 0:
+        if self.groups.replicas.rank != 0:
             return tensors, slices
         for name, m in self.masters.items():
             st = self.optimizer.state.get(m) or {}

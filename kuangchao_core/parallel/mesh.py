@@ -24,6 +24,7 @@ from kuangchao_core.errors import PlanError
 __all__ = [
     "MeshLayout",
     "ParallelMesh",
+    "ReduceGroups",
     "coords_of",
     "dp_subgroups",
     "group_name",
@@ -180,8 +181,6 @@ class ParallelMesh:
             group = self._build(kind, ranks)
             if rank in ranks:
                 setattr(self, attr.get(kind, f"{kind}_group"), group)
-        if cp == 1:
-            self.dp_cp_group = self.dp_group  # the replicas of a parameter are its DP group
 
     def _build(self, kind: str, ranks: list[int]):
         from kuangchao_core.comm import CommGroup
@@ -213,12 +212,15 @@ class ParallelMesh:
             cp=int(setting(parallel_cfg, "context_parallel_size", 1) or 1),
         )
 
-    def replicas(self) -> Any:
-        """The mesh as gradient reduction, ZeRO and checkpoint writing see it: the ranks that hold the same
-        parameters are the dp×cp group (every CP rank trains the same replica on its slice of the sequences), so
-        ``dp``/``dp_rank``/``dp_group`` there are dp·cp, the index in ``dp_cp_group`` and that group; the mesh
-        itself at cp 1."""
-        return self if self.cp == 1 else ReplicaMesh(self)
+    def reduce_groups(self, replica_axes: tuple[str, ...]) -> ReduceGroups:
+        """The groups GradSync reduces over when every parameter is averaged over ``replica_axes`` (a placement
+        record's :meth:`~kuangchao_core.parallel.placement.PlacementRecord.replica_axes`: dp, and cp when it
+        has more than one rank, whose ranks train the same replica on their slices of the sequences)."""
+        axes = tuple(a for a in replica_axes if a == "dp" or getattr(self, a) > 1)
+        group = getattr(self, f"{'_'.join(axes)}_group")
+        alone = group is self.dp_group  # the hierarchical subgroups split DP groups only
+        sub = (self.dp_intra_group, self.dp_inter_group) if alone else (None, None)
+        return ReduceGroups(group, self.tp_group, self.pp_group, *sub)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -251,16 +253,14 @@ class ParallelMesh:
         )
 
 
-class ReplicaMesh:
-    """:meth:`ParallelMesh.replicas` at ``cp > 1``: the mesh with its data-parallel view widened to dp×cp (no
-    hierarchical subgroups: those split DP groups only); every other attribute is the mesh's."""
+@dataclass(frozen=True)
+class ReduceGroups:
+    """What GradSync reduces over: ``replicas`` (the ranks holding the same parameters, whose gradients it averages
+    and over which ZeRO shards), their node-local / cross-node subgroups when hierarchical (else None), and the TP
+    and PP groups the global gradient norm sums over."""
 
-    def __init__(self, mesh: ParallelMesh) -> None:
-        self.mesh = mesh
-        self.dp = mesh.dp * mesh.cp
-        self.dp_rank = mesh.dp_cp_group.rank  # this rank's position in dp_cp_group (dp outermost)
-        self.dp_group = mesh.dp_cp_group
-        self.dp_intra_group = self.dp_inter_group = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.mesh, name)
+    replicas: Any
+    tp_group: Any
+    pp_group: Any
+    intra: Any = None
+    inter: Any = None
