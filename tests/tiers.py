@@ -152,6 +152,8 @@ FILE_TIERS = {
     "test_runs_compare.py": "flows",
     "test_s3.py": "unit",
     "test_sample_context.py": "unit",
+    "test_eval_cost.py": "unit",
+    "test_fault_repeat.py": "unit",
     "test_second_run.py": "flows",
     "test_tracking_store.py": "distributed",
     "test_tracking_store_job.py": "e2e",
