@@ -4,8 +4,9 @@ A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a
 Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
 with the numbers involved, can be reported at once under its own dotted path.
 
-One file on purpose (over 400 lines): the config reference, read top to bottom, section by section; only what
-every section shares (:mod:`.section`) and ``cluster`` with its Slurm job (:mod:`.cluster_schema`) live beside it.
+The config reference, read top to bottom, section by section; what every section shares (:mod:`.section`),
+``cluster`` with its Slurm job (:mod:`.cluster_schema`), ``train`` with its anomaly, loss scaling and evaluation
+settings (:mod:`.train_schema`), ``tracking`` and ``model.vision`` live beside it.
 """
 
 from __future__ import annotations
