@@ -1,0 +1,69 @@
+"""Fail once, say why (issue 39 item 4): a fault that repeats identically in the next attempt — the same error at the
+same step, as its rank reported it — is not retried a third time, and says so in one line.
+
+The launch is the part replaced here (a function that fails as an attempt would); the restart policy, the failure's
+fault taken from the ranks' own ``fault`` events (``note_fault`` on a real ``LiveView``) and the message are the
+real ones. Controls: a fault at another step, and a rank that reported nothing (killed), are retried to the limit.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.job.launch_attempt import note_fault
+from kuangchao_core.obs.console import LiveView
+from kuangchao_core.obs.jsonlog import emit_event
+from kuangchao_core.sched.recovery import RestartPolicy, supervise
+
+POLICY = RestartPolicy(max_restarts=4, setting="cluster.max_restarts")
+
+
+def _failing(faults):
+    calls = []
+
+    def launch(attempt):
+        calls.append(attempt)
+        raise WorkerFailed(0, "RuntimeError: boom", 1, fault=faults(attempt))
+
+    return launch, calls
+
+
+def test_an_identical_fault_is_not_retried_a_third_time():
+    launch, calls = _failing(lambda attempt: "rank 0 at step 3: RuntimeError: boom")
+    with pytest.raises(WorkerFailed) as info:
+        supervise(launch, POLICY)
+    assert calls == [0, 1], "two attempts: the second showed the fault is deterministic"
+    message = str(info.value)
+    assert "\n" not in message and "repeated attempt 0's fault identically" in message, message
+    assert (
+        "rank 0 at step 3: RuntimeError: boom" in message and info.value.fault == "rank 0 at step 3: RuntimeError: boom"
+    )
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [lambda attempt: f"rank 0 at step {3 + attempt}: RuntimeError: boom", lambda attempt: None],
+    ids=["another_step_each_time", "rank_reported_nothing"],
+)
+def test_control_a_fault_that_is_not_the_same_is_retried_to_the_limit(faults):
+    launch, calls = _failing(faults)
+    with pytest.raises(WorkerFailed, match="gave up after 5 attempts"):
+        supervise(launch, POLICY)
+    assert calls == [0, 1, 2, 3, 4]
+
+
+def test_a_failure_gets_the_fault_its_rank_reported():
+    view, out = LiveView(stream=io.StringIO(), quiet=True), io.StringIO()
+    emit_event("fault", stream=out, rank=1, step=7, error="ValueError: bad")
+    emit_event("fault", stream=out, rank=0, step=7, error="CommError: peer 1 gone")
+    for line in out.getvalue().splitlines():
+        view.handle_line(f"[default1]:{line}")
+    failed = WorkerFailed(1, "ValueError: bad", 1)
+    note_fault(view, WorkerFailed, failed, None)
+    assert failed.fault == "rank 1 at step 7: ValueError: bad"
+    killed = WorkerFailed(2, "killed by SIGKILL", -9)
+    note_fault(view, WorkerFailed, killed, None)
+    assert killed.fault is None, "a rank that said nothing has no fault to compare"
