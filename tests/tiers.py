@@ -73,6 +73,7 @@ FILE_TIERS = {
     "test_engine_hf.py": "distributed",
     "test_engine_reshard.py": "distributed",
     "test_eval_samples.py": "distributed",
+    "test_eval_layouts.py": "distributed",
     "test_failure_lines.py": "e2e",
     "test_fixtures.py": "unit",
     "test_flow.py": "flows",
