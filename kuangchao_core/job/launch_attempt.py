@@ -74,14 +74,14 @@ class LaunchSummary:
 
 def note_fault(view: LiveView, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
     """(An exit callback.) Give a :class:`WorkerFailed` the fault its rank reported itself — the last ``fault``
-    event of that rank: ``"rank R at step N: Type: message"`` — so that recovery can tell a fault that repeats
-    identically; a rank killed, hung or lost reported none."""
+    event of that rank: ``"at step N: Type: message"`` — so that recovery can tell a fault that repeats identically
+    (whichever rank the next attempt reports first); a rank killed, hung or lost reported none."""
     if not isinstance(exc, WorkerFailed) or exc.fault is not None:
         return
     faults = [e for e in view.events if e.get("event") == "fault" and e.get("rank") == exc.rank]
     if faults:
         last = faults[-1]
-        exc.fault = f"rank {exc.rank} at step {last.get('step')}: {last.get('error')}"
+        exc.fault = f"at step {last.get('step')}: {last.get('error')}"
 
 
 def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, str]) -> Path:
