@@ -3,14 +3,12 @@
     python docs/gen_config_md.py            # rewrite docs/config.md
     python docs/gen_config_md.py --check    # exit 1 when docs/config.md is not what the schema gives
 
-Every field of every section gets its type (with its bounds), its default, what it means (the field's description
-or the ``#:`` / trailing comment beside it in the schema), an example that the schema accepts, and what reads it:
-the source files outside the schema where the field is read. Readers are found by searching the code: an
-attribute read through the section (``cfg.parallel.zero_stage``), through a local name bound to the section
-(``par = cfg.parallel`` … ``par.zero_stage``; loop variables over a list or map of sections too), or by name
-(``getattr(cfg.checkpoint, "async_")``, ``setting(par, "hierarchical_allreduce")``). ``tests/test_config_doc.py``
-regenerates the page and compares it with the committed one.
-"""
+Every field of every section gets its type (with its bounds), its default, what it means (its description or the
+``#:`` / trailing comment beside it), an example the schema accepts, and what reads it: the source files outside the
+schema where the field is read. Readers are found by searching the code: an attribute read through the section
+(``cfg.parallel.zero_stage``), through a local name bound to the section (``par = cfg.parallel`` …
+``par.zero_stage``; loop variables over lists or maps of sections too), or by name (``getattr(cfg.checkpoint,
+"async_")``, ``setting(par, "hierarchical_allreduce")``); tests/test_config_doc.py compares it with the page."""
 
 from __future__ import annotations
 
@@ -35,7 +33,9 @@ from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
-SCHEMA_FILES = tuple(f"kuangchao_core/config/{n}.py" for n in ("schema", "cluster_schema", "section", "vision_schema"))
+SCHEMA_FILES = tuple(
+    f"kuangchao_core/config/{n}.py" for n in ("schema", "cluster_schema", "section", "vision_schema", "train_schema")
+)
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
 

@@ -106,13 +106,23 @@ class WorkerFailed(KuangchaoError):
     """A worker process died or hung; ``rank`` and ``cause`` say which and why. ``node`` names the machine when
     a whole node was lost (its agent and every rank on it gone), so recovery can leave it out."""
 
-    def __init__(self, rank: int | None, cause: str, exit_code: int | None = None, node: str | None = None):
+    def __init__(
+        self,
+        rank: int | None,
+        cause: str,
+        exit_code: int | None = None,
+        node: str | None = None,
+        fault: str | None = None,
+    ):
         self.rank = rank
         self.cause = cause
         self.exit_code = exit_code
         self.node = node
+        #: the failure as the rank reported it itself (its error and step: ``sched.recovery`` stops retrying a
+        #: fault that repeats identically); None when the rank said nothing (killed, hung, lost)
+        self.fault = fault
         who = f"node {node}" if node is not None and rank is None else f"worker rank {rank}"
         super().__init__(f"{who} failed: {cause}" + (f" (exit code {exit_code})" if exit_code is not None else ""))
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.cause, self.exit_code, self.node))
+        return (type(self), (self.rank, self.cause, self.exit_code, self.node, self.fault))

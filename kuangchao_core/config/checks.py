@@ -11,6 +11,7 @@ from typing import Any
 
 from kuangchao_core.config.cluster_schema import slurm_time_s
 from kuangchao_core.config.slurm_options import export_env_errors
+from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
 from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
 
 Errors = list[tuple[str, str]]
@@ -329,6 +330,32 @@ def _data_vs_model(data: Any, model: Any) -> Errors:
     if data.tokenizer == "byte" and model.vocab_size and model.vocab_size < 256:
         errors.append(("model.vocab_size", f"the byte tokenizer needs vocab_size >= 256, got {model.vocab_size}"))
     return errors
+
+
+@_check("train", "data", "model")
+def _samples_fit(train: Any, data: Any, model: Any) -> Errors:
+    """Greedy samples longer than ``model.max_seq_len``, where the config tells: a text sample's prompt is the first
+    tokens of a held-out window; data with answers has prompts of one token at least (the records decide the rest,
+    checked when the job's data is built: ``engine.samples.fitting_cases``)."""
+    limit, samples = model.max_seq_len, train.samples
+    answers = data.is_synthetic or data.format == "sft" or model.vision is not None
+    count = samples.count if samples.count is not None else (ANSWER_CASES if answers else 0)
+    if not limit or not count or (answers and samples.max_new_tokens is None) or model.vision is not None:
+        return []
+    prompt = 1 if answers else min(TEXT_PROMPT_TOKENS, data.seq_len)
+    new = samples.max_new_tokens or TEXT_NEW_TOKENS
+    need = prompt + new - 1  # the last new token is never fed back
+    if need <= limit:
+        return []
+    what = "a prompt of at least 1 token" if answers else f"a prompt of {prompt} tokens"
+    return [
+        (
+            "model.max_seq_len",
+            f"{limit} positions cannot hold the evaluation's greedy samples ({what} and train.samples.max_new_tokens "
+            f"{new}, the last never fed back): raise model.max_seq_len to at least {need}, lower "
+            "train.samples.max_new_tokens, or set train.samples.count: 0",
+        )
+    ]
 
 
 @_check("data")

@@ -4,8 +4,9 @@ A config holding only ``task.name`` is valid: one process, the ``tiny`` model, a
 Checks that involve more than one field live in :mod:`kuangchao_core.config.checks` so that every error,
 with the numbers involved, can be reported at once under its own dotted path.
 
-One file on purpose (over 400 lines): the config reference, read top to bottom, section by section; only what
-every section shares (:mod:`.section`) and ``cluster`` with its Slurm job (:mod:`.cluster_schema`) live beside it.
+The config reference, read top to bottom, section by section; what every section shares (:mod:`.section`),
+``cluster`` with its Slurm job (:mod:`.cluster_schema`), ``train`` with its anomaly, loss scaling and evaluation
+settings (:mod:`.train_schema`), ``tracking`` and ``model.vision`` live beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, Slurm
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
 from kuangchao_core.config.tracking_schema import DEFAULT_PROMETHEUS_PORT, PROMETHEUS_PORT_SPAN, TrackingSection  # noqa: F401
+from kuangchao_core.config.train_schema import ANOMALY_DEFAULT_ACTIONS, AnomalySection, TrainSection  # noqa: F401
 from kuangchao_core.config.vision_schema import ImagesSection, VisionSection
 from kuangchao_core.guard_api import INTERFACES
 
@@ -210,86 +212,6 @@ class OptimizerSection(Section):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"each beta must be in [0, 1); got {list(value)}")
         return value
-
-
-AnomalyAction = Literal["warn", "checkpoint", "stop"]
-AnomalyKind = Literal["comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth"]
-#: the action of an anomaly kind that ``train.anomaly.actions`` does not name (any other kind: ``warn``)
-ANOMALY_DEFAULT_ACTIONS: dict[str, str] = {"loss_nan": "stop"}
-
-
-class AnomalySection(Section):
-    """What counts as an anomaly (RT.6) and what to do about each kind.
-
-    ``comm_share``: the median communication share of step time over the last ``comm_share_steps`` steps above
-    this, raised to where communication takes ``comm_baseline_factor`` (4) times this run's own baseline time
-    relative to compute (the baseline is the median of the first ``comm_share_steps`` steps after warm-up,
-    ``engine.anomaly.comm_share_limit``; 0 judges against ``comm_share`` alone);
-    ``grad_norm_factor``: a gradient norm above this multiple of the median of the last ``window`` steps for
-    ``grad_norm_steps`` steps in a row (one step's outlier is common in heavy-tailed gradients near convergence, and
-    ``optimizer.max_grad_norm`` clips it; an explosion lasts);
-    ``loss_spike_factor``: a loss above this multiple of that median and at least ``loss_spike_min_delta`` nats over
-    it (a NaN or infinite loss is always one). Loss and gradient norm are judged only after ``train.warmup_steps``
-    and a full ``window`` of steps after them (the median needs them; early steps move fast by design);
-    ``memory_growth_mb``: memory in use growing by more than this between two steps. ``actions``: per kind
-    (``comm_share``, ``grad_norm``, ``loss_nan``, ``loss_spike``, ``memory_growth``) ``warn``, ``checkpoint`` or
-    ``stop``; the default is ``stop`` for ``loss_nan`` (a diverged run ends with an error and publishes nothing) and
-    ``warn`` for every other kind (:data:`ANOMALY_DEFAULT_ACTIONS`); ``comm_share`` and ``memory_growth`` are
-    measured per rank, so they only warn. ``loss_nan: warn`` keeps training past a non-finite loss: the step is
-    skipped and ``train.max_bad_steps`` of them in a row stop the run."""
-
-    comm_share: Float = Field(default=0.30, gt=0, le=1)
-    comm_share_steps: Int = Field(default=50, ge=1, le=10000)
-    comm_baseline_factor: Float = Field(default=4.0, ge=0, le=1000)
-    grad_norm_factor: Float = Field(default=10.0, gt=1)
-    grad_norm_steps: Int = Field(default=3, ge=1, le=10000)
-    loss_spike_factor: Float = Field(default=3.0, gt=1)
-    loss_spike_min_delta: Float = Field(default=0.5, ge=0)
-    window: Int = Field(default=20, ge=3, le=10000)
-    memory_growth_mb: Float = Field(default=1024.0, gt=0)
-    actions: dict[AnomalyKind, AnomalyAction] = Field(default_factory=dict)
-
-    @field_validator("actions")
-    @classmethod
-    def _local_kinds_only_warn(cls, value: dict) -> dict:
-        bad = [k for k in ("comm_share", "memory_growth") if value.get(k, "warn") != "warn"]
-        if bad:
-            raise ValueError(f"{bad} are measured on each rank separately and can only warn (ranks could disagree)")
-        return value
-
-
-class LossScalingSection(Section):
-    """Dynamic loss scaling of ``train.dtype: fp16``: the scale doubles after ``growth_interval`` clean steps in a
-    row and halves after ``hysteresis`` steps whose gradients overflowed (each skipped)."""
-
-    initial_scale: Float = Field(default=2.0**16, gt=0, le=2.0**32)
-    growth_interval: Int = Field(default=2000, ge=1)
-    hysteresis: Int = Field(default=1, ge=1)
-
-
-class TrainSection(Section):
-    """The training loop: ``steps`` counts optimizer steps."""
-
-    steps: Int = Field(default=100, ge=1, le=10**12)
-    warmup_steps: Int = Field(default=0, ge=0)
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: Float = Field(default=0.1, ge=0, le=1)
-    log_interval: Int = Field(default=1, ge=1)
-    eval_interval: Int = Field(default=50, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
-    param_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 parameters, fp32 master weights in the optimizer
-    #: recompute decoder layers in the backward instead of keeping their activations: ``full`` keeps each layer's
-    #: input only, ``selective`` keeps matmul and attention outputs and recomputes the rest
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    #: compile each decoder layer with ``torch.compile`` (inductor; the first steps pay the compilation)
-    compile: bool = False
-    loss_scaling: LossScalingSection = Field(default_factory=LossScalingSection)
-    deterministic: bool = False
-    #: a step whose loss or gradient norm is not finite is skipped on every rank; this many in a row stop the run
-    #: at its last good checkpoint (fp16 counts them only once the loss scale is at its minimum)
-    max_bad_steps: Int = Field(default=10, ge=1)
-    anomaly: AnomalySection = Field(default_factory=AnomalySection)
 
 
 class RoleSpec(Section):

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kuangchao_core.config.train_schema import ANSWER_CASES
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -97,6 +99,43 @@ class BatchSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """What each evaluation covers (``train.eval_tokens``, ``train.samples``; issue 39 item 1), defaults resolved
+    for the job's data by :func:`eval_settings`."""
+
+    eval_tokens: int | None  # held-out tokens of each held-out loss; None: the whole held-out split
+    sample_count: int  # held-out prompts answered greedily per sampling; 0: no samples
+    sample_max_new: int | None  # tokens generated per prompt; None: the longest held-out answer (text: 48)
+    sample_every: int  # steps between samplings
+    samples_at_end: bool  # the final model sampled once after the last step (``heldout_accuracy``)
+
+
+def data_has_answers(cfg: Any) -> bool:
+    """Whether the job's held-out data has answers that greedy samples can score (the synthetic corpus, sft records,
+    image questions); plain text has none."""
+    data = cfg.data
+    return bool(data.is_synthetic or data.format == "sft" or cfg.model.vision is not None)
+
+
+def eval_settings(cfg: Any) -> EvalSettings:
+    """:class:`EvalSettings` of a validated config: samples on (256 prompts) where the data has answers, off for
+    plain text; at the end where the data has answers, or where a registered model's champion metric is
+    ``heldout_accuracy`` (the final samples compute it)."""
+    train, answers = cfg.train, data_has_answers(cfg)
+    samples = train.samples
+    count = int(samples.count if samples.count is not None else (ANSWER_CASES if answers else 0))
+    at_end = answers if samples.at_end is None else bool(samples.at_end)
+    champion = bool(cfg.tracking.register_model) and cfg.tracking.champion_metric == "heldout_accuracy"
+    return EvalSettings(
+        eval_tokens=None if train.eval_tokens is None else int(train.eval_tokens),
+        sample_count=count,
+        sample_max_new=None if samples.max_new_tokens is None else int(samples.max_new_tokens),
+        sample_every=int(samples.every or train.eval_interval),
+        samples_at_end=count > 0 and (at_end or champion),
+    )
+
+
+@dataclass(frozen=True)
 class LineageKey:
     """What names a job's checkpoint lineages (:mod:`kuangchao_core.ckpt.lineage`): where they live, the task, the
     fingerprint of what makes two runs the same training, the config's hash, and the steps a lineage trains to."""
@@ -170,6 +209,7 @@ class RunSettings:
     grad_sync: GradSyncSettings
     batches: BatchSettings
     checkpoint: CheckpointSettings
+    evaluation: EvalSettings
     model: Any  # the ``model`` section, for the model layer
     data: Any  # the ``data`` section, for the data layer
     job: Any  # the validated JobConfig, for the whole-job reports only (kc plan's memory estimate)
@@ -277,6 +317,7 @@ def run_settings(cfg: Any) -> RunSettings:
             topk_state=par.grad_compression == "topk",
             lineage=lineage_key(cfg),
         ),
+        evaluation=eval_settings(cfg),
         model=cfg.model,
         data=cfg.data,
         job=cfg,

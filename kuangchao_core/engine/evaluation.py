@@ -2,9 +2,11 @@
 
 The held-out set is the data's evaluation split: the synthetic corpus' held-out problems (``data.synthetic.num_eval``)
 or the files of ``data.eval_path``.
-Every ``eval_interval`` steps each DP rank computes the loss of its share of the first held-out micro-batches (TP
-ranks of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so
-every layout reports the same number; a pipeline runs its stages forward only, one micro-batch after another. A job
+Every ``eval_interval`` steps each DP rank computes the loss of its share of the held-out micro-batches (TP ranks
+of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so every
+layout reports the same number. The micro-batches cover the whole held-out split, or its first
+``train.eval_tokens`` tokens (whole windows; issue 39 item 1: before, the first 8 micro-batches only, a share
+that shrank as the held-out data grew); each evaluation states the windows and labelled tokens it covered; a pipeline runs its stages forward only, one micro-batch after another. A job
 without held-out data says so once at start. Under context parallelism every CP rank of a DP rank takes its shard
 of the same micro-batches (``parallel.context.shard_inputs``) and the sums are added over CP as well.
 """
@@ -24,28 +26,51 @@ from kuangchao_core.parallel.context import shard_inputs
 from kuangchao_core.parallel.forward_backward import model_inputs
 from kuangchao_core.parallel.pp_executor import stage_inputs
 
-#: Held-out micro-batches per evaluation, over all DP ranks (a fixed set, so values compare across steps and runs).
+#: Held-out micro-batches per evaluation of a vision-language job, over all DP ranks (its image rows; text jobs
+#: cover the whole held-out split or ``train.eval_tokens``)
 EVAL_MICRO_BATCHES = 8
 
 
 class HeldOutLoss:
-    """The held-out loss of this rank's model part; call it on every rank (collective over TP and DP)."""
+    """The held-out loss of this rank's model part over the first ``windows`` held-out windows (None: all); call it
+    on every rank (collective over TP and DP). After a call ``tokens`` holds the labelled tokens it covered (all DP
+    ranks)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Any, dataset: Any, mesh: Any, micro_batch: int, device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Any,
+        dataset: Any,
+        mesh: Any,
+        micro_batch: int,
+        device,
+        windows: int | None = None,
+    ):
         self.model = model
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.device = device
-        n = min(EVAL_MICRO_BATCHES, -(-len(dataset) // micro_batch))  # the last one may be short
+        self.dataset = dataset
+        self.windows = total = len(dataset) if windows is None else min(int(windows), len(dataset))
+        self.tokens = 0
+        n = -(-total // micro_batch)  # the last one may be short
 
-        def items(i: int) -> list:
-            return [dataset[j] for j in range(i * micro_batch, min((i + 1) * micro_batch, len(dataset)))]
+        def rows(i: int) -> range:
+            return range(i * micro_batch, min((i + 1) * micro_batch, total))
 
         mine = range(mesh.dp_rank, n, mesh.dp)
         rounds = -(-n // mesh.dp)
         # every DP rank runs the same number of forwards (ZeRO-3 gathers its blocks collectively in each): a rank
-        # with fewer micro-batches repeats the first one, and its result is not counted
-        self.batches = [(items(i), True) for i in mine] + [(items(0), False)] * (rounds - len(mine))
+        # with fewer micro-batches repeats the first one, and its result is not counted. The rows are read when
+        # evaluated, so a large held-out split is never held in memory whole
+        self.batches: list[tuple[Any, bool]] = [(rows(i), True) for i in mine] + [(rows(0), False)] * (
+            rounds - len(mine)
+        )
+
+    def _batch(self, rows: Any) -> dict[str, torch.Tensor]:
+        """The micro-batch of held-out ``rows`` on the device."""
+        items = [self.dataset[j] for j in rows]
+        return {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
 
     @torch.no_grad()
     def __call__(self) -> float:
@@ -54,9 +79,9 @@ class HeldOutLoss:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         try:
-            for items, counted in self.batches:
+            for rows, counted in self.batches:
                 diag.beat()  # progress for comm.watchdog: a peer waiting on this rank is not hung while it evaluates
-                batch = {k: torch.stack([x[k] for x in items]).to(self.device) for k in items[0]}
+                batch = self._batch(rows)
                 if getattr(self.mesh, "cp", 1) > 1:
                     batch = shard_inputs(batch, self.mesh.cp, self.mesh.cp_rank)
                 value = self._loss_sum_and_count(batch)
@@ -68,6 +93,7 @@ class HeldOutLoss:
         for group in (self.mesh.pp_group, getattr(self.mesh, "dp_cp_group", self.mesh.dp_group)):
             if group is not None and group.size > 1:
                 P.all_reduce(totals, group=group, op="sum")
+        self.tokens = int(totals[1])
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
     def _token_weighted(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,8 +111,17 @@ class PipelinedHeldOutLoss(HeldOutLoss):
     every rank its own chunks, activations handed to the next stage's rank with send/recv; the last stage's
     token-weighted loss is summed over PP (zero elsewhere) and DP."""
 
-    def __init__(self, executor: Any, model: torch.nn.Module, dataset: Any, mesh: Any, micro_batch: int, device):
-        super().__init__(model, executor.loss_fn, dataset, mesh, micro_batch, device)
+    def __init__(
+        self,
+        executor: Any,
+        model: torch.nn.Module,
+        dataset: Any,
+        mesh: Any,
+        micro_batch: int,
+        device,
+        windows: int | None = None,
+    ):
+        super().__init__(model, executor.loss_fn, dataset, mesh, micro_batch, device, windows)
         self.executor = executor
 
     def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -107,9 +142,17 @@ def eval_dataset_for(data: Any, no_eval_reason: str, vocab_size: int) -> tuple[A
         return None, f"the held-out data cannot be used ({exc})"
 
 
-def held_out_loss_for(micro: int, parts: Any, mesh: Any, dataset: Any, device) -> HeldOutLoss:
-    """The held-out loss evaluator of this rank's model part over ``dataset`` (:func:`eval_dataset_for`), in
-    micro-batches of ``micro`` sequences."""
+def eval_windows(eval_tokens: int | None, seq_len: int) -> int | None:
+    """Held-out windows of ``seq_len`` tokens an evaluation of ``eval_tokens`` tokens covers (at least one; None:
+    every window)."""
+    return None if eval_tokens is None else max(1, -(-int(eval_tokens) // int(seq_len)))
+
+
+def held_out_loss_for(
+    micro: int, parts: Any, mesh: Any, dataset: Any, device, windows: int | None = None
+) -> HeldOutLoss:
+    """The held-out loss evaluator of this rank's model part over the first ``windows`` windows of ``dataset``
+    (:func:`eval_dataset_for`; None: all of them), in micro-batches of ``micro`` sequences."""
     if parts.executor is not None:
-        return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device)
-    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device)
+        return PipelinedHeldOutLoss(parts.executor, parts.model, dataset, mesh, micro, device, windows)
+    return HeldOutLoss(parts.model, parts.loss_fn, dataset, mesh, micro, device, windows)

@@ -10,6 +10,13 @@ gets the same answers. Under pipeline parallelism each decoding step runs the vi
 sent stage to stage, as the held-out loss does) and the last stage's choice of the next tokens is broadcast to every
 stage.
 
+What is sampled is ``train.samples`` (resolved by :func:`~kuangchao_core.config.settings.eval_settings`): ``count``
+prompts (256 where the data has answers, none for plain text), ``max_new_tokens`` each (the longest answer; 48 for
+text). Where the layout allows (:func:`~kuangchao_core.models.kv_cache.can_cache`: one process, DP, TP, CP, without
+ZeRO-3 or sequence parallelism) the decoding keeps a key/value cache (:class:`~kuangchao_core.models.kv_cache.
+KVCacheDecoder`): one forward of the prompt, then one token per forward; a pipeline, ZeRO-3 and sequence parallelism
+decode without it, the whole sequence per new token, as before.
+
 Rendering the answers as text never ends a job: the tokenizer shows an id outside its vocabulary as ``<unk:ID>``
 (a model vocabulary padded beyond the tokenizer's), and should decoding fail all the same, the sample's text says it
 could not be rendered and a warning names the ids and the error. Exact match is computed on the ids.
@@ -24,17 +31,17 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
 from kuangchao_core.errors import ConfigError
+from kuangchao_core.models.kv_cache import KVCacheDecoder, can_cache
 from kuangchao_core.models.ring_attention import use_attention
 
 log = logging.getLogger("kuangchao.engine.samples")
 
-#: held-out prompts answered at each evaluation (exact match), and how many of them are shown as text
-SAMPLE_CASES = 256
+#: held-out prompts answered at each evaluation by default where the data has answers (``train.samples.count``),
+#: and how many of them are shown as text; the text defaults (prompt and new tokens) are the config's
+SAMPLE_CASES = ANSWER_CASES
 SHOWN = 4
-#: tokens generated after a prompt without an answer (text data)
-TEXT_NEW_TOKENS = 48
-TEXT_PROMPT_TOKENS = 24
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,13 @@ def greedy_decode(
     stop_id: int,
     device: Any = "cpu",
     next_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    decoder: KVCacheDecoder | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (batched by prompt length), each up to ``max_new`` tokens and ending at
     the first ``stop_id`` (included). ``logits_fn(ids) -> (batch, seq, vocab)`` full-vocabulary logits; or
-    ``next_fn(ids) -> (batch,)`` the next tokens themselves (pipeline stages)."""
-    if next_fn is None:
+    ``next_fn(ids) -> (batch,)`` the next tokens themselves (pipeline stages); or ``decoder``, a key/value cache
+    decoder (``prefill(ids)`` then ``step(tokens)``, each returning the next tokens)."""
+    if next_fn is None and decoder is None:
         next_fn = lambda ids: logits_fn(ids)[:, -1, :].argmax(-1)  # noqa: E731
     out: list[list[int]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}
@@ -67,15 +76,20 @@ def greedy_decode(
         idx = by_len[length]
         ids = torch.tensor([list(prompts[i]) for i in idx], dtype=torch.long, device=device)
         done = [False] * len(idx)
-        for _ in range(max_new):
-            nxt = next_fn(ids)
+        nxt = ids[:, -1]
+        for k in range(max_new):
+            if decoder is not None:
+                nxt = decoder.prefill(ids) if k == 0 else decoder.step(nxt)
+            else:
+                nxt = next_fn(ids)
             for j, t in enumerate(nxt.tolist()):
                 if not done[j]:
                     out[idx[j]].append(int(t))
                     done[j] = t == stop_id
             if all(done):
                 break
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            if decoder is None:  # the cache holds what came before
+                ids = torch.cat([ids, nxt[:, None]], dim=1)
     return out
 
 
@@ -138,15 +152,17 @@ class SampleEvaluator:
         tokenizer: Any,
         device: Any,
         next_fn: Callable | None = None,
+        max_new: int | None = None,
+        decoder: KVCacheDecoder | None = None,
     ):
         self.logits_fn = logits_fn
         self.next_fn = next_fn
+        self.decoder = decoder  # a key/value cache decoder where the layout allows one
         self.model = model
         self.cases = cases
         self.tokenizer = tokenizer
         self.device = device
-        answers = [len(c.answer) for c in cases if c.answer is not None]
-        self.max_new = max(answers) if answers else TEXT_NEW_TOKENS
+        self.max_new = new_tokens(cases, max_new)
 
     def __call__(self) -> tuple[float | None, str]:
         was_training = self.model.training
@@ -156,7 +172,9 @@ class SampleEvaluator:
         try:
             prompts = [c.prompt for c in self.cases]
             stop = int(self.tokenizer.sep_id)
-            outputs = greedy_decode(self.logits_fn, prompts, self.max_new, stop, self.device, self.next_fn)
+            outputs = greedy_decode(
+                self.logits_fn, prompts, self.max_new, stop, self.device, self.next_fn, self.decoder
+            )
         finally:
             self.model.train(was_training)
             if self.cp_attention is not None:
@@ -185,12 +203,19 @@ class SampleEvaluator:
             return f"<could not be rendered: ids {ids} ({type(exc).__name__}: {exc})>"
 
 
-def fitting_cases(cases: list[Case], max_len: int | None) -> list[Case]:
-    """The cases whose prompt and greedy continuation (but its last token) fit in ``max_len`` positions (the model's
-    ``max_seq_len``; None: all). Raises :class:`ConfigError` naming ``model.max_seq_len`` when none fits: the
-    evaluation would fail at its first sample, after the steps before it, in every attempt."""
+def new_tokens(cases: Sequence[Case], max_new: int | None = None) -> int:
+    """Tokens generated per prompt: ``max_new`` (``train.samples.max_new_tokens``), else the longest answer of the
+    ``cases``, else :data:`TEXT_NEW_TOKENS` (text)."""
     answers = [len(c.answer) for c in cases if c.answer is not None]
-    new = max(answers) if answers else TEXT_NEW_TOKENS
+    return int(max_new) if max_new else (max(answers) if answers else TEXT_NEW_TOKENS)
+
+
+def fitting_cases(cases: list[Case], max_len: int | None, max_new: int | None = None) -> list[Case]:
+    """The cases whose prompt and greedy continuation (but its last token) fit in ``max_len`` positions (the model's
+    ``max_seq_len``; None: all), ``max_new`` as :func:`new_tokens`. Raises :class:`ConfigError` naming
+    ``model.max_seq_len`` when none fits: the evaluation would fail at its first sample, after the steps before it,
+    in every attempt (the config's validation refuses it earlier where the config tells, ``config.checks``)."""
+    new = new_tokens(cases, max_new)
     fit = [c for c in cases if not max_len or len(c.prompt) + new - 1 <= max_len]  # the last token is never fed
     if cases and not fit:
         need = min(len(c.prompt) for c in cases) + new - 1
@@ -214,21 +239,35 @@ def fitting_cases(cases: list[Case], max_len: int | None) -> list[Case]:
 
 
 def sample_evaluator_for(
-    parts: Any, mesh: Any, dataset: Any, device: Any, max_len: int | None = None
+    parts: Any,
+    mesh: Any,
+    dataset: Any,
+    device: Any,
+    max_len: int | None = None,
+    count: int = SAMPLE_CASES,
+    max_new: int | None = None,
+    zero_stage: int = 0,
 ) -> tuple[SampleEvaluator | None, str]:
-    """The sample evaluator of this job's model part, or None with the reason. ``max_len``: the model's
-    ``max_seq_len`` (see :func:`fitting_cases`)."""
-    cases = fitting_cases(sample_cases(dataset), max_len)
+    """The sample evaluator of this job's model part (``count`` prompts, ``max_new`` tokens each as
+    :func:`new_tokens`), or None with the reason. ``max_len``: the model's ``max_seq_len`` (see
+    :func:`fitting_cases`); ``zero_stage``: the job's (ZeRO-3 decodes without the key/value cache)."""
+    if count < 1:
+        return None, "train.samples.count is 0 (the default for plain text: it has no answers to score)"
+    cases = fitting_cases(sample_cases(dataset, count), max_len, max_new)
     if not cases:
         return None, "the held-out data has no prompts"
     model = parts.model
     gather = getattr(model, "gather_logits", None)
+    head = gather if gather is not None and mesh.tp > 1 else (lambda logits: logits)
     logits_fn = (lambda ids: gather(model(ids))) if gather is not None and mesh.tp > 1 else model
+    tok = dataset.tokenizer
     if parts.executor is not None:
-        head = gather if gather is not None and mesh.tp > 1 else (lambda logits: logits)
-        out = SampleEvaluator(None, model, cases, dataset.tokenizer, device, PipelinedNextTokens(parts.executor, head))
+        next_fn = PipelinedNextTokens(parts.executor, head)
+        out = SampleEvaluator(None, model, cases, tok, device, next_fn, max_new)
     else:
-        out = SampleEvaluator(logits_fn, model, cases, dataset.tokenizer, device)
+        cached = can_cache(model, False, zero_stage)
+        decoder = KVCacheDecoder(model, head) if cached else None
+        out = SampleEvaluator(logits_fn, model, cases, tok, device, max_new=max_new, decoder=decoder)
     out.cp_attention = getattr(parts, "cp_attention", None)
     return out, ""
 

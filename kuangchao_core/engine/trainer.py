@@ -31,6 +31,7 @@ from kuangchao_core.data import PrefetchLoader, ResumableBatchSampler
 from kuangchao_core.data.image_pool import DataWait
 from kuangchao_core.engine.anomaly import AnomalyDetector, AnomalyStop
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
+from kuangchao_core.engine.eval_step import StepEvaluations
 from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
 from kuangchao_core.engine.grad_snapshot import write_snapshot
 from kuangchao_core.engine.job_data import job_data
@@ -38,7 +39,6 @@ from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
-from kuangchao_core.engine.vlm_data import log_sample_images
 from kuangchao_core.engine.vlm_model import with_pretrained_vision, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
@@ -89,12 +89,18 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     trained_tokens: int = 0  # global tokens of the steps this run trained (not of resumed ones)
     train_seconds: float = 0.0  # wall time of those steps
+    loop_seconds: float = 0.0  # wall time of the whole loop: steps, evaluations, checkpoints, data waits
     bad_in_a_row: int = 0  # consecutive skipped steps that count towards train.max_bad_steps
 
     @property
     def tokens_per_s_mean(self) -> float | None:
         """Mean global throughput of this run's steps (total tokens / total step time); None before any step."""
         return self.trained_tokens / self.train_seconds if self.train_seconds > 0 else None
+
+    @property
+    def tokens_per_s_loop(self) -> float | None:
+        """Global throughput of the whole loop (evaluations, checkpoints and data waits included); None before."""
+        return self.trained_tokens / self.loop_seconds if self.loop_seconds > 0 else None
 
 
 class BadStepsStop(KuangchaoError):
@@ -146,6 +152,9 @@ class Trainer:
             log_event(log, "attention", path=self.attention_path, gqa_groups=gqa, repeated_kv=False)
 
         self.dataset, self.evaluator, self.samples = job_data(run, self.parts, mesh, device, self.model_config, rank)
+        self.evaluate = StepEvaluations(
+            self.evaluator, self.samples, train.eval_interval, run.evaluation.sample_every, rank
+        )
         self.sampler = ResumableBatchSampler(
             len(self.dataset), micro_batch_size=batches.micro_batch_size, grad_accum=batches.gradient_accumulation_steps,
             dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=train.seed, shuffle=batches.shuffle,
@@ -314,26 +323,6 @@ class Trainer:
         log_event(log, "memory", **fields)
         emit_event("memory", **fields)
 
-    def _evaluate(self, step: int, metrics: dict[str, float], metric_sink: Any) -> None:
-        """Held-out loss and greedy samples (collective: every rank evaluates its share); rank 0 reports them and
-        logs the samples as the MLflow text artifact ``samples/step_<N>.txt``."""
-        metrics["eval_loss"] = self.evaluator()
-        fields = {"step": step, "eval_loss": metrics["eval_loss"]}
-        text = None
-        if self.samples is not None:
-            accuracy, text = self.samples()
-            if accuracy is not None:
-                metrics["eval_exact_match"] = fields["eval_exact_match"] = accuracy
-        if self.rank != 0:
-            return
-        log_event(log, "eval_loss", **fields)
-        emit_event("eval_loss", **fields)
-        if text is not None and metric_sink is not None and hasattr(metric_sink, "log_text"):
-            metric_sink.log_text(
-                f"step {step}: greedy answers to held-out prompts\n\n{text}", f"samples/step_{step:08d}.txt"
-            )
-            log_sample_images(metric_sink, self.samples, step)  # a vision job's answers with their images
-
     # ------------------------------------------------------------------ the loop
     def run(
         self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None, lineage: str | None = None
@@ -380,7 +369,7 @@ class Trainer:
         if self.evaluator is not None and pretrained and step_dir is None:
             # a fine-tune from pretrained weights: its starting point, to read every later evaluation against
             before: dict[str, float] = {}
-            self._evaluate(0, before, metric_sink)
+            self.evaluate(0, before, metric_sink, every=True)
             if metric_sink is not None and self.rank == 0:
                 metric_sink.log_step(0, before)
         feed = StepFeed() if self.rank == 0 else None  # every step's metrics to the orchestrator (Prometheus)
@@ -401,8 +390,7 @@ class Trainer:
                     with self.sync.full_parameters():  # collective under ZeRO-3
                         write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
                 stop = self._anomalies(result.step, metrics)
-                if self.evaluator is not None and result.step % self.train_settings.eval_interval == 0:
-                    self._evaluate(result.step, metrics, metric_sink)
+                self.evaluate(result.step, metrics, metric_sink)  # what is due at this step, timed (eval_time_s)
                 if metric_sink is not None and self.rank == 0:
                     metric_sink.log_step(result.step, metrics)
                 if feed is not None:
@@ -416,6 +404,7 @@ class Trainer:
                         "total_steps": total,
                         "eta_s": eta,
                         "step_time_s": result.step_time_s,
+                        "eval_time_s": metrics.get("eval_time_s"),  # None: no evaluation at this step
                         "mem_kind": memory_kind(self.device),
                         "in_steps": True,  # the step feed carries this step's metrics too
                     }
@@ -437,6 +426,7 @@ class Trainer:
             if self.state.step != last_saved and self.state.step == total:
                 self.save_checkpoint()
             self.checkpoints.finish()  # the save in flight is published before the run reports done
+            self.state.loop_seconds += time.perf_counter() - t_start  # the whole loop, for tokens_per_s_loop
             if self.rank == 0 and self.step_seconds:  # the step's wait for its data (issue 31: < 5 % of the step)
                 log_event(log, "data wait", **self.data_wait.summary(self.step_seconds))
         finally:

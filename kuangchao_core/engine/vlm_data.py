@@ -30,6 +30,7 @@ from kuangchao_core.hal.dtypes import param_dtype
 QUESTIONS = 128
 SHOWN = 4
 MAX_ANSWER_TOKENS = 16
+_WINDOWS = EVAL_MICRO_BATCHES  # held-out micro-batches of image rows per evaluation
 
 
 def vision_datasets(data: Any, vision: Any, vocab_size: int, dtype: str) -> tuple[Any, Any, Any]:
@@ -50,27 +51,27 @@ class ImageHeldOutLoss(HeldOutLoss):
     """:class:`HeldOutLoss` over image rows: each held-out micro-batch is the dataset's ``collate`` of its rows."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, dataset: Any, mesh: Any, micro_batch: int, device):
-        super().__init__(model, loss_fn, _Rows(len(dataset)), mesh, micro_batch, device)
-        self.batches = [([dataset.collate([x["row"] for x in items])], counted) for items, counted in self.batches]
+        super().__init__(model, loss_fn, _Rows(len(dataset)), mesh, micro_batch, device, _WINDOWS * micro_batch)
+        self.batches = [([dataset.collate(list(rows))], counted) for rows, counted in self.batches]
 
-    def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        batch = {k: v[0].to(self.device) for k, v in batch.items()}  # the one collated micro-batch, stacked once
-        return super()._loss_sum_and_count(batch)
+    def _batch(self, rows: Any) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in rows[0].items()}  # the micro-batch collated once, at set-up
 
 
 class PipelinedImageHeldOutLoss(PipelinedHeldOutLoss):
     """:class:`PipelinedHeldOutLoss` over image rows (the images ride with the micro-batch to the first stage)."""
 
     def __init__(self, executor: Any, model: torch.nn.Module, dataset: Any, mesh: Any, micro_batch: int, device):
-        super().__init__(executor, model, _Rows(len(dataset)), mesh, micro_batch, device)
-        self.batches = [([dataset.collate([x["row"] for x in items])], counted) for items, counted in self.batches]
+        super().__init__(executor, model, _Rows(len(dataset)), mesh, micro_batch, device, _WINDOWS * micro_batch)
+        self.batches = [([dataset.collate(list(rows))], counted) for rows, counted in self.batches]
 
-    def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return super()._loss_sum_and_count({k: v[0].to(self.device) for k, v in batch.items()})
+    def _batch(self, rows: Any) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in rows[0].items()}
 
 
 class _Rows:
-    """Row indices as items (what :class:`HeldOutLoss` stacks), so the images are collated once per batch."""
+    """Row indices as items (what :class:`HeldOutLoss` splits into micro-batches), so the images are collated once
+    per batch."""
 
     def __init__(self, n: int):
         self.n = n

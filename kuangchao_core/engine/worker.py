@@ -135,15 +135,23 @@ def main(argv: list[str] | None = None) -> int:
 
                 acknowledge_stop(os.environ[ENV_STOP_FILE], trainer.stopped_at)
             return 0
-        _final_eval(trainer, sink)  # collective: every rank answers the held-out prompts
+        _final_eval(trainer, sink, run.evaluation.samples_at_end)  # collective: every rank answers the prompts
         verify_order(trainer.host_group, final=True)  # CI's NCCL rules: the run's last ops replayed (else a no-op)
         if rank == 0:
             final_loss = state.losses[-1] if state.losses else None
-            mean = state.tokens_per_s_mean
-            emit_event("done", step=state.step, final_loss=final_loss, tokens_per_s_mean=mean)
+            # step time only, and the whole loop with its evaluations and checkpoints (issue 39 item 1)
+            finals = {
+                "final_loss": final_loss,
+                "tokens_per_s_mean": state.tokens_per_s_mean,
+                "tokens_per_s_loop": state.tokens_per_s_loop,
+                "eval_seconds": trainer.evaluate.seconds,
+            }
+            emit_event("done", step=state.step, **finals)
             if sink is not None:  # run-level values, at the final step with the rest
-                finals = {"final_loss": final_loss, "tokens_per_s_mean": mean}
                 sink.log_final({k: v for k, v in finals.items() if v is not None}, state.step)
+    except Exception as exc:  # said once as an event, so the orchestrator can tell a fault that repeats identically
+        emit_event("fault", rank=rank, step=trainer.state.step, error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         if system is not None:
             system.finish()
@@ -161,12 +169,16 @@ def _json_log_path(proc: ProcessSettings, rank: int) -> str | None:
     return os.path.join(run_dir, "logs", f"worker-{rank}.jsonl") if run_dir else None
 
 
-def _final_eval(trainer, sink) -> None:
+def _final_eval(trainer, sink, at_end: bool) -> None:
     """Exact match of the final model's greedy answers to the held-out prompts (where the data has answers), logged
-    and reported by rank 0 with a few sample answers. Collective (TP ranks gather logits; ZeRO-3 gathers blocks)."""
-    if trainer.samples is None:
+    and reported by rank 0 with a few sample answers, when ``at_end`` (``train.samples.at_end``, or a champion metric
+    that needs it); an evaluation's samples at the last step are reused. Its time counts in the whole loop's.
+    Collective (TP ranks gather logits; ZeRO-3 gathers blocks)."""
+    if trainer.samples is None or not at_end:
         return
-    accuracy, text = trainer.samples()
+    before = trainer.evaluate.seconds
+    accuracy, text = trainer.evaluate.final(trainer.state.step)
+    trainer.state.loop_seconds += trainer.evaluate.seconds - before
     if trainer.rank != 0:
         return
     corpus = getattr(trainer.dataset, "corpus", None)

@@ -77,7 +77,8 @@ def finish_run(
         "steps": result["steps"],
         "trained_steps": (result["steps"] or plan.step) - plan.step,
         "final_loss": result["final_loss"],
-        "tokens_per_s_mean": result["tokens_per_s_mean"],
+        "tokens_per_s_mean": result["tokens_per_s_mean"],  # step time only
+        "tokens_per_s_loop": result.get("tokens_per_s_loop"),  # the whole loop, evaluations included
         "tokens_per_s_last": result["tokens_per_s"],
         "heldout_accuracy": result["heldout_accuracy"],
         "loss_floor": result["loss_floor"],

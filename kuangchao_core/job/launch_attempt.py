@@ -17,6 +17,7 @@ from typing import Any
 
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.engine.traffic import group_traffic
+from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.job.ckpt_mirror import mirror_for
 from kuangchao_core.job.flow_log import ProgressLog, run_logger_or_none
 from kuangchao_core.job.job_events import JobEvents
@@ -62,11 +63,25 @@ class LaunchSummary:
     heldout_accuracy: float | None
     loss_floor: float | None
     checkpoints: list[int] = field(default_factory=list)
+    #: over the whole training loop, evaluations and checkpoints included (issue 39 item 1)
+    tokens_per_s_loop: float | None = None
     anomalies: list[dict[str, Any]] = field(default_factory=list)  # the ranks' anomaly events, in order
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for artifacts and JSON output."""
         return asdict(self)
+
+
+def note_fault(view: LiveView, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    """(An exit callback.) Give a :class:`WorkerFailed` the fault its rank reported itself — the last ``fault``
+    event of that rank: ``"at step N: Type: message"`` — so that recovery can tell a fault that repeats identically
+    (whichever rank the next attempt reports first); a rank killed, hung or lost reported none."""
+    if not isinstance(exc, WorkerFailed) or exc.fault is not None:
+        return
+    faults = [e for e in view.events if e.get("event") == "fault" and e.get("rank") == exc.rank]
+    if faults:
+        last = faults[-1]
+        exc.fault = f"at step {last.get('step')}: {last.get('error')}"
 
 
 def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, str]) -> Path:
@@ -172,6 +187,7 @@ def launch_workers(
         nodes = [NodeAssignment(**a) for a in assignments or []]
     placed = RankPlacement.from_dict(placement) if placement else None
     with ExitStack() as stack:
+        stack.push(partial(note_fault, view))  # a failure gets the error and step its rank reported, if it did
         if "KC_TRUST_ROOT" in worker_env:
             # the authority stays in this process; workers renew their tokens through this endpoint, which
             # listens on the address the nodes reach this machine at
@@ -267,6 +283,7 @@ def launch_workers(
         final_loss=(done[-1].get("final_loss") if done else last.get("loss")),
         tokens_per_s=last.get("tokens_per_s"),
         tokens_per_s_mean=done[-1].get("tokens_per_s_mean") if done else None,
+        tokens_per_s_loop=done[-1].get("tokens_per_s_loop") if done else None,
         heldout_accuracy=evals[-1].get("heldout_accuracy") if evals else None,
         loss_floor=evals[-1].get("loss_floor") if evals else None,
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],

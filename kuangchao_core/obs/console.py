@@ -156,6 +156,18 @@ class FailureNoise:
         return False
 
 
+def format_eval(event: dict[str, Any]) -> str:
+    """One evaluation's line: the held-out loss, what it covered and what it took."""
+    line = f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}"
+    if event.get("eval_tokens") is not None:
+        line += f" over {event['eval_tokens']} tokens ({event.get('eval_windows')} windows)"
+    if event.get("eval_exact_match") is not None:
+        line += f", exact match {event['eval_exact_match']:.3f} on {event.get('samples')} samples"
+    if event.get("eval_time_s") is not None:
+        line += f", {event['eval_time_s']:.2f} s"
+    return line
+
+
 class LiveView:
     """Consumes launcher output lines; keeps the latest step event for the run summary."""
 
@@ -218,7 +230,7 @@ class LiveView:
             elif kind == "memory":
                 self._print(format_memory(event))
             elif kind == "eval_loss":
-                self._print(f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}")
+                self._print(format_eval(event))
             elif kind == "anomaly":
                 self._on_anomaly(event)
             elif kind == "done":

@@ -2,7 +2,9 @@
 
 ``supervise`` calls ``launch_fn(attempt)`` for attempts ``0..max_restarts`` (each attempt gets a fresh rendezvous
 port and heartbeat directory from the launcher), retries only worker failures, and never retries a configuration,
-data or permission error: those fail the same way every time. Between attempts ``on_restart`` records the cause and
+data or permission error: those fail the same way every time. Nor is a fault that repeats identically: when an
+attempt fails with the error and at the step its rank reported in the attempt before (``WorkerFailed.fault``), it
+is deterministic and a third attempt would only repeat it (issue 39 item 4). Between attempts ``on_restart`` records the cause and
 picks the resume checkpoint (the flow's ``recover`` task).
 """
 
@@ -62,6 +64,14 @@ class SupervisionResult:
         return [_describe(e) for e in self.failures]
 
 
+def _repeated(failures: list[BaseException]) -> str | None:
+    """The fault of the last two failures when they are the same one (the error and step their rank reported)."""
+    if len(failures) < 2:
+        return None
+    last, before = (getattr(e, "fault", None) for e in failures[-2:][::-1])
+    return last if last is not None and last == before else None
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, WorkerFailed):
         return f"rank {exc.rank}: {exc.cause}"
@@ -89,6 +99,16 @@ def supervise(
             if not policy.retryable(exc):
                 raise
             failures.append(exc)
+            repeated = _repeated(failures)
+            if repeated is not None:
+                raise WorkerFailed(
+                    getattr(exc, "rank", None),
+                    f"{_describe(exc)}; attempt {attempt} repeated attempt {attempt - 1}'s fault identically "
+                    f"({repeated}), so it is not retried again ({policy.setting}={policy.max_restarts}). Fix the "
+                    "cause named above, then rerun: it resumes from the newest intact checkpoint",
+                    getattr(exc, "exit_code", None),
+                    fault=repeated,
+                ) from exc
             if attempt + 1 >= total:
                 history = "; ".join(f"attempt {i}: {_describe(e)}" for i, e in enumerate(failures))
                 last = exc if isinstance(exc, WorkerFailed) else None
