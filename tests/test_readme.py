@@ -260,9 +260,11 @@ def test_the_readme_is_one_screen_and_links_the_rest():
     text = README.read_text(encoding="utf-8")
     assert len(text.encode("utf-8")) <= README_MAX_BYTES, f"README.md is {len(text.encode())} bytes"
     first = next(b for b in readme_blocks(text) if b.lang == "bash")
-    assert [shlex.join(shlex.split(c, comments=True)) for c in commands(first.text)] == SETUP_COMMANDS
+    setup = [shlex.join(shlex.split(c, comments=True)) for c in commands(first.text)]
+    assert setup == SETUP_COMMANDS, f"README line {first.line}: the set-up commands are {setup}"
     pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
-    assert not [p for p in pages if f"]({p})" not in text], "docs pages the README does not link"
+    unlinked = [p for p in pages if f"]({p})" not in text]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
     with_commands = [p for p in pages if any(b.lang in RUN_LANGS for b in readme_blocks((ROOT / p).read_text()))]
     assert sorted(with_commands) == sorted(DOC_PAGES), "a docs page with commands the README test would not run"
 
