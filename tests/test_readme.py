@@ -1,4 +1,5 @@
-"""The README runs (issue 27 §6): every command block, in the README's order, as a new user would type it.
+"""The README runs (issue 27 §6): every command block, in the README's order, as a new user would type it; then the
+command blocks of the ``docs/`` pages the README links to (issue 45 item 5: :data:`DOC_PAGES`, in that order).
 
 One bash session (its variables, ``source`` and background jobs carry from block to block, as in a terminal) runs in
 a copy of the repository's tracked files (the venv linked in), with its own ``HOME`` and ``PREFECT_HOME``, so nothing
@@ -7,13 +8,16 @@ of this checkout or this user is touched. Each command must exit 0. What the run
 - port 4200 (a Prefect server) becomes a free port, so two runs on one machine never meet;
 - ``<flow run id>`` becomes the id the previous ``prefect deployment run`` printed;
 - a command already run earlier is not run again (the fine-tuning section repeats ``make demo``);
+- a ``docs/`` page's blocks run after the README's, the pages in :data:`DOC_PAGES`' order; a page holds only commands
+  that run here (those that need other machines stay in the README sections below);
 - ``make test`` is not run (this test is part of it);
-- the multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
+- the README's multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
   hosts made of network namespaces; the Slurm section's need a Slurm cluster: ``tests/test_slurm.py`` and
   ``tests/test_slurm_doctor.py`` run them on one made of network namespaces; the vision demo takes minutes:
   ``tests/test_vision_demo.py`` runs its commands on a short version; this test checks that they still do.
 
-A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block is a
+A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block that names
+its file the same way (``# mine.yaml``) is written there and must validate as it is; any other ``yaml`` block is a
 config fragment and must validate on top of ``configs/tiny.yaml``. At the end the registry is as the README says
 (``champion`` on the demo's model, ``newest`` on the newest version) and the fine-tune learned to subtract (>= 80 %).
 """
@@ -38,8 +42,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the pages whose command blocks run after the README's, in this order, in the same session (they need what
+#: ``make demo`` left: its checkpoints, its MLflow store and registered model)
+DOC_PAGES = ("docs/usage.md", "docs/checkpoints.md", "docs/permissions.md")
+#: the README's size ceiling: one screen to a first result, the rest in docs/ (issue 45 item 5)
+README_MAX_BYTES = 15 * 1024
+#: the README's set-up commands, its first command block: exactly these
+SETUP_COMMANDS = ["make demo", "make test"]
 NOT_RUN = {"make test": "the test suite runs this test"}
-#: sections run by other tests: each test file, and the argument vectors it must still hold (whitespace ignored)
+#: README sections run by other tests: each test file, and the argument vectors it must still hold (whitespace ignored)
 ELSEWHERE = {
     "Run on several machines": (
         ("tests/test_cluster.py", ('"server","start","--host"', '"node","start"', '"node","list"')),
@@ -63,6 +74,8 @@ ELSEWHERE = {
         ),
     ),
 }
+#: the block languages the README test runs (bash) or writes and checks (python, yaml); other blocks are output
+RUN_LANGS = {"bash", "python", "yaml"}
 EXPECTED_OUTPUT = {"kc launch --nproc-per-node 2 script.py": "tensor([2., 2., 2., 2.])"}
 COMMAND_TIMEOUT_S = 900
 
@@ -73,6 +86,14 @@ class Block:
     text: str
     section: str
     line: int
+    page: str = "README.md"
+
+    @property
+    def named_file(self) -> str | None:
+        """The file a ``python`` or ``yaml`` block names in its first line (``# script.py``), else None."""
+        first = self.text.splitlines()[0] if self.text else ""
+        found = re.match(r"# ([\w./-]+\.(?:py|ya?ml))$", first)
+        return found.group(1) if found else None
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -90,6 +111,16 @@ def readme_blocks(text: str) -> list[Block]:
         elif inside:
             body.append(line)
     assert not inside, f"README: the block opened at line {start} is never closed"
+    return blocks
+
+
+def page_blocks() -> list[Block]:
+    """Every fenced block the README test runs, in order: the README's, then each of :data:`DOC_PAGES`'."""
+    blocks = readme_blocks(README.read_text(encoding="utf-8"))
+    for page in DOC_PAGES:
+        for block in readme_blocks((ROOT / page).read_text(encoding="utf-8")):
+            block.page = page
+            blocks.append(block)
     return blocks
 
 
@@ -202,14 +233,17 @@ def _copy_repository(dest: Path) -> None:
 
 
 def test_readme_blocks_are_found_and_named():
-    """The parser sees every kind of block the README has, and every python block names its file."""
-    blocks = readme_blocks(README.read_text(encoding="utf-8"))
+    """The parser sees every kind of block the README and its pages have, and every python block names its file."""
+    blocks = page_blocks()
     assert {b.lang for b in blocks} >= {"bash", "python", "yaml"}
+    assert {b.page for b in blocks} == {"README.md", *DOC_PAGES}, "a page of DOC_PAGES has no block"
     for block in blocks:
         if block.lang == "python":
-            assert re.match(r"# [\w./-]+\.py$", block.text.splitlines()[0]), f"line {block.line}: name its file"
+            assert block.named_file, f"{block.page} line {block.line}: name its file"
     assert commands("a \\\n  b  # x\n# c\n\nd &") == ["a b  # x", "d &"]
     assert shlex.join(shlex.split("make test   # the whole suite", comments=True)) in NOT_RUN
+    assert Block("yaml", "# mine.yaml\ntask: {}", "", 1).named_file == "mine.yaml"
+    assert Block("yaml", "task: {}  # mine.yaml", "", 1).named_file is None  # a fragment
 
 
 def test_sections_run_elsewhere_are_in_the_readme_and_still_run_there():
@@ -218,6 +252,21 @@ def test_sections_run_elsewhere_are_in_the_readme_and_still_run_there():
     for section in ELSEWHERE:
         assert section in sections, f"README has no section {section!r} with commands"
         assert not elsewhere_missing(section), elsewhere_missing(section)
+
+
+def test_the_readme_is_one_screen_and_links_the_rest():
+    """The README fits :data:`README_MAX_BYTES`, starts with exactly the two set-up commands, and links every
+    ``docs/`` page; every page with a command block is one the README test runs (:data:`DOC_PAGES`)."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) <= README_MAX_BYTES, f"README.md is {len(text.encode())} bytes"
+    first = next(b for b in readme_blocks(text) if b.lang == "bash")
+    setup = [shlex.join(shlex.split(c, comments=True)) for c in commands(first.text)]
+    assert setup == SETUP_COMMANDS, f"README line {first.line}: the set-up commands are {setup}"
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    unlinked = [p for p in pages if f"]({p})" not in text]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    with_commands = [p for p in pages if any(b.lang in RUN_LANGS for b in readme_blocks((ROOT / p).read_text()))]
+    assert sorted(with_commands) == sorted(DOC_PAGES), "a docs page with commands the README test would not run"
 
 
 @pytest.mark.slow
@@ -239,20 +288,23 @@ def test_every_readme_command_runs_in_order(tmp_path):
     transcript = tmp_path / "transcript.log"  # every command and its output, as they run
     shell = Shell(repo, env)
     try:
-        for block in readme_blocks(README.read_text(encoding="utf-8")):
-            where = f"README line {block.line} ({block.section})"
-            if block.section in ELSEWHERE:
+        for block in page_blocks():
+            where = f"{block.page} line {block.line} ({block.section})"
+            if block.page == "README.md" and block.section in ELSEWHERE:
                 assert not elsewhere_missing(block.section), f"{where}: {elsewhere_missing(block.section)}"
                 continue
             if block.lang == "python":
-                name = block.text.splitlines()[0][2:].strip()
-                (repo / name).write_text(block.text + "\n", encoding="utf-8")
+                (repo / block.named_file).write_text(block.text + "\n", encoding="utf-8")
                 continue
             if block.lang == "yaml":
-                fragment = repo / f"readme_line_{block.line}.yaml"
-                fragment.write_text(f"extends: configs/tiny.yaml\n{block.text}\n", encoding="utf-8")
-                rc, out = shell.run(f".venv/bin/kc config validate {fragment.name}", 120)
-                assert rc == 0, f"{where}: the config fragment does not validate:\n{out[-3000:]}"
+                if block.named_file:  # a whole config the page asks to save under its name
+                    config = repo / block.named_file
+                    config.write_text(block.text + "\n", encoding="utf-8")
+                else:
+                    config = repo / f"{Path(block.page).stem.lower()}_line_{block.line}.yaml"
+                    config.write_text(f"extends: configs/tiny.yaml\n{block.text}\n", encoding="utf-8")
+                rc, out = shell.run(f".venv/bin/kc config validate {config.relative_to(repo)}", 120)
+                assert rc == 0, f"{where}: the config does not validate:\n{out[-3000:]}"
                 continue
             if block.lang != "bash":
                 continue

@@ -192,6 +192,7 @@ TEST_TIERS = {
     "test_attention_paths.py::test_packed_attention_memory_grows_linearly_not_with_s_squared": "distributed",
     "test_readme.py::test_readme_blocks_are_found_and_named": "unit",
     "test_readme.py::test_sections_run_elsewhere_are_in_the_readme_and_still_run_there": "unit",
+    "test_readme.py::test_the_readme_is_one_screen_and_links_the_rest": "unit",
     "test_activation_checkpointing.py::test_negative_control_a_recomputation_without_the_rng_state_changes_the_gradients": "unit",
     "test_activation_checkpointing.py::test_no_recomputation_without_autograd": "unit",
     "test_anomaly.py::test_a_scrape_is_a_monitor_read_under_its_roles_rules": "unit",
