@@ -18,6 +18,7 @@ from kuangchao_core.data.validation import (
     validate_dataset,
 )
 from kuangchao_core.job.data_check import record_validation
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
 def _publish_artifact(report: ValidationReport) -> None:
@@ -34,7 +35,7 @@ def _publish_artifact(report: ValidationReport) -> None:
     )
 
 
-@task(name="validate_data", retries=0)
+@task(name="validate_data", **TRANSIENT_RETRIES)
 def validate_data(
     cfg: Any,
     mlflow_run_id: str | None = None,

@@ -8,12 +8,15 @@ from typing import Any
 
 @dataclass
 class Check:
-    """One doctor check: ``fix`` says what to do when ``ok`` is false."""
+    """One doctor check: ``fix`` says what to do when ``ok`` is false; ``transient`` when the failure is one a later
+    try may pass (a service or node that did not answer in time, a refused connection), so the flow's ``doctor``
+    task retries it (issue 44 item 4)."""
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    transient: bool = False
 
 
 @dataclass
