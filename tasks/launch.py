@@ -63,6 +63,6 @@ def launch(
     except Exception as exc:
         started = attempt_dir(run_dir, attempt)
         if started.exists():
-            why = f"{type(exc).__name__} after the workers' start ({started.name} exists): the flow's recovery answers it"
+            why = f"{type(exc).__name__} after the workers' start ({started.name} exists): for the flow's recovery"
             mark_failure(exc, False, why)
         raise
