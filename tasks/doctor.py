@@ -14,19 +14,14 @@ from tasks.retry_policy import TRANSIENT_RETRIES
 
 
 class DoctorFailed(KuangchaoError):
-    """One or more doctor checks failed; ``report`` holds them all. Transient (retried) only when every failed check
-    is (``Check.transient``): one failed check that a retry cannot mend fails the flow at once."""
+    """One or more doctor checks failed; ``report`` holds them all (retried only if each is ``Check.transient``)."""
 
     def __init__(self, report: DoctorReport):
         self.report = report
         lines = [f"  {c.name}: {c.detail}\n    fix: {c.fix}" for c in report.failed]
         names = ", ".join(c.name for c in report.failed)
         super().__init__(f"kc doctor failed ({names}):\n" + "\n".join(lines))
-        lasting = [c.name for c in report.failed if not c.transient]
-        if lasting:
-            mark_failure(self, False, f"doctor checks that a retry cannot mend failed: {', '.join(lasting)}")
-        else:
-            mark_failure(self, True, f"doctor checks that may pass on a later try failed: {names}")
+        mark_failure(self, *report.failure_kind())
 
 
 def _publish(report: DoctorReport) -> None:

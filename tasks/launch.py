@@ -2,14 +2,11 @@
 (:func:`kuangchao_core.job.launch_attempt.launch_workers`).
 
 A worker's death or hang becomes an ordinary ``WorkerFailed`` exception (Prefect retries failures, not crashed
-subprocesses), which the flow answers with ``recover`` and a new attempt.
-
-Retries (issue 44 item 4) cover only a transient failure before any worker started — a port in use when the token
-renewal server or the rendezvous is set up, a store locked while the audit key is pinned. Once the launcher has
-created the attempt's directory (``run_dir/attempt_<n>``, made by every launch path before it starts a worker),
-workers may have run, trained and written checkpoints: a retry of the task would start the same attempt again over
-them, so every failure from then on is permanent for this task and the flow's recovery loop owns it (``recover``
-picks the resume point, a new attempt gets its own number and directory).
+subprocesses), which the flow answers with ``recover`` and a new attempt. The task itself retries (issue 44 item 4)
+only a transient failure before any worker started (a port in use as the token renewal server or the rendezvous is
+set up): once the attempt's directory ``run_dir/attempt_<n>`` exists (every launch path makes it before it starts a
+worker) workers may have trained and written checkpoints, and a retry would start the same attempt over them; from
+then on every failure is permanent here and the flow's recovery owns it (a new attempt, from the resume point).
 """
 
 from __future__ import annotations
@@ -21,15 +18,10 @@ from prefect import task
 
 from kuangchao_core.job.flow_log import name_task_runs_in_api_logs
 from kuangchao_core.job.launch_attempt import launch_workers
-from kuangchao_core.sched.transient import mark_failure
+from kuangchao_core.sched.transient import permanent_once_exists
 from tasks.retry_policy import TRANSIENT_RETRIES
 
 name_task_runs_in_api_logs()  # every task run's state line in the flow run's log names its task run
-
-
-def attempt_dir(run_dir: str | Path, attempt: int) -> Path:
-    """The directory the launcher makes for ``attempt`` before starting any of its workers."""
-    return Path(run_dir) / f"attempt_{int(attempt)}"
 
 
 @task(name="launch", log_prints=True, **TRANSIENT_RETRIES)
@@ -45,9 +37,8 @@ def launch(
     assignments: list[dict[str, Any]] | None = None,
     placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Prefect task: one attempt of the workers (see :func:`launch_workers`); a failure after the attempt's
-    directory exists is marked permanent (not retried here: the flow's recovery answers it)."""
-    try:
+    """Prefect task: one attempt of the workers (see :func:`launch_workers`); not retried once they started."""
+    with permanent_once_exists(Path(run_dir) / f"attempt_{int(attempt)}", "the workers' start"):
         return launch_workers(
             cfg,
             config_path,
@@ -60,9 +51,3 @@ def launch(
             assignments=assignments,
             placement=placement,
         ).to_dict()
-    except Exception as exc:
-        started = attempt_dir(run_dir, attempt)
-        if started.exists():
-            why = f"{type(exc).__name__} after the workers' start ({started.name} exists): for the flow's recovery"
-            mark_failure(exc, False, why)
-        raise

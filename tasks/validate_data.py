@@ -1,8 +1,7 @@
-"""Prefect task ``validate_data``: the great-expectations suite over the dataset, before any worker starts.
-
-No retries: bad data does not get better by waiting. The report is published as a markdown artifact, then
-:func:`kuangchao_core.job.data_check.record_validation` logs it to the MLflow run and raises ``DataError`` on failure.
-"""
+"""Prefect task ``validate_data``: the great-expectations suite over the dataset, before any worker starts. The
+report is published as a markdown artifact, then :func:`kuangchao_core.job.data_check.record_validation` logs it to
+the MLflow run and raises ``DataError`` on failure: refused data is never retried (bad data does not get better by
+waiting), a tracking store that was busy is (:mod:`tasks.retry_policy`)."""
 
 from __future__ import annotations
 

@@ -128,3 +128,27 @@ def test_doctor_probes_mark_services_that_did_not_answer_transient(tmp_path, mon
     blocker.write_text("x")
     local = service_checks.check_checkpoint_storage({"checkpoint": {"dir": str(blocker / "ckpt")}})
     assert not local.ok and not local.transient, local  # control: a path that cannot be a directory
+
+
+def test_a_doctor_report_is_transient_only_when_every_failed_check_is():
+    from kuangchao_core.sched.doctor_report import Check, DoctorReport
+
+    down = Check("mlflow", False, "MLflow server not reachable: ConnectionRefusedError", transient=True)
+    bad_dir = Check("checkpoint_storage", False, "NotADirectoryError", transient=False)
+    assert DoctorReport([down, Check("versions", True, "ok")]).failure_kind()[0]
+    transient, reason = DoctorReport([down, bad_dir]).failure_kind()  # control: one lasting failure decides
+    assert not transient and reason.endswith("cannot mend: checkpoint_storage"), reason
+
+
+def test_a_failure_once_the_path_exists_is_marked_permanent(tmp_path):
+    from kuangchao_core.sched.transient import permanent_once_exists
+
+    started = tmp_path / "attempt_0"
+    with pytest.raises(OSError) as before, permanent_once_exists(started, "the workers' start"):
+        raise F.address_in_use()
+    assert classify_failure(before.value)[0]  # nothing started yet: a retry may pass
+    started.mkdir()
+    with pytest.raises(OSError) as after, permanent_once_exists(started, "the workers' start"):
+        raise F.address_in_use()
+    transient, reason = classify_failure(after.value)
+    assert not transient and reason.startswith("OSError after the workers' start (attempt_0 exists)"), reason

@@ -36,6 +36,14 @@ class DoctorReport:
         """The checks that failed."""
         return [c for c in self.checks if not c.ok]
 
+    def failure_kind(self) -> tuple[bool, str]:
+        """``(transient, reason)`` of this report's failure (issue 44 item 4): transient only when every failed
+        check is; one that a retry cannot mend makes the whole failure permanent."""
+        lasting = [c.name for c in self.failed if not c.transient]
+        if lasting or not self.failed:
+            return False, f"failed doctor checks a retry cannot mend: {', '.join(lasting) or 'none named'}"
+        return True, f"failed doctor checks that may pass on a later try: {', '.join(c.name for c in self.failed)}"
+
     def check(self, name: str) -> Check:
         """The check called ``name``."""
         for c in self.checks:

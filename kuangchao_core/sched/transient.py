@@ -16,8 +16,12 @@ service probes use it to mark a failed check ``transient``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from kuangchao_core.errors import (
     CheckpointCorrupt,
@@ -93,6 +97,18 @@ def mark_failure(exc: BaseException, transient: bool, reason: str) -> BaseExcept
     """State ``exc``'s kind on it (read first by :func:`classify_failure`); returns ``exc`` for ``raise``."""
     setattr(exc, _FAILURE_ATTR, (bool(transient), str(reason)))
     return exc
+
+
+@contextlib.contextmanager
+def permanent_once_exists(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Any exception from the block, raised once ``path`` exists, is marked permanent (``what`` had happened, e.g.
+    the workers' start: a retry would repeat work that may have left results) and re-raised."""
+    try:
+        yield
+    except Exception as exc:
+        if Path(path).exists():
+            mark_failure(exc, False, f"{type(exc).__name__} after {what} ({Path(path).name} exists): {_line(exc)}")
+        raise
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
