@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect.logging.loggers import task_run_logger
 
-from kuangchao_core.sched.transient import classify_failure
+from kuangchao_core.sched.transient import NOT_RETRIED, classify_failure
 
 #: retries of a transient failure (so at most 1 + RETRIES tries)
 RETRIES = 3
@@ -45,7 +45,8 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
     if transient:
         logger.warning("retrying %s: transient (%s)", name, reason)
     else:
-        logger.error("%s not retried: permanent (%s)", name, reason)
+        # the failure rides along so that kc train's console can leave out a deliberate error it says itself
+        logger.error("%s not retried: permanent (%s)", name, reason, extra={NOT_RETRIED: exc})
     return transient
 
 

@@ -91,6 +91,8 @@ _NETWORK_SIGNS = ("connection refused", "failed to establish a new connection", 
 PERMANENT_CLASS_NAMES = frozenset({"ConfigRefused", "DocumentRejected"})
 
 _FAILURE_ATTR = "kc_failure_kind"
+#: the log record attribute holding the failure a task did not retry (``kuangchao/cli/failure_lines.py`` reads it)
+NOT_RETRIED = "kc_not_retried"
 
 
 def mark_failure(exc: BaseException, transient: bool, reason: str) -> BaseException:
