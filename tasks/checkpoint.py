@@ -12,15 +12,16 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.job.checkpoints import restore_and_tag, verify_and_record
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
-@task(name="checkpoint", retries=1, retry_delay_seconds=2)
+@task(name="checkpoint", **TRANSIENT_RETRIES)
 def checkpoint(cfg: Any, mlflow_run_id: str | None = None, settings: Any = None, lineage: str | None = None) -> dict:
     """Prefect task: verify the lineage's newest checkpoint, mirror to S3, record in MLflow (:func:`verify_and_record`)."""
     return verify_and_record(cfg, mlflow_run_id, settings, lineage)
 
 
-@task(name="restore_checkpoint", retries=2, retry_delay_seconds=2)
+@task(name="restore_checkpoint", **TRANSIENT_RETRIES)
 def restore_checkpoint(cfg: Any, mlflow_run_id: str | None = None, settings: Any = None) -> dict[str, Any]:
     """Prefect task: :func:`restore_and_tag` (restore from S3; skipped corrupt checkpoints tagged on the run)."""
     return restore_and_tag(cfg, mlflow_run_id, settings)

@@ -1,4 +1,5 @@
-"""Prefect task ``doctor``: run the environment checks first; a failure stops the flow at once (no retries)."""
+"""Prefect task ``doctor``: run the environment checks first. A failure stops the flow, after retries only when
+every failed check is one a later try may pass (a service or node that did not answer: ``Check.transient``)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from prefect import task
 
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.sched.doctor import FLOW_REUSE_GLOO_S, DoctorReport, run_doctor
+from kuangchao_core.sched.transient import mark_failure
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
 class DoctorFailed(KuangchaoError):
-    """One or more doctor checks failed; ``report`` holds them all."""
+    """One or more doctor checks failed; ``report`` holds them all (retried only if each is ``Check.transient``)."""
 
     def __init__(self, report: DoctorReport):
         self.report = report
         lines = [f"  {c.name}: {c.detail}\n    fix: {c.fix}" for c in report.failed]
         names = ", ".join(c.name for c in report.failed)
         super().__init__(f"kc doctor failed ({names}):\n" + "\n".join(lines))
+        mark_failure(self, *report.failure_kind())
 
 
 def _publish(report: DoctorReport) -> None:
@@ -32,7 +36,7 @@ def _publish(report: DoctorReport) -> None:
     )
 
 
-@task(name="doctor", retries=0)
+@task(name="doctor", **TRANSIENT_RETRIES)
 def doctor(
     cfg: Any = None,
     gloo_timeout_s: float = 60.0,

@@ -10,9 +10,10 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.perm.issuance import issue_tokens_for_run
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
-@task(name="issue_tokens", retries=0)
+@task(name="issue_tokens", **TRANSIENT_RETRIES)
 def issue_tokens(cfg: Any, run_dir: str, attempt: int, placement: dict[str, Any] | None = None) -> dict[str, str]:
     """Prefect wrapper of :func:`issue_tokens_for_run`; returns the worker environment."""
     return issue_tokens_for_run(cfg, run_dir, attempt, placement)

@@ -2,22 +2,29 @@
 (:func:`kuangchao_core.job.launch_attempt.launch_workers`).
 
 A worker's death or hang becomes an ordinary ``WorkerFailed`` exception (Prefect retries failures, not crashed
-subprocesses), which the flow answers with ``recover`` and a new attempt.
+subprocesses), which the flow answers with ``recover`` and a new attempt. The task itself retries (issue 44 item 4)
+only a transient failure before any worker started (a port in use as the token renewal server or the rendezvous is
+set up): once the attempt's directory ``run_dir/attempt_<n>`` exists (every launch path makes it before it starts a
+worker) workers may have trained and written checkpoints, and a retry would start the same attempt over them; from
+then on every failure is permanent here and the flow's recovery owns it (a new attempt, from the resume point).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import task
 
 from kuangchao_core.job.flow_log import name_task_runs_in_api_logs
 from kuangchao_core.job.launch_attempt import launch_workers
+from kuangchao_core.sched.transient import permanent_once_exists
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 name_task_runs_in_api_logs()  # every task run's state line in the flow run's log names its task run
 
 
-@task(name="launch", retries=0, log_prints=True)
+@task(name="launch", log_prints=True, **TRANSIENT_RETRIES)
 def launch(
     cfg: Any,
     config_path: str,
@@ -30,16 +37,17 @@ def launch(
     assignments: list[dict[str, Any]] | None = None,
     placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Prefect task: one attempt of the workers (see :func:`launch_workers`)."""
-    return launch_workers(
-        cfg,
-        config_path,
-        run_dir,
-        attempt,
-        resume,
-        mlflow_run_id,
-        env,
-        exclude_nodes=exclude_nodes,
-        assignments=assignments,
-        placement=placement,
-    ).to_dict()
+    """Prefect task: one attempt of the workers (see :func:`launch_workers`); not retried once they started."""
+    with permanent_once_exists(Path(run_dir) / f"attempt_{int(attempt)}", "the workers' start"):
+        return launch_workers(
+            cfg,
+            config_path,
+            run_dir,
+            attempt,
+            resume,
+            mlflow_run_id,
+            env,
+            exclude_nodes=exclude_nodes,
+            assignments=assignments,
+            placement=placement,
+        ).to_dict()

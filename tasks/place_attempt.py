@@ -16,6 +16,7 @@ from kuangchao_core.job.placement_record import (
     placement_markdown,
 )
 from tasks.probe_topology import probe_cluster
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 __all__ = ["finish_cluster_probe", "place_attempt", "start_cluster_probe"]
 
@@ -27,7 +28,7 @@ def start_cluster_probe(cfg: Any, run_dir: str | Path, logger: Any = log) -> Any
     return probe_cluster.submit(**request) if request is not None else kept
 
 
-@task(name="place_attempt", retries=0)
+@task(name="place_attempt", **TRANSIENT_RETRIES)
 def place_attempt(
     cfg: Any, exclude: list[str], topology: dict[str, Any] | None, run_dir: str, attempt: int
 ) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from kuangchao_core.job.topology_probe import (
     topology_cache_key,
 )
 from kuangchao_core.sched.topology import DEFAULT_SIZES, TopologyReport
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
 def _publish(report: TopologyReport) -> None:
@@ -30,7 +31,7 @@ def _publish(report: TopologyReport) -> None:
 _CACHED = {"cache_expiration": CACHE_EXPIRATION, "persist_result": True}
 
 
-@task(name="probe_topology", cache_key_fn=topology_cache_key, retries=1, retry_delay_seconds=2, **_CACHED)
+@task(name="probe_topology", cache_key_fn=topology_cache_key, **TRANSIENT_RETRIES, **_CACHED)
 def probe_topology(
     cfg: Any = None,
     world_size: int | None = None,
@@ -47,7 +48,7 @@ def probe_topology(
 probe_topology_task = probe_topology
 
 
-@task(name="probe_cluster_topology", cache_key_fn=cluster_probe_cache_key, retries=0, **_CACHED)
+@task(name="probe_cluster_topology", cache_key_fn=cluster_probe_cache_key, **TRANSIENT_RETRIES, **_CACHED)
 def probe_cluster(node_facts: list[dict], nproc: int, run_dir: str, deployment: str) -> dict:
     """Measure the links between the given nodes through their agents (cached by the nodes' fingerprint)."""
     report = measure_cluster(node_facts, nproc, run_dir, deployment)

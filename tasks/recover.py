@@ -8,9 +8,10 @@ from typing import Any
 from prefect import task
 
 from kuangchao_core.job.recovery import plan_recovery
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
-@task(name="recover", retries=0)
+@task(name="recover", **TRANSIENT_RETRIES)
 def recover(
     cfg: Any,
     failed_attempt: int,

@@ -1,8 +1,7 @@
-"""Prefect task ``validate_data``: the great-expectations suite over the dataset, before any worker starts.
-
-No retries: bad data does not get better by waiting. The report is published as a markdown artifact, then
-:func:`kuangchao_core.job.data_check.record_validation` logs it to the MLflow run and raises ``DataError`` on failure.
-"""
+"""Prefect task ``validate_data``: the great-expectations suite over the dataset, before any worker starts. The
+report is published as a markdown artifact, then :func:`kuangchao_core.job.data_check.record_validation` logs it to
+the MLflow run and raises ``DataError`` on failure: refused data is never retried (bad data does not get better by
+waiting), a tracking store that was busy is (:mod:`tasks.retry_policy`)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from kuangchao_core.data.validation import (
     validate_dataset,
 )
 from kuangchao_core.job.data_check import record_validation
+from tasks.retry_policy import TRANSIENT_RETRIES
 
 
 def _publish_artifact(report: ValidationReport) -> None:
@@ -34,7 +34,7 @@ def _publish_artifact(report: ValidationReport) -> None:
     )
 
 
-@task(name="validate_data", retries=0)
+@task(name="validate_data", **TRANSIENT_RETRIES)
 def validate_data(
     cfg: Any,
     mlflow_run_id: str | None = None,

@@ -98,6 +98,12 @@ def test_prefects_console_repeats_of_a_deliberate_error_are_dropped():
     wrapped = RuntimeError("outer")
     wrapped.__cause__ = WorkerFailed(1, "boom")
     assert not quiet.filter(record("Task run failed with exception", wrapped))
+    not_retried = record("launch not retried: permanent (a worker failure: WorkerFailed: worker rank 1 failed)")
+    not_retried.kc_not_retried = WorkerFailed(1, "boom")  # what tasks/retry_policy.py attaches (issue 44)
+    assert not quiet.filter(not_retried)
+    bug = record("launch not retried: permanent (not a failure known to pass on a retry: ValueError: a bug)")
+    bug.kc_not_retried = ValueError("a bug")
+    assert quiet.filter(bug)  # control: a failure the CLI does not say itself stays
     # anything else stays: the user's progress lines, an unexpected crash with its traceback
     assert quiet.filter(record("attempt 0 failed: rank 1: boom; recovering"))
     assert quiet.filter(record("Encountered exception during execution", ValueError("a bug")))

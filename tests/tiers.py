@@ -88,6 +88,8 @@ FILE_TIERS = {
     "test_hal.py": "unit",
     "test_hf.py": "unit",
     "test_stream_model.py": "unit",
+    "test_task_retries.py": "flows",
+    "test_transient.py": "unit",
     "test_vlm.py": "unit",
     "test_llava_finetune.py": "distributed",
     "test_llava_prepare.py": "unit",

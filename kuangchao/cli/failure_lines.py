@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kuangchao_core.errors import ConfigError, KuangchaoError, NothingToTrain
+from kuangchao_core.sched.transient import NOT_RETRIED
 
 _FINISHED_FAILED = re.compile(r"^Finished in state (Failed|Crashed)\(")
 
@@ -45,6 +46,8 @@ class ExpectedFailureFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         """False for the records that repeat a ``KuangchaoError`` the CLI says in one line."""
         if record.exc_info and _deliberate(record.exc_info[1]):
+            return False
+        if _deliberate(getattr(record, NOT_RETRIED, None)):  # a task's "not retried: permanent" line (issue 44)
             return False
         try:
             message = record.getMessage()

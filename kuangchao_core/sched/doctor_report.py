@@ -8,12 +8,15 @@ from typing import Any
 
 @dataclass
 class Check:
-    """One doctor check: ``fix`` says what to do when ``ok`` is false."""
+    """One doctor check: ``fix`` says what to do when ``ok`` is false; ``transient`` when the failure is one a later
+    try may pass (a service or node that did not answer in time, a refused connection), so the flow's ``doctor``
+    task retries it (issue 44 item 4)."""
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    transient: bool = False
 
 
 @dataclass
@@ -32,6 +35,14 @@ class DoctorReport:
     def failed(self) -> list[Check]:
         """The checks that failed."""
         return [c for c in self.checks if not c.ok]
+
+    def failure_kind(self) -> tuple[bool, str]:
+        """``(transient, reason)`` of this report's failure (issue 44 item 4): transient only when every failed
+        check is; one that a retry cannot mend makes the whole failure permanent."""
+        lasting = [c.name for c in self.failed if not c.transient]
+        if lasting or not self.failed:
+            return False, f"failed doctor checks a retry cannot mend: {', '.join(lasting) or 'none named'}"
+        return True, f"failed doctor checks that may pass on a later try: {', '.join(c.name for c in self.failed)}"
 
     def check(self, name: str) -> Check:
         """The check called ``name``."""

@@ -52,6 +52,7 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
                     f"no TCP connection to {host}:{port} within {timeout:g} s ({err})",
                     f"check that {host} is up and resolvable, start `kc doctor --serve --port {port}` there, "
                     f"and open TCP port {port} (and the rendezvous port) in its firewall",
+                    transient=not err.startswith("gaierror"),  # refused, timed out, unreachable; not a bad name
                 )
             )
             continue

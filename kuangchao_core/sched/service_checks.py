@@ -19,6 +19,7 @@ from typing import Any
 from kuangchao_core.config.access import setting
 from kuangchao_core.obs.tracking_store import LOCKED, probe_sqlite, store_error
 from kuangchao_core.sched.doctor_report import Check
+from kuangchao_core.sched.transient import TRANSIENT_HTTP_STATUS, classify_failure
 from kuangchao_core.sched.version_agent import CONNECT_TIMEOUT_S
 
 
@@ -75,6 +76,7 @@ def _probe_s3(uri: str, endpoint: str | None) -> Check:
             f"S3 checkpoint storage {where} not usable: {type(exc).__name__}: {exc}",
             "check that the bucket exists, the endpoint (checkpoint.endpoint_url / AWS_ENDPOINT_URL) is right, and "
             "the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the storage block) allow put and delete",
+            transient=classify_failure(exc)[0],  # an endpoint that did not answer, S3 asking to slow down
         )
 
 
@@ -87,16 +89,17 @@ def check_checkpoint_storage(cfg: Any) -> Check:
     return _probe_local_dir(Path(str(setting(cfg, "checkpoint.dir", "checkpoints"))).expanduser())
 
 
-def _http_health(url: str, timeout: float) -> str | None:
+def _http_health(url: str, timeout: float) -> tuple[str, bool] | None:
+    """None when ``url`` answers 2xx, else (what went wrong, whether a later try may pass)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             if 200 <= resp.status < 300:
                 return None
-            return f"HTTP {resp.status}"
+            return f"HTTP {resp.status}", resp.status in TRANSIENT_HTTP_STATUS
     except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
+        return f"HTTP {exc.code}", exc.code in TRANSIENT_HTTP_STATUS
     except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}", classify_failure(exc)[0]
 
 
 def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
@@ -117,8 +120,9 @@ def check_mlflow(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> Check:
         return Check(
             "mlflow",
             False,
-            f"MLflow server {uri} not reachable: {err}",
+            f"MLflow server {uri} not reachable: {err[0]}",
             "start it (`mlflow server --host 0.0.0.0 --port 5000`) or fix tracking.uri / MLFLOW_TRACKING_URI",
+            transient=err[1],
         )
     elif uri.startswith("file:") or "://" not in uri:
         directory = Path(uri.split("file://", 1)[-1]).expanduser().resolve()
@@ -179,7 +183,8 @@ def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
     return Check(
         "prefect",
         False,
-        f"Prefect API {api} not reachable: {err}",
+        f"Prefect API {api} not reachable: {err[0]}",
         "start the server (`prefect server start`) or unset PREFECT_API_URL (the environment's or the active Prefect "
         "profile's) to use the ephemeral API",
+        transient=err[1],
     )
