@@ -8,12 +8,14 @@ from typing import Any
 
 @dataclass
 class Check:
-    """One doctor check: ``fix`` says what to do when ``ok`` is false."""
+    """One doctor check: ``fix`` says what to do when ``ok`` is false, or when ``warn`` marks a passed check
+    that deserves attention (it does not fail the report)."""
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    warn: bool = False
 
 
 @dataclass
@@ -32,6 +34,11 @@ class DoctorReport:
     def failed(self) -> list[Check]:
         """The checks that failed."""
         return [c for c in self.checks if not c.ok]
+
+    @property
+    def warnings(self) -> list[Check]:
+        """The checks that passed with a warning."""
+        return [c for c in self.checks if c.ok and c.warn]
 
     def check(self, name: str) -> Check:
         """The check called ``name``."""
@@ -53,6 +60,7 @@ class DoctorReport:
             "|---|---|---|---|",
         ]
         for c in self.checks:
-            cells = [c.name, "ok" if c.ok else "**FAIL**", c.detail, c.fix if not c.ok else ""]
+            result = "**FAIL**" if not c.ok else "warn" if c.warn else "ok"
+            cells = [c.name, result, c.detail, c.fix if not c.ok or c.warn else ""]
             lines.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
         return "\n".join(lines) + "\n"
