@@ -72,13 +72,13 @@ def check_nodes(
                     f"start `kc doctor --serve --port {port}` on {host}, or name its agent port as {host}:PORT",
                 )
             )
-    if remote and not any(is_local(split_host(h)[0]) for h in reports):  # the launching machine counts too
-        reports["(this machine)"] = mine
-    if gpu_out is not None:
+    if gpu_out is not None:  # only the nodes that run ranks: a launching machine outside them needs no GPU
         gpu_out["per_node"] = {spec: r.get("gpu") for spec, r in reports.items()} or {"(this machine)": mine["gpu"]}
         gpu_out["local"] = not remote
     if not remote:
         return checks, Check("version_agreement", True, "local cluster: nothing to compare")
+    if not any(is_local(split_host(h)[0]) for h in reports):  # the launching machine counts too
+        reports["(this machine)"] = mine
     differ = {}
     for k in keys:
         vals = {spec: r.get(k) for spec, r in reports.items()}
