@@ -193,7 +193,7 @@ def test_gpu_versions_of_every_node_are_compared_over_the_agents(tmp_path, agent
 
     rep = D.run_doctor(cluster(agents(), agents("127.0.0.3")), skip=only_versions)
     assert rep.ok, rep.to_markdown()
-    for name in ("gpu_cuda", "gpu_nccl", "gpu_driver", "gpu_gpus"):
+    for name in ("gpu_cuda", "gpu_nccl", "gpu_driver", "gpu_model"):
         assert "compared" in rep.check(name).detail  # one line per field across the nodes
     if mine["gpu"]["cuda"] == "none":
         assert rep.check("gpu_cuda").detail.startswith("CUDA none (torch ")

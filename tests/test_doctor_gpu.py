@@ -57,7 +57,7 @@ def test_the_driver_is_read_from_proc_when_nvidia_smi_is_absent(tmp_path, monkey
 
 def test_nodes_that_agree_pass_every_line_and_a_patch_level_difference_still_agrees():
     checks = G.gpu_agreement_checks({"a": _gpu_node(), "b": _gpu_node(cuda="12.4.1", nccl="2.21.1"), "c": _gpu_node()})
-    assert [c.name for c in checks] == ["gpu_cuda", "gpu_nccl", "gpu_driver", "gpu_gpus"]
+    assert [c.name for c in checks] == ["gpu_cuda", "gpu_nccl", "gpu_driver", "gpu_model"]
     assert all(c.ok and not c.warn for c in checks), checks
     assert "12.4 on every node (3 compared)" in checks[0].detail
     assert "8 x NVIDIA H100" in checks[3].detail
@@ -86,7 +86,7 @@ def test_a_driver_or_gpu_model_mismatch_is_a_warning_that_says_why():
     driver = checks["gpu_driver"]
     assert driver.ok and driver.warn and "535.104.05" in driver.detail and "550.54.15" in driver.detail
     assert "warning" in driver.detail and "the job starts" in driver.detail and driver.fix
-    assert checks["gpu_gpus"].ok and checks["gpu_gpus"].warn and "slowest" in checks["gpu_gpus"].detail
+    assert checks["gpu_model"].ok and checks["gpu_model"].warn and "slowest" in checks["gpu_model"].detail
     assert checks["gpu_cuda"].ok and not checks["gpu_cuda"].warn
 
 

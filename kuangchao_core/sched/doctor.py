@@ -7,7 +7,7 @@ Each check gives ``name``, ``ok``, ``detail`` and, when it fails, a ``fix``. The
   and there is none.
 - ``gloo``: a real two-process Gloo ``all_reduce`` over loopback, in fresh subprocesses, with a timeout.
 - ``node:<host>``: each configured node answers a TCP connect on its doctor agent port.
-- ``gpu_cuda``, ``gpu_nccl``, ``gpu_driver``, ``gpu_gpus`` (issue 44): each node's CUDA, NCCL, NVIDIA driver and
+- ``gpu_cuda``, ``gpu_nccl``, ``gpu_driver``, ``gpu_model`` (issue 44): each node's CUDA, NCCL, NVIDIA driver and
   GPU models, and whether they agree (``gpu_versions.py``: CUDA/NCCL major.minor an error, driver/model a warning).
 - ``nccl_smoke``: one NCCL all-reduce across the nodes' GPUs, through the node agents or on this machine's GPUs;
   skipped with the reason where a node has no CUDA (``nccl_smoke.py``).

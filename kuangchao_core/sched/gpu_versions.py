@@ -123,6 +123,7 @@ def _shown(info: dict[str, Any], name: str) -> str:
     return str(value)
 
 
+_CHECK = {"cuda": "gpu_cuda", "nccl": "gpu_nccl", "driver": "gpu_driver", "gpus": "gpu_model"}
 _LABEL = {"cuda": "CUDA", "nccl": "NCCL", "driver": "NVIDIA driver", "gpus": "GPU model"}
 _WHY = {
     "cuda": "every rank's NCCL needs the same CUDA major.minor; a mixed job fails at init or hangs",
@@ -140,7 +141,7 @@ _FIX = {
 
 
 def gpu_agreement_checks(per_node: dict[str, dict[str, Any] | None]) -> list[Check]:
-    """One check per field (``gpu_cuda``, ``gpu_nccl``, ``gpu_driver``, ``gpu_gpus``) over ``per_node``
+    """One check per field (``gpu_cuda``, ``gpu_nccl``, ``gpu_driver``, ``gpu_model``) over ``per_node``
     (node -> :func:`probe_gpu_versions` dict; None for a node that reported none: an older agent).
 
     The largest group of equal values is the reference; every other node is named with its value. CUDA and NCCL
@@ -155,14 +156,14 @@ def gpu_agreement_checks(per_node: dict[str, dict[str, Any] | None]) -> list[Che
         for node, info in known.items():
             groups.setdefault(_key(name, info.get(name, NONE)), []).append(node)
         if not groups:
-            checks.append(Check(f"gpu_{name}", True, f"{label}: no node reported GPU versions{note}"))
+            checks.append(Check(_CHECK[name], True, f"{label}: no node reported GPU versions{note}"))
             continue
         ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
         ref_key, ref_nodes = ranked[0]
         ref_value = _shown(known[ref_nodes[0]], name)
         if len(ranked) == 1:
             what = f"{ref_value} on every node" if len(known) > 1 else f"{ref_value} on {ref_nodes[0]}"
-            checks.append(Check(f"gpu_{name}", True, f"{label} {what} ({len(known)} compared){note}"))
+            checks.append(Check(_CHECK[name], True, f"{label} {what} ({len(known)} compared){note}"))
             continue
         odd = "; ".join(f"{', '.join(sorted(nodes))}: {_shown(known[nodes[0]], name)}" for _, nodes in ranked[1:])
         detail = (
@@ -170,7 +171,7 @@ def gpu_agreement_checks(per_node: dict[str, dict[str, Any] | None]) -> list[Che
             f"{', '.join(sorted(ref_nodes))}: {ref_value}) — {_WHY[name]}{note}"
         )
         error = name in ("cuda", "nccl")
-        checks.append(Check(f"gpu_{name}", not error, detail, _FIX[name], warn=not error))
+        checks.append(Check(_CHECK[name], not error, detail, _FIX[name], warn=not error))
     return checks
 
 
