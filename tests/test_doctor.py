@@ -180,6 +180,38 @@ def test_nodes_reachability_and_version_agreement(tmp_path, agents):
         assert not checks[0].ok and "not a kc doctor agent" in checks[0].detail
 
 
+def test_gpu_versions_of_every_node_are_compared_over_the_agents(tmp_path, agents):
+    """Issue 44 item 5 over real TCP agents: each node's driver/CUDA/NCCL line, the odd node named, the smoke
+    skipped with its reason on CPU and not run through TCP agents on GPU nodes."""
+    gpu = {"cuda": "12.4", "nccl": "2.21.5", "driver": "550.54.15", "gpus": ["NVIDIA H100"], "cuda_available": True}
+    mine = D.local_versions()
+    only_versions = ("gloo", "checkpoint_storage", "mlflow", "prefect")
+
+    def cluster(*hosts):
+        nodes = [{"host": h, "gpus": 1} for h in hosts]
+        return _cfg(tmp_path, cluster={"mode": "static", "nodes": nodes}, parallel={"data_parallel_size": len(hosts)})
+
+    rep = D.run_doctor(cluster(agents(), agents("127.0.0.3")), skip=only_versions)
+    assert rep.ok, rep.to_markdown()
+    for name in ("gpu_cuda", "gpu_nccl", "gpu_driver", "gpu_model"):
+        assert "compared" in rep.check(name).detail  # one line per field across the nodes
+    if mine["gpu"]["cuda"] == "none":
+        assert rep.check("gpu_cuda").detail.startswith("CUDA none (torch ")
+        assert rep.check("nccl_smoke").detail.startswith("skipped: no CUDA with NCCL on ")
+
+    a = agents("127.0.0.6", versions={**mine, "gpu": gpu})
+    b = agents("127.0.0.7", versions={**mine, "gpu": {**gpu, "cuda": "12.1", "driver": "535.104.05"}})
+    c = agents("127.0.0.8", versions={**mine, "gpu": gpu})
+    rep = D.run_doctor(cluster(a, b, c), skip=only_versions)
+    assert [x.name for x in rep.failed] == ["gpu_cuda"], rep.to_markdown()
+    assert f"{b}: 12.1" in rep.check("gpu_cuda").detail
+    assert rep.check("gpu_driver").warn and f"{b}: 535.104.05" in rep.check("gpu_driver").detail
+    assert rep.check("nccl_smoke").detail == "skipped: the nodes' gpu_cuda disagree (see those checks)"
+    rep = D.run_doctor(cluster(a, c), skip=only_versions)  # the negative control: the same nodes without b agree
+    assert rep.ok and [w.name for w in rep.warnings] == ["nccl_smoke"]
+    assert rep.check("nccl_smoke").detail.startswith("not run: the TCP doctor agents")
+
+
 def test_cli_json_and_table_and_exit_codes(tmp_path):
     import typer
     from typer.testing import CliRunner

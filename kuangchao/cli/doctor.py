@@ -53,11 +53,14 @@ def doctor(
         table.add_column("result")
         table.add_column("detail", overflow="fold")
         for c in report.checks:
-            table.add_row(c.name, "[green]ok[/]" if c.ok else "[bold red]FAIL[/]", c.detail)
+            result = "[bold red]FAIL[/]" if not c.ok else "[yellow]warn[/]" if c.warn else "[green]ok[/]"
+            table.add_row(c.name, result, c.detail)
         console = Console()
         console.print(table)
         for c in report.failed:
             console.print(f"[bold red]{c.name}[/]: fix: {c.fix}")
+        for c in report.warnings:
+            console.print(f"[yellow]{c.name}[/] (warning): fix: {c.fix}")
         console.print(
             "[green]all checks passed[/]" if report.ok else f"[bold red]{len(report.failed)} check(s) failed[/]"
         )

@@ -7,6 +7,10 @@ Each check gives ``name``, ``ok``, ``detail`` and, when it fails, a ``fix``. The
   and there is none.
 - ``gloo``: a real two-process Gloo ``all_reduce`` over loopback, in fresh subprocesses, with a timeout.
 - ``node:<host>``: each configured node answers a TCP connect on its doctor agent port.
+- ``gpu_cuda``, ``gpu_nccl``, ``gpu_driver``, ``gpu_model`` (issue 44): each node's CUDA, NCCL, NVIDIA driver and
+  GPU models, and whether they agree (``gpu_versions.py``: CUDA/NCCL major.minor an error, driver/model a warning).
+- ``nccl_smoke``: one NCCL all-reduce across the nodes' GPUs, through the node agents or on this machine's GPUs;
+  skipped with the reason where a node has no CUDA (``nccl_smoke.py``).
 - ``version_agreement``: torch/CUDA/NCCL/Python versions reported by the reachable nodes agree with ours.
   A node reports its versions through a tiny TCP agent (``kc doctor --serve`` or
   ``python -m kuangchao_core.sched.doctor --serve``): it answers each connection with one JSON line.
@@ -39,7 +43,9 @@ from typing import Any
 
 from kuangchao_core.config.access import setting
 from kuangchao_core.sched.doctor_report import Check, DoctorReport
+from kuangchao_core.sched.gpu_versions import gpu_agreement_checks, probe_gpu_versions
 from kuangchao_core.sched.launcher import free_port
+from kuangchao_core.sched.nccl_smoke import cluster_smoke
 from kuangchao_core.sched.node_checks import check_node_agents, check_nodes
 from kuangchao_core.sched.service_checks import check_checkpoint_storage, check_mlflow, check_prefect
 from kuangchao_core.sched.version_agent import (
@@ -239,18 +245,21 @@ def run_doctor(
     t0 = time.monotonic()
     report = DoctorReport()
 
+    gpu: dict[str, Any] = {}  # the nodes' GPU versions, and how to reach them, for the NCCL smoke
+
     def nodes() -> list[Check]:
-        agents = check_node_agents(cfg)
-        if agents is not None:
-            return agents
-        node_checks, agreement = check_nodes(cfg)
-        return [*node_checks, agreement]
+        agents = check_node_agents(cfg, gpu_out=gpu)
+        if agents is None:
+            node_checks, agreement = check_nodes(cfg, gpu_out=gpu)
+            agents = [*node_checks, agreement]
+        return [*agents, *gpu_agreement_checks(gpu.get("per_node", {}))]
 
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("versions", check_versions),
         ("cuda", lambda: check_cuda(cfg)),
         ("gloo", lambda: recent_gloo_pass(reuse_gloo_s) or _fresh_gloo(gloo_timeout_s)),
         ("nodes", nodes),
+        ("nccl_smoke", lambda: cluster_smoke(gpu)),
         ("checkpoint_storage", lambda: check_checkpoint_storage(cfg)),
         ("mlflow", lambda: check_mlflow(cfg)),
         ("prefect", check_prefect),
@@ -298,7 +307,9 @@ __all__ = [
     "check_nodes",
     "check_prefect",
     "check_versions",
+    "gpu_agreement_checks",
     "local_versions",
+    "probe_gpu_versions",
     "run_doctor",
     "serve_versions",
 ]

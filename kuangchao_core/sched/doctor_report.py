@@ -8,15 +8,17 @@ from typing import Any
 
 @dataclass
 class Check:
-    """One doctor check: ``fix`` says what to do when ``ok`` is false; ``transient`` when the failure is one a later
-    try may pass (a service or node that did not answer in time, a refused connection), so the flow's ``doctor``
-    task retries it (issue 44 item 4)."""
+    """One doctor check: ``fix`` says what to do when ``ok`` is false, or when ``warn`` marks a passed check that
+    deserves attention (it does not fail the report); ``transient`` when the failure is one a later try may pass (a
+    service or node that did not answer in time, a refused connection), so the flow's ``doctor`` task retries it
+    (issue 44 item 4)."""
 
     name: str
     ok: bool
     detail: str
     fix: str = ""
     transient: bool = False
+    warn: bool = False
 
 
 @dataclass
@@ -44,6 +46,11 @@ class DoctorReport:
             return False, f"failed doctor checks a retry cannot mend: {', '.join(lasting) or 'none named'}"
         return True, f"failed doctor checks that may pass on a later try: {', '.join(c.name for c in self.failed)}"
 
+    @property
+    def warnings(self) -> list[Check]:
+        """The checks that passed with a warning."""
+        return [c for c in self.checks if c.ok and c.warn]
+
     def check(self, name: str) -> Check:
         """The check called ``name``."""
         for c in self.checks:
@@ -64,6 +71,7 @@ class DoctorReport:
             "|---|---|---|---|",
         ]
         for c in self.checks:
-            cells = [c.name, "ok" if c.ok else "**FAIL**", c.detail, c.fix if not c.ok else ""]
+            result = "**FAIL**" if not c.ok else "warn" if c.warn else "ok"
+            cells = [c.name, result, c.detail, c.fix if not c.ok or c.warn else ""]
             lines.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
         return "\n".join(lines) + "\n"

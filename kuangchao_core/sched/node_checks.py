@@ -28,8 +28,12 @@ def configured_nodes(cfg: Any) -> list[str]:
     return hosts
 
 
-def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Check], Check]:
-    """Reachability of every configured node, and agreement of their versions with ours."""
+def check_nodes(
+    cfg: Any, timeout: float = CONNECT_TIMEOUT_S, gpu_out: dict[str, Any] | None = None
+) -> tuple[list[Check], Check]:
+    """Reachability of every configured node, and agreement of their versions with ours; ``gpu_out`` (when
+    given) gets each answering node's GPU versions (``gpu`` of its report) by node under ``per_node``, and
+    ``local``: whether no configured node is another machine."""
     mine = local_versions()
     keys = ("python", "torch", "cuda", "nccl")
     reports: dict[str, dict] = {}
@@ -69,6 +73,9 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
                     f"start `kc doctor --serve --port {port}` on {host}, or name its agent port as {host}:PORT",
                 )
             )
+    if gpu_out is not None:  # only the nodes that run ranks: a launching machine outside them needs no GPU
+        gpu_out["per_node"] = {spec: r.get("gpu") for spec, r in reports.items()} or {"(this machine)": mine["gpu"]}
+        gpu_out["local"] = not remote
     if not remote:
         return checks, Check("version_agreement", True, "local cluster: nothing to compare")
     if not any(is_local(split_host(h)[0]) for h in reports):  # the launching machine counts too
@@ -91,10 +98,12 @@ def check_nodes(cfg: Any, timeout: float = CONNECT_TIMEOUT_S) -> tuple[list[Chec
     return checks, Check("version_agreement", True, f"{len(reports)} nodes agree: {agreed}{skipped}")
 
 
-def check_node_agents(cfg: Any) -> list[Check] | None:
+def check_node_agents(cfg: Any, gpu_out: dict[str, Any] | None = None) -> list[Check] | None:
     """A static or dynamic cluster whose pool has node agents (``kc node start``): the placement the launch would
     make (every static node live, enough live nodes for a dynamic one) and the agents' versions against ours.
-    None when the pool has no agents or no Prefect API answers (then the TCP doctor agents are asked)."""
+    None when the pool has no agents or no Prefect API answers (then the TCP doctor agents are asked).
+    ``gpu_out`` (when given) gets the placed nodes' GPU versions by name under ``per_node``, their
+    ``NodeStatus`` under ``nodes`` and the pool's agent deployment under ``deployment`` (the NCCL smoke's)."""
     from kuangchao_core.sched.nodes import list_nodes
     from kuangchao_core.sched.placement import NodeUnavailable, choose_nodes, cluster_pool
 
@@ -110,9 +119,17 @@ def check_node_agents(cfg: Any) -> list[Check] | None:
     try:
         placed = choose_nodes(cfg, registered)
     except NodeUnavailable as exc:
+        if gpu_out is not None:
+            gpu_out["per_node"] = {}  # no placement: nothing to compare or smoke
         fix = f"start `kc node start --pool {pool}` on the named machines (or fix cluster.nodes / nproc_per_node)"
         return [Check("node_agents", False, str(exc), fix)]
     by_name = {n.name: n for n in registered}
+    if gpu_out is not None:
+        from kuangchao_core.sched.nodes import deployment_name
+
+        gpu_out["per_node"] = {a.name: by_name[a.name].facts.gpu for a in placed}
+        gpu_out["nodes"] = [by_name[a.name] for a in placed]
+        gpu_out["deployment"] = deployment_name(pool)
     checks = [
         Check(f"node:{a.name}", True, f"agent live at {a.address} ({a.ifname or 'default interface'}), ranks {a.ranks}")
         for a in placed

@@ -72,6 +72,7 @@ class NodeFacts:
     torch: str | None = None
     free_memory_bytes: int | None = None
     started_at: str = ""
+    gpu: dict[str, Any] | None = None  # driver, CUDA, NCCL, GPU names (gpu_versions.probe_gpu_versions)
 
     @property
     def slots(self) -> int:
@@ -136,6 +137,8 @@ def local_facts(name: str, address: str | None = None, ifname: str | None = None
     """The facts of this machine: devices and versions from torch, free memory from ``/proc/meminfo``."""
     import torch
 
+    from kuangchao_core.sched.gpu_versions import probe_gpu_versions
+
     kind, count, cuda, nccl = "cpu", 0, None, None
     if torch.cuda.is_available():
         kind, count, cuda = "cuda", torch.cuda.device_count(), torch.version.cuda
@@ -160,6 +163,7 @@ def local_facts(name: str, address: str | None = None, ifname: str | None = None
         torch=torch.__version__,
         free_memory_bytes=_free_memory_bytes(),
         started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        gpu=probe_gpu_versions(),
     )
 
 

@@ -19,8 +19,11 @@ LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
 
 
 def local_versions() -> dict[str, Any]:
-    """Versions of this machine's Python, torch, CUDA, cuDNN and NCCL (None where absent)."""
+    """Versions of this machine's Python, torch, CUDA, cuDNN and NCCL (None where absent); ``gpu``: the driver,
+    CUDA, NCCL and GPU names, ``"none"`` with reasons where absent (:func:`.gpu_versions.probe_gpu_versions`)."""
     import torch
+
+    from kuangchao_core.sched.gpu_versions import probe_gpu_versions
 
     out: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -31,6 +34,7 @@ def local_versions() -> dict[str, Any]:
         "nccl": None,
         "cudnn": None,
         "gpus": 0,
+        "gpu": probe_gpu_versions(),
     }
     try:
         if torch.cuda.is_available():
