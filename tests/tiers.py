@@ -158,6 +158,7 @@ FILE_TIERS = {
     "test_s3.py": "unit",
     "test_sample_context.py": "unit",
     "test_eval_cost.py": "unit",
+    "test_loop_shape.py": "unit",
     "test_fault_repeat.py": "unit",
     "test_second_run.py": "flows",
     "test_tracking_store.py": "distributed",

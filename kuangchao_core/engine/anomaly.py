@@ -22,14 +22,19 @@ that becomes several times slower is.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kuangchao_core.config.schema import ANOMALY_DEFAULT_ACTIONS
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.obs.jsonlog import emit_event
+
+log = logging.getLogger("kuangchao.engine")
 
 KINDS = ("comm_share", "grad_norm", "loss_nan", "loss_spike", "memory_growth")
 #: the most a baseline raises the communication-share limit to
@@ -118,6 +123,31 @@ class AnomalyDetector:
         if warm and math.isfinite(norm):
             self._norms.append(norm)
         return [a for a in found if a is not None]
+
+    def after_step(self, step: int, metrics: dict[str, float], rank: int, save: Callable[[], Any]) -> str | None:
+        """The loop's call after every step: flag its anomalies (logged; rank 0 emits an ``anomaly`` event for the
+        orchestrator and adds the MLflow counts ``anomalies_<kind>`` to ``metrics``) and run their ``checkpoint``
+        actions (``save``: the trainer's checkpoint of this step, collective); returns the kind whose action is
+        ``stop``, if any — the same on every rank, since only rank-independent kinds can stop."""
+        stop = None
+        for a in self.observe(step, metrics):
+            # the ``anomaly`` field keeps this record out of the console, which tallies the events per kind
+            log.warning(
+                "anomaly %s at step %d: %s (action %s)",
+                a.kind,
+                step,
+                a.message,
+                a.action,
+                extra={"fields": {"anomaly": a.kind}},
+            )
+            if rank == 0:
+                emit_event("anomaly", **a.to_dict())
+                metrics[f"anomalies_{a.kind}"] = float(self.counts[a.kind])
+            if a.action == "checkpoint":
+                save()
+            elif a.action == "stop":
+                stop = a.kind
+        return stop
 
     def _comm(self, step: int, share: float, warm: bool) -> Anomaly | None:
         """Communication share: the median of the last ``comm_share_steps`` steps against :func:`comm_share_limit`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class TrainerCheckpoints:
         self.writer = CheckpointWriter(settings.dir, settings.task, rank, world_size, barrier=barrier)
         self.saver = AsyncSaver(self.writer) if settings.async_ else None
         self.plan: ResumePlan | None = None
+        self.saved_at = -1  # the step the cadence last saved, or the run resumed from (-1: neither)
 
     # ------------------------------------------------------------------ lineage
     def plan_run(self, resume: str, lineage: str | None = None) -> ResumePlan:
@@ -255,6 +257,22 @@ class TrainerCheckpoints:
         """Wait until the background save in flight (if any) is published; raise its error."""
         if self.saver is not None:
             self.saver.wait()
+
+    # ------------------------------------------------------------------ the loop's cadence
+    def after_step(self, step: int, interval: int | None, save: Callable[[], Any]) -> None:
+        """After every step: ``save`` (the trainer's checkpoint of this step, collective) when ``interval`` (the
+        followed ``checkpoint.interval``) divides ``step``; then a failed background save ends the run here."""
+        if interval and step % interval == 0:
+            save()
+            self.saved_at = step
+        self.check()
+
+    def at_end(self, step: int, total: int, save: Callable[[], Any]) -> None:
+        """After the loop: the last step (``total``) saved unless it is saved already, and the save in flight
+        published before the run reports done."""
+        if step != self.saved_at and step == total:
+            save()
+        self.finish()
 
     # ------------------------------------------------------------------ load
     @torch.no_grad()

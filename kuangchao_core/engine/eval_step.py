@@ -65,6 +65,16 @@ class StepEvaluations:
             )
             log_sample_images(metric_sink, self.samples, step)  # a vision job's answers with their images
 
+    def baseline(self, metric_sink: Any) -> None:
+        """A fine-tune's starting point, to read every later evaluation against: both evaluations at step 0 (none
+        when the job has no held-out loss), reported to ``metric_sink`` by rank 0. Collective."""
+        if self.evaluator is None:
+            return
+        before: dict[str, float] = {}
+        self(0, before, metric_sink, every=True)
+        if metric_sink is not None and self.rank == 0:
+            metric_sink.log_step(0, before)
+
     def final(self, step: int) -> tuple[float | None, str]:
         """The final model's samples at ``step`` (the last): an evaluation's at that step, else decoded now (its
         time counted in :attr:`seconds`). Collective."""

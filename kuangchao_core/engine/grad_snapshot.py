@@ -39,6 +39,24 @@ def write_snapshot(run_dir: str | os.PathLike, rank: int, model, coords: tuple[i
     return path
 
 
+class SnapshotStep:
+    """The step whose gradients ``kc debug gradient`` asked for (``$KC_GRAD_SNAPSHOT_STEP`` in a run directory's
+    worker, ``$KC_RUN_DIR``; 0: none), read from ``env`` (default ``os.environ``) when a run starts."""
+
+    def __init__(self, env: Any = None):
+        env = os.environ if env is None else env
+        self.run_dir = env.get("KC_RUN_DIR")
+        self.step = int(env.get(ENV_STEP, "0") or 0) if self.run_dir else 0
+
+    def after_step(self, step: int, rank: int, sync: Any, model: Any, coords: tuple[int, int, int]) -> None:
+        """At the asked step only: write this rank's reduced gradients, before the next step changes them
+        (collective under ZeRO-3, which gathers the full parameters)."""
+        if self.step != step:
+            return
+        with sync.full_parameters():
+            write_snapshot(self.run_dir, rank, model, coords, step)
+
+
 def load_snapshots(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
     """``{rank: {"coords", "step", "tensors"}}`` from a folder of snapshots."""
     from safetensors import safe_open

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +31,10 @@ from kuangchao_core.data.image_pool import DataWait
 from kuangchao_core.engine.anomaly import AnomalyDetector, AnomalyStop
 from kuangchao_core.engine.checkpointing import TrainerCheckpoints
 from kuangchao_core.engine.eval_step import StepEvaluations
-from kuangchao_core.engine.grad_snapshot import ENV_STEP as GRAD_SNAPSHOT_ENV
-from kuangchao_core.engine.grad_snapshot import write_snapshot
+from kuangchao_core.engine.grad_snapshot import SnapshotStep
 from kuangchao_core.engine.job_data import job_data
 from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
-from kuangchao_core.engine.metrics import memory_bytes, memory_kind, start_phase
+from kuangchao_core.engine.metrics import StepReport, memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
 from kuangchao_core.engine.vlm_model import with_pretrained_vision, wrap_vision
@@ -44,7 +42,6 @@ from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
-from kuangchao_core.obs.step_feed import StepFeed
 from kuangchao_core.parallel.context import shard_micro_batches
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS
 from kuangchao_core.parallel.grad_sync import make_grad_sync
@@ -156,45 +153,35 @@ class Trainer:
             self.evaluator, self.samples, train.eval_interval, run.evaluation.sample_every, rank
         )
         self.sampler = ResumableBatchSampler(
-            len(self.dataset), micro_batch_size=batches.micro_batch_size, grad_accum=batches.gradient_accumulation_steps,
-            dp_rank=mesh.dp_rank, dp_size=mesh.dp, seed=train.seed, shuffle=batches.shuffle,
-        )  # fmt: skip
+            len(self.dataset),
+            micro_batch_size=batches.micro_batch_size,
+            grad_accum=batches.gradient_accumulation_steps,
+            dp_rank=mesh.dp_rank,
+            dp_size=mesh.dp,
+            seed=train.seed,
+            shuffle=batches.shuffle,
+        )
         self.loader: PrefetchLoader | None = None
         self.global_config: Any = None  # job-global settings changed at run time (kc config set), see the worker
         self.lr_scale = 1.0
         self.anomaly = AnomalyDetector(train.anomaly, warmup_steps=train.warmup_steps)
         self.checkpoints = TrainerCheckpoints(
-            run.checkpoint, rank, world_size, mesh, self.parts, self.sync, self.host_group, self.model_config,
-            target_layout(mesh, run.build), self.barrier,
-        )  # fmt: skip
+            run.checkpoint,
+            rank,
+            world_size,
+            mesh,
+            self.parts,
+            self.sync,
+            self.host_group,
+            self.model_config,
+            target_layout(mesh, run.build),
+            self.barrier,
+        )
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
         """A barrier over every rank, on the host group, through the communication layer (so the guard sees it)."""
         P.all_reduce(torch.zeros(1), group=self.host_group, op="sum")
-
-    def _anomalies(self, step: int, metrics: dict[str, float]) -> str | None:
-        """Flag this step's anomalies (log, event for the orchestrator, MLflow counts in ``metrics``), run their
-        ``checkpoint`` actions; returns the kind whose action is ``stop``, if any (every rank sees the same)."""
-        stop = None
-        for a in self.anomaly.observe(step, metrics):
-            # the ``anomaly`` field keeps this record out of the console, which tallies the events per kind
-            log.warning(
-                "anomaly %s at step %d: %s (action %s)",
-                a.kind,
-                step,
-                a.message,
-                a.action,
-                extra={"fields": {"anomaly": a.kind}},
-            )
-            if self.rank == 0:
-                emit_event("anomaly", **a.to_dict())
-                metrics[f"anomalies_{a.kind}"] = float(self.anomaly.counts[a.kind])
-            if a.action == "checkpoint":
-                self.save_checkpoint()
-            elif a.action == "stop":
-                stop = a.kind
-        return stop
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
@@ -328,8 +315,54 @@ class Trainer:
         self, resume: str = "auto", metric_sink: Any = None, max_steps: int | None = None, lineage: str | None = None
     ) -> TrainState:
         """Train to ``train.steps`` (or ``max_steps`` more steps), checkpointing every ``checkpoint.interval`` into
-        this run's lineage (``lineage`` pins it; else it is decided from ``resume``)."""
+        this run's lineage (``lineage`` pins it; else it is decided from ``resume``). After each step its observers
+        run in order, and each decides whether this step is one of its own."""
         self.sync.prepare()
+        lineage, fine_tune = self._resume(resume, lineage)
+        live = self._live_config()
+        self.stopped_at = None  # the step a stop request ended the run at (the stop file, issue 32 §3)
+        # a change made before this attempt (or before a resume) applies from its first step
+        self.lr_scale = live.follow(self.state.step, first=True).lr_scale
+        # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
+        pin = self.device.type == "cuda"
+        self.loader = PrefetchLoader(
+            self.dataset, self.sampler, depth=self.run_settings.batches.prefetch, pin_memory=pin
+        )
+        self.data_wait, self.step_seconds = DataWait(), []
+        total, start_step = self.train_settings.steps, self.state.step
+        stop_at = total if max_steps is None else min(total, start_step + max_steps)
+        report = StepReport(self.rank, self.device, metric_sink, total, start_step, stop_at)  # the loop's clock
+        report.start(world_size=self.world_size, lineage=lineage)
+        snapshot = SnapshotStep()  # `kc debug gradient`'s step, if any
+        try:
+            if fine_tune:  # from pretrained weights: its starting point, to read every later evaluation against
+                self.evaluate.baseline(metric_sink)
+            while self.state.step < stop_at:
+                result = self.train_step(self.data_wait.measure(self.loader.next_step))
+                self._account(result, first=result.step == start_step + 1)
+                self.lr_scale = live.follow(result.step, first=False).lr_scale  # kc config set, the stop file
+                metrics = result.metrics() | {"data_wait_s": self.data_wait.last}
+                snapshot.after_step(result.step, self.rank, self.sync, self.model, self.mesh.coords)
+                stop = self.anomaly.after_step(result.step, metrics, self.rank, self.save_checkpoint)
+                self.evaluate(result.step, metrics, metric_sink)  # what is due at this step, timed (eval_time_s)
+                report.after_step(result, metrics, live.settings.log_interval)  # MLflow, step feed, log line
+                if stop is not None:
+                    self._stop_on_anomaly(result.step, stop)
+                if self._stop_requested(live, result.step, stop_at):
+                    break
+                self.checkpoints.after_step(result.step, live.settings.checkpoint_interval, self.save_checkpoint)
+            self.checkpoints.at_end(self.state.step, total, self.save_checkpoint)  # published before run() returns
+            self.state.loop_seconds += report.elapsed()  # the whole loop, for tokens_per_s_loop
+            if self.rank == 0 and self.step_seconds:  # the step's wait for its data (issue 31: < 5 % of the step)
+                log_event(log, "data wait", **self.data_wait.summary(self.step_seconds))
+        finally:
+            report.close()
+            self.loader.close()
+        return self.state
+
+    def _resume(self, resume: str, lineage: str | None) -> tuple[str, bool]:
+        """Agree on this run's lineage and load what it starts from (collective); returns the lineage and whether
+        the run fine-tunes pretrained weights from their start (no checkpoint to resume)."""
         plan = self.checkpoints.plan_run(resume, lineage)
         if self.rank == 0:
             log_event(log, "checkpoints", lineage=plan.lineage, resume_from=plan.step_dir, reason=plan.reason)
@@ -340,97 +373,37 @@ class Trainer:
             self.checkpoints.load_pretrained(pretrained)
         if step_dir is not None:
             self.load_checkpoint(step_dir)
-        total = self.train_settings.steps
-        live = LiveConfig(
-            self.global_config,
-            self.rank,
-            self.world_size,
-            self.host_group,
-            LiveSettings(self.lr_scale, self.train_settings.log_interval, self.run_settings.checkpoint.interval),
-        )
-        self.stopped_at = None  # the step a stop request ended the run at (the stop file, issue 32 §3)
-        # a change made before this attempt (or before a resume) applies from its first step
-        self.lr_scale = live.follow(self.state.step, first=True).lr_scale
-        # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
-        pin = self.device.type == "cuda"
-        self.loader = PrefetchLoader(
-            self.dataset, self.sampler, depth=self.run_settings.batches.prefetch, pin_memory=pin
-        )
-        last_saved = self.state.step if step_dir is not None else -1
-        self.data_wait, self.step_seconds = DataWait(), []
-        stop_at = total if max_steps is None else min(total, self.state.step + max_steps)
-        start_step = self.state.step
-        t_start = time.perf_counter()
-        if self.rank == 0:
-            emit_event(
-                "start", total_steps=total, start_step=start_step, world_size=self.world_size, lineage=plan.lineage
-            )
-        snapshot_at = int(os.environ.get(GRAD_SNAPSHOT_ENV, "0") or 0) if os.environ.get("KC_RUN_DIR") else 0
-        if self.evaluator is not None and pretrained and step_dir is None:
-            # a fine-tune from pretrained weights: its starting point, to read every later evaluation against
-            before: dict[str, float] = {}
-            self.evaluate(0, before, metric_sink, every=True)
-            if metric_sink is not None and self.rank == 0:
-                metric_sink.log_step(0, before)
-        feed = StepFeed() if self.rank == 0 else None  # every step's metrics to the orchestrator (Prometheus)
-        try:
-            while self.state.step < stop_at:
-                result = self.train_step(self.data_wait.measure(self.loader.next_step))
-                self.step_seconds.append(result.step_time_s)
-                verify_order(self.host_group)  # CI's NCCL rules: the same ops on every rank (else a no-op)
-                self.state.trained_tokens += round(result.tokens_per_s * result.step_time_s)
-                self.state.train_seconds += result.step_time_s
-                first = result.step == start_step + 1
-                if first and self.rank == 0:
-                    self._report_memory(result)
-                settings = live.follow(result.step, first=False)
-                self.lr_scale = settings.lr_scale
-                metrics = result.metrics() | {"data_wait_s": self.data_wait.last}
-                if snapshot_at == result.step:  # `kc debug gradient`: reduced gradients, before the next step
-                    with self.sync.full_parameters():  # collective under ZeRO-3
-                        write_snapshot(os.environ["KC_RUN_DIR"], self.rank, self.model, self.mesh.coords, result.step)
-                stop = self._anomalies(result.step, metrics)
-                self.evaluate(result.step, metrics, metric_sink)  # what is due at this step, timed (eval_time_s)
-                if metric_sink is not None and self.rank == 0:
-                    metric_sink.log_step(result.step, metrics)
-                if feed is not None:
-                    feed.record(result.step, result.step_time_s, metrics)
-                if self.rank == 0 and (result.step % settings.log_interval == 0 or result.step == stop_at):
-                    elapsed = time.perf_counter() - t_start
-                    done = result.step - start_step
-                    eta = elapsed / done * (total - result.step) if done else None
-                    fields = result.metrics() | {
-                        "step": result.step,
-                        "total_steps": total,
-                        "eta_s": eta,
-                        "step_time_s": result.step_time_s,
-                        "eval_time_s": metrics.get("eval_time_s"),  # None: no evaluation at this step
-                        "mem_kind": memory_kind(self.device),
-                        "in_steps": True,  # the step feed carries this step's metrics too
-                    }
-                    log_event(log, "step", **fields)
-                    emit_event("step", **fields)
-                if stop:
-                    self.save_checkpoint()  # the state that showed it, to look at; then the run ends
-                    self.checkpoints.finish()
-                    raise AnomalyStop(f"stopped at step {result.step} by anomaly {stop} (train.anomaly.actions)")
-                if live.stop_requested is not None and result.step < stop_at:  # every rank at this same step
-                    self.save_checkpoint()  # published below, before run() returns
-                    self.stopped_at = result.step
-                    break
-                interval = settings.checkpoint_interval
-                if interval and result.step % interval == 0:
-                    self.save_checkpoint()
-                    last_saved = result.step
-                self.checkpoints.check()  # a failed background save ends the run here
-            if self.state.step != last_saved and self.state.step == total:
-                self.save_checkpoint()
-            self.checkpoints.finish()  # the save in flight is published before the run reports done
-            self.state.loop_seconds += time.perf_counter() - t_start  # the whole loop, for tokens_per_s_loop
-            if self.rank == 0 and self.step_seconds:  # the step's wait for its data (issue 31: < 5 % of the step)
-                log_event(log, "data wait", **self.data_wait.summary(self.step_seconds))
-        finally:
-            if feed is not None:
-                feed.close()
-            self.loader.close()
-        return self.state
+        self.checkpoints.saved_at = self.state.step if step_dir is not None else -1
+        return plan.lineage, bool(pretrained) and step_dir is None
+
+    def _live_config(self) -> LiveConfig:
+        """What this run follows while it trains: the job-global settings (``kc config set``) and the stop file."""
+        interval = self.run_settings.checkpoint.interval
+        settings = LiveSettings(self.lr_scale, self.train_settings.log_interval, interval)
+        return LiveConfig(self.global_config, self.rank, self.world_size, self.host_group, settings)
+
+    def _account(self, result: StepResult, first: bool) -> None:
+        """After every step: its time and tokens into the run's totals, CI's check that every rank ran the same
+        collectives (a no-op elsewhere), and after the ``first`` step of the run, rank 0's memory report."""
+        self.step_seconds.append(result.step_time_s)
+        verify_order(self.host_group)
+        self.state.trained_tokens += round(result.tokens_per_s * result.step_time_s)
+        self.state.train_seconds += result.step_time_s
+        if first and self.rank == 0:
+            self._report_memory(result)
+
+    def _stop_on_anomaly(self, step: int, kind: str) -> None:
+        """An anomaly whose action is ``stop``: checkpoint the state that showed it, to look at; then end the run."""
+        self.save_checkpoint()
+        self.checkpoints.finish()
+        raise AnomalyStop(f"stopped at step {step} by anomaly {kind} (train.anomaly.actions)")
+
+    def _stop_requested(self, live: LiveConfig, step: int, stop_at: int) -> bool:
+        """The stop file (issue 32 §3): once every rank has learnt of it (``live``, all at the same step), checkpoint
+        this step — published before :meth:`run` returns — note it in ``stopped_at`` and end the loop. At the loop's
+        last step (``stop_at``) nothing happens: the loop ends there anyway."""
+        if live.stop_requested is None or step >= stop_at:
+            return False
+        self.save_checkpoint()
+        self.stopped_at = step
+        return True
