@@ -10,6 +10,7 @@ its run *Cancelled* with that line as the state's message (``flows/train.py``); 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -41,9 +42,33 @@ def _line(config: str, overrides: list[str]) -> str:
 
 
 def say_interrupted(config: str, overrides: list[str], message: str | None = None) -> None:
-    """Print the line (the flow's own ``message`` when it ended its run Cancelled) and exit ``128 + N``."""
+    """Print the line (the flow's own ``message`` when it ended its run Cancelled) and exit ``128 + N``: the exit
+    handlers run (Prefect's last logs, its temporary server's stop), the interpreter's teardown of torch, MLflow and
+    Prefect (seconds on a loaded machine, nothing to save) is skipped."""
     typer.echo(message or _line(config, overrides), err=True)
-    raise typer.Exit(interrupt.exit_code())
+    _flush()
+    _drain_prefect(timeout_s=3.0)  # as the interpreter's exit does before its exit handlers
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(interrupt.exit_code())
+
+
+def _drain_prefect(timeout_s: float) -> None:
+    """Prefect's log and event workers: what they hold sent to the API within ``timeout_s`` each."""
+    if "prefect.logging.handlers" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _mark_cancelled(text: str) -> None:
@@ -66,9 +91,7 @@ def _end_now(config: str, overrides: list[str], _signum: int) -> None:
         text = interrupt.line(interrupt.last_step(), None, config, overrides)
     with contextlib.suppress(Exception):
         _mark_cancelled(text)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     os.write(2, (text + "\n").encode())
     os._exit(interrupt.exit_code())
 

@@ -32,4 +32,7 @@ def interrupted_line(record: dict[str, Any], config_path: str, overrides: list[s
     saved = newest_published_step(record.get("lineage_dir"))
     if saved is None:
         saved = record.get("resume_step")
-    return interrupt.line(interrupt.last_step(), saved, config_path, overrides)
+    step = interrupt.last_step()
+    if step is not None and saved is not None:
+        step = max(step, saved)  # killed ranks: their last steps' report may not have left them, their checkpoint did
+    return interrupt.line(step, saved, config_path, overrides)

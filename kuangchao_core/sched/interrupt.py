@@ -8,7 +8,8 @@ a Prefect cancellation of the process — and the job stops on purpose:
 - **first signal**, while this process's launcher waits for its ranks (:func:`attempt`, local attempts): the
   attempt's stop file (``$KC_STOP_FILE`` of the ranks, see :mod:`kuangchao_core.engine.live_config`) is created, so
   the ranks stop together at their next check (every ``train.log_interval`` steps), checkpoint that step and exit;
-  the launcher then raises :class:`Interrupted`. Ranks that have not stopped within ``grace_s``
+  the launcher then raises :class:`Interrupted` (ending them itself :data:`ACKNOWLEDGED_EXIT_S` after they said
+  so, rather than wait seconds for their interpreters and torchrun to exit). Ranks not stopped within ``grace_s``
   (``$KC_INTERRUPT_GRACE_S``, default 8 s) are killed at once (:func:`overdue`): the newest published checkpoint
   stays intact, since a save in flight is only a temporary directory until it is published.
 - **first signal** anywhere else (preparing, between attempts, finishing, or a Slurm or multi-node attempt, whose own
@@ -36,6 +37,8 @@ from typing import Any
 STOP_FILE = "interrupt_stop"
 ENV_GRACE = "KC_INTERRUPT_GRACE_S"
 DEFAULT_GRACE_S = 8.0
+#: how long ranks that stopped and checkpointed get to exit on their own (rank 0 flushes its last metrics)
+ACKNOWLEDGED_EXIT_S = 1.5
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -54,6 +57,7 @@ class _Attempt:
     def __init__(self, stop_file: str | None) -> None:
         self.stop_file = stop_file
         self.kill: Callable[[], None] | None = None  # set once the group is started
+        self.acknowledged_at: float | None = None  # when the launcher first saw the ranks' acknowledgement
 
 
 class _State:
@@ -192,9 +196,20 @@ def attempt(stop_file: str | None) -> Iterator[_Attempt]:
 
 
 def overdue() -> bool:
-    """An interrupt came and the ranks have had their grace to stop on their own: kill them now."""
+    """An interrupt came and the ranks have had their grace to stop on their own, or they have stopped and said so
+    (``<stop file>.step``: their checkpoint is published) :data:`ACKNOWLEDGED_EXIT_S` ago: end them now (their
+    interpreters' and torchrun's own exit take seconds more on a loaded machine, and save nothing)."""
     state = _STATE
-    return state is not None and state.at is not None and time.monotonic() - state.at >= state.grace_s
+    if state is None or state.at is None:
+        return False
+    now = time.monotonic()
+    if now - state.at >= state.grace_s:
+        return True
+    current = state.attempt
+    if current is None or not current.stop_file or not os.path.exists(f"{current.stop_file}.step"):
+        return False
+    current.acknowledged_at = current.acknowledged_at or now
+    return now - current.acknowledged_at >= ACKNOWLEDGED_EXIT_S
 
 
 def raise_if_requested() -> None:
