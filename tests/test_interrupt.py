@@ -84,6 +84,44 @@ def test_the_last_step_is_the_newest_the_ranks_reported():
         interrupt._STATE = None
 
 
+def test_a_first_signal_outside_an_attempt_raises_where_the_main_thread_is_and_the_handlers_go_back():
+    before = signal.getsignal(signal.SIGINT)
+    with interrupt.installed():
+        assert signal.getsignal(signal.SIGINT) is interrupt._on_signal
+        assert signal.getsignal(signal.SIGTERM) is interrupt._on_signal
+        with pytest.raises(interrupt.Interrupted) as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs here, in the main thread
+        assert caught.value.signum == signal.SIGTERM and interrupt.requested() == signal.SIGTERM
+        assert interrupt.exit_code() == 143
+    assert signal.getsignal(signal.SIGINT) is before and interrupt.requested() is None
+
+
+def test_a_first_signal_in_an_attempt_asks_the_ranks_to_stop_and_a_second_kills_them(tmp_path):
+    """In an attempt the first signal only creates the ranks' stop file; the attempt is overdue once they
+    acknowledged (1.5 s later) or after the grace; a second signal kills them and calls the process's hook."""
+    stop = tmp_path / "attempt_0" / interrupt.STOP_FILE
+    killed, ended = [], []
+    with interrupt.installed(on_second=ended.append):
+        interrupt._STATE.grace_s = 30.0
+        with interrupt.attempt(str(stop)) as current:
+            current.kill = lambda: killed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler ran and returned: nothing raised
+            assert stop.read_text().startswith("interrupted by SIGINT") and interrupt.requested() == signal.SIGINT
+            assert not interrupt.overdue()  # not acknowledged, the grace not over
+            Path(f"{stop}.step").write_text('{"step": 7}')
+            assert not interrupt.overdue()  # acknowledged just now: the ranks get 1.5 s to exit
+            current.acknowledged_at -= interrupt.ACKNOWLEDGED_EXIT_S
+            assert interrupt.overdue()
+            with pytest.raises(interrupt.Interrupted):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            assert killed == [True] and ended == [signal.SIGINT]
+        with pytest.raises(interrupt.Interrupted):
+            interrupt.raise_if_requested()  # the launcher, once the ranks ended
+
+
 # --- processes, from /proc ----------------------------------------------------------------------------------------
 
 

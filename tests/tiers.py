@@ -236,6 +236,8 @@ TEST_TIERS = {
     "test_interrupt.py::test_the_line_names_the_step_the_checkpoint_and_the_command_with_its_overrides": "unit",
     "test_interrupt.py::test_the_newest_published_checkpoint_leaves_out_unpublished_and_odd_directories": "unit",
     "test_interrupt.py::test_the_last_step_is_the_newest_the_ranks_reported": "unit",
+    "test_interrupt.py::test_a_first_signal_outside_an_attempt_raises_where_the_main_thread_is_and_the_handlers_go_back": "unit",
+    "test_interrupt.py::test_a_first_signal_in_an_attempt_asks_the_ranks_to_stop_and_a_second_kills_them": "unit",
     "test_prefect_api_lost.py::test_a_lost_api_interrupts_the_interruptible_stretch_only": "unit",
     "test_prefect_api_lost.py::test_before_registration_refuses_once_the_api_is_lost": "unit",
     "test_registry_aliases.py::test_the_identity_of_held_out_files_is_their_bytes": "unit",

@@ -100,9 +100,9 @@ def _end_now(config: str, overrides: list[str], _signum: int) -> None:
 def one_line_on_interrupt(config: str, overrides: list[str]) -> Iterator[None]:
     """Around ``kc train``'s work: Ctrl-C and SIGTERM stop the job as :mod:`kuangchao_core.sched.interrupt` says
     and end the command with one line."""
-    interrupt.install(on_second=lambda signum: _end_now(config, overrides, signum))
-    interrupt.on_request(silence_prefect_console)
-    try:
-        yield
-    except interrupt.Interrupted:
-        say_interrupted(config, overrides)
+    with interrupt.installed(on_second=lambda signum: _end_now(config, overrides, signum)):
+        interrupt.on_request(silence_prefect_console)
+        try:
+            yield
+        except interrupt.Interrupted:
+            say_interrupted(config, overrides)

@@ -96,13 +96,20 @@ def rearm() -> None:
         signal.signal(sig, _on_signal)
 
 
-def uninstall() -> None:
-    """Give the signals back to Python's defaults and forget the state (tests)."""
+@contextmanager
+def installed(on_second: Callable[[int], None] | None = None) -> Iterator[None]:
+    """:func:`install` for the block; on the way out the handlers found before are back and the state is gone (a
+    command run in-process by a test leaves its runner's Ctrl-C as it was)."""
     global _STATE
-    if _STATE is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _STATE = None
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS} if main else {}
+    install(on_second)
+    try:
+        yield
+    finally:
+        _STATE = None
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def requested() -> int | None:
