@@ -123,14 +123,17 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
 
 
 def refuse_early(config: str, overrides: list[str], resume: str | None, if_finished: str):
-    """The checks of ``kc train`` that need no Prefect run, before one starts: the config, the layout and, when the
-    local checkpoints decide it, a lineage already at ``train.steps`` (:class:`NothingToTrain`, the flow's own
+    """The checks of ``kc train`` that need no Prefect run, before one starts: the config, the data's paths and first
+    records (:func:`~kuangchao_core.data.early_check.check_data_early`), the layout and, when the local checkpoints
+    decide it, a lineage already at ``train.steps`` (:class:`NothingToTrain`, the flow's own
     :func:`~kuangchao_core.ckpt.lineage.plan_training`). Returns the config."""
     from kuangchao_core.config import load_config
+    from kuangchao_core.data.early_check import check_data_early
     from kuangchao_core.engine.plan import raise_for_plan
     from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX
 
     cfg = load_config(config, overrides)
+    check_data_early(cfg.data)  # a wrong data.path in a second, before any server (issue 45 §2)
     registered_base = str(cfg.model.checkpoint or "").startswith(MODEL_URI_PREFIX)
     # with checkpoint.uri the flow first restores from S3, and a registered base changes the lineage's fingerprint:
     # then the flow decides. Before the layout's check, which imports torch: a refusal takes no second
