@@ -144,15 +144,16 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     job = prepare_run(cfg, secrets, flow_run.get_id(), resume, if_finished, STEPS, logger, opened)
     if job.nothing_to_train:
         return _nothing_to_train(job)
-    open_job(job, STEPS, clock, logger)  # doctor, topology, the MLflow run, the Prometheus endpoint
     interrupted = False
     try:
+        open_job(job, STEPS, clock, logger)  # doctor, topology, the MLflow run, the Prometheus endpoint
         hold_job_lineage(job, STEPS, clock, logger)  # the data validated, the lineage held, the S3 mirror
         result = run_attempts(job, STEPS, clock, logger)
         return finish_run(job, result, STEPS, clock, logger)
     except BaseException as exc:
         killed = prefect_watch.current().cancelled or isinstance(exc, interrupt.Interrupted)
-        tracking.close_failed_run(cfg, job.run_id, "KILLED" if killed else "FAILED", logger)
+        if job.run_id:  # opened (a Ctrl-C may land between the run's start and the Prometheus endpoint's)
+            tracking.close_failed_run(cfg, job.run_id, "KILLED" if killed else "FAILED", logger)
         interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:

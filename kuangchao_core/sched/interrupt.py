@@ -225,6 +225,25 @@ def raise_if_requested() -> None:
         raise Interrupted(requested())
 
 
+@contextmanager
+def children_spared() -> Iterator[None]:
+    """Processes started inside start with SIGINT blocked (the mask is inherited through fork and exec): the
+    terminal's Ctrl-C reaches this process's whole group, and is this process's to answer — a child started with
+    multiprocessing's ``spawn`` would print its own ``KeyboardInterrupt`` traceback. The child calls
+    :func:`ignore_terminal_interrupt` first; this process stops it when it must."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def ignore_terminal_interrupt() -> None:
+    """In a child started under :func:`children_spared`: SIGINT ignored, then unblocked."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def line(step: int | None, checkpoint_step: int | None, config: str, overrides: list[str]) -> str:
     """The one line of an interrupted ``kc train``: where it stopped, its newest checkpoint, the command that
     continues it (the same ``--set`` overrides: they decide the lineage)."""
