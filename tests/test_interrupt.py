@@ -13,7 +13,7 @@ terminal starts it, and once it has passed a checkpoint and trains on, its proce
   its MLflow run KILLED; checkpoint C verifies; and the printed command continues from step C.
 - a second Ctrl-C while the ranks have not reached their next check ends the process at once, with the same line.
 
-The fast tests check the line and the bookkeeping it is built from.
+The fast tests (the line, the handler, the topology probe's processes) are in ``tests/test_interrupt_parts.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao_core.job.interrupted import newest_published_step
 from kuangchao_core.sched import interrupt
+from tests.proc_sessions import left_in, live, nothing_left, sessions_below, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -42,139 +42,6 @@ DEADLINE_S = 15.0
 LINE = re.compile(r"^interrupted at step (\d+); last checkpoint step (\d+); resume with: (kc train .*--resume auto)$")
 #: the progress lines a run prints while it trains (one may be on its way when the signal lands)
 PROGRESS = re.compile(r"^(step \d+/\d+ |checkpoint saved at step \d+$|training \S+: steps )")
-
-
-# --- the line and what it is built from ---------------------------------------------------------------------------
-
-
-def test_the_line_names_the_step_the_checkpoint_and_the_command_with_its_overrides():
-    text = interrupt.line(41, 40, "configs/my job.yaml", ["train.steps=100", "task.name=a b"])
-    assert text == (
-        "interrupted at step 41; last checkpoint step 40; resume with: kc train --config 'configs/my job.yaml' "
-        "--set train.steps=100 --set 'task.name=a b' --resume auto"
-    )
-    assert shlex.split(LINE.match(text).group(3))[-2:] == ["--resume", "auto"]
-    before = interrupt.line(None, None, "c.yaml", [])
-    assert (
-        before
-        == "interrupted before the first step; no checkpoint yet; resume with: kc train --config c.yaml --resume auto"
-    )
-
-
-def test_the_newest_published_checkpoint_leaves_out_unpublished_and_odd_directories(tmp_path):
-    assert newest_published_step(str(tmp_path / "missing")) is None and newest_published_step(None) is None
-    for name, manifest in (("step_00000010", True), ("step_00000015", True), ("step_00000020", False)):
-        (tmp_path / name).mkdir()
-        if manifest:
-            (tmp_path / name / "manifest.json").write_text("{}")
-    (tmp_path / "step_00000025.tmp-kc-0-b01e5ff6-r0").mkdir()  # a save in flight, as the writer names it
-    (tmp_path / "step_00000025.tmp-kc-0-b01e5ff6-r0" / "manifest.json").write_text("{}")
-    assert newest_published_step(str(tmp_path)) == 15
-
-
-def test_the_last_step_is_the_newest_the_ranks_reported():
-    interrupt._STATE = interrupt._State(None, 1.0)  # the state alone: no handler is installed in the test runner
-    try:
-        for event in ({"event": "steps", "step": 7}, {"event": "step", "step": 5}, {"event": "checkpoint", "step": 9}):
-            interrupt.note_event(event)
-        assert interrupt.last_step() == 7
-        interrupt.note_event({"event": "stopped", "step": 8})
-        assert interrupt.last_step() == 8 and interrupt.requested() is None and not interrupt.overdue()
-    finally:
-        interrupt._STATE = None
-
-
-def test_a_first_signal_outside_an_attempt_raises_where_the_main_thread_is_and_the_handlers_go_back():
-    before = signal.getsignal(signal.SIGINT)
-    with interrupt.installed():
-        assert signal.getsignal(signal.SIGINT) is interrupt._on_signal
-        assert signal.getsignal(signal.SIGTERM) is interrupt._on_signal
-        with pytest.raises(interrupt.Interrupted) as caught:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)  # the handler runs here, in the main thread
-        assert caught.value.signum == signal.SIGTERM and interrupt.requested() == signal.SIGTERM
-        assert interrupt.exit_code() == 143
-    assert signal.getsignal(signal.SIGINT) is before and interrupt.requested() is None
-
-
-def test_a_first_signal_in_an_attempt_asks_the_ranks_to_stop_and_a_second_kills_them(tmp_path):
-    """In an attempt the first signal only creates the ranks' stop file; the attempt is overdue once they
-    acknowledged (1.5 s later) or after the grace; a second signal kills them and calls the process's hook."""
-    stop = tmp_path / "attempt_0" / interrupt.STOP_FILE
-    killed, ended = [], []
-    with interrupt.installed(on_second=ended.append):
-        interrupt._STATE.grace_s = 30.0
-        with interrupt.attempt(str(stop)) as current:
-            current.kill = lambda: killed.append(True)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)  # the handler ran and returned: nothing raised
-            assert stop.read_text().startswith("interrupted by SIGINT") and interrupt.requested() == signal.SIGINT
-            assert not interrupt.overdue()  # not acknowledged, the grace not over
-            Path(f"{stop}.step").write_text('{"step": 7}')
-            assert not interrupt.overdue()  # acknowledged just now: the ranks get 1.5 s to exit
-            current.acknowledged_at -= interrupt.ACKNOWLEDGED_EXIT_S
-            assert interrupt.overdue()
-            with pytest.raises(interrupt.Interrupted):
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(1)
-            assert killed == [True] and ended == [signal.SIGINT]
-        with pytest.raises(interrupt.Interrupted):
-            interrupt.raise_if_requested()  # the launcher, once the ranks ended
-
-
-# --- processes, from /proc ----------------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, …); None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _live() -> dict[int, list[str]]:
-    out = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (fields := _stat(int(name))) is not None and fields[0] not in ("Z", "X"):
-            out[int(name)] = fields
-    return out
-
-
-def _sessions_below(root: int) -> set[int]:
-    """The session ids of ``root`` and every live descendant (torchrun and the server's guard start their own)."""
-    procs = _live()
-    children: dict[int, list[int]] = {}
-    for pid, fields in procs.items():
-        children.setdefault(int(fields[1]), []).append(pid)
-    sessions, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid in procs:
-            sessions.add(int(procs[pid][3]))
-        todo.extend(children.get(pid, []))
-    return sessions
-
-
-def _left_in(sessions: set[int]) -> list[str]:
-    return [f"{pid} {_cmdline(pid)}" for pid, fields in _live().items() if int(fields[3]) in sessions]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-    except OSError:
-        return "?"
-
-
-def _wait_for(cond, timeout_s: float, step_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(step_s)
 
 
 # --- a real kc train ----------------------------------------------------------------------------------------------
@@ -233,7 +100,7 @@ class Run:
         return bool(printed) and max(printed) > saved[0]
 
     def kill_all(self, sessions: set[int]) -> None:
-        for pid, fields in _live().items():
+        for pid, fields in live().items():
             if int(fields[3]) in sessions | {self.proc.pid}:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -266,10 +133,10 @@ def _interrupt(run: Run, sig: int, second_after_s: float | None = None) -> tuple
     """Wait until ``run`` trains past a checkpoint, send ``sig`` to its process group (again after
     ``second_after_s``); its exit code, seconds from the (last) signal to its exit, what it printed after the
     first signal, and the sessions it had."""
-    assert _wait_for(lambda: run.training_past_a_checkpoint(second_after_s is None), 300), run.text()[-3000:]
-    sessions = _sessions_below(run.proc.pid)
+    assert wait_for(lambda: run.training_past_a_checkpoint(second_after_s is None), 300), run.text()[-3000:]
+    sessions = sessions_below(run.proc.pid)
     assert len(sessions) >= 2, sessions  # its own, torchrun's (and the temporary server's guard's): the check bites
-    assert _left_in(sessions)
+    assert left_in(sessions)
     before = len(run.text())
     os.killpg(run.proc.pid, sig)
     sent = time.monotonic()
@@ -293,10 +160,6 @@ def _the_one_line(after: str, run: Run) -> re.Match:
     assert m, said[0]
     assert "Traceback" not in run.text() and "Crash detected" not in run.text(), run.text()[-4000:]
     return m
-
-
-def _nothing_left(sessions: set[int]) -> None:
-    assert _wait_for(lambda: not _left_in(sessions), 3.0), _left_in(sessions)
 
 
 def _mlflow_status(tmp_path: Path) -> list[str]:
@@ -325,7 +188,7 @@ def test_ctrl_c_stops_at_a_step_boundary_cancels_the_flow_run_and_the_printed_co
         step, saved = int(m.group(1)), int(m.group(2))
         assert saved == step == max(run.checkpoints())  # stopped at a step boundary, checkpointed there
         _verified(run, saved)
-        _nothing_left(sessions)
+        nothing_left(sessions)
         with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as db:  # the temporary server's own store
             assert db.execute("SELECT state_type, state_name FROM flow_run").fetchall() == [("CANCELLED", "Cancelled")]
         assert _mlflow_status(tmp_path) == ["KILLED"]
@@ -364,7 +227,7 @@ def test_sigterm_under_a_prefect_server_ends_the_same_way(tmp_path, prefect_api)
         m = _the_one_line(after, run)
         assert int(m.group(2)) == max(run.checkpoints())
         _verified(run, int(m.group(2)))
-        _nothing_left(sessions)
+        nothing_left(sessions)
         (run_dir,) = (tmp_path / "runs" / run.task).iterdir()  # <UTC time>-<first 8 of the flow run id>
         assert _flow_run_state(prefect_api, run_dir.name.rsplit("-", 1)[1]) == ("CANCELLED", "Cancelled")
         assert _mlflow_status(tmp_path) == ["KILLED"]
@@ -388,7 +251,7 @@ def test_a_second_ctrl_c_ends_at_once_with_the_same_line(tmp_path):
         step, saved = int(m.group(1)), int(m.group(2))
         assert saved == max(run.checkpoints()) and step >= saved
         _verified(run, saved)
-        _nothing_left(sessions)
+        nothing_left(sessions)
         with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as db:
             assert db.execute("SELECT state_type FROM flow_run").fetchall() == [("CANCELLED",)]
     finally:

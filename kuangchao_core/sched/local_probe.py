@@ -69,11 +69,11 @@ def probe_topology(
         ctx.Process(target=_spawned_rank, args=(r, world_size, port, tuple(sizes), iters, timeout_s, q))
         for r in range(world_size)
     ]
-    with children_spared():
-        for p in procs:
-            p.start()
     results: list[dict] = []
     try:
+        with children_spared():
+            for p in procs:
+                p.start()
         for _ in range(world_size):
             try:
                 rank, ok, value = q.get(timeout=timeout_s)
@@ -87,10 +87,11 @@ def probe_topology(
             results.append(value)
     except BaseException:  # a failed rank, a timeout, kc train interrupted: the others need not finish
         for p in procs:
-            p.kill()
+            if p.pid is not None:  # started
+                p.kill()
         raise
     finally:
-        for p in procs:
+        for p in (p for p in procs if p.pid is not None):
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
