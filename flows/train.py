@@ -29,11 +29,13 @@ from kuangchao_core.config import load_config
 from kuangchao_core.errors import ConfigError, KuangchaoError
 from kuangchao_core.job.attempts import hold_job_lineage, run_attempts
 from kuangchao_core.job.finish import finish_run, release_run, skipped_summary, summary_markdown
+from kuangchao_core.job.interrupted import interrupted_line
 from kuangchao_core.job.prepare import JobRun, open_job, prepare_run
 from kuangchao_core.job.steps import JobSteps
 from kuangchao_core.obs import phases, prefect_watch, tracking
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.issuance import close_authority
+from kuangchao_core.sched import interrupt
 from tasks.checkpoint import checkpoint, restore_checkpoint
 from tasks.doctor import doctor
 from tasks.export_model import export_and_register
@@ -99,9 +101,15 @@ def train_flow(
     # on the way out: `kc train` and tests share the process with other code.
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
+    interrupt.rearm()  # kc train's Ctrl-C and SIGTERM, over the SIGTERM handler Prefect's engine installed (issue 45)
     try:
         with prefect_watch.watching() as watch:  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
-            result = _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+            try:
+                result = _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
+            except interrupt.Interrupted:  # the ranks stopped (at a step boundary, or after the grace)
+                line = interrupted_line(watch.record, config_path, list(overrides or []))
+                logger.warning("kuangchao-train: %s", line)
+                return Cancelled(message=line)
             if watch.cancelled:  # cancelled after the training: from Cancelling, Prefect accepts only Cancelled
                 raise prefect_watch.FlowRunCancelled(watch.cancel_line())
             return result
@@ -136,14 +144,16 @@ def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None
     job = prepare_run(cfg, secrets, flow_run.get_id(), resume, if_finished, STEPS, logger, opened)
     if job.nothing_to_train:
         return _nothing_to_train(job)
-    open_job(job, STEPS, clock, logger)  # doctor, topology, the MLflow run, the Prometheus endpoint
     interrupted = False
     try:
+        open_job(job, STEPS, clock, logger)  # doctor, topology, the MLflow run, the Prometheus endpoint
         hold_job_lineage(job, STEPS, clock, logger)  # the data validated, the lineage held, the S3 mirror
         result = run_attempts(job, STEPS, clock, logger)
         return finish_run(job, result, STEPS, clock, logger)
     except BaseException as exc:
-        tracking.close_failed_run(cfg, job.run_id, "KILLED" if prefect_watch.current().cancelled else "FAILED", logger)
+        killed = prefect_watch.current().cancelled or isinstance(exc, interrupt.Interrupted)
+        if job.run_id:  # opened (a Ctrl-C may land between the run's start and the Prometheus endpoint's)
+            tracking.close_failed_run(cfg, job.run_id, "KILLED" if killed else "FAILED", logger)
         interrupted = not isinstance(exc, Exception)  # Ctrl-C, a lost Prefect API: no grace period
         raise
     finally:

@@ -9,6 +9,7 @@ import pytest
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.errors import CommError
 from kuangchao_core.sched import topology as T
+from kuangchao_core.sched.local_probe import probe_topology
 
 SIZES = (8, 1 << 16)
 
@@ -19,7 +20,7 @@ def _cfg(**sections):
 
 def test_probe_measures_every_pair_with_real_gloo(tmp_path):
     log = tmp_path / "probes.jsonl"
-    rep = T.probe_topology(3, sizes=SIZES, iters=3, node_of_rank=["a", "a", "b"], log_path=log)
+    rep = probe_topology(3, sizes=SIZES, iters=3, node_of_rank=["a", "a", "b"], log_path=log)
     assert rep.world_size == 3 and rep.backend == "gloo" and rep.nodes == ["a", "b"]
     for i in range(3):
         assert rep.p2p_latency_us[i][i] is None and rep.p2p_bandwidth_gbps[i][i] is None

@@ -60,7 +60,8 @@ class ExpectedFailureFilter(logging.Filter):
         return True
 
 
-def _console_handlers() -> list[logging.Handler]:
+def console_handlers() -> list[logging.Handler]:
+    """Prefect's console handlers of this process's loggers."""
     loggers = [logging.getLogger()] + [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
@@ -76,7 +77,7 @@ def _console_handlers() -> list[logging.Handler]:
 def quiet_expected_failures() -> Iterator[None]:
     """While inside, Prefect's console handlers leave out the reports of deliberate errors (see the module)."""
     quiet = ExpectedFailureFilter()
-    handlers = _console_handlers()
+    handlers = console_handlers()
     for handler in handlers:
         handler.addFilter(quiet)
     try:

@@ -65,6 +65,15 @@ class GuardedASGIServer(SubprocessASGIServer):
         return start_guarded(argv, env=env)
 
 
+_STARTED: list[GuardedASGIServer] = []
+
+
+def temporary_api_url() -> str | None:
+    """The API URL of the temporary server this process started (None: none started, or not yet answering)."""
+    server = _STARTED[0] if _STARTED else None
+    return server.api_url if server is not None and server.running else None
+
+
 def start_temporary_server() -> threading.Thread:
     """Without ``PREFECT_API_URL`` the flow runs on Prefect's temporary server, which takes seconds to start: start
     it now in a thread (returned; join it before the flow starts) while this process imports the flow, instead of
@@ -73,6 +82,7 @@ def start_temporary_server() -> threading.Thread:
     The guarded server takes the place of the instance Prefect's client uses (``SubprocessASGIServer()``, the one
     without a port; Prefect's own test harness swaps it the same way), before anything starts one."""
     server = GuardedASGIServer()  # the instance for port None: every later SubprocessASGIServer() is this one
+    _STARTED.append(server)
 
     def start() -> None:
         try:

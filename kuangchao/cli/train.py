@@ -34,92 +34,106 @@ def register(app: typer.Typer) -> None:
 
         Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
-        from kuangchao.cli.failure_lines import failure_lines
-        from kuangchao_core.obs import phases
+        from kuangchao.cli.interrupted import one_line_on_interrupt
 
-        clock = phases.begin(phases.process_start_time())  # the run summary's start-up phases (issue 27 §2)
-        clock.since("imports", clock.origin)  # the interpreter and the CLI's modules
-        if if_finished not in ("error", "skip", "restart"):
-            typer.echo(f"--if-finished must be error, skip or restart, got {if_finished!r}", err=True)
-            raise typer.Exit(2)
-        try:
-            with clock.phase("config"):
-                cfg = refuse_early(config, set_, resume, if_finished)
-        except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
-            if isinstance(exc, NothingToTrain):  # the same line as when the flow refuses it
-                for line in failure_lines(exc, config)[0]:
-                    typer.echo(line, err=True)
-                raise typer.Exit(2) from None
-            for path, msg in exc.errors:
-                typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
+        with one_line_on_interrupt(config, list(set_)):  # Ctrl-C, SIGTERM: the ranks stopped, one line (issue 45)
+            _train(config, set_, resume, if_finished, as_json)
+
+
+def _train(config: str, set_: list[str], resume: str | None, if_finished: str, as_json: bool) -> None:
+    from kuangchao.cli.failure_lines import failure_lines
+    from kuangchao_core.obs import phases
+
+    clock = phases.begin(phases.process_start_time())  # the run summary's start-up phases (issue 27 §2)
+    clock.since("imports", clock.origin)  # the interpreter and the CLI's modules
+    if if_finished not in ("error", "skip", "restart"):
+        typer.echo(f"--if-finished must be error, skip or restart, got {if_finished!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        with clock.phase("config"):
+            cfg = refuse_early(config, set_, resume, if_finished)
+    except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
+        if isinstance(exc, NothingToTrain):  # the same line as when the flow refuses it
+            for line in failure_lines(exc, config)[0]:
+                typer.echo(line, err=True)
             raise typer.Exit(2) from None
-        except KuangchaoError as exc:  # an unreadable --resume directory, a corrupt tracking store: exit 1
-            lines, code = failure_lines(exc, config)
-            for line in lines:
-                typer.echo(line, err=True)
-            raise typer.Exit(code) from None
-        del cfg  # the flow loads the config again, with its Prefect block references resolved
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        for path, msg in exc.errors:
+            typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
+        raise typer.Exit(2) from None
+    except KuangchaoError as exc:  # an unreadable --resume directory, a corrupt tracking store: exit 1
+        lines, code = failure_lines(exc, config)
+        for line in lines:
+            typer.echo(line, err=True)
+        raise typer.Exit(code) from None
+    del cfg  # the flow loads the config again, with its Prefect block references resolved
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    with clock.phase("prefect"):
+        unreachable = prefect_api_problem()
+        if unreachable:
+            typer.echo(f"kc train: {unreachable}", err=True)
+            raise typer.Exit(1)
+        server = start_temporary_server()  # its start overlaps the flow's imports; it dies with this process
+    from kuangchao_core.sched.doctor import start_gloo_check
+
+    start_gloo_check()  # the doctor's Gloo processes start now too (the flow's doctor takes their result)
+    with clock.phase("imports"):
+        from flows.train import train_flow
+        from kuangchao.cli.failure_lines import quiet_expected_failures
+        from kuangchao.cli.interrupted import say_interrupted
+        from kuangchao_core.obs.prefect_watch import exit_when_lost, write_summary
+        from kuangchao_core.sched import interrupt
+    if server is not None:
         with clock.phase("prefect"):
-            unreachable = prefect_api_problem()
-            if unreachable:
-                typer.echo(f"kc train: {unreachable}", err=True)
+            server.join()  # before the flow's client looks for the server
+
+    # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
+    # one line per failure: Prefect's tracebacks of it stay in its API log
+    try:
+        with exit_when_lost(lambda line: typer.echo(line, err=True)), quiet_expected_failures():
+            clock.mark(phases.FLOW_CALLED)
+            state = train_flow(
+                config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
+            )
+            if interrupt.requested() is not None:  # Ctrl-C or SIGTERM: the flow ended its run Cancelled, one line
+                say_interrupted(config, list(set_), state.message if state.is_cancelled() else None)
+            if state.is_cancelled():  # issue 32 §3: cancelled in the Prefect UI or API; the ranks are stopped
+                typer.echo(f"kc train: {state.message or 'the run was cancelled in Prefect'}", err=True)
                 raise typer.Exit(1)
-            server = start_temporary_server()  # its start overlaps the flow's imports; it dies with this process
-        from kuangchao_core.sched.doctor import start_gloo_check
-
-        start_gloo_check()  # the doctor's Gloo processes start now too (the flow's doctor takes their result)
-        with clock.phase("imports"):
-            from flows.train import train_flow
-            from kuangchao.cli.failure_lines import quiet_expected_failures
-            from kuangchao_core.obs.prefect_watch import exit_when_lost, write_summary
-        if server is not None:
-            with clock.phase("prefect"):
-                server.join()  # before the flow's client looks for the server
-
-        # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
-        # one line per failure: Prefect's tracebacks of it stay in its API log
-        try:
-            with exit_when_lost(lambda line: typer.echo(line, err=True)), quiet_expected_failures():
-                clock.mark(phases.FLOW_CALLED)
-                state = train_flow(
-                    config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
-                )
-                if state.is_cancelled():  # issue 32 §3: cancelled in the Prefect UI or API; the ranks are stopped
-                    typer.echo(f"kc train: {state.message or 'the run was cancelled in Prefect'}", err=True)
-                    raise typer.Exit(1)
-                summary = state.result()
-        except KuangchaoError as exc:  # ConfigError, NothingToTrain, PlanError: exit 2; the others: exit 1
-            lines, code = failure_lines(exc, config)
-            for line in lines:
-                typer.echo(line, err=True)
-            raise typer.Exit(code) from None
-        if state.name == "Skipped":
-            typer.echo(f"kc train: {state.message}", err=True)
-        after = summary.get("after_last_step_s") if isinstance(summary, dict) else None
-        if after and clock.last_step is not None:  # the flow's own end (its state, the artifact) after the summary
-            clock.add("flow_end", time.time() - clock.last_step[1] - after["total"])
-            summary["after_last_step_s"] = clock.after_last_step()
-            if summary.get("run_dir"):
-                write_summary(summary["run_dir"], summary)
-        if as_json:
-            typer.echo(json.dumps(summary, indent=2))
-        else:
-            _print_summary({k: v for k, v in summary.items() if k not in ("startup_s", "after_last_step_s")})
-            line = phases.compact(summary.get("startup_s"), summary.get("after_last_step_s"))
-            if line:
-                typer.echo(line)
+            summary = state.result()
+    except KuangchaoError as exc:  # ConfigError, NothingToTrain, PlanError: exit 2; the others: exit 1
+        lines, code = failure_lines(exc, config)
+        for line in lines:
+            typer.echo(line, err=True)
+        raise typer.Exit(code) from None
+    if state.name == "Skipped":
+        typer.echo(f"kc train: {state.message}", err=True)
+    after = summary.get("after_last_step_s") if isinstance(summary, dict) else None
+    if after and clock.last_step is not None:  # the flow's own end (its state, the artifact) after the summary
+        clock.add("flow_end", time.time() - clock.last_step[1] - after["total"])
+        summary["after_last_step_s"] = clock.after_last_step()
+        if summary.get("run_dir"):
+            write_summary(summary["run_dir"], summary)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary({k: v for k, v in summary.items() if k not in ("startup_s", "after_last_step_s")})
+        line = phases.compact(summary.get("startup_s"), summary.get("after_last_step_s"))
+        if line:
+            typer.echo(line)
 
 
 def refuse_early(config: str, overrides: list[str], resume: str | None, if_finished: str):
-    """The checks of ``kc train`` that need no Prefect run, before one starts: the config, the layout and, when the
-    local checkpoints decide it, a lineage already at ``train.steps`` (:class:`NothingToTrain`, the flow's own
+    """The checks of ``kc train`` that need no Prefect run, before one starts: the config, the data's paths and first
+    records (:func:`~kuangchao_core.data.early_check.check_data_early`), the layout and, when the local checkpoints
+    decide it, a lineage already at ``train.steps`` (:class:`NothingToTrain`, the flow's own
     :func:`~kuangchao_core.ckpt.lineage.plan_training`). Returns the config."""
     from kuangchao_core.config import load_config
+    from kuangchao_core.data.early_check import check_data_early
     from kuangchao_core.engine.plan import raise_for_plan
     from kuangchao_core.obs.model_registry import MODEL_URI_PREFIX
 
     cfg = load_config(config, overrides)
+    check_data_early(cfg.data)  # a wrong data.path in a second, before any server (issue 45 §2)
     registered_base = str(cfg.model.checkpoint or "").startswith(MODEL_URI_PREFIX)
     # with checkpoint.uri the flow first restores from S3, and a registered base changes the lineage's fingerprint:
     # then the flow decides. Before the layout's check, which imports torch: a refusal takes no second

@@ -41,6 +41,7 @@ from kuangchao_core.perm.issuance import (
 from kuangchao_core.perm.pin_store import checked_pin_store
 from kuangchao_core.perm.runtime import RenewalServer
 from kuangchao_core.perm.tokens import public_raw
+from kuangchao_core.sched import interrupt
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.launcher import run_workers
 from kuangchao_core.sched.multinode import launch_cluster_attempt, place_cluster_attempt
@@ -49,6 +50,7 @@ from kuangchao_core.sched.placement import NodeAssignment
 from kuangchao_core.sched.rank_placement import RankPlacement
 from kuangchao_core.sched.slurm.job import launch_slurm_attempt
 from kuangchao_core.sched.slurm.job import reach_address as slurm_reach_address
+from kuangchao_core.sched.slurm.time_limit import ENV_STOP_FILE
 
 
 @dataclass
@@ -158,6 +160,7 @@ def launch_workers(
     first_attempt_to_step = clock is not None and clock.first_step is None
     if clock is not None:  # the run summary's start-up and after-the-last-step phases (issue 27 §2)
         view.listeners.append(clock.on_event)
+    view.listeners.append(interrupt.note_event)  # the last step, for the line of an interrupted run
     run_logger = run_logger_or_none()
     if run_logger is not None:  # the progress in the flow run's own log (prefect flow-run logs), at log_interval
         view.listeners.append(ProgressLog(run_logger))
@@ -224,6 +227,7 @@ def launch_workers(
                 stack.callback(pin)  # runs after the server's stop (entered below) and its final checkpoint
             worker_env["KC_AUTHORITY_ADDR"] = stack.enter_context(server).address
         stack.callback(view.close)
+        stack.callback(interrupt.on_request(lambda: setattr(view, "quiet", True)))  # Ctrl-C: the one line only
         if multinode:
 
             def env_for(node) -> dict[str, str]:  # each node gets only its own ranks' tokens
@@ -255,12 +259,14 @@ def launch_workers(
             )
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}
+            # Ctrl-C of kc train creates it: the ranks stop together at their next check, checkpointed (issue 45)
+            stop = {ENV_STOP_FILE: str(run_dir / f"attempt_{attempt}" / interrupt.STOP_FILE)}
             run_workers(
                 LaunchSpec(
                     "kuangchao_core.engine.worker",
                     args,
                     nproc=cfg.parallel.world_size,
-                    env={**os.environ, **worker_env, **tokens},
+                    env={**os.environ, **worker_env, **tokens, **stop},
                     run_dir=run_dir,
                     heartbeat_timeout_s=recovery.heartbeat_timeout_s,
                     heartbeat_interval_s=recovery.heartbeat_interval_s,

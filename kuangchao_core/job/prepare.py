@@ -114,6 +114,7 @@ def prepare_run(
     plan = plan_training(
         lineage_key(cfg), resume_arg, if_finished, logger.info
     )  # NothingToTrain: kc train's early refusal too
+    prefect_watch.note(resume_step=plan.step if plan.step_dir else None)  # for the line of an interrupted run
     job = JobRun(cfg, run_dir, resolved, flow_run_id, plan, plan.step_dir or "never", s3_settings, base_model)
     if job.nothing_to_train:  # if_finished: skip
         logger.warning("0 steps trained: %s is already at step %d of %d", plan.step_dir, plan.step, cfg.train.steps)

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from kuangchao_core.sched import topology as _topology
+from kuangchao_core.sched.local_probe import probe_topology
 from kuangchao_core.sched.topology import DEFAULT_SIZES, TopologyReport, cluster_fingerprint
 
 CACHE_EXPIRATION = timedelta(days=1)
@@ -37,7 +38,7 @@ def measure_topology(
     cfg: Any, world_size: int | None, sizes: tuple[int, int], iters: int, log_path: str | None
 ) -> TopologyReport:
     """Measure this machine's ranks; the report carries the cluster fingerprint and is remembered for ``kc``."""
-    report = _topology.probe_topology(probe_world(cfg, world_size), sizes=sizes, iters=iters, log_path=log_path)
+    report = probe_topology(probe_world(cfg, world_size), sizes=sizes, iters=iters, log_path=log_path)
     report.fingerprint = cluster_fingerprint(cfg)
     _topology.remember_report(report, report.fingerprint)
     return report

@@ -55,6 +55,23 @@ def flow_run_state(url: str, flow_run_id: str, headers: dict[str, str], timeout_
     return str(state.get("type") or ""), str(state.get("name") or "")
 
 
+def mark_cancelled(url: str, flow_run_id: str, message: str, timeout_s: float = 2.0) -> bool:
+    """Set the flow run's state to Cancelled (forced) within ``timeout_s``; whether the API took it. For a process
+    that ends at once (a second Ctrl-C) and cannot wait for its flow engine to report the state."""
+    body = {"state": {"type": "CANCELLED", "name": "Cancelled", "message": message}, "force": True}
+    request = urllib.request.Request(
+        f"{url}/flow_runs/{flow_run_id}/set_state",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **auth_headers()},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read()).get("status") == "ACCEPT"
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def flow_run_id_here() -> str | None:
     """The id of the flow run this code runs in (None outside one)."""
     from prefect.context import FlowRunContext

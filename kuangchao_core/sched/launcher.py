@@ -29,14 +29,18 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.sched import interrupt
 from kuangchao_core.sched.bind_address import RDZV_BACKEND, TORCHRUN, is_loopback
 from kuangchao_core.sched.heartbeat import ENV_ATTEMPT, ENV_DIR, ENV_INTERVAL, HeartbeatMonitor, read_beat
 from kuangchao_core.sched.launch_spec import LaunchSpec
 from kuangchao_core.sched.lifeline import Lifeline
 from kuangchao_core.sched.ports import free_port  # noqa: F401 - callers take it from here
+from kuangchao_core.sched.proc_tree import kill_tree, process_tree  # noqa: F401 - callers take them from here
+from kuangchao_core.sched.slurm.time_limit import ENV_STOP_FILE
 from kuangchao_core.sched.store_gate import bind_env
 
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
@@ -56,52 +60,6 @@ class LaunchResult:
     rdzv_endpoint: str
     lines: int = 0
     extra: dict = field(default_factory=dict)
-
-
-def _proc_children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    return children
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all of its descendants (Linux ``/proc``), parents first."""
-    children = _proc_children_map()
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, extra_pids: list[int] = ()) -> None:
-    """SIGKILL ``proc``, every descendant and ``extra_pids`` (workers may sit in sessions of their own)."""
-    pids = process_tree(proc.pid) + [p for p in extra_pids if p]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _parse_root_cause(text: str) -> dict | None:
@@ -200,6 +158,7 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
 
     Returns a ``LaunchResult`` when every worker exits 0; raises ``WorkerFailed(rank, cause, exit_code)`` otherwise.
     """
+    interrupt.raise_if_requested()  # kc train was interrupted between attempts: none starts
     if spec.nproc < 1 or spec.nnodes < 1:
         raise ValueError(f"nproc and nnodes must be >= 1 (got nproc={spec.nproc}, nnodes={spec.nnodes})")
     if spec.nnodes > 1 and spec.master_port is None:
@@ -292,82 +251,96 @@ def run_workers(spec: LaunchSpec) -> LaunchResult:
         stream.close()
 
     t0 = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            env=full_env,
-            cwd=str(spec.cwd) if spec.cwd else None,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-            pass_fds=(key_fd,) if key_fd is not None else (),
-        )
-    except BaseException:
-        lifeline.close()
-        launcher_log.close()
-        raise
-    finally:
-        if key_fd is not None:
-            os.close(key_fd)
-    lifeline.watch(proc.pid)
-    readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
-    for t in readers:
-        t.start()
+    with interrupt.attempt(full_env.get(ENV_STOP_FILE)) as watched:  # Ctrl-C of kc train: at a step boundary
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                env=full_env,
+                cwd=str(spec.cwd) if spec.cwd else None,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+                pass_fds=(key_fd,) if key_fd is not None else (),
+            )
+        except BaseException:
+            lifeline.close()
+            launcher_log.close()
+            raise
+        finally:
+            if key_fd is not None:
+                os.close(key_fd)
+        lifeline.watch(proc.pid)
+        watched.kill = partial(kill_tree, proc)
+        readers = [threading.Thread(target=pump, args=(s,), daemon=True) for s in (proc.stdout, proc.stderr)]
+        for t in readers:
+            t.start()
 
-    local_ranks = [spec.node_rank * spec.nproc + i for i in range(spec.nproc)]
-    if rank_map is not None:
-        local_ranks = [rank_map[s] for s in local_ranks]
-    monitor = (
-        HeartbeatMonitor(
-            hb_dir, local_ranks, spec.heartbeat_timeout_s, attempt=spec.attempt, startup_grace_s=spec.startup_grace_s
+        local_ranks = [spec.node_rank * spec.nproc + i for i in range(spec.nproc)]
+        if rank_map is not None:
+            local_ranks = [rank_map[s] for s in local_ranks]
+        monitor = (
+            HeartbeatMonitor(
+                hb_dir,
+                local_ranks,
+                spec.heartbeat_timeout_s,
+                attempt=spec.attempt,
+                startup_grace_s=spec.startup_grace_s,
+            )
+            if spec.heartbeat_timeout_s
+            else None
         )
-        if spec.heartbeat_timeout_s
-        else None
-    )
-    period = (
-        0.2 if monitor is None else max(0.02, min(0.25, spec.heartbeat_interval_s / 4, spec.heartbeat_timeout_s / 8))
-    )
+        period = (
+            0.2
+            if monitor is None
+            else max(0.02, min(0.25, spec.heartbeat_interval_s / 4, spec.heartbeat_timeout_s / 8))
+        )
 
-    failure: WorkerFailed | None = None
-    owner = _OwnerWatch(spec.owner_beat, spec.owner_lost_after_s) if spec.owner_beat is not None else None
-    try:
-        while proc.poll() is None:
-            time.sleep(period)
-            if monitor is not None:
-                lost = monitor.poll()
-                if lost is not None and proc.poll() is None:
-                    rank, silent = lost
-                    beat_pids = [b.pid for r in local_ranks if (b := read_beat(hb_dir / f"rank_{r}.hb"))]
-                    kill_tree(proc, beat_pids)
-                    what = "heartbeat lost" if monitor.seen(rank) else "no first heartbeat"
+        failure: WorkerFailed | None = None
+        owner = _OwnerWatch(spec.owner_beat, spec.owner_lost_after_s) if spec.owner_beat is not None else None
+        try:
+            while proc.poll() is None:
+                time.sleep(period)
+                if monitor is not None:
+                    lost = monitor.poll()
+                    if lost is not None and proc.poll() is None:
+                        rank, silent = lost
+                        beat_pids = [b.pid for r in local_ranks if (b := read_beat(hb_dir / f"rank_{r}.hb"))]
+                        kill_tree(proc, beat_pids)
+                        what = "heartbeat lost" if monitor.seen(rank) else "no first heartbeat"
+                        failure = WorkerFailed(
+                            rank,
+                            f"{what} for {silent:.1f} s (timeout {spec.heartbeat_timeout_s:g} s, attempt {spec.attempt})",
+                        )
+                        break
+                if spec.stop_file is not None and spec.stop_file.exists() and proc.poll() is None:
+                    kill_tree(proc)
+                    failure = WorkerFailed(None, f"stopped by the orchestrator ({spec.stop_file.read_text().strip()})")
+                    break
+                if owner is not None and owner.lost() and proc.poll() is None:
+                    kill_tree(proc)
+                    failure = WorkerFailed(None, f"stopped: the orchestrator went silent ({owner.lost()})")
+                    break
+                if interrupt.overdue() and proc.poll() is None:  # the ranks had their grace to stop on their own
+                    kill_tree(proc)
+                    break
+                if spec.timeout_s is not None and time.monotonic() - t0 > spec.timeout_s and proc.poll() is None:
+                    kill_tree(proc)
                     failure = WorkerFailed(
-                        rank,
-                        f"{what} for {silent:.1f} s (timeout {spec.heartbeat_timeout_s:g} s, attempt {spec.attempt})",
+                        None, f"attempt {spec.attempt} exceeded its time limit of {spec.timeout_s:g} s"
                     )
                     break
-            if spec.stop_file is not None and spec.stop_file.exists() and proc.poll() is None:
-                kill_tree(proc)
-                failure = WorkerFailed(None, f"stopped by the orchestrator ({spec.stop_file.read_text().strip()})")
-                break
-            if owner is not None and owner.lost() and proc.poll() is None:
-                kill_tree(proc)
-                failure = WorkerFailed(None, f"stopped: the orchestrator went silent ({owner.lost()})")
-                break
-            if spec.timeout_s is not None and time.monotonic() - t0 > spec.timeout_s and proc.poll() is None:
-                kill_tree(proc)
-                failure = WorkerFailed(None, f"attempt {spec.attempt} exceeded its time limit of {spec.timeout_s:g} s")
-                break
-    except BaseException:
-        kill_tree(proc)
-        raise
-    finally:
-        lifeline.close()
-        for t in readers:
-            t.join(timeout=5)
-        launcher_log.close()
+        except BaseException:
+            kill_tree(proc)
+            raise
+        finally:
+            lifeline.close()
+            for t in readers:
+                t.join(timeout=5)
+            launcher_log.close()
+    interrupt.raise_if_requested()  # the ranks stopped (or were stopped) because this process was interrupted
 
     duration = time.monotonic() - t0
     if failure is not None:
