@@ -32,6 +32,7 @@ def prepare(
     preset: str = typer.Option(None, "--preset", help="PATH mode: model.preset (default: by the training bytes)."),
     seq_len: int = typer.Option(None, "--seq-len", help="PATH mode: data.seq_len (default: half the preset's)."),
     name: str = typer.Option("my-text", "--name", help="PATH mode: task.name of the config written."),
+    fmt: str = typer.Option("auto", "--format", help="PATH mode: auto (by extension), txt or jsonl (data.format)."),
 ) -> None:
     """Tokenize the config's data files into ``data.cache_dir`` (every rank and later run of the job reads it); the
     held-out files (``data.eval_path``) too. Given a text file or folder and ``--out``: split it, train a tokenizer,
@@ -40,7 +41,7 @@ def prepare(
         if out is None:
             typer.echo(f"kc data prepare {file}: --out: give the directory to prepare the data in", err=True)
             raise typer.Exit(2)
-        _prepare_corpus(file, out, heldout, vocab_size, preset, seq_len, name)
+        _prepare_corpus(file, out, heldout, vocab_size, preset, seq_len, name, fmt)
         return
     from kuangchao_core.config import load_config
     from kuangchao_core.data.cache import cached_corpus, cached_sft
@@ -94,7 +95,14 @@ def prepare(
 
 
 def _prepare_corpus(
-    source: str, out: str, heldout: float, vocab_size: int, preset: str | None, seq_len: int | None, name: str
+    source: str,
+    out: str,
+    heldout: float,
+    vocab_size: int,
+    preset: str | None,
+    seq_len: int | None,
+    name: str,
+    fmt: str,
 ) -> None:
     """``kc data prepare PATH --out DIR``: the report of :func:`~kuangchao_core.data.prepare_corpus.prepare_corpus`."""
     from kuangchao_core.data.prepare_corpus import prepare_corpus
@@ -105,7 +113,7 @@ def _prepare_corpus(
     t0 = time.perf_counter()
     try:
         r = prepare_corpus(
-            source, out, heldout=heldout, vocab_size=vocab_size, preset=preset, seq_len=seq_len, name=name
+            source, out, heldout=heldout, vocab_size=vocab_size, preset=preset, seq_len=seq_len, name=name, fmt=fmt
         )
     except DataError as exc:
         typer.echo(f"kc data prepare {source}: {exc}", err=True)

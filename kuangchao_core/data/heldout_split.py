@@ -77,14 +77,15 @@ def _copy_range(src: Path, start: int, end: int, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def split_heldout(source: str | Path, out_dir: str | Path, heldout: float) -> SplitReport:
-    """Cut every data file under ``source`` into ``out_dir/train`` and ``out_dir/heldout`` by the module's rule;
-    raises DataError for a share outside (0, 1), a parquet file, or no held-out bytes at all."""
+def split_heldout(source: str | Path, out_dir: str | Path, heldout: float, fmt: str = "auto") -> SplitReport:
+    """Cut every data file under ``source`` (of format ``fmt``, ``auto``: by extension) into ``out_dir/train`` and
+    ``out_dir/heldout`` by the module's rule; raises DataError for a share outside (0, 1), a parquet file, or no
+    held-out bytes at all."""
     if not 0.0 < heldout < 1.0:
         raise DataError(f"--heldout: {heldout} is not a share between 0 and 1 (e.g. 0.05 for the last 5 %)")
     source, out = Path(source), Path(out_dir)
     report = SplitReport(out / "train", out / "heldout")
-    for f, kind in resolve_files(source):
+    for f, kind in resolve_files(source, fmt):
         if kind == "parquet":
             raise DataError(f"{f}: parquet files cannot be split by bytes; give .txt or .jsonl files")
         name = f.relative_to(source) if source.is_dir() else Path(f.name)

@@ -42,8 +42,8 @@ def choose_preset(train_bytes: int) -> str:
     return [name for name, least in PRESET_BY_SIZE if train_bytes >= least][-1]
 
 
-def _training_texts(train_dir: Path) -> Iterator[str]:
-    for doc in read_documents(train_dir, txt_documents="file"):
+def _training_texts(train_dir: Path, fmt: str) -> Iterator[str]:
+    for doc in read_documents(train_dir, fmt, txt_documents="file"):
         yield from ([doc] if isinstance(doc, str) else doc)
 
 
@@ -64,22 +64,23 @@ def prepare_corpus(
     preset: str | None = None,
     seq_len: int | None = None,
     name: str = "my-text",
+    fmt: str = "auto",
 ) -> dict[str, Any]:
     """Do the four steps of the module docstring; returns what was made (paths, sizes, the rule, the choices)."""
     if preset is not None and preset not in MODEL_PRESETS:
         raise DataError(f"--preset: unknown preset {preset!r}; use one of {sorted(MODEL_PRESETS)}")
     out = Path(out_dir).resolve()
-    split = split_heldout(source, out, heldout)
+    split = split_heldout(source, out, heldout, fmt)
     chosen = preset or choose_preset(split.train_bytes)
     max_seq_len = int(MODEL_PRESETS[chosen]["max_seq_len"])
     seq_len = int(seq_len or max_seq_len // 2)
     if not 2 <= seq_len <= max_seq_len:
         raise DataError(f"--seq-len: {seq_len} must be between 2 and the preset's max_seq_len {max_seq_len}")
     tok_dir = out / "tokenizer"
-    vocab = train_byte_bpe(_training_texts(split.train_dir), vocab_size, tok_dir, max_length=max_seq_len)
+    vocab = train_byte_bpe(_training_texts(split.train_dir, fmt), vocab_size, tok_dir, max_length=max_seq_len)
     tokenizer = HFTokenizer(tok_dir)
     data = {
-        "format": "auto",
+        "format": fmt,
         "path": str(split.train_dir),
         "eval_path": str(split.heldout_dir),
         "txt_documents": "file",
