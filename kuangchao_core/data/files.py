@@ -16,9 +16,10 @@ validation passes exactly what training accepts. It raises ``DataError`` for wha
 bad JSON, a missing or non-string field, an unreadable parquet file) and yields each record raw with where it came
 from, so validation can count records that are not valid UTF-8 where training refuses the first one.
 
-Text (``blank_lines``) and JSON-lines files are streamed (``data.stream``), never read whole: given ``max_record_bytes``, a record
-larger than that comes back as :class:`~kuangchao_core.data.stream.Oversize` (its size, not its bytes) as soon as
-its end is found; training (:func:`read_documents`) refuses it naming ``file:line``.
+Text and JSON-lines files are streamed (``data.stream``), never read whole: given ``max_record_bytes``, a
+blank-line document or JSON-lines record larger than that comes back as :class:`~kuangchao_core.data.stream.Oversize`
+(its size, not its bytes) as soon as its end is found, and training (:func:`read_documents`) refuses it naming
+``file:line``; a whole ``.txt`` file is never refused, only cut into pieces.
 """
 
 from __future__ import annotations
