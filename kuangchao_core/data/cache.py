@@ -8,8 +8,8 @@ examples end to end), ``trained`` (bool, whether the loss is taken on each token
 example starts) and the build's report in ``meta.json``. The key is a hash of what the arrays depend on: the data
 format, text field and ``.txt`` document rule (``data.txt_documents``), the tokenizer (``byte``, or the bytes of its
 files — a chat template included), every data file's path, size and modification time — a stat, so a warm start
-reads no raw file — and, for sft records, ``seq_len`` and ``truncation`` (they decide which examples are kept). Changing a file or the tokenizer gives a new
-entry (old ones are left for the user to delete).
+reads no raw file — and, for sft records, ``seq_len`` and ``truncation`` (they decide which examples are kept).
+Changing a file or the tokenizer gives a new entry (old ones are left for the user to delete).
 
 The first rank to miss an entry takes ``<key>.lock`` (created exclusively) and builds it in a private directory that
 is renamed into place when complete, so a reader never sees half an entry; the other ranks wait for ``meta.json``. A

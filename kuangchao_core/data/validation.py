@@ -25,7 +25,7 @@ Token counts are byte-level (one token per UTF-8 byte, what the ``byte`` tokeniz
 is given: an object with ``encode(text)`` or a spec ``kuangchao_core.data.tokenizer.get_tokenizer`` accepts.
 
 Where the records come from (``load_records``): the same documents ``kuangchao_core.data`` trains on. ``data.path``
-is a file, directory or glob of ``.txt`` (whole files, in pieces; or blank-line documents), ``.jsonl`` (one object per line, text
+is a file, directory or glob of ``.txt`` (``data.txt_documents``), ``.jsonl`` (one object per line, text
 under ``data.text_field``; blank lines skipped, ``{"text": ""}`` is an empty record) and ``.parquet`` (one row per
 record) files, read as bytes: a bad byte sequence is one failing record, not a failed read. An sft record is its
 prompt and completion or turns; a ``model.vision`` job's record its image paths and turns (``image_record_text``). A
