@@ -141,6 +141,8 @@ def test_the_heldout_split_keeps_every_byte_and_starts_at_the_first_line_past_th
     assert report.train_bytes + report.heldout_bytes == total
     with pytest.raises(DataError, match="--heldout"):
         split_heldout(src, tmp_path / "bad", 1.5)
+    with pytest.raises(DataError, match="--out: .* is inside"):
+        split_heldout(src, src / "prepared", 0.1)
 
 
 # --- the three commands -------------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def split_heldout(source: str | Path, out_dir: str | Path, heldout: float, fmt: 
     if not 0.0 < heldout < 1.0:
         raise DataError(f"--heldout: {heldout} is not a share between 0 and 1 (e.g. 0.05 for the last 5 %)")
     source, out = Path(source), Path(out_dir)
+    if source.is_dir() and out.resolve().is_relative_to(source.resolve()):
+        raise DataError(f"--out: {out} is inside {source}, whose files it would split again; write it elsewhere")
     report = SplitReport(out / "train", out / "heldout")
     for f, kind in resolve_files(source, fmt):
         if kind == "parquet":
