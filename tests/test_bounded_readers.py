@@ -223,14 +223,14 @@ def test_kc_debug_checkpoint_and_convert_report_deep_json_without_a_traceback(tm
 # ------------------------------------------------------------------------------------------ data records
 
 
-def _data_cfg(tmp_path: Path, path: Path, fmt: str = "auto"):
+def _data_cfg(tmp_path: Path, path: Path, fmt: str = "auto", txt_documents: str = "file"):
     from kuangchao_core.config import config_from_dict
 
     return config_from_dict(
         {
             "task": {"name": "gate"},
             "model": {"preset": "tiny"},
-            "data": {"path": str(path), "seq_len": 16, "format": fmt},
+            "data": {"path": str(path), "seq_len": 16, "format": fmt, "txt_documents": txt_documents},
             "train": {"steps": 1},
             "checkpoint": {"dir": str(tmp_path / "ckpt")},
         }
@@ -272,12 +272,13 @@ def test_text_documents_are_split_as_before_and_named_by_file_and_line(tmp_path)
     for i, data in enumerate(samples):
         path = tmp_path / f"s{i}.txt"
         path.write_bytes(data)
-        assert [raw for raw, _ in read_txt(path)] == reference(data), data[:40]
+        assert [raw for raw, _ in read_txt(path, txt_documents="blank_lines")] == reference(data), data[:40]
     path = tmp_path / "named.txt"
     path.write_bytes(b"one\n\ntwo\nlines\n\n\n" + b"z" * 5000 + b"\n\nlast\n")
-    assert [where for _, where in read_txt(path)] == [f"{path}:1", f"{path}:3", f"{path}:7", f"{path}:9"]
+    blank = {"txt_documents": "blank_lines"}  # the blank-line rule (before issue 39); a whole file is never refused
+    assert [where for _, where in read_txt(path, **blank)] == [f"{path}:1", f"{path}:3", f"{path}:7", f"{path}:9"]
     with pytest.raises(DataError, match=r"named\.txt:7: a record of 5000 bytes, more than the limit of 4096"):
-        list(read_documents(path, max_record_bytes=4096))
+        list(read_documents(path, max_record_bytes=4096, **blank))
     jl = tmp_path / "big.jsonl"
     jl.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": "q" * 100_000}) + "\n")
     with pytest.raises(DataError, match=r"big\.jsonl:2: a record of"):
@@ -289,7 +290,8 @@ import json, resource, sys, time
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.data import validation as V
 cfg = config_from_dict({"task": {"name": "big"}, "model": {"preset": "tiny"},
-                        "data": {"path": sys.argv[1], "seq_len": 16}, "train": {"steps": 1}})
+                        "data": {"path": sys.argv[1], "seq_len": 16, "txt_documents": "blank_lines"},
+                        "train": {"steps": 1}})
 def raw_pass():  # one plain pass over the bytes, 1 MiB at a time, keeping nothing
     start = time.monotonic()
     with open(sys.argv[1], "rb", buffering=0) as f:
@@ -346,7 +348,7 @@ def test_the_gate_refuses_nul_escape_sequences_and_oversize_records_naming_file_
     rows = [json.dumps({"text": d}) for d in docs[30:59]] + [json.dumps({"text": "nul \u0000 inside"})]
     (data / "b.jsonl").write_text("\n".join(rows) + "\n")
     (data / "c.txt").write_text(docs[59] + "\n\n" + "o" * 5000 + "\n")
-    cfg = _data_cfg(tmp_path, data)
+    cfg = _data_cfg(tmp_path, data, txt_documents="blank_lines")  # whole files (the default) are cut, not refused
     report = V.validate_dataset(cfg, max_record_bytes=4096)
     assert {r.name for r in report.failed} == {"no_control_chars", "no_oversize_records"}, report.summary
     control = report.result("no_control_chars").detail

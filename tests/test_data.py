@@ -130,7 +130,10 @@ def test_txt_jsonl_parquet_directory_and_glob(tmp_path):
         json.dumps({"body": "json one", "id": 1}) + "\n\n" + json.dumps({"body": "json two"}) + "\n"
     )
     pq.write_table(pa.table({"body": ["pq one", "pq two"], "n": [1, 2]}), tmp_path / "c.parquet")
-    assert list(read_documents(tmp_path / "a.txt")) == ["first doc\nline two", "second doc"]
+    blank = {"txt_documents": "blank_lines"}  # the rule before issue 39: blank lines separate documents, dropped
+    assert list(read_documents(tmp_path / "a.txt", **blank)) == ["first doc\nline two", "second doc"]
+    whole = list(read_documents(tmp_path / "a.txt"))  # the default: the file is one document, as written
+    assert ["".join(doc) for doc in whole] == ["first doc\nline two\n\n  \nsecond doc\n"]
     assert list(read_documents(tmp_path / "b.jsonl", text_field="body")) == ["json one", "json two"]
     assert list(read_documents(tmp_path / "c.parquet", text_field="body")) == ["pq one", "pq two"]
     (tmp_path / "c.parquet").unlink()
@@ -138,10 +141,13 @@ def test_txt_jsonl_parquet_directory_and_glob(tmp_path):
     sub = tmp_path / "more"
     sub.mkdir()
     (sub / "x.txt").write_text("third", encoding="utf-8")
-    assert list(read_documents(tmp_path)) == ["first doc\nline two", "second doc", "third"]
-    assert list(read_documents(str(tmp_path / "**" / "*.txt"))) == ["first doc\nline two", "second doc", "third"]
-    ds = build_dataset({"path": str(tmp_path), "seq_len": 8, "format": "auto"}, 256)
+    assert list(read_documents(tmp_path, **blank)) == ["first doc\nline two", "second doc", "third"]
+    three = ["first doc\nline two", "second doc", "third"]
+    assert list(read_documents(str(tmp_path / "**" / "*.txt"), **blank)) == three
+    ds = build_dataset({"path": str(tmp_path), "seq_len": 8, "format": "auto", **blank}, 256)
     assert ByteTokenizer().decode(ds.tokens.tolist()) == "first doc\nline two\nsecond doc\nthird\n"
+    ds = build_dataset({"path": str(tmp_path), "seq_len": 8, "format": "auto"}, 256)  # each file as written + sep
+    assert ByteTokenizer().decode(ds.tokens.tolist()) == "first doc\nline two\n\n  \nsecond doc\n\nthird\n"
     assert ds.name == str(tmp_path) and ds.corpus is None
 
 
@@ -153,7 +159,9 @@ def test_file_errors_are_clear(tmp_path):
         build_dataset({"path": str(tmp_path / "d.jsonl"), "seq_len": 8}, 256)
     (tmp_path / "bad.txt").write_bytes(b"fine text \xff\xfe more")
     with pytest.raises(DataError, match="offset 10"):
-        list(read_documents(tmp_path / "bad.txt"))
+        ["".join(doc) for doc in read_documents(tmp_path / "bad.txt")]  # a whole file's pieces decode as read
+    with pytest.raises(DataError, match="offset 10"):
+        list(read_documents(tmp_path / "bad.txt", txt_documents="blank_lines"))
     pq.write_table(pa.table({"other": ["a"]}), tmp_path / "e.parquet")
     with pytest.raises(DataError, match="no column 'text'"):
         list(read_documents(tmp_path / "e.parquet"))
@@ -181,7 +189,7 @@ def test_local_tokenizers_json(tmp_path):
     ids = hf.encode("the cat sat")
     assert len(ids) < len("the cat sat") and hf.decode(ids) == "the cat sat"
     (tmp_path / "docs.txt").write_text("\n\n".join(texts), encoding="utf-8")
-    cfg = {"path": str(tmp_path / "docs.txt"), "seq_len": 16, "tokenizer": str(path)}
+    cfg = {"path": str(tmp_path / "docs.txt"), "seq_len": 16, "tokenizer": str(path), "txt_documents": "blank_lines"}
     ds = build_dataset(cfg, hf.vocab_size)
     assert int(ds.tokens.max()) < hf.vocab_size
     assert (ds.tokens == hf.sep_id).sum() == len(texts)

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: the pages whose command blocks run after the README's, in this order, in the same session (they need what
 #: ``make demo`` left: its checkpoints, its MLflow store and registered model)
-DOC_PAGES = ("docs/usage.md", "docs/checkpoints.md", "docs/permissions.md")
+DOC_PAGES = ("docs/usage.md", "docs/checkpoints.md", "docs/permissions.md", "docs/data.md")
 #: the README's size ceiling: one screen to a first result, the rest in docs/ (issue 45 item 5)
 README_MAX_BYTES = 15 * 1024
 #: the README's set-up commands, its first command block: exactly these

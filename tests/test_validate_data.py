@@ -97,7 +97,7 @@ def test_files_are_read_per_record(tmp_path):
             f.write(json.dumps({"text": doc}).encode() + b"\n")
         f.write(b'{"text": ""}\n')
         f.write(b'{"text": "caf\xe9"}\n')  # latin-1 byte: invalid UTF-8 on one record only
-    cfg = _cfg(tmp_path, d, steps=5)
+    cfg = _cfg(tmp_path, d, steps=5, txt_documents="blank_lines")  # a record per blank-line document
     records, source = V.load_records(cfg.data)
     assert len(records) == 42 and source == str(d)
     rep = V.validate_dataset(cfg)

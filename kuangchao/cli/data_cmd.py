@@ -1,8 +1,11 @@
 """``kc data prepare CONFIG``: tokenize a job's data files (text, or sft records) into its ``data.cache_dir`` once,
-before the job. ``kc data shapes DIR``: write the generated image set of the vision demo (issue 31).
+before the job. ``kc data prepare PATH --out DIR``: your own text from scratch (issue 39) — a training and a
+held-out part, a BPE tokenizer, the tokenized cache and a config to start from
+(:mod:`kuangchao_core.data.prepare_corpus`). ``kc data shapes DIR``: write the generated image set of the vision demo
+(issue 31).
 
 Exit 0 with the entry (built now or already there), 2 for a config without a cache directory or with data that is not
-cached (the synthetic corpus), 1 for data that cannot be read (the reader's message).
+cached (the synthetic corpus), or bad options, 1 for data that cannot be read (the reader's message).
 """
 
 from __future__ import annotations
@@ -17,11 +20,29 @@ _SET_HELP = "Override one setting, e.g. --set data.cache_dir=/data/cache (repeat
 
 @data_app.command("prepare")
 def prepare(
-    file: str = typer.Argument(..., help="Job config YAML file."),
+    file: str = typer.Argument(
+        ..., help="A job config (.yaml/.yml), or a text file or folder to prepare (with --out)."
+    ),
     set_: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    out: str = typer.Option(
+        None, "--out", help="PATH mode: the directory the parts, tokenizer, cache and config go to."
+    ),
+    heldout: float = typer.Option(0.05, "--heldout", help="PATH mode: the last share of each file's bytes held out."),
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="PATH mode: the BPE tokenizer's vocabulary (>= 257)."),
+    preset: str = typer.Option(None, "--preset", help="PATH mode: model.preset (default: by the training bytes)."),
+    seq_len: int = typer.Option(None, "--seq-len", help="PATH mode: data.seq_len (default: half the preset's)."),
+    name: str = typer.Option("my-text", "--name", help="PATH mode: task.name of the config written."),
+    fmt: str = typer.Option("auto", "--format", help="PATH mode: auto (by extension), txt or jsonl (data.format)."),
 ) -> None:
     """Tokenize the config's data files into ``data.cache_dir`` (every rank and later run of the job reads it); the
-    held-out files (``data.eval_path``) too."""
+    held-out files (``data.eval_path``) too. Given a text file or folder and ``--out``: split it, train a tokenizer,
+    tokenize both parts and write ``OUT/config.yaml``."""
+    if not file.endswith((".yaml", ".yml")):
+        if out is None:
+            typer.echo(f"kc data prepare {file}: --out: give the directory to prepare the data in", err=True)
+            raise typer.Exit(2)
+        _prepare_corpus(file, out, heldout, vocab_size, preset, seq_len, name, fmt)
+        return
     from kuangchao_core.config import load_config
     from kuangchao_core.data.cache import cached_corpus, cached_sft
     from kuangchao_core.data.tokenizer import get_tokenizer
@@ -71,6 +92,43 @@ def prepare(
         raise typer.Exit(1) from None
     finally:
         install_guard(previous)
+
+
+def _prepare_corpus(
+    source: str,
+    out: str,
+    heldout: float,
+    vocab_size: int,
+    preset: str | None,
+    seq_len: int | None,
+    name: str,
+    fmt: str,
+) -> None:
+    """``kc data prepare PATH --out DIR``: the report of :func:`~kuangchao_core.data.prepare_corpus.prepare_corpus`."""
+    from kuangchao_core.data.prepare_corpus import prepare_corpus
+    from kuangchao_core.errors import DataError
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    previous = install_guard(AllowAll())  # an operator's tool on local files, as for a config
+    t0 = time.perf_counter()
+    try:
+        r = prepare_corpus(
+            source, out, heldout=heldout, vocab_size=vocab_size, preset=preset, seq_len=seq_len, name=name, fmt=fmt
+        )
+    except DataError as exc:
+        typer.echo(f"kc data prepare {source}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        install_guard(previous)
+    typer.echo(f"split {len(r['files'])} file(s): {r['rule']}")
+    typer.echo(f"tokenizer {r['tokenizer']}: byte-level BPE, {r['vocab_size']} tokens (trained on the training part)")
+    typer.echo(
+        f"cache {r['cache_dir']}: {r['tokens']['train']:,} training and {r['tokens']['heldout']:,} held-out tokens"
+    )
+    typer.echo(
+        f"OK {r['config']}: model.preset {r['preset']} (by {r['preset_chosen_by']}), data.seq_len {r['seq_len']}, "
+        f"train.steps {r['steps']} ({time.perf_counter() - t0:.1f} s); next: kc config validate {r['config']}"
+    )
 
 
 @data_app.command("shapes")

@@ -127,6 +127,9 @@ class DataSection(Section):
     #: ``sft``: instruction records (prompt/completion or chat messages, jsonl or parquet), loss on the answers only
     format: Literal["auto", "txt", "jsonl", "parquet", "synthetic", "sft"] = "auto"
     text_field: str = Field(default="text", min_length=1)
+    #: ``.txt`` documents: ``file``: each file is one document, its bytes as written (blank lines kept), read in pieces
+    #: of any size; ``blank_lines``: blank lines separate documents and are dropped (the rule before issue 39)
+    txt_documents: Literal["file", "blank_lines"] = "file"
     #: ``byte``, a tokenizers JSON file, or a local Hugging Face tokenizer dir (its chat template renders sft messages)
     tokenizer: str = Field(default="byte", min_length=1)
     seq_len: Int = Field(default=128, ge=2)

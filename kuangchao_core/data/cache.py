@@ -6,10 +6,10 @@ and what the entry was built from). Text files (txt, jsonl, parquet) give ``toke
 ``starts`` (int64, where each document starts); instruction records (``data.format: sft``) give ``ids`` (int32, the
 examples end to end), ``trained`` (bool, whether the loss is taken on each token), ``starts`` (int64, where each
 example starts) and the build's report in ``meta.json``. The key is a hash of what the arrays depend on: the data
-format and text field, the tokenizer (``byte``, or the bytes of its files — a chat template included), every data
-file's path, size and modification time — a stat, so a warm start reads no raw file — and, for sft records,
-``seq_len`` and ``truncation`` (they decide which examples are kept). Changing a file or the tokenizer gives a new
-entry (old ones are left for the user to delete).
+format, text field and ``.txt`` document rule (``data.txt_documents``), the tokenizer (``byte``, or the bytes of its
+files — a chat template included), every data file's path, size and modification time — a stat, so a warm start
+reads no raw file — and, for sft records, ``seq_len`` and ``truncation`` (they decide which examples are kept).
+Changing a file or the tokenizer gives a new entry (old ones are left for the user to delete).
 
 The first rank to miss an entry takes ``<key>.lock`` (created exclusively) and builds it in a private directory that
 is renamed into place when complete, so a reader never sees half an entry; the other ranks wait for ``meta.json``. A
@@ -150,10 +150,12 @@ def cached_corpus(
 
     path, fmt = str(setting(data_cfg, "path")), setting(data_cfg, "format", "auto")
     text_field, spec = setting(data_cfg, "text_field", "text"), setting(data_cfg, "tokenizer", "byte")
-    key, what = cache_key(path, fmt, text_field, spec)
+    txt_documents = setting(data_cfg, "txt_documents", "file")
+    key, what = cache_key(path, fmt, text_field, spec, txt_documents=txt_documents)
 
     def build() -> tuple[dict, dict]:
-        tokens, starts = pack_documents_with_starts(read_documents(path, fmt, text_field), tokenizer)
+        docs = read_documents(path, fmt, text_field, txt_documents=txt_documents)
+        tokens, starts = pack_documents_with_starts(docs, tokenizer)
         arrays = {"tokens": tokens.numpy().astype(np.int32, copy=False), "starts": starts.astype(np.int64, copy=False)}
         return arrays, _counts(arrays["tokens"], len(starts))
 

@@ -153,7 +153,10 @@ def build_dataset(data_cfg: Any, vocab_size: int, split: str = "train") -> Token
             )
             return TokenDataset(tokens, seq_len, name, tokenizer, None, starts if packing == "documents" else None)
         docs = read_documents(
-            setting(data_cfg, "path"), setting(data_cfg, "format", "auto"), setting(data_cfg, "text_field", "text")
+            setting(data_cfg, "path"),
+            setting(data_cfg, "format", "auto"),
+            setting(data_cfg, "text_field", "text"),
+            txt_documents=setting(data_cfg, "txt_documents", "file"),
         )
         label = name
     tokens, starts = pack_documents_with_starts(docs, tokenizer, vocab_size)

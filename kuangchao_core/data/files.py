@@ -1,6 +1,10 @@
 """Documents from user files: ``.txt``, ``.jsonl`` and ``.parquet``; a file, a directory or a glob pattern.
 
-- ``.txt``: UTF-8; documents are separated by blank lines (a file without blank lines is one document); each is
+- ``.txt``: UTF-8. ``txt_documents="file"`` (``data.txt_documents``, the default): each file is one document, its
+  bytes exactly as written (blank lines, trailing spaces and ``\\r\\n`` kept); it is read in pieces
+  (``data.stream.file_pieces``) — records of at most ``max_record_bytes`` for validation, each named ``file:line`` by
+  its first line — so a file of any size is cut, never refused. ``"blank_lines"``: documents are separated by blank
+  lines, which are dropped with each document's leading and trailing newlines (the rule before issue 39); each is
   named ``file:line`` by the line where it starts.
 - ``.jsonl``: one JSON object per line, the document in the field ``text_field``; blank lines are skipped. A line
   is parsed with the bounded JSON reader (``config.bounded_json``): a line nested too deeply is refused like one
@@ -12,9 +16,10 @@ validation passes exactly what training accepts. It raises ``DataError`` for wha
 bad JSON, a missing or non-string field, an unreadable parquet file) and yields each record raw with where it came
 from, so validation can count records that are not valid UTF-8 where training refuses the first one.
 
-Text and JSON-lines files are streamed (``data.stream``), never read whole: given ``max_record_bytes``, a record
-larger than that comes back as :class:`~kuangchao_core.data.stream.Oversize` (its size, not its bytes) as soon as
-its end is found; training (:func:`read_documents`) refuses it naming ``file:line``.
+Text and JSON-lines files are streamed (``data.stream``), never read whole: given ``max_record_bytes``, a
+blank-line document or JSON-lines record larger than that comes back as :class:`~kuangchao_core.data.stream.Oversize`
+(its size, not its bytes) as soon as its end is found, and training (:func:`read_documents`) refuses it naming
+``file:line``; a whole ``.txt`` file is never refused, only cut into pieces.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kuangchao_core.config.bounded_json import BoundedJSONError, loads_bounded
-from kuangchao_core.data.stream import Oversize, lines, open_binary, text_documents
+from kuangchao_core.data.stream import PIECE_BYTES, Oversize, file_pieces, lines, open_binary, text_documents
 from kuangchao_core.errors import DataError
 
 EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 #: a JSON-lines line may be this many times its text's limit (escapes such as \u0001 take 6 bytes for one)
 JSONL_LINE_FACTOR = 6
 _JSONL_SLACK = 64 << 10  # plus this much for the other fields of the object
+#: ``data.txt_documents``: a whole ``.txt`` file is one document, or blank lines separate documents
+TXT_DOCUMENTS = ("file", "blank_lines")
 
 
 def resolve_files(path: str | Path, fmt: str = "auto") -> list[tuple[Path, str]]:
@@ -87,10 +94,17 @@ def decode_record(raw: bytes | str) -> tuple[str, bool]:
         return raw.decode("utf-8", "replace").replace("\r\n", "\n"), False
 
 
-def read_txt(path: Path, max_record_bytes: int | None = None) -> Iterator[Record]:
-    """Blank-line separated documents of a text file, as bytes (decoded per record), streamed; a document over
-    ``max_record_bytes`` comes back as Oversize."""
+def read_txt(path: Path, max_record_bytes: int | None = None, txt_documents: str = "file") -> Iterator[Record]:
+    """The records of a text file as bytes (decoded per record), streamed: with ``txt_documents="file"`` its
+    consecutive pieces of at most ``max_record_bytes`` (the file's bytes exactly, joined); with ``"blank_lines"``
+    its blank-line separated documents, one over ``max_record_bytes`` coming back as Oversize."""
+    if txt_documents not in TXT_DOCUMENTS:
+        raise DataError(f"data.txt_documents: {txt_documents!r} is not one of {list(TXT_DOCUMENTS)}")
     with open_binary(path) as f:
+        if txt_documents == "file":
+            for piece, line in file_pieces(f, max_record_bytes):
+                yield piece, f"{path}:{line}"
+            return
         for block, line in text_documents(f, max_record_bytes):
             yield block, f"{path}:{line}"
 
@@ -146,34 +160,70 @@ def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
 
 
 def iter_records(
-    path: str | Path, fmt: str = "auto", text_field: str = "text", max_record_bytes: int | None = None
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    max_record_bytes: int | None = None,
+    txt_documents: str = "file",
 ) -> Iterator[Record]:
-    """Every raw record under ``path`` in a stable order (files sorted by name), with where it came from; text and
-    JSON-lines records over ``max_record_bytes`` come back as Oversize without being read whole."""
+    """Every raw record under ``path`` in a stable order (files sorted by name), with where it came from; a whole
+    ``.txt`` file comes in pieces of at most ``max_record_bytes``; blank-line documents and JSON-lines records over
+    it come back as Oversize without being read whole."""
     for f, kind in resolve_files(path, fmt):
-        if kind == "txt":
-            yield from read_txt(f, max_record_bytes)
-        elif kind == "jsonl":
-            yield from read_jsonl(f, text_field, max_record_bytes)
-        else:
-            yield from read_parquet(f, text_field)
+        yield from _file_records(f, kind, text_field, max_record_bytes, txt_documents)
+
+
+def _file_records(f: Path, kind: str, text_field: str, max_record_bytes: int | None, txt_documents: str):
+    """The records of one file of format ``kind``."""
+    if kind == "txt":
+        return read_txt(f, max_record_bytes, txt_documents)
+    if kind == "jsonl":
+        return read_jsonl(f, text_field, max_record_bytes)
+    return read_parquet(f, text_field)
+
+
+def _checked_text(raw: bytes | str | Oversize, where: str, keep_crlf: bool = False) -> str:
+    """A record as text; an Oversize one or one that is not valid UTF-8 raises DataError naming ``where``."""
+    if isinstance(raw, Oversize):
+        raise DataError(f"{where}: a record of {raw.n_bytes} bytes, more than the limit of {raw.limit}")
+    if keep_crlf and isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            pass  # the message below
+    text, ok = decode_record(raw)
+    if not ok:
+        detail = "not valid UTF-8"
+        if isinstance(raw, bytes):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                detail = f"bytes at offset {exc.start} of this record are not valid UTF-8 ({exc.reason})"
+        raise DataError(f"{where}: {detail}; convert the file to UTF-8")
+    return text
+
+
+def _file_document(path: Path) -> Iterator[str]:
+    """A whole text file as one document: its text in pieces of at most PIECE_BYTES bytes, exactly as written."""
+    for raw, where in read_txt(path, PIECE_BYTES, "file"):
+        yield _checked_text(raw, where, keep_crlf=True)
 
 
 def read_documents(
-    path: str | Path, fmt: str = "auto", text_field: str = "text", max_record_bytes: int | None = None
-) -> Iterator[str]:
-    """Every document under ``path`` as text; the first record that is not valid UTF-8, or larger than
-    ``max_record_bytes``, raises DataError naming where it is."""
-    for raw, where in iter_records(path, fmt, text_field, max_record_bytes):
-        if isinstance(raw, Oversize):
-            raise DataError(f"{where}: a record of {raw.n_bytes} bytes, more than the limit of {raw.limit}")
-        text, ok = decode_record(raw)
-        if not ok:
-            detail = "not valid UTF-8"
-            if isinstance(raw, bytes):
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    detail = f"bytes at offset {exc.start} of this record are not valid UTF-8 ({exc.reason})"
-            raise DataError(f"{where}: {detail}; convert the file to UTF-8")
-        yield text
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    max_record_bytes: int | None = None,
+    txt_documents: str = "file",
+) -> Iterator[str | Iterator[str]]:
+    """Every document under ``path``: a string, or — a whole ``.txt`` file (``txt_documents="file"``; an empty file
+    gives none) — an iterator of its text in pieces, which joined are the document. The first record that is not
+    valid UTF-8, or larger than ``max_record_bytes`` (blank-line documents and JSON-lines), raises DataError
+    naming where it is."""
+    for f, kind in resolve_files(path, fmt):
+        if kind == "txt" and txt_documents == "file":
+            if f.stat().st_size:
+                yield _file_document(f)
+            continue
+        for raw, where in _file_records(f, kind, text_field, max_record_bytes, txt_documents):
+            yield _checked_text(raw, where)

@@ -21,19 +21,22 @@ import torch
 from kuangchao_core.errors import DataError
 
 
+def _document_ids(doc: str | Iterable[str], tokenizer, sep: int) -> np.ndarray:
+    """A document's tokens and the separator; a document given in pieces (a whole ``.txt`` file) is encoded piece
+    by piece (``files.read_documents``: cut after a newline where possible)."""
+    pieces = [doc] if isinstance(doc, str) else doc
+    arrays = [np.asarray(tokenizer.encode(piece), dtype=np.int32) for piece in pieces]
+    arrays.append(np.array([sep], dtype=np.int32))
+    return np.concatenate(arrays)
+
+
 def pack_documents_with_starts(
-    docs: Iterable[str], tokenizer, vocab_size: int | None = None
+    docs: Iterable[str | Iterable[str]], tokenizer, vocab_size: int | None = None
 ) -> tuple[torch.Tensor, np.ndarray]:
     """One int32 stream — each document's tokens followed by ``tokenizer.sep_id`` — and where each document starts
-    in it (int64, ascending)."""
+    in it (int64, ascending). A document is a string or an iterable of its pieces."""
     sep = int(tokenizer.sep_id)
-    parts: list[np.ndarray] = []
-    for doc in docs:
-        ids = tokenizer.encode(doc)
-        arr = np.empty(len(ids) + 1, dtype=np.int32)
-        arr[:-1] = ids
-        arr[-1] = sep
-        parts.append(arr)
+    parts = [_document_ids(doc, tokenizer, sep) for doc in docs]
     stream = torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int32)
     if vocab_size is not None and stream.numel() and int(stream.max()) >= vocab_size:
         raise DataError(

@@ -5,9 +5,13 @@ A file is read in pieces of at most :data:`PIECE_BYTES` (``readline`` with a siz
 and comes back as :class:`Oversize` with its full size once its end is found, so a 1 GiB single-line file costs
 one pass over its bytes and about one piece of memory. Without a limit the records are assembled as before.
 
-Blank-line splitting is the one ``files.read_txt`` always had: a line of only spaces and tabs (``\\r\\n`` or
-``\\n``) after another line ends a document; a document is stripped of its leading and trailing ``\\r``/``\\n``
-and skipped when only whitespace is left.
+Blank-line splitting (``data.txt_documents: blank_lines``, the rule ``files.read_txt`` had before issue 39): a line
+of only spaces and tabs (``\\r\\n`` or ``\\n``) after another line ends a document; a document is stripped of its
+leading and trailing ``\\r``/``\\n`` and skipped when only whitespace is left — so those blank lines are not kept.
+
+Whole files (``data.txt_documents: file``, the default since issue 39): :func:`file_pieces` cuts a file's bytes, all
+of them as written, into consecutive pieces of at most a given size — after a newline where the piece has one,
+else at a UTF-8 character boundary — so a file of any size is read with bounded memory and nothing is refused.
 """
 
 from __future__ import annotations
@@ -153,3 +157,30 @@ def _line_result(parts: list[bytes], size: int, over: bool, limit: int | None) -
     if limit is not None and len(line) > limit:
         return Oversize(len(line), limit)
     return line
+
+
+def _char_boundary(buf: bytearray, at: int) -> int:
+    """The offset nearest below or at ``at`` where a UTF-8 character of ``buf`` starts (at most 3 bytes back);
+    ``at`` itself where the bytes are not UTF-8 (nothing to keep whole)."""
+    cut = at
+    while cut > 0 and at - cut < 3 and (buf[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return cut if cut > 0 and (buf[cut] & 0xC0) != 0x80 else at
+
+
+def file_pieces(f: BinaryIO, max_piece_bytes: int | None = None) -> Iterator[tuple[bytes, int]]:
+    """``(bytes, line where they start)``: every byte of ``f`` in order, in pieces of at most ``max_piece_bytes``
+    (default :data:`PIECE_BYTES`), each cut after its last newline when it has one, else at a character boundary;
+    joined, the pieces are the file exactly."""
+    limit = max(4, int(max_piece_bytes or PIECE_BYTES))
+    buf, line = bytearray(), 1
+    for piece, _, _ in _pieces(f):
+        buf += piece
+        while len(buf) > limit:
+            cut = buf.rfind(b"\n", 0, limit) + 1 or _char_boundary(buf, limit)
+            out = bytes(buf[:cut])
+            del buf[:cut]
+            yield out, line
+            line += out.count(b"\n")
+    if buf:
+        yield bytes(buf), line

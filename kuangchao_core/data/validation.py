@@ -25,7 +25,7 @@ Token counts are byte-level (one token per UTF-8 byte, what the ``byte`` tokeniz
 is given: an object with ``encode(text)`` or a spec ``kuangchao_core.data.tokenizer.get_tokenizer`` accepts.
 
 Where the records come from (``load_records``): the same documents ``kuangchao_core.data`` trains on. ``data.path``
-is a file, directory or glob of ``.txt`` (documents separated by blank lines), ``.jsonl`` (one object per line, text
+is a file, directory or glob of ``.txt`` (``data.txt_documents``), ``.jsonl`` (one object per line, text
 under ``data.text_field``; blank lines skipped, ``{"text": ""}`` is an empty record) and ``.parquet`` (one row per
 record) files, read as bytes: a bad byte sequence is one failing record, not a failed read. An sft record is its
 prompt and completion or turns; a ``model.vision`` job's record its image paths and turns (``image_record_text``). A
@@ -189,7 +189,7 @@ def iter_located_records(
         line_limit = None if max_record_bytes is None else JSONL_LINE_FACTOR * max_record_bytes + (64 << 10)
         text_of = image_record_text if images else record_text
         return ((text_of(r, where), where) for r, where in iter_sft_records(path, line_limit)), str(path)
-    return iter_records(path, fmt, text_field, max_record_bytes), str(path)
+    return iter_records(path, fmt, text_field, max_record_bytes, setting(data_cfg, "txt_documents", "file")), str(path)
 
 
 def _synthetic_records(data_cfg: Any) -> list[bytes | str]:
