@@ -74,3 +74,19 @@ def resolve_blocks(cfg_dict: dict[str, Any], secrets: dict[str, Any] | None = No
     if errors:
         raise ConfigError(errors)
     return out
+
+
+def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, Any] | None = None):
+    """``load_config`` plus Prefect block references (``checkpoint.storage_block`` …, :func:`resolve_blocks`).
+
+    Block references are resolved on the merged mapping before validation; secrets (S3 credentials, also those
+    written into ``checkpoint.endpoint_url`` as ``user:password@``) go into ``secrets``, never into the config that
+    is written to disk, logged to MLflow and handed to the workers.
+    """
+    from kuangchao_core.config import load_config
+    from kuangchao_core.config.secrets import take_checkpoint_credentials
+
+    def resolve(data: dict[str, Any]) -> dict[str, Any]:
+        return take_checkpoint_credentials(resolve_blocks(data, secrets), secrets)
+
+    return load_config(config_path, overrides, resolve=resolve)

@@ -10,9 +10,9 @@ On a static or dynamic cluster the probe measures the links between the candidat
 
 ``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set); a Prefect
 deployment (``deployments/prefect.yaml``) runs the same flow on a worker, so its parameters stay JSON values.
-MLflow holds one run per flow run: params = flattened config, per-step metrics from rank 0, restarts and their
-causes, checkpoint metadata and manifests as artifacts. Only worker failures (``WorkerFailed``) are retried, at most
-``cluster.max_restarts`` times; config, data and permission errors fail at once.
+MLflow holds one run per flow run (config, rank 0's metrics, restarts, checkpoint manifests). A task retries
+transient failures (``tasks.retry_policy``), a failed attempt restarts at most ``cluster.max_restarts`` times;
+config, data and permission errors fail at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed
 
-from kuangchao_core.config import load_config
+from blocks.resolve import load_job_config
 from kuangchao_core.errors import ConfigError, KuangchaoError
 from kuangchao_core.job.attempts import hold_job_lineage, run_attempts
 from kuangchao_core.job.finish import finish_run, release_run, skipped_summary, summary_markdown
@@ -61,22 +61,6 @@ STEPS = JobSteps(
 )
 
 
-def load_job_config(config_path: str, overrides: list[str], secrets: dict[str, Any] | None = None):
-    """``load_config`` plus Prefect block references (``checkpoint.storage_block`` …, see ``blocks.resolve``).
-
-    Block references are resolved on the merged mapping before validation; secrets (S3 credentials, also those
-    written into ``checkpoint.endpoint_url`` as ``user:password@``) go into ``secrets``, never into the config that
-    is written to disk, logged to MLflow and handed to the workers.
-    """
-    from blocks.resolve import resolve_blocks
-    from kuangchao_core.config.secrets import take_checkpoint_credentials
-
-    def resolve(data: dict[str, Any]) -> dict[str, Any]:
-        return take_checkpoint_credentials(resolve_blocks(data, secrets), secrets)
-
-    return load_config(config_path, overrides, resolve=resolve)
-
-
 @flow(name="kuangchao-train", log_prints=True)
 def train_flow(
     config_path: str, overrides: list[str] | None = None, resume: str | None = None, if_finished: str = "error"
@@ -96,9 +80,8 @@ def train_flow(
     if if_finished not in ("error", "skip", "restart"):
         raise ConfigError([("if_finished", f"must be 'error', 'skip' or 'restart', got {if_finished!r}")])
     logger = get_run_logger()
-    # This process is the job's authority (it issues the tokens); it verifies, downloads and uploads checkpoints
-    # itself, and those calls pass the permission guard, so it runs them trusted. The previous guard is restored
-    # on the way out: `kc train` and tests share the process with other code.
+    # The job's authority (it issues the tokens) moves checkpoints itself through the guard, trusted; the previous
+    # guard comes back on the way out (`kc train` and tests share the process with other code).
     previous_guard = guard_api.install_guard(guard_api.AllowAll())
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     interrupt.rearm()  # kc train's Ctrl-C and SIGTERM, over the SIGTERM handler Prefect's engine installed (issue 45)
@@ -136,8 +119,15 @@ def _nothing_to_train(job: JobRun) -> Any:
     return Completed(name="Skipped", message=message, data=summary)
 
 
-def _run(logger: Any, config_path: str, overrides: list[str], resume: str | None, if_finished: str,
-         opened: list[Path], clock: phases.PhaseClock) -> Any:  # fmt: skip
+def _run(
+    logger: Any,
+    config_path: str,
+    overrides: list[str],
+    resume: str | None,
+    if_finished: str,
+    opened: list[Path],
+    clock: phases.PhaseClock,
+) -> Any:
     """The job's phases: prepare the run, run the attempts, finish (:mod:`kuangchao_core.job`)."""
     secrets: dict[str, Any] = {}
     cfg = load_job_config(config_path, overrides, secrets)

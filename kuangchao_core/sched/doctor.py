@@ -268,6 +268,8 @@ def run_doctor(
         from kuangchao_core.sched.slurm.doctor_checks import slurm_checks
 
         steps.append(("slurm", lambda: slurm_checks(cfg)))
+    if "nodes" in skip:  # the smoke runs on the nodes' probed GPUs: without the probe there is nothing to run on
+        skip = (*skip, "nccl_smoke")
     for name, fn in steps:
         if name not in skip:
             report.checks.extend(_guarded(name, fn))
