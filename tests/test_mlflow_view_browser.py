@@ -57,7 +57,7 @@ def _columns(url: str, profile: Path) -> set[str]:
 
 
 @pytest.mark.timeout(900)
-def test_the_printed_link_opens_the_runs_table_with_the_training_columns(tmp_path):
+def test_the_printed_link_opens_the_runs_table_with_the_training_columns(tmp_path, capsys, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -92,9 +92,39 @@ def test_the_printed_link_opens_the_runs_table_with_the_training_columns(tmp_pat
         # negative control: the runs tab without the saved view shows no metric column — the view is what adds them
         plain = _columns(f"{base}/#/experiments/{exp}/runs", tmp_path / "profile-plain")
         assert "attributes.`Run Name`" in plain and not wanted & plain, sorted(plain)
+        _a_job_on_the_server_prints_its_links_and_not_mlflows(base, capsys, monkeypatch)
     finally:
         server.terminate()
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def _a_job_on_the_server_prints_its_links_and_not_mlflows(base: str, capsys, monkeypatch) -> None:
+    """A job's run on a tracking server ends without MLflow's "View experiment at" line, which opens the experiment
+    in its GenAI view (issue 45 item 4); the job's own links are the run's page and the runs table checked above.
+    Control: the same server's run ended with MLflow's printing on says it."""
+    from mlflow.tracking import MlflowClient
+
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.obs.tracking import SUPPRESS_URL_ENV, close_run, run_links
+
+    cfg = config_from_dict({"task": {"name": "kc-links"}, "tracking": {"uri": base}})
+    client = MlflowClient(base)
+    exp = client.create_experiment("kc-links", tags=experiment_tags())
+    control, ours = (client.create_run(exp).info.run_id for _ in range(2))
+    monkeypatch.setenv(SUPPRESS_URL_ENV, "false")
+    capsys.readouterr()
+    client.set_terminated(control)
+    assert "View experiment at" in capsys.readouterr().out  # MLflow's own line, when nothing turns it off
+    monkeypatch.delenv(SUPPRESS_URL_ENV)
+    close_run(cfg, ours)
+    assert "View experiment at" not in capsys.readouterr().out
+    assert client.get_run(ours).info.status == "FINISHED"
+    assert run_links(cfg, ours) == [
+        f"MLflow run: {base}/#/experiments/{exp}/runs/{ours}",
+        f"MLflow runs table: {base}{experiment_ui_path(exp)}",
+    ]
+    local = config_from_dict({"task": {"name": "kc-links"}, "tracking": {"uri": "sqlite:///mlflow.db"}})
+    assert run_links(local, ours) == []  # a local store: no server address to link

@@ -110,6 +110,8 @@ def finish_run(
     tracking.log_metrics(cfg, job.run_id, {"restarts": attempts - 1}, step=attempts)
     tracking.log_json_artifact(cfg, job.run_id, summary, "summary", "summary.json")
     tracking.close_run(cfg, job.run_id, "FINISHED")
+    for line in tracking.run_links(cfg, job.run_id):
+        logger.info(line)
     return summary
 
 

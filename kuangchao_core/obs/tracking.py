@@ -168,8 +168,27 @@ def log_metrics(cfg: Any, run_id: str, metrics: dict[str, float], step: int = 0)
 
 
 def close_run(cfg: Any, run_id: str, status: str = "FINISHED") -> None:
-    """Mark the run FINISHED, FAILED or KILLED."""
+    """Mark the run FINISHED, FAILED or KILLED. MLflow's own "View experiment at" line, which opens a tracking
+    server's experiment in its GenAI view, is not printed: :func:`run_links` are the job's links instead."""
+    os.environ.setdefault(SUPPRESS_URL_ENV, "true")
     store_client(cfg).set_terminated(run_id, status=status)
+
+
+#: MLflow prints a run's and its experiment's address when a run on a tracking server ends, unless this is set
+SUPPRESS_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+
+
+def run_links(cfg: Any, run_id: str) -> list[str]:
+    """The run's page and its experiment's runs table (:func:`experiment_ui_path`) on a tracking server; none for a
+    local store (``mlflow ui --backend-store-uri …`` serves it at an address this job does not know)."""
+    uri = tracking_uri(cfg).rstrip("/")
+    if not uri.startswith(("http://", "https://")):
+        return []
+    experiment_id = store_client(cfg).get_run(run_id).info.experiment_id
+    return [
+        f"MLflow run: {uri}/#/experiments/{experiment_id}/runs/{run_id}",
+        f"MLflow runs table: {uri}{experiment_ui_path(experiment_id)}",
+    ]
 
 
 def close_failed_run(cfg: Any, run_id: str, status: str, logger: Any) -> None:
