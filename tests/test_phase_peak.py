@@ -77,8 +77,11 @@ def test_the_cpu_figure_is_the_resident_set_size_and_start_phase_leaves_it_alone
     after = metrics.memory_bytes(cpu)
     # the same current figure as /proc/self/statm, read around it (no allocation of note in between)
     assert abs(after - rss) <= 64 * page and abs(before - rss) <= 64 * page
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, each touched (a tensor could reuse memory the allocator already holds)
+    big = __import__("mmap").mmap(-1, 64 * 2**20)
+    for offset in range(0, len(big), page):
+        big[offset] = 1
     held = metrics.memory_bytes(cpu)
-    del big
-    # a current value, not a peak: it rises with the tensor (and need not stay up once it is freed)
+    big.close()
+    # a current value, not a peak: it rises with the touched pages (and need not stay up once they are unmapped)
     assert held - after >= 48 * 2**20
