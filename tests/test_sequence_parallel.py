@@ -108,29 +108,48 @@ def _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp: bool = True
 MEASURE_SEQ, MEASURE_BATCH, MEASURE_LAYERS = 512, 2, 2
 
 
-def _retained_bytes(group) -> dict[str, int]:
-    """Heap bytes the decoder layers' forward leaves held for the backward (fp32, s=512): plain TP, SP without the
-    re-gather of the projections' inputs, SP."""
+def _saved_bytes(group) -> dict:
+    """What the decoder layers' forward leaves for the backward (fp32, s=512), counted from the autograd graph itself
+    (the C heap and the allocator's records also hold Gloo's in-flight buffers, which its worker threads release
+    at times of their own): for plain TP and SP without the re-gather, the bytes of every distinct storage the
+    forward saves (a pass-through saved-tensor hook sees each); for SP, which gathered norm outputs the re-gather
+    let go of (each weakly referenced when registered) and the bytes that freed, full minus the shard kept."""
     import gc
+    import weakref
 
-    from kuangchao_core.hal.heap import heap_in_use_bytes
     from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
     from tests.fixtures import tiny_llama
 
     cfg = tiny_llama(intermediate_size=128, max_seq_len=MEASURE_SEQ, num_layers=MEASURE_LAYERS)
     ids = torch.randint(0, cfg.vocab_size, (MEASURE_BATCH, MEASURE_SEQ), generator=torch.Generator().manual_seed(3))
-    out = {}
+    out: dict = {}
     for name in ("tp", "sp_without_regather", "sp"):
         model = TPLlamaForCausalLM(cfg, group, sequence_parallel=name != "tp")
         init_from_seed(model, 7)
+        storages: dict[int, int] = {}
+        registered = []
         if name == "sp_without_regather":
             model.regather.enabled = False
+        if model.regather is not None:
+            register = model.regather.register
+
+            def observe(shard, full, register=register, registered=registered):
+                registered.append((weakref.ref(full), full.nbytes - shard.nbytes))
+                register(shard, full)
+
+            model.regather.register = observe
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
         h = model.embed(ids).detach().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = model.run_layers(h)
         gc.collect()
-        before = heap_in_use_bytes()
-        y = model.run_layers(h)
-        gc.collect()
-        out[name] = heap_in_use_bytes() - before
+        storages.pop(h.untyped_storage().data_ptr(), None)
+        released = [freed for full, freed in registered if full() is None]
+        out[name] = {"saved": sum(storages.values()), "gathered": len(registered), "released": released}
         y.sum().backward()  # collective: every rank runs it
         del y
     return out
@@ -173,7 +192,7 @@ def _body(rank, world_size):
     }
     plain_tp = _run(cfg, group, batches, ref_losses, ref_grads, ref_params, sp=False)["block_output_shape"]
     return {
-        "retained": _retained_bytes(group),
+        "saved": _saved_bytes(group),
         "honest": honest,
         "recomputed": recomputed,
         "broken": broken,
@@ -215,18 +234,22 @@ def test_activations_between_blocks_hold_s_over_tp_positions(results):
 
 def test_sequence_parallel_holds_fewer_activation_bytes(results):
     """What a layer keeps for its backward (Megatron's count, Korthikanti et al. 2022): SP divides the norms' inputs
-    and outputs, 4h elements per token, by tp — so SP holds at least 4h(1 - 1/tp) elements per token per layer fewer
-    than TP. Of those, the norms' outputs are what q/k/v and gate/up save; kept as shards and gathered again in the
-    backward, they hold 2h(1 - 1/tp) fewer than the same SP run that keeps them whole; 3/4 of that is required
-    (the heap's block rounding moves a measurement by far less; with the re-gather broken, the two runs hold the
-    same: 0). fp32: 4 bytes an element."""
+    and outputs, 4h elements per token, by tp. The norms' inputs are the residual stream, saved by the norms
+    themselves: SP without the re-gather already saves at least 2h(1 - 1/tp) elements per token per layer fewer
+    than TP. The norms' outputs are what q/k/v and gate/up save; the re-gather keeps each as its shard, so each
+    layer's two gathered outputs are let go of in the forward, h(1 - 1/tp) elements per token each. Without the
+    re-gather none is (the negative control). fp32: 4 bytes an element."""
     h, tp = 64, 2
     per_element = MEASURE_SEQ * MEASURE_BATCH * MEASURE_LAYERS * 4
     for res in results:
-        got = res["retained"]
-        assert got["tp"] - got["sp"] >= 4 * h * (1 - 1 / tp) * per_element, got
-        assert got["sp_without_regather"] - got["sp"] >= 0.75 * 2 * h * (1 - 1 / tp) * per_element, got
-        print(f"retained bytes {got}")
+        got = res["saved"]
+        tp_run, without, sp = got["tp"], got["sp_without_regather"], got["sp"]
+        assert tp_run["saved"] - without["saved"] >= 2 * h * (1 - 1 / tp) * per_element, got
+        assert sp["gathered"] == without["gathered"] == 2 * MEASURE_LAYERS, got
+        assert sum(sp["released"]) == 2 * h * (1 - 1 / tp) * per_element, got
+        assert without["released"] == [], got
+        released = sum(sp["released"])
+        print(f"saved bytes: tp {tp_run['saved']}, sp without the re-gather {without['saved']}; released {released}")
 
 
 def test_a_length_tp_does_not_divide_is_padded_and_gives_the_real_logits(results):
