@@ -219,3 +219,49 @@ def test_kc_data_prepare_builds_sft_records_and_their_held_out_file(tmp_path):
     with guard_api.thread_guard(guard_api.AllowAll()):
         ds = build_dataset(_sft_data(tmp_path), 256)  # the job finds the prepared entry
     assert len(_entries(tmp_path)) == 2 and ds.report.examples == 60 + 15
+
+
+def _build_peaks(tmp_path: Path, name: str, mib: int) -> tuple[int, int, dict]:
+    """A corpus of one ``mib`` MiB ``.txt`` file (blank lines in it) and a JSON-lines file: the most bytes building its
+    cache entry allocated at once, the same for packing it in memory, and the entry's meta (both streams checked
+    equal)."""
+    import tracemalloc
+
+    from kuangchao_core.data.cache import cached_corpus
+    from kuangchao_core.data.files import read_documents
+    from kuangchao_core.data.packing import pack_documents_with_starts
+    from kuangchao_core.data.tokenizer import ByteTokenizer
+
+    corpus = tmp_path / name
+    corpus.mkdir()
+    line = "a line of the user's own text, with a blank line after it every so often\n"
+    with (corpus / "a.txt").open("w", encoding="utf-8") as f:
+        for i in range((mib << 20) // len(line) + 1):
+            f.write(line + ("\n" if i % 5 == 0 else ""))
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(50)))
+    data = {"path": str(corpus), "format": "auto", "seq_len": 16, "cache_dir": str(tmp_path / "cache")}
+    tokenizer = ByteTokenizer()
+    tracemalloc.start()
+    try:
+        tokens, starts, meta = cached_corpus(data, tokenizer, 256, data["cache_dir"])
+        built_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        packed, packed_starts = pack_documents_with_starts(read_documents(str(corpus), "auto"), tokenizer)
+        packed_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert meta["built"] and meta["num_tokens"] == packed.numel() == tokens.numel() > (mib << 20)
+    assert np.array_equal(tokens.numpy(), packed.numpy()) and np.array_equal(starts, packed_starts)
+    assert meta["num_documents"] == 51 and meta["max_token"] == int(packed.max())
+    return built_peak, packed_peak, meta
+
+
+def test_a_text_entry_is_written_as_it_is_tokenized_and_holds_no_corpus_in_memory(tmp_path):
+    """Building a text entry holds one piece of text (at most 1 MiB) and its tokens, whatever the corpus size: a
+    corpus 4 MiB larger raises the build's peak by less than 4 MiB, where a packed stream in memory grows by 4 bytes a
+    byte-token, 16 MiB (the negative control packs the same documents in memory and does). The entries equal the
+    streams packed in memory."""
+    small_built, small_packed, _ = _build_peaks(tmp_path, "small", 4)
+    large_built, large_packed, _ = _build_peaks(tmp_path, "large", 8)
+    assert large_built - small_built < 4 << 20, (small_built, large_built)
+    assert large_packed - small_packed >= 4 * (4 << 20), (small_packed, large_packed)

@@ -9,6 +9,8 @@ example starts) and the build's report in ``meta.json``. The key is a hash of wh
 format, text field and ``.txt`` document rule (``data.txt_documents``), the tokenizer (``byte``, or the bytes of its
 files — a chat template included), every data file's path, size and modification time — a stat, so a warm start
 reads no raw file — and, for sft records, ``seq_len`` and ``truncation`` (they decide which examples are kept).
+A text entry is written as it is tokenized, piece by piece: building it holds one piece of text and its tokens in
+memory, never the corpus, so a corpus larger than memory is cached and then streamed from the map.
 Changing a file or the tokenizer gives a new entry (old ones are left for the user to delete).
 
 The first rank to miss an entry takes ``<key>.lock`` (created exclusively) and builds it in a private directory that
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from kuangchao_core.data.files import read_documents, resolve_files
-from kuangchao_core.data.packing import pack_documents_with_starts
+from kuangchao_core.data.packing import write_packed_stream
 from kuangchao_core.data.sft import build_examples, iter_sft_records
 from kuangchao_core.errors import DataError
 
@@ -73,15 +75,24 @@ def cache_key(path: str, fmt: str, text_field: str, tokenizer_spec: str, **more:
     return key, what
 
 
-def _write_entry(target: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+def _save_arrays(staging: Path, arrays: dict[str, np.ndarray]) -> dict[str, list]:
+    """Write in-memory ``arrays`` into an entry being built; each one's ``[dtype, length]``."""
+    for name, a in arrays.items():
+        a.tofile(staging / f"{name}.bin")
+    return {name: [a.dtype.name, int(a.size)] for name, a in arrays.items()}
+
+
+def _write_entry(target: Path, build: Callable[[Path], tuple[dict, dict]], meta: dict[str, Any]) -> None:
+    """Build the entry in a private directory (``build(staging)`` writes the arrays' files and returns each one's
+    ``[dtype, length]`` and extra meta) and rename it into place: it appears whole, with meta.json, or not at all."""
     staging = target.parent / f"{target.name}.build-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name, a in arrays.items():
-        a.tofile(staging / f"{name}.bin")
-    meta = {**meta, "arrays": {name: [a.dtype.name, int(a.size)] for name, a in arrays.items()}}
+    t0 = time.perf_counter()
+    shapes, extra = build(staging)
+    meta = {**meta, **extra, "build_seconds": round(time.perf_counter() - t0, 3), "arrays": shapes}
     (staging / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    os.replace(staging, target)  # the entry appears whole, with meta.json, or not at all
+    os.replace(staging, target)
 
 
 def _take_lock(lock: Path) -> bool:
@@ -115,10 +126,10 @@ def _read_entry(entry: Path, vocab_size: int | None) -> tuple[dict[str, np.ndarr
 
 
 def _entry(
-    root: Path, key: str, what: dict[str, Any], vocab_size: int | None, build: Callable[[], tuple[dict, dict]]
+    root: Path, key: str, what: dict[str, Any], vocab_size: int | None, build: Callable[[Path], tuple[dict, dict]]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The arrays of entry ``key`` under ``root``, built by ``build`` (-> arrays, extra meta) by whichever process
-    takes the lock first; ``meta["built"]`` says whether this call built it."""
+    """The arrays of entry ``key`` under ``root``, built by ``build(staging)`` (:func:`_write_entry`) by whichever
+    process takes the lock first; ``meta["built"]`` says whether this call built it."""
     root.mkdir(parents=True, exist_ok=True)
     entry, lock = root / key, root / f"{key}.lock"
     deadline = time.monotonic() + WAIT_S
@@ -126,10 +137,7 @@ def _entry(
         if _take_lock(lock):
             try:
                 if not (entry / "meta.json").is_file():
-                    t0 = time.perf_counter()
-                    arrays, extra = build()
-                    meta = {**what, "key": key, **extra, "build_seconds": round(time.perf_counter() - t0, 3)}
-                    _write_entry(entry, arrays, meta)
+                    _write_entry(entry, build, {**what, "key": key})
                     out, meta = _read_entry(entry, vocab_size)
                     return out, {**meta, "built": True}
             finally:
@@ -153,11 +161,12 @@ def cached_corpus(
     txt_documents = setting(data_cfg, "txt_documents", "file")
     key, what = cache_key(path, fmt, text_field, spec, txt_documents=txt_documents)
 
-    def build() -> tuple[dict, dict]:
+    def build(staging: Path) -> tuple[dict, dict]:
         docs = read_documents(path, fmt, text_field, txt_documents=txt_documents)
-        tokens, starts = pack_documents_with_starts(docs, tokenizer)
-        arrays = {"tokens": tokens.numpy().astype(np.int32, copy=False), "starts": starts.astype(np.int64, copy=False)}
-        return arrays, _counts(arrays["tokens"], len(starts))
+        with open(staging / "tokens.bin", "wb") as tokens, open(staging / "starts.bin", "wb") as starts:
+            n_tokens, n_docs, max_token = write_packed_stream(docs, tokenizer, tokens, starts)
+        shapes = {"tokens": ["int32", n_tokens], "starts": ["int64", n_docs]}
+        return shapes, {"num_tokens": n_tokens, "num_documents": n_docs, "max_token": max_token}
 
     arrays, meta = _entry(Path(cache_dir), key, what, vocab_size, build)
     return torch.from_numpy(arrays["tokens"]), arrays["starts"], meta
@@ -176,7 +185,7 @@ def cached_sft(
     truncation = setting(data_cfg, "truncation", "drop")
     key, what = cache_key(path, "sft", "", spec, seq_len=seq_len, truncation=truncation)
 
-    def build() -> tuple[dict, dict]:
+    def build(staging: Path) -> tuple[dict, dict]:
         examples, report = build_examples(iter_sft_records(path), tokenizer, seq_len, truncation)
         lengths = np.fromiter((len(ex.ids) for ex in examples), dtype=np.int64, count=len(examples))
         arrays = {
@@ -186,7 +195,7 @@ def cached_sft(
             ),
             "starts": np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
         }
-        return arrays, {**_counts(arrays["ids"], len(examples)), "report": report.to_dict()}
+        return _save_arrays(staging, arrays), {**_counts(arrays["ids"], len(examples)), "report": report.to_dict()}
 
     return _entry(Path(cache_dir), key, what, vocab_size, build)
 

@@ -14,6 +14,7 @@ positions restart), and the label that would predict the next document's first t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -28,6 +29,30 @@ def _document_ids(doc: str | Iterable[str], tokenizer, sep: int) -> np.ndarray:
     arrays = [np.asarray(tokenizer.encode(piece), dtype=np.int32) for piece in pieces]
     arrays.append(np.array([sep], dtype=np.int32))
     return np.concatenate(arrays)
+
+
+def write_packed_stream(
+    docs: Iterable[str | Iterable[str]], tokenizer, tokens_out: BinaryIO, starts_out: BinaryIO
+) -> tuple[int, int, int]:
+    """The stream :func:`pack_documents_with_starts` builds, written as it is encoded: each piece's tokens (int32)
+    to ``tokens_out``, each document's start (int64) to ``starts_out``; only one piece is in memory at a time.
+    Returns ``(tokens, documents, largest token id or -1)``."""
+    sep = np.array([int(tokenizer.sep_id)], dtype=np.int32)
+    n_tokens = n_docs = 0
+    max_token = -1
+    for doc in docs:
+        np.array([n_tokens], dtype=np.int64).tofile(starts_out)
+        n_docs += 1
+        for piece in [doc] if isinstance(doc, str) else doc:
+            ids = np.asarray(tokenizer.encode(piece), dtype=np.int32)
+            if ids.size:
+                ids.tofile(tokens_out)
+                n_tokens += int(ids.size)
+                max_token = max(max_token, int(ids.max()))
+        sep.tofile(tokens_out)
+        n_tokens += 1
+        max_token = max(max_token, int(sep[0]))
+    return n_tokens, n_docs, max_token
 
 
 def pack_documents_with_starts(
