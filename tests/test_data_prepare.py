@@ -234,3 +234,17 @@ def test_the_written_config_trains_a_few_steps_through_the_engine(tmp_path):
     [out] = run_distributed(run_trainer, 1, (cfg,))
     assert len(out["losses"]) == 3 and all(math.isfinite(x) for x in out["losses"])
     assert out["params"]["model.embed_tokens.weight"].shape[0] == report["vocab_size"]
+
+
+def test_the_preset_grows_with_the_training_text_at_about_seven_bytes_a_parameter():
+    """``kc data prepare`` picks tiny → small → 125m → 1b as the training text grows, each from about 7 bytes of text
+    a parameter (small's 20 MiB for its 3 M); one byte under a threshold keeps the smaller preset; 8b only by flag."""
+    from kuangchao_core.data.prepare_corpus import PRESET_BY_SIZE, choose_preset
+    from kuangchao_core.models.llama import PRESETS
+
+    assert [name for name, _ in PRESET_BY_SIZE] == ["tiny", "small", "125m", "1b"]
+    for name, least in PRESET_BY_SIZE[1:]:
+        assert choose_preset(least) == name and choose_preset(least - 1) != name
+        assert 5 <= least / PRESETS[name].num_params() <= 9, name
+    assert choose_preset(1 << 50) == "1b" and choose_preset(0) == "tiny"
+    assert PRESETS["1b"].num_params() == 1_235_814_400  # Llama-3.2-1B's published count

@@ -28,6 +28,34 @@ MODEL_PRESETS: dict[str, dict[str, object]] = {
         "norm_eps": 1e-5,
         "tie_embeddings": False,
     },
+    # about 125 M parameters with a 32 k vocabulary (GPT-2 small's width and depth, head_dim 64); embedding and head
+    # apart, so pipeline stages can hold them
+    "125m": {
+        "vocab_size": 32000,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_layers": 12,
+        "num_heads": 12,
+        "num_kv_heads": 4,
+        "max_seq_len": 1024,
+        "rope_theta": 10000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": False,
+    },
+    # the published Llama-3.2-1B shape (1.24 B parameters, embedding tied to the head, so no pipeline stages), without
+    # its long-context RoPE scaling: 8 k positions
+    "1b": {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_layers": 16,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "max_seq_len": 8192,
+        "rope_theta": 500000.0,
+        "norm_eps": 1e-5,
+        "tie_embeddings": True,
+    },
     # the published Meta-Llama-3-8B shape
     "llama3-8b": {
         "vocab_size": 128256,

@@ -70,7 +70,7 @@ class ModelSection(Section):
     """
 
     type: Literal["llama"] = "llama"
-    preset: Literal["tiny", "small", "llama3-8b"] | None = None
+    preset: Literal["tiny", "small", "125m", "1b", "llama3-8b"] | None = None
     params: Float | None = Field(default=None, gt=0)
     checkpoint: str | None = None
     vocab_size: Int | None = Field(default=None, ge=1)

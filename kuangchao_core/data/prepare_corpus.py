@@ -30,8 +30,11 @@ from kuangchao_core.data.heldout_split import split_heldout
 from kuangchao_core.data.tokenizer import HFTokenizer
 from kuangchao_core.errors import DataError
 
-#: ``(preset, training bytes from which it is chosen)``: the last one the data reaches wins
-PRESET_BY_SIZE = (("tiny", 0), ("small", 20 << 20))
+#: ``(preset, training bytes from which it is chosen)``: the last one the data reaches wins. ``small`` (3 M
+#: parameters) from 20 MiB, about 7 bytes of text a parameter; ``125m`` and ``1b`` at about the same bytes a
+#: parameter (a tenth of Chinchilla's 20 tokens a parameter at ~4 bytes a token: enough to learn from, not compute
+#: optimal); ``llama3-8b`` only by ``--preset``
+PRESET_BY_SIZE = (("tiny", 0), ("small", 20 << 20), ("125m", 800 << 20), ("1b", 8 << 30))
 MICRO_BATCH = 8
 EPOCHS = 2
 MAX_STEPS = 20000
