@@ -3,14 +3,17 @@ of (nearly) equal parameters, in one process, alternating.
 
 Both sides are plain PyTorch loops (forward, cross-entropy, backward, AdamW) with no engine around them: the peer is
 written here (LayerNorm, GELU MLP of width 4·d, learned positions, causal ``scaled_dot_product_attention``, biases);
-ours is ``LlamaForCausalLM`` with the SwiGLU width 8·d/3 that gives the same matrix parameters. Blocks of steps
-alternate between the two (the order flipped every block); each block gives one ratio, median Llama step ÷ median
-GPT-2 step (``benchmarks/_ratios.py``). Also counted: the ATen operators one step of each runs (the profiler's
+ours is ``LlamaForCausalLM`` with the SwiGLU width 8·d/3 that gives the same matrix parameters. Two comparisons in
+one run: ``eager``, and ``compiled`` — each decoder layer compiled as ``train.compile`` does (inductor; the peer's
+blocks the same way), where the Llama block's element-wise work (SwiGLU's product, RoPE, RMSNorm) fuses. Blocks of
+steps alternate between the two (the order flipped every block); each block gives one ratio, median Llama step ÷
+median GPT-2 step (``benchmarks/_ratios.py``). Also counted: the ATen operators one step of each runs (the profiler's
 count, forward and backward), which is what a CPU pays per op.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/model_step.py [--blocks 12] [--steps 10]
 
-The issue's goal: ratio ≤ 1.1. The last line is ``RESULT {json}``.
+The issue's goal: ratio ≤ 1.1. The last line is ``RESULT {json}``, each ratio field keyed ``eager`` / ``compiled``.
+``--smoke`` traces the compiled side with dynamo's ``eager`` backend instead of inductor (seconds, not minutes).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _ratios import FIELDS, block_stats, format_line, result_fields  # noqa: E402
+from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
 from _results import emit  # noqa: E402
 
 RESULT_KEYS = (
     "benchmark",
     "shape",
+    "compile_backend",
     "llama_params",
     "gpt2_params",
     "llama_step_ms",
@@ -120,6 +124,34 @@ def count_ops(step) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+def compiled(models: dict, backend: str) -> dict:
+    """The same two models, each block compiled as ``train.compile`` compiles ours (per decoder layer:
+    ``kuangchao_core.models.compile.compile_layers``); the peer's blocks the same way."""
+    from kuangchao_core.models.compile import compile_layers
+
+    compile_layers(models["llama"], backend=backend)
+    for block in models["gpt2"].blocks:
+        block.compile(backend=backend)
+    return models
+
+
+def compare(models: dict, batch: int, seq: int, vocab: int, blocks: int, steps_per_block: int):
+    """Alternating blocks of training steps of the two models: (block stats, median step ms of each, ATen ops per
+    step of each)."""
+    steps = {name: trainer(m, batch, seq, vocab, seed=1) for name, m in models.items()}
+    for step in steps.values():  # warm-up (and, compiled, the compilation)
+        step()
+        step()
+    ops = {name: count_ops(step) for name, step in steps.items()}
+    runs = []
+    for b in range(blocks):
+        order = ("llama", "gpt2") if b % 2 == 0 else ("gpt2", "llama")
+        got = {name: [steps[name]() for _ in range(steps_per_block)] for name in order}
+        runs.append((got["llama"], got["gpt2"]))
+    ms = {k: statistics.median(t for r in runs for t in r[i]) * 1e3 for i, k in enumerate(("llama", "gpt2"))}
+    return block_stats(runs), ms, ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=12)
@@ -128,37 +160,37 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    torch.manual_seed(0)
     vocab, d, layers, heads, seq, batch = 256, 128, 4, 4, 64, 12  # issue 39's user run
-    if args.smoke:
-        args.blocks, args.steps, d, layers, batch = 1, 2, 32, 2, 2
-    models = {"llama": llama_model(vocab, d, layers, heads, seq), "gpt2": gpt2_model(vocab, d, layers, heads, seq)}
-    steps = {name: trainer(m, batch, seq, vocab, seed=1) for name, m in models.items()}
-    for step in steps.values():  # warm-up
-        step()
-    ops = {name: count_ops(step) for name, step in steps.items()}
-    blocks = []
-    for b in range(args.blocks):
-        order = ("llama", "gpt2") if b % 2 == 0 else ("gpt2", "llama")
-        got = {name: [steps[name]() for _ in range(args.steps)] for name in order}
-        blocks.append((got["llama"], got["gpt2"]))
-    stats = block_stats(blocks)
-    ms = {k: statistics.median(t for b in blocks for t in b[i]) * 1e3 for i, k in enumerate(("llama", "gpt2"))}
+    backend = "inductor"
+    if args.smoke:  # dynamo's eager backend: the compiled path traced, without inductor's minutes on a CPU
+        args.blocks, args.steps, d, layers, batch, backend = 1, 2, 32, 2, 2, "eager"
+
+    def build() -> dict:
+        torch.manual_seed(0)
+        return {"llama": llama_model(vocab, d, layers, heads, seq), "gpt2": gpt2_model(vocab, d, layers, heads, seq)}
+
+    models = build()
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     print(f"shape: vocab {vocab}, d {d}, {layers} layers, {heads} heads, seq {seq}, batch {batch}; params {params}")
-    print(f"ATen ops per step: llama {ops['llama']}, gpt2 {ops['gpt2']}")
-    print(format_line("llama/gpt2 step", stats))
+    stats, ms, ops = {}, {}, {}
+    for mode in ("eager", "compiled"):
+        if mode == "compiled":
+            models = compiled(build(), backend)
+        stats[mode], ms[mode], ops[mode] = compare(models, batch, seq, vocab, args.blocks, args.steps)
+        print(f"{mode}: ATen ops per step: llama {ops[mode]['llama']}, gpt2 {ops[mode]['gpt2']}")
+        print(format_line(f"{mode} llama/gpt2 step", stats[mode]))
     result = {
         "benchmark": "model_step",
         "shape": {"vocab": vocab, "hidden": d, "layers": layers, "heads": heads, "seq": seq, "batch": batch},
+        "compile_backend": backend,
         "llama_params": params["llama"],
         "gpt2_params": params["gpt2"],
-        "llama_step_ms": round(ms["llama"], 3),
-        "gpt2_step_ms": round(ms["gpt2"], 3),
-        "llama_ops_per_step": ops["llama"],
-        "gpt2_ops_per_step": ops["gpt2"],
+        "llama_step_ms": {mode: round(v["llama"], 3) for mode, v in ms.items()},
+        "gpt2_step_ms": {mode: round(v["gpt2"], 3) for mode, v in ms.items()},
+        "llama_ops_per_step": {mode: v["llama"] for mode, v in ops.items()},
+        "gpt2_ops_per_step": {mode: v["gpt2"] for mode, v in ops.items()},
     }
-    emit(result | result_fields(stats), RESULT_KEYS, smoke=args.smoke)
+    emit(result | keyed_result_fields(stats), RESULT_KEYS, smoke=args.smoke)
 
 
 if __name__ == "__main__":
