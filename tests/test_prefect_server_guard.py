@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.sched.group_guard import group_members, start_guarded
+from tests.proc_sessions import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -118,17 +119,8 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _wait_for(cond, timeout_s: float, step_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(step_s)
-
-
 def _assert_nothing_left(port: int, pgid: int | None, since: float, what: str) -> None:
-    left = _wait_for(lambda: not _left_of(port, pgid) and _port_free(port), GONE_WITHIN_S - (time.monotonic() - since))
+    left = wait_for(lambda: not _left_of(port, pgid) and _port_free(port), GONE_WITHIN_S - (time.monotonic() - since))
     took = time.monotonic() - since
     assert left, f"{what}: the server on port {port} is still there {took:.1f} s later: {_left_of(port, pgid)}"
     assert took <= GONE_WITHIN_S
@@ -183,12 +175,12 @@ def test_the_guard_stops_its_whole_group_when_its_owner_is_killed(tmp_path):
             )
             pgid = int(owner.stdout.readline())
             groups[mode] = pgid
-            assert _wait_for(lambda pgid=pgid: len(group_members(pgid)) >= 3, 30), group_members(pgid)
+            assert wait_for(lambda pgid=pgid: len(group_members(pgid)) >= 3, 30), group_members(pgid)
             owner.kill()
             owner.wait()
             killed = time.monotonic()
             if mode == "guarded":
-                assert _wait_for(lambda pgid=pgid: not group_members(pgid), GONE_WITHIN_S), group_members(pgid)
+                assert wait_for(lambda pgid=pgid: not group_members(pgid), GONE_WITHIN_S), group_members(pgid)
                 assert time.monotonic() - killed < 6  # SIGTERM ends sleep at once
             else:
                 time.sleep(2)
@@ -205,7 +197,7 @@ def test_the_guard_passes_on_the_commands_exit_code_and_stops_what_it_left(tmp_p
     guard = start_guarded(["sh", "-c", "sleep 300 & exit 3"], grace_s=1.0)
     try:
         assert guard.wait(timeout=20) == 3
-        assert _wait_for(lambda: not group_members(guard.pid), 5), group_members(guard.pid)
+        assert wait_for(lambda: not group_members(guard.pid), 5), group_members(guard.pid)
     finally:
         if group_members(guard.pid):
             os.killpg(guard.pid, signal.SIGKILL)
@@ -216,11 +208,11 @@ def test_terminate_of_the_guard_stops_a_command_that_ignores_sigterm_within_the_
     grace to a command that ignores it; the guard exits 0."""
     guard = start_guarded(["sh", "-c", "trap '' TERM; sleep 300 & wait; wait"], grace_s=1.0)
     try:
-        assert _wait_for(lambda: len(group_members(guard.pid)) >= 3, 20)
+        assert wait_for(lambda: len(group_members(guard.pid)) >= 3, 20)
         started = time.monotonic()
         guard.terminate()
         assert guard.wait(timeout=10) == 0
-        assert _wait_for(lambda: not group_members(guard.pid), 5), group_members(guard.pid)
+        assert wait_for(lambda: not group_members(guard.pid), 5), group_members(guard.pid)
         assert time.monotonic() - started < 5
     finally:
         if group_members(guard.pid):
@@ -343,7 +335,7 @@ def test_kc_train_killed_once_its_flow_runs_leaves_no_prefect_server(tmp_path, s
             servers[:] = servers or _servers_below(kc.pid)
             return bool(servers) and bool(glob.glob(str(tmp_path / "runs" / task / "*")))
 
-        assert _wait_for(flow_running, 300, 0.2), f"the flow did not start:\n{_output(tmp_path)}"
+        assert wait_for(flow_running, 300, 0.2), f"the flow did not start:\n{_output(tmp_path)}"
         ((_pid, pgid, port),) = servers
         assert pgid != os.getpgid(kc.pid) and not _port_free(port)  # its own group, listening
         os.kill(kc.pid, sig)
@@ -375,12 +367,12 @@ def test_kc_train_that_finishes_leaves_no_prefect_server(tmp_path):
             servers[:] = servers or _servers_below(kc.pid)
             return bool(servers) or kc.poll() is not None
 
-        assert _wait_for(seen_or_done, 300, 0.2) and servers, f"no temporary server seen:\n{_output(tmp_path)}"
+        assert wait_for(seen_or_done, 300, 0.2) and servers, f"no temporary server seen:\n{_output(tmp_path)}"
         assert kc.wait(timeout=400) == 0, _output(tmp_path)
         ended = time.monotonic()
         ((_pid, pgid, port),) = servers
         # stopped before kc train exits (Prefect's stop at exit waits for the guard, the guard for its group)
-        assert _wait_for(lambda: not _left_of(port, pgid) and _port_free(port), 2.0), _left_of(port, pgid)
+        assert wait_for(lambda: not _left_of(port, pgid) and _port_free(port), 2.0), _left_of(port, pgid)
         assert time.monotonic() - ended < GONE_WITHIN_S
     finally:
         if kc.poll() is None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 from pathlib import Path
+
+from kuangchao_core.sched.probe_worker import write_rank_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             "value": float(t[0].item()),
             "uniform": bool(torch.equal(t, torch.full_like(t, t[0].item()))),
         }
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".rank_{rank}.json.tmp"
-        tmp.write_text(json.dumps(result), encoding="utf-8")
-        os.replace(tmp, out / f"rank_{rank}.json")
+        write_rank_json(Path(args.out), rank, result)
     finally:
         dist.destroy_process_group()
     return 0

@@ -20,6 +20,14 @@ from pathlib import Path
 from typing import Any
 
 
+def write_rank_json(out: Path, rank: int, result: dict[str, Any]) -> None:
+    """``out/rank_<rank>.json``, written atomically (the launcher reads every rank's file once the ranks exit)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".rank_{rank}.json.tmp"
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    os.replace(tmp, out / f"rank_{rank}.json")
+
+
 def matmul_rate(n: int = 256, seconds: float = 0.5) -> float:
     """FLOP/s of fp32 ``n×n`` matrix products on this process's device, timed for about ``seconds``."""
     import torch
@@ -76,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         result["local_rank"] = int(os.environ.get("LOCAL_RANK", "0"))
         if result["local_rank"] == 0:
             result["device_links"] = device_links()
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".rank_{result['rank']}.json.tmp"
-        tmp.write_text(json.dumps(result), encoding="utf-8")
-        os.replace(tmp, out / f"rank_{result['rank']}.json")
+        write_rank_json(Path(args.out), result["rank"], result)
     finally:
         dist.destroy_process_group()
     return 0
