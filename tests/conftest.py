@@ -98,6 +98,18 @@ def prefect_console_before_each_test():
 
 
 @pytest.fixture
+def trusted():
+    """The trusted guard (``AllowAll``) installed for the whole process while the test runs, as the orchestrator
+    runs in-process storage, data and recovery calls (no token); the previous guard is put back after. A module
+    whose every test needs it says ``pytestmark = pytest.mark.usefixtures("trusted")``."""
+    from kuangchao_core.perm import guard_api
+
+    previous = guard_api.install_guard(guard_api.AllowAll())
+    yield
+    guard_api.install_guard(previous)
+
+
+@pytest.fixture
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (more in one test: ``tests.fixtures.free_port()``)."""
     return fixtures.free_port()

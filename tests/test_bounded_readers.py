@@ -34,18 +34,12 @@ from kuangchao_core.config.bounded_json import (
 )
 from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import DataError, KuangchaoError
-from kuangchao_core.perm import guard_api
 from tests.engine_helpers import tiny_job
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
-@pytest.fixture(autouse=True)
-def _trusted():
-    """Checkpoints are written in-process, as the storage layer's own tests do (trusted: no token)."""
-    previous = guard_api.install_guard(guard_api.AllowAll())
-    yield
-    guard_api.install_guard(previous)
+pytestmark = pytest.mark.usefixtures("trusted")
 
 
 # ------------------------------------------------------------------------------------------ the reader itself

@@ -17,17 +17,11 @@ from kuangchao_core.ckpt.integrity import find_latest_intact, verify_checkpoint
 from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.rng import capture_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
-from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
 TASK = "attacked"
 
 
-@pytest.fixture(autouse=True)
-def _trusted():
-    """These tests write checkpoints in-process, as the storage layer's own tests do (trusted: no token)."""
-    previous = install_guard(AllowAll())
-    yield
-    install_guard(previous)
+pytestmark = pytest.mark.usefixtures("trusted")
 
 
 def _save(root: Path, step: int) -> Path:

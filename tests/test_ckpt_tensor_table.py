@@ -21,18 +21,12 @@ from kuangchao_core.ckpt.header import MAX_HEADER_BYTES, HeaderError, parse_head
 from kuangchao_core.ckpt.integrity import find_latest_intact, read_manifest, verify_checkpoint
 from kuangchao_core.ckpt.rng import capture_rng_state
 from kuangchao_core.ckpt.writer import CheckpointWriter
-from kuangchao_core.perm.guard_api import AllowAll, install_guard
 
 TASK = "tabled"
 SHARD = "shards/rank_00000.safetensors"
 
 
-@pytest.fixture(autouse=True)
-def _trusted():
-    """Checkpoints written in-process, as the other storage tests do (trusted: no token)."""
-    previous = install_guard(AllowAll())
-    yield
-    install_guard(previous)
+pytestmark = pytest.mark.usefixtures("trusted")
 
 
 def _save(root: Path, step: int) -> Path:

@@ -15,11 +15,7 @@ from kuangchao_core.data import build_dataset
 from kuangchao_core.perm import guard_api
 from tests.mp import run_distributed
 
-
-@pytest.fixture(autouse=True)
-def _trusted():
-    with guard_api.thread_guard(guard_api.AllowAll()):
-        yield
+pytestmark = pytest.mark.usefixtures("trusted")
 
 
 def _corpus(tmp_path: Path, n: int = 200) -> Path:

@@ -24,15 +24,9 @@ from kuangchao_core.ckpt.retention import apply_retention
 from kuangchao_core.ckpt.writer import CheckpointWriter
 from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import CheckpointError
-from kuangchao_core.perm import guard_api
 from tests.engine_helpers import tiny_job
 
-
-@pytest.fixture(autouse=True)
-def _trusted():
-    previous = guard_api.install_guard(guard_api.AllowAll())
-    yield
-    guard_api.install_guard(previous)
+pytestmark = pytest.mark.usefixtures("trusted")
 
 
 def _cfg(tmp_path: Path, **model):

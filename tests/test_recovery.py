@@ -19,7 +19,6 @@ import pytest
 
 from kuangchao_core.config import load_config
 from kuangchao_core.errors import ConfigError, DataError, WorkerFailed
-from kuangchao_core.perm import guard_api
 from tests.conftest_prefect import (
     INTERVAL,
     STEPS,
@@ -48,14 +47,6 @@ def moto_s3(s3_endpoint):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-@pytest.fixture
-def trusted():
-    """The orchestrator's trust (as in the flow) for direct calls of recover/checkpoint helpers."""
-    previous = guard_api.install_guard(guard_api.AllowAll())
-    yield
-    guard_api.install_guard(previous)
 
 
 def _ckpt_dir(overrides: list[str]) -> Path:
