@@ -254,10 +254,10 @@ def _build_peaks(tmp_path: Path, name: str, mib: int) -> tuple[int, int, dict]:
 
 def test_a_text_entry_is_written_as_it_is_tokenized_and_holds_no_corpus_in_memory(tmp_path):
     """Building a text entry holds one piece of text (at most 1 MiB) and its tokens, whatever the corpus size: a
-    corpus 4 MiB larger raises the build's peak by less than 4 MiB, where a packed stream in memory grows by 4 bytes a
-    byte-token, 16 MiB (the negative control packs the same documents in memory and does). The entries equal the
+    corpus 2 MiB larger raises the build's peak by less than 2 MiB, where a packed stream in memory grows by 4 bytes a
+    byte-token, 8 MiB (the negative control packs the same documents in memory and does). The entries equal the
     streams packed in memory."""
-    small_built, small_packed, _ = _build_peaks(tmp_path, "small", 4)
-    large_built, large_packed, _ = _build_peaks(tmp_path, "large", 8)
-    assert large_built - small_built < 4 << 20, (small_built, large_built)
-    assert large_packed - small_packed >= 4 * (4 << 20), (small_packed, large_packed)
+    small_built, small_packed, _ = _build_peaks(tmp_path, "small", 2)
+    large_built, large_packed, _ = _build_peaks(tmp_path, "large", 4)
+    assert large_built - small_built < 2 << 20, (small_built, large_built)
+    assert large_packed - small_packed >= 4 * (2 << 20), (small_packed, large_packed)
