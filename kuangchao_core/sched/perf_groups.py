@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from kuangchao_core.axes import MeshAxes
+from kuangchao_core.axes import MeshAxes, axis
 
 PLACEMENTS = ("aware", "blind")
 
@@ -42,9 +42,8 @@ class GroupSpan:
 
 
 def mesh_groups(kind: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
-    """Every group of ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, CP, DP)."""
-    if kind not in ("tp", "pp", "dp", "cp"):
-        raise ValueError(f"group kind must be tp, pp, dp or cp, got {kind!r}")
+    """Every group of axis ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, CP, DP)."""
+    axis(kind)  # ValueError naming the axes for another kind
     return MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp).groups(kind)
 
 
