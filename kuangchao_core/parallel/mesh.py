@@ -91,8 +91,8 @@ class ParallelMesh:
     """This process's place in the mesh of named axes, and the communication groups it belongs to.
 
     Attributes, for each axis ``a`` of ``axes.AXES`` (dp, cp, pp, tp): ``a`` (its size), ``a_rank`` (this rank's
-    coordinate); for each kind ``k`` of ``axes.BUILD_ORDER``: ``k_group`` (this rank's
-    :class:`~kuangchao_core.comm.CommGroup`, None where the kind is not built: ``cp`` at one rank); ``rank``,
+    coordinate) and ``a_group`` (this rank's :class:`~kuangchao_core.comm.CommGroup`, None where the axis is not
+    built: ``cp`` at one rank); ``k_group`` for each joint kind it builds (``dp_cp``); ``rank``,
     ``world_size``, ``layout`` (the :class:`MeshLayout`). Construction is collective: every rank of the job must
     build the mesh.
     """
@@ -125,8 +125,8 @@ class ParallelMesh:
         for axis, index in self.layout.coords_of(rank).items():
             setattr(self, axis, self.layout.sizes[axis])
             setattr(self, f"{axis}_rank", index)
-        for kind in table.BUILD_ORDER:
-            setattr(self, f"{kind}_group", None)  # a kind the mesh does not build (``layout.kinds()``) has none
+        for axis in table.AXES:
+            setattr(self, f"{axis}_group", None)  # an axis the mesh does not build (``layout.kinds()``) has none
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
         self.dp_intra_group = self.dp_inter_group = None
         attr = {"dpn": "dp_intra_group", "dpx": "dp_inter_group"}
