@@ -118,34 +118,23 @@ def _get(section: Any, key: str, default: int = 1) -> int:
     return default if value is None else value
 
 
+@dataclass(frozen=True, init=False)
 class MeshAxes:
     """The sizes of the table's axes (``MeshAxes(dp=2, tp=2)`` or ``MeshAxes({"dp": 2})``; an axis left out has
     one rank, read as ``axes.dp``); pure arithmetic on ranks (no process groups)."""
 
-    __slots__ = ("_sizes",)
+    given: dict[str, int]
 
     def __init__(self, sizes: Mapping[str, int] | None = None, **kw: int) -> None:
         given = {**(sizes or {}), **kw}
         for name in given:
             axis(name)  # ValueError for a name outside the table
-        object.__setattr__(self, "_sizes", {a: int(v) for a, v in given.items()})
+        object.__setattr__(self, "given", {a: int(given.get(a, 1)) for a in AXES})
 
     def __getattr__(self, name: str) -> int:
         if name in AXES:
-            return self._sizes.get(name, 1)
+            return self.given.get(name, 1)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is frozen")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MeshAxes) and self.sizes == other.sizes
-
-    def __hash__(self) -> int:
-        return hash(tuple(self.sizes.items()))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{a}={n}' for a, n in self.sizes.items())})"
 
     @classmethod
     def from_parallel(cls, parallel: Any) -> MeshAxes:
@@ -155,7 +144,7 @@ class MeshAxes:
     @property
     def sizes(self) -> dict[str, int]:
         """``{axis: size}`` in :data:`AXES` order."""
-        return {a: self._sizes.get(a, 1) for a in AXES}
+        return {a: self.given.get(a, 1) for a in AXES}
 
     @property
     def world_size(self) -> int:

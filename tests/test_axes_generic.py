@@ -73,6 +73,9 @@ def test_an_added_axis_is_validated_by_its_config_field():
             " processes, but the world size is 4"
         ), errors
         assert check_plan(cfg, world_size=8) == []
+        with pytest.raises(ConfigError) as info:  # the config's own check of the cluster's processes
+            config_from_dict({**cfg.model_dump(), "cluster": {"mode": "local", "nproc_per_node": 4}})
+        assert any("example_parallel_size" in m and "= 2×2×2×1 = 8" in m for _, m in info.value.errors), info.value
 
 
 def test_an_added_axis_gets_its_plan_lines():

@@ -38,13 +38,6 @@ class MeshLayout(MeshAxes):
     """The group kinds a mesh of these sizes builds and every group's rank list (pure arithmetic on
     :class:`~kuangchao_core.axes.MeshAxes`; no process groups)."""
 
-    __slots__ = ()
-
-    @property
-    def axes(self) -> MeshAxes:
-        """The grid of named axes."""
-        return MeshAxes(self.sizes)
-
     def kinds(self) -> tuple[str, ...]:
         """The group kinds the mesh builds, in construction order (an added axis such as ``cp`` only when it has
         more than one rank)."""
