@@ -1,5 +1,4 @@
-"""The mesh of named axes (issues 30, 43): the one table of axes, and the one place that maps global ranks to mesh
-coordinates and back.
+"""The mesh of named axes (issues 30, 43): the one table of axes, and the one place that maps ranks to coordinates.
 
 A job's processes form a grid of named axes, outermost first (:data:`TABLE`)::
 
@@ -8,16 +7,13 @@ A job's processes form a grid of named axes, outermost first (:data:`TABLE`)::
     rank = ((dp_idx * cp + cp_idx) * pp + pp_idx) * tp + tp_idx
 
 so tensor parallelism gets consecutive ranks (the fastest links), then pipeline, then context parallelism, and data
-parallelism is outermost. Every layer reads the grid from here and iterates the table — the process groups
-(``parallel.mesh``), the tokens' group lists (``perm.layout``), placement (``parallel.placement``,
-``sched.rank_placement``), validation and ``kc plan`` (``engine``) — so adding an axis is one :class:`Axis` entry
-(:func:`extra_axis` adds one for the length of a block: a test's throw-away axis) and the code that uses the axis.
-Read the table at call time (``axes.AXES``, not ``from axes import AXES``, which keeps a copy). This module is a
-leaf beside ``errors``: every package may import it, and it imports nothing but ``errors``.
+parallelism is outermost. The process groups (``parallel.mesh``), the tokens' groups (``perm.layout``), placement
+(``parallel.placement``, ``sched.rank_placement``), validation and ``kc plan`` iterate the table, so an axis is one
+:class:`Axis` entry and the code that uses it (:func:`extra_axis`: one for a block, a test's throw-away axis). Read
+the table at call time (``axes.AXES``: ``from axes import AXES`` keeps a copy). A leaf: imports only ``errors``.
 
 Groups of an axis: one per position of the other axes, enumerated in :data:`AXES` order (outermost varying
-slowest); the ranks of a group in order along the axis. Group construction is collective, so :data:`BUILD_ORDER`
-is the order every process builds them in.
+slowest), its ranks in order along the axis; every process builds them in :data:`BUILD_ORDER` (collective).
 """
 
 from __future__ import annotations
@@ -32,25 +28,22 @@ from kuangchao_core.errors import PlanError
 
 @dataclass(frozen=True)
 class Axis:
-    """One named axis: ``size_key`` is its size's field in the config's ``parallel`` section; ``built``: its groups
-    are built even at one rank (the original three, as they always were; an axis added since only when it has more
-    than one rank, so nothing changes for a job without it); ``data``: its ranks see different tokens, so every
-    parameter's gradient is averaged over it (a placement's ``Partial("avg")``; other axes hold ``Replicate()``
-    unless the model's regions cut them)."""
+    """``size_key``: its size's field in ``parallel``; ``built``: groups built at one rank too (the original three;
+    an added axis only at more than one, so a job without it is unchanged); ``data``: its ranks see different
+    tokens, so gradients are averaged over it (``Partial("avg")``; else ``Replicate()`` unless a region cuts it)."""
 
     name: str
     size_key: str
-    doc: str = ""
     built: bool = False
     data: bool = False
 
 
 #: the axes, outermost first (innermost last)
 TABLE: tuple[Axis, ...] = (
-    Axis("dp", "data_parallel_size", "replicas that train on different batches", built=True, data=True),
-    Axis("cp", "context_parallel_size", "ranks that split each sequence", data=True),
-    Axis("pp", "pipeline_parallel_size", "pipeline stages, each holding its own layers", built=True),
-    Axis("tp", "tensor_parallel_size", "ranks that split each layer's weights", built=True),
+    Axis("dp", "data_parallel_size", built=True, data=True),  # replicas on different batches
+    Axis("cp", "context_parallel_size", data=True),  # slices of each sequence
+    Axis("pp", "pipeline_parallel_size", built=True),  # stages, each holding its layers
+    Axis("tp", "tensor_parallel_size", built=True),  # slices of each layer's weights
 )
 #: groups that span several axes: ``dp_cp`` holds every replica of the same parameters (the ranks that share the
 #: pp and tp coordinates), over which gradients are reduced and ZeRO shards when ``cp > 1``

@@ -19,9 +19,9 @@ from kuangchao_core.parallel.placement import Partial, PlacementRecord, Replicat
 from kuangchao_core.perm.layout import group_layout, groups_of_rank
 
 #: a throw-away axis between pp and tp: ranks that hold the same parameters and see the same tokens
-XA = Axis("xa", "example_parallel_size", "a throw-away axis of this test")
+XA = Axis("xa", "example_parallel_size")
 #: a throw-away data axis: its ranks see different tokens, so gradients are averaged over it
-XD = Axis("xd", "example_data_parallel_size", "a throw-away data axis of this test", data=True)
+XD = Axis("xd", "example_data_parallel_size", data=True)
 
 
 def _cfg(**parallel):

@@ -17,12 +17,6 @@ from kuangchao_core import axes as table
 from kuangchao_core.errors import PlanError
 
 
-def data_axes() -> tuple[str, ...]:
-    """The axes whose ranks see different tokens (``axes.Axis.data``): every parameter's gradient is averaged over
-    them by GradSync."""
-    return tuple(a.name for a in table.TABLE if a.data)
-
-
 @dataclass(frozen=True)
 class Shard:
     """Dimension ``dim`` cut in ``parts`` equal slices, each held by ``size / parts`` ranks (replicated key/value
@@ -85,7 +79,7 @@ class PlacementRecord:
     def stage_axes(self, apart: Iterable[str] = ("tp",)) -> dict[str, Placement]:
         """What every parameter of a pipeline stage shares: averaged over the data axes, held by its stage, the same
         on every other axis of the table but those the caller places ``apart`` (``tp``, from the regions)."""
-        data, skip = data_axes(), {"pp", *apart}
+        data, skip = [a.name for a in table.TABLE if a.data], {"pp", *apart}
         out: dict[str, Placement] = {a: Replicate() for a in table.AXES if a in self.sizes and a not in skip}
         out.update({a: Partial("avg") for a in data if a in self.sizes})
         return {**out, "pp": Shard(None, self.sizes.get("pp", 1))}
@@ -95,7 +89,7 @@ class PlacementRecord:
         found = {tuple(a for a, p in axes.items() if p == Partial("avg")) for axes in self.params.values()}
         if len(found) > 1:
             raise PlanError([("parallel", f"parameters are averaged over different axes {sorted(found)}")])
-        return found.pop() if found else tuple(a for a in data_axes() if a in self.sizes)
+        return found.pop() if found else tuple(a.name for a in table.TABLE if a.data and a.name in self.sizes)
 
     def norm_weight(self) -> dict[str, float]:
         """Name -> 1 / the ranks outside the replica axes holding the same reduced gradient (a global norm counts
