@@ -76,7 +76,7 @@ def worker(rounds: int, bucket_mb: float, smoke: bool = False) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     nproc = int(os.environ["LOCAL_WORLD_SIZE"])
     nodes = [r // nproc for r in range(world)]
-    mesh = ParallelMesh(world, 1, 1, rank, world, backend="gloo", node_of_rank=nodes, hierarchical="on")
+    mesh = ParallelMesh({"dp": world}, rank, world, backend="gloo", node_of_rank=nodes, hierarchical="on")
     sizes = _bucket_sizes(bucket_mb, smoke)
     gen = torch.Generator().manual_seed(rank)
     buckets = [torch.randn(n, generator=gen) for n in sizes]

@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, port: int, root: str, args: dict, queue) -> Non
     from kuangchao_core.parallel.data import DataParallel
     from kuangchao_core.parallel.mesh import ParallelMesh
 
-    mesh = ParallelMesh(world, 1, 1, rank, world, backend="gloo", node_of_rank=NODES, hierarchical="on")
+    mesh = ParallelMesh({"dp": world}, rank, world, backend="gloo", node_of_rank=NODES, hierarchical="on")
     h = args["hidden"]
     cfg = LlamaConfig(
         vocab_size=512,

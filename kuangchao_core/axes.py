@@ -1,46 +1,104 @@
-"""The mesh of named axes (issue 30): the one place that maps global ranks to mesh coordinates and back.
+"""The mesh of named axes (issues 30, 43): the one table of axes, and the one place that maps ranks to coordinates.
 
-A job's processes form a grid of four named axes, outermost first::
+A job's processes form a grid of named axes, outermost first (:data:`TABLE`)::
 
     dp (data) · cp (context) · pp (pipeline) · tp (tensor)        — innermost last
 
     rank = ((dp_idx * cp + cp_idx) * pp + pp_idx) * tp + tp_idx
 
 so tensor parallelism gets consecutive ranks (the fastest links), then pipeline, then context parallelism, and data
-parallelism is outermost. With ``cp = 1`` this is the three-axis formula the mesh always had. Every layer reads the
-grid from here — the process groups (``parallel.mesh``), the tokens' group lists (``perm.layout``), placement
-(``sched.rank_placement``, ``sched.perf_groups``), traffic and ``kc plan`` (``engine``) — so adding an axis is one
-entry in :data:`AXES`, one config field, and the code that uses the axis. This module is a leaf beside ``errors``:
-every package may import it, and it imports nothing but ``errors``.
+parallelism is outermost. The process groups (``parallel.mesh``), the tokens' groups (``perm.layout``), placement
+(``parallel.placement``, ``sched.rank_placement``), validation and ``kc plan`` iterate the table, so an axis is one
+:class:`Axis` entry and the code that uses it (:func:`extra_axis`: one for a block, a test's throw-away axis). Read
+the table at call time (``axes.AXES``: ``from axes import AXES`` keeps a copy). A leaf: imports only ``errors``.
 
 Groups of an axis: one per position of the other axes, enumerated in :data:`AXES` order (outermost varying
-slowest); the ranks of a group in order along the axis. Group construction is collective, so this order is the
-order every process builds them in.
+slowest), its ranks in order along the axis; every process builds them in :data:`BUILD_ORDER` (collective).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from kuangchao_core.errors import PlanError
 
+
+@dataclass(frozen=True)
+class Axis:
+    """``size_key``: its size's field in ``parallel``; ``built``: groups built at one rank too (the original three;
+    an added axis only at more than one, so a job without it is unchanged); ``data``: its ranks see different
+    tokens, so gradients are averaged over it (``Partial("avg")``; else ``Replicate()`` unless a region cuts it)."""
+
+    name: str
+    size_key: str
+    built: bool = False
+    data: bool = False
+
+
 #: the axes, outermost first (innermost last)
-AXES = ("dp", "cp", "pp", "tp")
-#: each axis's size in the config's ``parallel`` section
-SIZE_KEYS = {
-    "dp": "data_parallel_size",
-    "cp": "context_parallel_size",
-    "pp": "pipeline_parallel_size",
-    "tp": "tensor_parallel_size",
-}
+TABLE: tuple[Axis, ...] = (
+    Axis("dp", "data_parallel_size", built=True, data=True),  # replicas on different batches
+    Axis("cp", "context_parallel_size", data=True),  # slices of each sequence
+    Axis("pp", "pipeline_parallel_size", built=True),  # stages, each holding its layers
+    Axis("tp", "tensor_parallel_size", built=True),  # slices of each layer's weights
+)
 #: groups that span several axes: ``dp_cp`` holds every replica of the same parameters (the ranks that share the
 #: pp and tp coordinates), over which gradients are reduced and ZeRO shards when ``cp > 1``
-JOINT = {"dp_cp": ("dp", "cp")}
-#: the order the mesh builds its groups in (collective: every rank the same): the three original axes as they
-#: always were, then the axes added since, then the joint groups (only when ``cp > 1``: nothing changes at cp 1)
-BUILD_ORDER = ("tp", "pp", "dp", "cp", "dp_cp")
+JOINT: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
+
+
+def _derive() -> None:
+    """Recompute the names read everywhere from :data:`TABLE` and :data:`JOINT`."""
+    global AXES, SIZE_KEYS, BUILD_ORDER
+    AXES = tuple(a.name for a in TABLE)
+    SIZE_KEYS = {a.name: a.size_key for a in TABLE}
+    # the order the mesh builds its groups in (collective: every rank the same): the original axes innermost first,
+    # as they always were, then the axes added since, then the joint groups (the added ones only at size > 1)
+    inner_first = TABLE[::-1]
+    BUILD_ORDER = (*(a.name for a in inner_first if a.built), *(a.name for a in inner_first if not a.built), *JOINT)
+
+
+AXES: tuple[str, ...]
+SIZE_KEYS: dict[str, str]
+BUILD_ORDER: tuple[str, ...]
+_derive()
+
+
+def axis(name: str) -> Axis:
+    """The table's entry of ``name``; ValueError naming the table's axes for another name."""
+    for a in TABLE:
+        if a.name == name:
+            return a
+    raise ValueError(f"unknown axis {name!r}; the mesh's axes are {', '.join(AXES)}")
+
+
+def shown_order() -> tuple[str, ...]:
+    """The order sizes are written in messages and ``kc plan``: the data axes outermost first, then the others
+    innermost first (``dp x cp x tp x pp``)."""
+    return (*(a.name for a in TABLE if a.data), *(a.name for a in TABLE[::-1] if not a.data))
+
+
+@contextmanager
+def extra_axis(
+    new: Axis, outside: str | None = None, joint: Mapping[str, tuple[str, ...]] | None = None
+) -> Iterator[Axis]:
+    """Add ``new`` to the table while the block runs (a test's throw-away axis; a lasting axis is a :data:`TABLE`
+    entry): just outside axis ``outside`` (default: innermost), with the ``joint`` kinds it adds."""
+    global TABLE, JOINT
+    saved = TABLE, JOINT
+    if new.name in AXES or new.size_key in SIZE_KEYS.values():
+        raise ValueError(f"axis {new.name!r} ({new.size_key}) is in the table already")
+    at = len(TABLE) if outside is None else AXES.index(outside)
+    TABLE, JOINT = (*TABLE[:at], new, *TABLE[at:]), {**JOINT, **(joint or {})}
+    _derive()
+    try:
+        yield new
+    finally:
+        TABLE, JOINT = saved
+        _derive()
 
 
 def group_name(kind: str, ranks: Iterable[int]) -> str:
@@ -53,24 +111,33 @@ def _get(section: Any, key: str, default: int = 1) -> int:
     return default if value is None else value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class MeshAxes:
-    """The sizes of the four axes; pure arithmetic on ranks (no process groups)."""
+    """The sizes of the table's axes (``MeshAxes(dp=2, tp=2)`` or ``MeshAxes({"dp": 2})``; an axis left out has
+    one rank, read as ``axes.dp``); pure arithmetic on ranks (no process groups)."""
 
-    dp: int = 1
-    cp: int = 1
-    pp: int = 1
-    tp: int = 1
+    given: dict[str, int]
+
+    def __init__(self, sizes: Mapping[str, int] | None = None, **kw: int) -> None:
+        given = {**(sizes or {}), **kw}
+        for name in given:
+            axis(name)  # ValueError for a name outside the table
+        object.__setattr__(self, "given", {a: int(given.get(a, 1)) for a in AXES})
+
+    def __getattr__(self, name: str) -> int:
+        if name in AXES:
+            return self.given.get(name, 1)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @classmethod
     def from_parallel(cls, parallel: Any) -> MeshAxes:
         """The axes of a config's ``parallel`` section (an object or a dict; a missing size is 1)."""
-        return cls(**{axis: int(_get(parallel, key)) for axis, key in SIZE_KEYS.items()})
+        return cls({a.name: int(_get(parallel, a.size_key)) for a in TABLE})
 
     @property
     def sizes(self) -> dict[str, int]:
         """``{axis: size}`` in :data:`AXES` order."""
-        return {axis: getattr(self, axis) for axis in AXES}
+        return {a: self.given.get(a, 1) for a in AXES}
 
     @property
     def world_size(self) -> int:
@@ -80,20 +147,24 @@ class MeshAxes:
             n *= size
         return n
 
-    def active(self, order: Sequence[str] = BUILD_ORDER) -> tuple[str, ...]:
-        """The axes whose groups the mesh builds, in ``order``: the original three always (as they always were,
-        one-rank groups included), an added axis (``cp``) and the joint ``dp_cp`` only when cp has more than one
-        rank."""
-        return tuple(a for a in order if a in ("tp", "pp", "dp") or getattr(self, a if a in AXES else "cp") > 1)
+    def active(self, order: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The kinds whose groups the mesh builds, in ``order`` (default :data:`BUILD_ORDER`): an axis built always
+        (one-rank groups included), another axis or a joint kind when an axis it spans that is not has more than
+        one rank."""
+        sizes = self.sizes
+        added = [[a for a in JOINT.get(k, (k,)) if not axis(a).built] for k in order or BUILD_ORDER]
+        return tuple(
+            k for k, new in zip(order or BUILD_ORDER, added, strict=True) if not new or any(sizes[a] > 1 for a in new)
+        )
 
     def rank_of(self, coords: Mapping[str, int] | None = None, **kw: int) -> int:
         """The global rank at ``coords`` (``{axis: index}``; a missing axis is at 0)."""
-        at = {**(coords or {}), **kw}
+        at, sizes = {**(coords or {}), **kw}, self.sizes
         rank = 0
-        for axis in AXES:
-            size, idx = getattr(self, axis), int(at.get(axis, 0))
+        for a in AXES:
+            size, idx = sizes[a], int(at.get(a, 0))
             if not 0 <= idx < size:
-                raise ValueError(f"{axis} index {idx} is outside [0, {size})")
+                raise ValueError(f"{a} index {idx} is outside [0, {size})")
             rank = rank * size + idx
         return rank
 
@@ -102,12 +173,14 @@ class MeshAxes:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, world size {self.world_size})")
         out: dict[str, int] = {}
-        for axis in reversed(AXES):
-            rank, out[axis] = divmod(rank, getattr(self, axis))
-        return {axis: out[axis] for axis in AXES}
+        for a in reversed(AXES):
+            rank, out[a] = divmod(rank, self.sizes[a])
+        return {a: out[a] for a in AXES}
 
-    def ranks_in_order(self, outer_first: Sequence[str] = AXES) -> list[int]:
-        """Every rank, enumerated with the axes nested as ``outer_first`` says (the last varies fastest)."""
+    def ranks_in_order(self, outer_first: Sequence[str] | None = None) -> list[int]:
+        """Every rank, enumerated with the axes nested as ``outer_first`` says (default :data:`AXES`; the last
+        varies fastest)."""
+        outer_first = AXES if outer_first is None else outer_first
         if sorted(outer_first) != sorted(AXES):
             raise ValueError(f"an order of all of {AXES} is needed, got {tuple(outer_first)}")
         out: list[int] = []
@@ -116,62 +189,68 @@ class MeshAxes:
             if level == len(outer_first):
                 out.append(self.rank_of(at))
                 return
-            axis = outer_first[level]
-            for i in range(getattr(self, axis)):
-                walk(level + 1, {**at, axis: i})
+            for i in range(self.sizes[outer_first[level]]):
+                walk(level + 1, {**at, outer_first[level]: i})
 
         walk(0, {})
         return out
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis``: one per position of the other axes (in :data:`AXES` order), its ranks in order
-        along ``axis``. Index ``i`` is the group ``<axis><i>`` of :meth:`indexed_groups`. A joint kind of
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind``: one per position of the other axes (in :data:`AXES` order), its ranks in order
+        along the axis. Index ``i`` is the group ``<kind><i>`` of :meth:`indexed_groups`. A joint kind of
         :data:`JOINT` (``dp_cp``) spans its axes, the first outermost."""
-        spans = JOINT.get(axis, (axis,))
+        spans = JOINT.get(kind, (kind,))
         if any(a not in AXES for a in spans):
-            raise ValueError(f"axis must be one of {', '.join((*AXES, *JOINT))}, got {axis!r}")
+            raise ValueError(f"axis must be one of {', '.join((*AXES, *JOINT))}, got {kind!r}")
         flat = self.ranks_in_order([*(a for a in AXES if a not in spans), *spans])
         n = 1
         for a in spans:
-            n *= getattr(self, a)
+            n *= self.sizes[a]
         return [flat[i : i + n] for i in range(0, len(flat), n)]
 
-    def group_of(self, axis: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s group along ``axis``."""
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s group along axis ``kind``."""
         at = self.coords_of(rank)
-        return [self.rank_of({**at, axis: i}) for i in range(getattr(self, axis))]
+        return [self.rank_of({**at, kind: i}) for i in range(self.sizes[kind])]
 
-    def indexed_groups(self, axis: str) -> dict[str, list[int]]:
-        """``{"<axis><i>": ranks}`` (``tp0``, ``dp3``), as ``kc plan`` lists them."""
-        return {f"{axis}{i}": g for i, g in enumerate(self.groups(axis))}
+    def indexed_groups(self, kind: str) -> dict[str, list[int]]:
+        """``{"<kind><i>": ranks}`` (``tp0``, ``dp3``), as ``kc plan`` lists them."""
+        return {f"{kind}{i}": g for i, g in enumerate(self.groups(kind))}
 
-    def named_groups(self, axes: Sequence[str] | None = None) -> dict[str, list[int]]:
-        """``{canonical name: ranks}`` of every group of ``axes`` (default: :meth:`active`), in build order."""
-        return {group_name(a, g): list(g) for a in (self.active() if axes is None else axes) for g in self.groups(a)}
+    def named_groups(self, kinds: Sequence[str] | None = None) -> dict[str, list[int]]:
+        """``{canonical name: ranks}`` of every group of ``kinds`` (default: :meth:`active`), in build order."""
+        return {group_name(k, g): list(g) for k in (self.active() if kinds is None else kinds) for g in self.groups(k)}
+
+    def shown(self) -> tuple[str, ...]:
+        """The axes messages and ``kc plan`` write, in :func:`shown_order`: those built always, the others when
+        they have more than one rank."""
+        return tuple(a for a in shown_order() if axis(a).built or self.sizes[a] != 1)
 
 
 def size_problems(sizes: Mapping[str, Any], world_size: int | None = None) -> list[tuple[str, str]]:
-    """``(dotted path, message)`` for each size (``{axis: size}``) that is not an integer >= 1, or, when they all
-    are, for a product that is not ``world_size`` (every number shown)."""
+    """``(dotted path, message)`` for each size (``{axis: size}``) that is not an integer >= 1 or names no axis of
+    the table, or, when they all are, for a product that is not ``world_size`` (every number shown)."""
     errors = [
+        ("parallel", f"unknown axis {a!r}; the mesh's axes are {', '.join(AXES)}") for a in sizes if a not in AXES
+    ]
+    errors += [
         (f"parallel.{SIZE_KEYS[a]}", f"must be an integer >= 1, got {v!r}")
-        for a in ("dp", "tp", "pp", "cp")
+        for a in AXES
         if a in sizes
         for v in [sizes[a]]
-        if not isinstance(v, int) or v < 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1
     ]
     if errors or world_size is None:
         return errors
-    shown = [a for a in ("dp", "cp", "tp", "pp") if a != "cp" or sizes.get("cp", 1) != 1]
-    product = MeshAxes(**{a: sizes.get(a, 1) for a in AXES}).world_size
-    if product == world_size:
+    axes = MeshAxes(sizes)
+    if axes.world_size == world_size:
         return []
-    terms = " x ".join(f"{SIZE_KEYS[a]} {sizes.get(a, 1)}" for a in shown)
+    terms = " x ".join(f"{SIZE_KEYS[a]} {axes.sizes[a]}" for a in axes.shown())
     return [
         (
             "parallel",
-            f"{terms} = {product} processes, but the world size is {world_size}; change the sizes so their product"
-            f" is {world_size} or launch {product} processes",
+            f"{terms} = {axes.world_size} processes, but the world size is {world_size}; change the sizes so their"
+            f" product is {world_size} or launch {axes.world_size} processes",
         )
     ]
 
@@ -182,4 +261,4 @@ def validated(sizes: Mapping[str, Any], world_size: int | None = None) -> MeshAx
     errors = size_problems(sizes, world_size)
     if errors:
         raise PlanError(errors)
-    return MeshAxes(**{a: sizes.get(a, 1) for a in AXES})
+    return MeshAxes(sizes)

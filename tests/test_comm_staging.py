@@ -238,7 +238,7 @@ def _pipelined(rank: int, world: int) -> dict:
 
     guard_api.install_guard(guard_api.AllowAll())
     init_distributed(backend="gloo")
-    mesh = ParallelMesh(4, 1, 1, rank, world, backend="gloo", node_of_rank=TWO_NODES, hierarchical="on")
+    mesh = ParallelMesh({"dp": 4}, rank, world, backend="gloo", node_of_rank=TWO_NODES, hierarchical="on")
     gen = torch.Generator().manual_seed(100 + rank)
     local = [torch.randint(-1000, 1000, (n,), generator=gen).double() for n in SIZES]
     flat = [t.clone() for t in local]

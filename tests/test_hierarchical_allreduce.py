@@ -40,7 +40,7 @@ def _collectives(rank: int, world: int) -> dict:
     init_distributed(backend="gloo")
     out: dict = {}
     for label, nodes in (("blocks", TWO_NODES), ("interleaved", INTERLEAVED)):
-        mesh = ParallelMesh(4, 1, 1, rank, world, backend="gloo", node_of_rank=nodes, hierarchical="auto")
+        mesh = ParallelMesh({"dp": 4}, rank, world, backend="gloo", node_of_rank=nodes, hierarchical="auto")
         intra, inter = mesh.dp_intra_group, mesh.dp_inter_group
         g = torch.Generator().manual_seed(100 + rank)
         # integers in float64: every order of addition gives the exact sum, so hierarchical == flat bitwise
@@ -60,7 +60,7 @@ def _collectives(rank: int, world: int) -> dict:
     mags = x.double().abs()
     P.all_reduce(mags, group=mesh.dp_group)
     hier = x.clone()
-    mesh = ParallelMesh(4, 1, 1, rank, world, backend="gloo", node_of_rank=TWO_NODES, hierarchical="auto")
+    mesh = ParallelMesh({"dp": 4}, rank, world, backend="gloo", node_of_rank=TWO_NODES, hierarchical="auto")
     hierarchical_all_reduce(hier, mesh.dp_intra_group, mesh.dp_inter_group)
     out["fp32_excess"] = float(((hier.double() - exact).abs() - 3 * 2**-24 * mags).max())
     # fp16 across nodes: half the bytes of the shard, the sum within fp16's rounding of its terms

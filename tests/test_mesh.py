@@ -9,32 +9,31 @@ from tests.mp import run_distributed
 
 
 def test_layout_dp2_tp2_pp2():
-    from kuangchao_core.parallel.mesh import coords_of, mesh_layout, rank_of
+    from kuangchao_core.parallel.mesh import mesh_layout
 
-    layout = mesh_layout(2, 2, 2, world_size=8)
-    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout.pp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert layout.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    layout = mesh_layout({"dp": 2, "tp": 2, "pp": 2}, world_size=8)
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     desc = layout.describe()
     assert desc["tp_groups"]["tp3"] == [6, 7]
     assert desc["pp_groups"]["pp1"] == [1, 3]
     assert desc["dp_groups"]["dp2"] == [2, 6]
     assert desc["sizes"] == {"dp": 2, "tp": 2, "pp": 2, "world_size": 8}
     for rank in range(8):
-        dp, tp, pp = coords_of(rank, 2, 2)
-        assert rank_of(dp, pp, tp, 2, 2) == rank
+        assert layout.rank_of(layout.coords_of(rank)) == rank
     # every rank in exactly one group of each kind
-    for groups in (layout.tp_groups(), layout.pp_groups(), layout.dp_groups()):
+    for groups in (layout.groups("tp"), layout.groups("pp"), layout.groups("dp")):
         assert sorted(r for g in groups for r in g) == list(range(8))
 
 
 def test_layout_tp_is_innermost_for_uneven_sizes():
     from kuangchao_core.parallel.mesh import mesh_layout
 
-    layout = mesh_layout(dp=1, tp=4, pp=2)
-    assert layout.tp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.dp_groups() == [[r] for r in range(8)]
+    layout = mesh_layout({"dp": 1, "tp": 4, "pp": 2})
+    assert layout.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.groups("dp") == [[r] for r in range(8)]
 
 
 def test_bad_sizes_refused_with_every_number():
@@ -42,12 +41,12 @@ def test_bad_sizes_refused_with_every_number():
     from kuangchao_core.parallel.mesh import mesh_layout
 
     with pytest.raises(PlanError) as info:
-        mesh_layout(2, 3, 2, world_size=8)
+        mesh_layout({"dp": 2, "tp": 3, "pp": 2}, world_size=8)
     text = str(info.value)
     for needle in ("data_parallel_size 2", "tensor_parallel_size 3", "pipeline_parallel_size 2", "= 12", "8"):
         assert needle in text
     with pytest.raises(PlanError, match="tensor_parallel_size.*got 0"):
-        mesh_layout(1, 0, 1)
+        mesh_layout({"dp": 1, "tp": 0, "pp": 1})
 
 
 def _mesh_body(rank, world_size):
@@ -87,7 +86,7 @@ def test_mesh_builds_groups_on_four_processes():
     results = run_distributed(_mesh_body, 4)
     for rank, res in enumerate(results):
         dp_idx, tp_idx = rank // 2, rank % 2
-        assert res["coords"] == (dp_idx, tp_idx, 0)
+        assert res["coords"] == {"dp": dp_idx, "cp": 0, "pp": 0, "tp": tp_idx}
         assert res["tp"] == [dp_idx * 2, dp_idx * 2 + 1]
         assert res["dp"] == [tp_idx, tp_idx + 2]
         assert res["pp"] == [rank]
@@ -123,11 +122,11 @@ def test_token_group_layout_matches_the_mesh():
     from kuangchao_core.perm.layout import group_layout, group_name
 
     for dp, tp, pp in [(2, 2, 2), (1, 4, 2), (2, 1, 4), (4, 2, 1)]:
-        layout = mesh_layout(dp, tp, pp)
+        layout = mesh_layout({"dp": dp, "tp": tp, "pp": pp})
         expected = {"world": list(range(dp * tp * pp)), "host": list(range(dp * tp * pp))}
-        for kind, groups in (("tp", layout.tp_groups()), ("pp", layout.pp_groups()), ("dp", layout.dp_groups())):
+        for kind, groups in (("tp", layout.groups("tp")), ("pp", layout.groups("pp")), ("dp", layout.groups("dp"))):
             expected.update({group_name(kind, g): sorted(g) for g in groups})
-        assert {k: sorted(v) for k, v in group_layout(dp, tp, pp).items()} == expected
+        assert {k: sorted(v) for k, v in group_layout(layout.sizes).items()} == expected
 
 
 def _cp_mesh_body(rank, world_size):

@@ -81,7 +81,7 @@ def test_groups_partition_the_world_along_each_axis(dp, cp, pp, tp):
 
 
 def test_three_axis_layouts_keep_their_groups_names_and_build_order():
-    from kuangchao_core.parallel.mesh import MeshLayout, coords_of, rank_of
+    from kuangchao_core.parallel.mesh import MeshLayout
 
     axes = MeshAxes(dp=2, pp=2, tp=2)
     assert axes.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -95,30 +95,29 @@ def test_three_axis_layouts_keep_their_groups_names_and_build_order():
         *("dp[0,4]", "dp[1,5]", "dp[2,6]", "dp[3,7]"),
     ]
     assert group_name("dp", [4, 0]) == "dp[0,4]"
-    assert MeshLayout(2, 2, 2).describe().keys() == {"sizes", "tp_groups", "pp_groups", "dp_groups"}
-    for rank in range(8):  # the old helpers are the module's arithmetic
-        d, t, p = coords_of(rank, 2, 2)
-        assert rank_of(d, p, t, 2, 2) == rank and axes.coords_of(rank) == {"dp": d, "cp": 0, "pp": p, "tp": t}
+    assert MeshLayout(dp=2, tp=2, pp=2).describe().keys() == {"sizes", "tp_groups", "pp_groups", "dp_groups"}
 
 
 def test_a_cp_layout_builds_cp_groups_last_and_names_them():
-    from kuangchao_core.parallel.mesh import MeshLayout, coords_of
+    from kuangchao_core.parallel.mesh import MeshLayout
     from kuangchao_core.perm.layout import group_layout, groups_of_rank
 
     layout = MeshLayout(dp=2, tp=2, pp=1, cp=2)
     assert layout.kinds() == ("tp", "pp", "dp", "cp", "dp_cp")  # dp_cp: the replicas gradients are reduced over
-    assert layout.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # inside dp: dp groups stride cp*pp*tp = 4
+    assert layout.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # inside dp: dp groups stride cp*pp*tp = 4
     assert layout.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # one per tp position, dp outermost
-    assert layout.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     desc = layout.describe()
     assert desc["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 2, "world_size": 8}
     assert desc["cp_groups"] == {"cp0": [0, 2], "cp1": [1, 3], "cp2": [4, 6], "cp3": [5, 7]}
-    assert coords_of(6, 2, 1, cp=2) == (1, 0, 0)
-    tokens = group_layout(2, 2, 1, cp=2)
+    assert layout.coords_of(6) == {"dp": 1, "cp": 1, "pp": 0, "tp": 0}
+    tokens = group_layout({"dp": 2, "tp": 2, "cp": 2})
     assert tokens["cp[4,6]"] == [4, 6] and groups_of_rank(tokens, 6) == [
         *("cp[4,6]", "dp[2,6]", "dp_cp[0,2,4,6]", "host", "pp[6]", "tp[6,7]", "world"),
     ]
-    assert not any(n.startswith(("cp", "dp_cp")) for n in group_layout(2, 2, 1))  # cp 1: none built or granted
+    assert not any(
+        n.startswith(("cp", "dp_cp")) for n in group_layout({"dp": 2, "tp": 2})
+    )  # cp 1: none built or granted
 
 
 def test_sizes_are_validated_by_field_path():
@@ -147,7 +146,7 @@ def test_placement_keeps_cp_inside_a_node_before_dp():
     assert all(len({node[r] for r in g}) == 2 for g in axes.groups("dp"))
     # the control: by bytes alone (no CP-inside-DP rule) DP would take the node and every CP group cross
     by_bytes = axes.ranks_in_order(["cp", "pp", "tp", "dp"])
-    assert mesh_order(2, 1, 1, traffic, cp=2) != by_bytes
+    assert mesh_order(axes, traffic) != by_bytes
     slot_node = {r: i // 2 for i, r in enumerate(by_bytes)}
     assert all(len({slot_node[r] for r in g}) == 2 for g in axes.groups("cp"))
     # TP, heavier still, stays innermost: a tp2 x cp2 x dp2 job on 4-slot nodes keeps TP and CP inside

@@ -24,7 +24,7 @@ TRAINER = ["all_reduce", "all_gather", "broadcast", "send", "recv", "device_init
 
 
 def _issue_all(auth, job, world, dp, tp, ttl_s=600, tmp=None):
-    layout = group_layout(dp, tp)
+    layout = group_layout({"dp": dp, "tp": tp})
     paths = {}
     for r in range(world):
         for module, role, kw in (
@@ -67,7 +67,7 @@ def _scope_body(rank, world_size, tokens, trust, audit, forged_dl):
     kc.init()
     groups = {
         name: kc.CommGroup(ranks=ranks, backend="gloo", name=name)
-        for name, ranks in group_layout(2, 2).items()
+        for name, ranks in group_layout({"dp": 2, "tp": 2}).items()
         if name not in ("world", "host")
     }
     mine_tp = groups["tp[0,1]"] if rank < 2 else groups["tp[2,3]"]

@@ -55,23 +55,23 @@ def test_traffic_formulas_follow_the_model_and_layout():
 
 def test_tp_groups_stay_inside_a_node_and_blind_placement_splits_them():
     cfg = _cfg(dp=2, tp=2)
-    layout = MeshLayout(2, 2, 1)
+    layout = MeshLayout(dp=2, tp=2)
     aware = place_ranks((2, 2, 1), ["a", "b"], 2, traffic=group_traffic(cfg))
     blind = place_ranks((2, 2, 1), ["a", "b"], 2, mode="blind")
-    assert all(_groups_inside(aware, layout.tp_groups()))
-    assert not any(_groups_inside(blind, layout.tp_groups()))  # the control: dealt out, every TP group crosses
+    assert all(_groups_inside(aware, layout.groups("tp")))
+    assert not any(_groups_inside(blind, layout.groups("tp")))  # the control: dealt out, every TP group crosses
     report = {row["node"]: row for row in link_report(aware, cfg)}
     assert report["a"]["bytes_per_step_inside"] > 0 and report["a"]["ranks"] == [0, 1]
 
 
 def test_the_heaviest_group_kind_goes_innermost_whatever_its_name():
     # DP moves more than TP here (many parameters, tiny activations): DP groups must stay inside the nodes
-    assert mesh_order(2, 2, 1, {"tp": 1.0, "pp": 0.0, "dp": 10.0}) == [0, 2, 1, 3]
+    assert mesh_order(MeshLayout(dp=2, tp=2), {"tp": 1.0, "pp": 0.0, "dp": 10.0}) == [0, 2, 1, 3]
     placed = place_ranks((2, 2, 1), ["a", "b"], 2, traffic={"tp": 1.0, "dp": 10.0})
-    assert all(_groups_inside(placed, MeshLayout(2, 2, 1).dp_groups()))
-    assert not any(_groups_inside(placed, MeshLayout(2, 2, 1).tp_groups()))
+    assert all(_groups_inside(placed, MeshLayout(dp=2, tp=2).groups("dp")))
+    assert not any(_groups_inside(placed, MeshLayout(dp=2, tp=2).groups("tp")))
     # and with TP heavier, the default mesh order
-    assert mesh_order(2, 2, 1, {"tp": 10.0, "dp": 1.0}) == [0, 1, 2, 3]
+    assert mesh_order(MeshLayout(dp=2, tp=2), {"tp": 10.0, "dp": 1.0}) == [0, 1, 2, 3]
 
 
 def test_nodes_are_chained_over_the_best_links():

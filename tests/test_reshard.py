@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kuangchao.cli.main import app
+from kuangchao_core.axes import MeshAxes
 from kuangchao_core.ckpt.index import (
     load_for_layout,
     load_full_tensors,
@@ -23,7 +24,6 @@ from kuangchao_core.errors import CheckpointCorrupt
 from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaForCausalLM
 from kuangchao_core.models.tp_llama import tp_shard_slices
-from kuangchao_core.parallel.mesh import coords_of
 from kuangchao_core.perm.guard_api import AllowAll, install_guard
 from tests.fixtures import tiny_llama
 
@@ -69,7 +69,8 @@ def _write(root: Path, params, optim, dp=1, tp=1, pp=1, zero=False, drop=(), ext
 
     def run(rank):
         try:
-            dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
+            at = MeshAxes(dp=dp, tp=tp, pp=pp).coords_of(rank)
+            dp_rank, tp_rank, pp_rank = at["dp"], at["tp"], at["pp"]
             owns = TargetLayout(tp, pp, tp_rank, pp_rank).owns(CFG)
             split = tp_shard_slices(CFG, tp, tp_rank)
             tensors, slices = {}, {}

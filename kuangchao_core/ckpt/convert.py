@@ -47,7 +47,7 @@ def relayout_checkpoint(
     """
     from kuangchao_core.ckpt.reader import read_rng, read_state
     from kuangchao_core.ckpt.writer import CheckpointWriter
-    from kuangchao_core.parallel.mesh import coords_of, mesh_layout
+    from kuangchao_core.parallel.mesh import mesh_layout
 
     src = Path(src_step_dir)
     index = CheckpointIndex.open(src)
@@ -59,7 +59,8 @@ def relayout_checkpoint(
             "or merged into the base with --format hf"
         )
     cfg = model_config_of_checkpoint(manifest)
-    world = mesh_layout(dp, tp, pp).world_size
+    layout = mesh_layout({"dp": dp, "tp": tp, "pp": pp})
+    world = layout.world_size
     state = read_state(src)
     step = int(state.get("step", manifest.get("step")))
     old_world = int(manifest["world_size"])
@@ -81,7 +82,8 @@ def relayout_checkpoint(
 
     def save(rank: int) -> None:
         try:
-            _dp_rank, tp_rank, pp_rank = coords_of(rank, tp, pp)
+            at = layout.coords_of(rank)
+            tp_rank, pp_rank = at["tp"], at["pp"]
             slices = TargetLayout(tp, pp, tp_rank, pp_rank, virtual).param_slices(cfg)
             tensors = load_for_layout(src, param_keys(slices))
             optim = load_optimizer_for_layout(src, slices)

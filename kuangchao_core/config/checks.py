@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kuangchao_core import axes as table
+from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import slurm_time_s
 from kuangchao_core.config.slurm_options import export_env_errors
 from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
@@ -192,12 +194,10 @@ def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
     if devices is None or devices == parallel.world_size:
         return []
-    cp = parallel.context_parallel_size
-    layout = (
-        f"world size data_parallel_size × {'context_parallel_size × ' if cp != 1 else ''}tensor_parallel_size × "
-        f"pipeline_parallel_size = {parallel.data_parallel_size}×{f'{cp}×' if cp != 1 else ''}"
-        f"{parallel.tensor_parallel_size}×{parallel.pipeline_parallel_size} = {parallel.world_size}"
-    )
+    axes = MeshAxes.from_parallel(parallel)
+    shown = axes.shown()  # every axis of the table built always, the others when they have more than one rank
+    keys, sizes = " × ".join(table.SIZE_KEYS[a] for a in shown), "×".join(str(axes.sizes[a]) for a in shown)
+    layout = f"world size {keys} = {sizes} = {axes.world_size}"
     if cluster.mode == "local":
         return [("parallel.data_parallel_size", f"{layout}, but cluster.nproc_per_node is {devices}")]
     if cluster.mode == "slurm":

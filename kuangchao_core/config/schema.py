@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
 from kuangchao_core.config.presets import MODEL_PRESETS
-from kuangchao_core.config.section import Float, Int, Section, _number  # noqa: F401
+from kuangchao_core.config.section import AxesSection, Float, Int, Section, _number  # noqa: F401
 from kuangchao_core.config.tracking_schema import DEFAULT_PROMETHEUS_PORT, PROMETHEUS_PORT_SPAN, TrackingSection  # noqa: F401
 from kuangchao_core.config.train_schema import ANOMALY_DEFAULT_ACTIONS, AnomalySection, TrainSection  # noqa: F401
 from kuangchao_core.config.vision_schema import ImagesSection, VisionSection
@@ -155,7 +155,7 @@ class DataSection(Section):
         return self.format == "synthetic" or (self.path is None and self.format == "auto")
 
 
-class ParallelSection(Section):
+class ParallelSection(AxesSection):
     """The layout: data × context × pipeline × tensor parallel sizes (``axes``), batches, schedule, ZeRO, buckets.
 
     DP gradient buckets (``zero_stage: 0``): ``hierarchical_allreduce`` (``auto``: when a DP group spans nodes
@@ -187,7 +187,7 @@ class ParallelSection(Section):
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: dp × cp × pp × tp."""
+        """Processes the layout needs: the product of the axes' sizes (dp × cp × pp × tp)."""
         return MeshAxes.from_parallel(self).world_size
 
     @property

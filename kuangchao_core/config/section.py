@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_serializer, model_validator
+
+from kuangchao_core import axes as mesh_axes
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -36,3 +38,24 @@ class Section(BaseModel):
     """Common settings of every config section: unknown keys are errors, numbers may name strings."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+class AxesSection(Section):
+    """A section that also holds the size of an axis added to ``axes.TABLE`` beyond its own fields (a test's
+    throw-away axis, ``axes.extra_axis``), which the mesh's checks validate by its path; every other unknown key
+    stays an error."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _added_axes(cls, data: Any, handler: Any) -> AxesSection:
+        fields = cls.model_fields
+        keys = {a.size_key for a in mesh_axes.TABLE if a.size_key not in fields}
+        added = {k: _number(v, int) for k, v in data.items() if k in keys} if isinstance(data, dict) else {}
+        section = handler({k: v for k, v in data.items() if k not in added} if added else data)
+        if added:
+            object.__setattr__(section, "__pydantic_extra__", added)  # read as attributes, written by the dump
+        return section
+
+    @model_serializer(mode="wrap")
+    def _dump_added_axes(self, handler: Any) -> dict[str, Any]:
+        return {**handler(self), **(self.__pydantic_extra__ or {})}

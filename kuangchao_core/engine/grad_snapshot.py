@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kuangchao_core import axes
+
 ENV_STEP = "KC_GRAD_SNAPSHOT_STEP"
 
 
@@ -23,7 +25,7 @@ def snapshot_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / "debug" / "grad" / f"rank_{rank:05d}.safetensors"
 
 
-def write_snapshot(run_dir: str | os.PathLike, rank: int, model, coords: tuple[int, int, int], step: int) -> Path:
+def write_snapshot(run_dir: str | os.PathLike, rank: int, model, coords: dict[str, int], step: int) -> Path:
     """Write this rank's parameters and gradients (see the module docstring)."""
     from safetensors.torch import save_file
 
@@ -34,7 +36,7 @@ def write_snapshot(run_dir: str | os.PathLike, rank: int, model, coords: tuple[i
             tensors[f"grad.{name}"] = p.grad.detach().cpu().contiguous().clone()
     path = snapshot_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"rank": str(rank), "coords": json.dumps(list(coords)), "step": str(step)}
+    meta = {"rank": str(rank), "coords": json.dumps(dict(coords)), "step": str(step)}
     save_file(tensors, str(path), metadata=meta)
     return path
 
@@ -48,7 +50,7 @@ class SnapshotStep:
         self.run_dir = env.get("KC_RUN_DIR")
         self.step = int(env.get(ENV_STEP, "0") or 0) if self.run_dir else 0
 
-    def after_step(self, step: int, rank: int, sync: Any, model: Any, coords: tuple[int, int, int]) -> None:
+    def after_step(self, step: int, rank: int, sync: Any, model: Any, coords: dict[str, int]) -> None:
         """At the asked step only: write this rank's reduced gradients, before the next step changes them
         (collective under ZeRO-3, which gathers the full parameters)."""
         if self.step != step:
@@ -66,7 +68,7 @@ def load_snapshots(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
             out[int(meta["rank"])] = {
-                "coords": tuple(json.loads(meta["coords"])),
+                "coords": json.loads(meta["coords"]),
                 "step": int(meta["step"]),
                 "tensors": {k: f.get_tensor(k) for k in f.keys()},
             }
@@ -76,10 +78,10 @@ def load_snapshots(folder: str | os.PathLike) -> dict[int, dict[str, Any]]:
 def replica_differences(snapshots: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every tensor that differs between replicas, largest first: ``{"tensor", "ranks", "max_abs", "rel"}`` (the
     max absolute difference, and it relative to the tensor's largest magnitude)."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for rank, snap in snapshots.items():
-        _, tp, pp = snap["coords"]
-        groups.setdefault((tp, pp), []).append(rank)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, snap in snapshots.items():  # replicas: the same coordinates on every axis but the data axes
+        at = snap["coords"]
+        groups.setdefault(tuple(at[a.name] for a in axes.TABLE if not a.data and a.name in at), []).append(rank)
     found = []
     for ranks in groups.values():
         ranks = sorted(ranks)

@@ -200,7 +200,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         mem = {k: float(round(x)) for k, x in mem.items()}
         mem["total"] = float(round(sum(mem.values())))
         out.append(
-            {"rank": rank, "coords": {k: at[k] for k in ("dp", "tp", "pp", "cp") if k != "cp" or axes.cp > 1},
+            {"rank": rank, "coords": {k: at[k] for k in axes.shown()},
              "parameters": psi,
              "memory_bytes": mem}
         )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kuangchao_core.axes import AXES
+from kuangchao_core import axes as table
 from kuangchao_core.config.settings import ModelBuildSettings
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
@@ -144,7 +144,7 @@ def build_parallel_model(
         raise PlanError(
             [("parallel", f"rank {mesh.rank}: parameters {sorted(names ^ set(regions))[:4]} do not match the layout")]
         )
-    sizes = {axis: getattr(mesh, axis, 1) for axis in AXES}
+    sizes = {axis: getattr(mesh, axis, 1) for axis in table.AXES}
     # whole on every TP rank but computed in part (their layers sum them in backward): LoRA's A, and under sequence
     # parallelism the norms and a row-parallel projection's B
     summed = {n for n in regions if n.endswith("lora_A.weight") or sp and n.endswith(("norm.weight", "lora_B.weight"))}

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kuangchao_core.axes import BUILD_ORDER, MeshAxes
+from kuangchao_core import axes as table
+from kuangchao_core.axes import MeshAxes, validated
 from kuangchao_core.engine.memory_model import activation_bytes_per_layer, estimate_ranks  # noqa: F401 - re-exported
 from kuangchao_core.engine.plan_bounds import size_problems
 from kuangchao_core.engine.plan_comms import communicators, format_communicators
@@ -43,13 +44,11 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
     ``world_size``: the number of processes actually launched, when known (else the cluster section's).
     """
     from kuangchao_core.models.tp_llama import validate_tp
-    from kuangchao_core.parallel.mesh import validate_sizes
     from kuangchao_core.parallel.pipeline import partition_layers
     from kuangchao_core.parallel.pp_schedules import validate_schedule
 
     par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
-    cp = getattr(par, "context_parallel_size", 1)
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     v, m = par.virtual_pipeline_size, par.gradient_accumulation_steps
     errors: Errors = []
 
@@ -86,17 +85,17 @@ def check_plan(cfg: Any, world_size: int | None = None) -> Errors:
             )
         )
     devices = getattr(getattr(cfg, "cluster", None), "devices", None)
-    world = MeshAxes.from_parallel(par).world_size
-    if world_size is None and devices is not None and devices != world:
-        with_cp = (" x context_parallel_size", f"x{cp}") if cp != 1 else ("", "")
+    axes = MeshAxes.from_parallel(par)
+    if world_size is None and devices is not None and devices != axes.world_size:
+        shown = axes.shown()
         errors.append(
             (
                 "parallel.data_parallel_size",
-                f"data_parallel_size{with_cp[0]} x tensor_parallel_size x pipeline_parallel_size = "
-                f"{dp}{with_cp[1]}x{tp}x{pp} = {world} processes, but the cluster provides {devices}",
+                f"{' x '.join(table.SIZE_KEYS[a] for a in shown)} = {'x'.join(str(axes.sizes[a]) for a in shown)} = "
+                f"{axes.world_size} processes, but the cluster provides {devices}",
             )
         )
-    collect(validate_sizes, dp, tp, pp, world_size, cp)
+    collect(validated, axes.sizes, world_size)
     errors.extend(interface_problems(cfg))  # a primitive the job may not use would fail the run at its first call
     unique: Errors = []
     for e in errors:
@@ -255,9 +254,9 @@ def explain_plan(cfg: Any) -> dict[str, Any]:
     _raise_for_layout(cfg)
     mcfg = _model_config(cfg)
     par = cfg.parallel
-    dp, tp, pp = par.data_parallel_size, par.tensor_parallel_size, par.pipeline_parallel_size
+    dp, pp = par.data_parallel_size, par.pipeline_parallel_size
     v, m, b = par.virtual_pipeline_size, par.gradient_accumulation_steps, par.micro_batch_size
-    layout = mesh_layout(dp, tp, pp, cp=getattr(par, "context_parallel_size", 1))
+    layout = mesh_layout(MeshAxes.from_parallel(par).sizes)
     chunks = partition_layers(mcfg.num_layers, pp, v)
     stages = [
         {
@@ -321,7 +320,7 @@ def rank_memory_rows(ranks: list[dict[str, Any]]) -> list[str]:
     rows = []
     for figures, members in groups.items():
         coords = [m["coords"] for m in members]
-        shared = [k for k in ("dp", "cp", "tp", "pp") if k in coords[0] and len({c[k] for c in coords}) == 1]
+        shared = [k for k in table.shown_order() if k in coords[0] and len({c[k] for c in coords}) == 1]
         where = ", ".join(f"{k} {coords[0][k]}" for k in shared) or "every coordinate"
         label = (
             f"rank {members[0]['rank']}" if len(members) == 1 else f"ranks {rank_ranges(m['rank'] for m in members)}"
@@ -344,13 +343,12 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 def format_plan(plan: dict[str, Any]) -> str:
     """Human-readable text of :func:`explain_plan`'s result."""
     s = plan["sizes"]
-    cp = f"cp={s['cp']} x " if "cp" in s else ""
     lines = [
-        f"layout: dp={s['dp']} x {cp}tp={s['tp']} x pp={s['pp']} (virtual {s['virtual']}) = "
+        f"layout: {' x '.join(f'{a}={s[a]}' for a in table.shown_order() if a in s)} (virtual {s['virtual']}) = "
         f"{s['world_size']} processes",
         f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
     ]
-    for kind in BUILD_ORDER:
+    for kind in table.BUILD_ORDER:
         groups = plan["groups"].get(f"{kind}_groups")
         if groups is None:
             continue

@@ -97,15 +97,14 @@ def built_groups(cfg: Any, node_of_rank: list[int] | None = None) -> list[tuple[
     from kuangchao_core.engine.vlm_layout import encoder_group_plan
     from kuangchao_core.parallel.mesh import MeshLayout, mesh_group_lists
 
-    axes = MeshAxes.from_parallel(cfg.parallel)
-    layout = MeshLayout(axes.dp, axes.tp, axes.pp, axes.cp)
+    layout = MeshLayout(MeshAxes.from_parallel(cfg.parallel).sizes)
     every = list(range(layout.world_size))
     nodes = plan_nodes(cfg, layout.world_size) if node_of_rank is None else list(node_of_rank)
     hierarchical = str(setting(cfg, "parallel.hierarchical_allreduce", "off"))
     groups = [("world", every), ("host", list(every)), *mesh_group_lists(layout, nodes, hierarchical)]
     vision = getattr(getattr(cfg, "model", None), "vision", None)
     if vision is not None:
-        groups += encoder_group_plan(vision, layout.tp_groups())
+        groups += encoder_group_plan(vision, layout.groups("tp"))
     return groups
 
 

@@ -72,7 +72,7 @@ def encoder_layout(section: Any, mesh: Any) -> EncoderLayout:
     from kuangchao_core.comm import CommGroup
 
     mine: dict[str, Any] = {}
-    for kind, ranks in encoder_group_plan(section, mesh.layout.tp_groups()):  # all of them, on every rank
+    for kind, ranks in encoder_group_plan(section, mesh.layout.groups("tp")):  # all of them, on every rank
         group = CommGroup(ranks, backend=mesh.backend, timeout_ms=mesh.timeout_ms, name=group_name(kind, ranks))
         if mesh.rank in ranks:
             mine[kind] = group

@@ -13,10 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao_core import axes as table
 from kuangchao_core.errors import PlanError
-
-#: the axes whose ranks see different tokens: every parameter's gradient is averaged over them by GradSync
-DATA_AXES = ("dp", "cp")
 
 
 @dataclass(frozen=True)
@@ -66,8 +64,9 @@ class PlacementRecord:
     def of_regions(
         cls, regions: Mapping[str, Any], sizes: Mapping[str, int], in_backward: Iterable[str] = ()
     ) -> PlacementRecord:
-        """The record of a model on the mesh axes ``sizes``: ``tp`` as its ``regions`` say; the names in
-        ``in_backward`` hold partial sums over ``tp`` (when whole) that their layers sum in backward."""
+        """The record of a model on the mesh axes ``sizes``: ``tp`` as its ``regions`` say, the others as
+        :meth:`stage_axes`; the names in ``in_backward`` hold partial sums over ``tp`` (when whole) that their layers
+        sum in backward."""
         partial = set(in_backward)
         out = cls(dict(sizes))
         for name, region in regions.items():
@@ -77,16 +76,20 @@ class PlacementRecord:
             }
         return out
 
-    def stage_axes(self) -> dict[str, Placement]:
-        """What every parameter of a pipeline stage shares: averaged over the data axes, held by its stage."""
-        return {**{a: Partial("avg") for a in DATA_AXES if a in self.sizes}, "pp": Shard(None, self.sizes.get("pp", 1))}
+    def stage_axes(self, apart: Iterable[str] = ("tp",)) -> dict[str, Placement]:
+        """What every parameter of a pipeline stage shares: averaged over the data axes, held by its stage, the same
+        on every other axis of the table but those the caller places ``apart`` (``tp``, from the regions)."""
+        data, skip = [a.name for a in table.TABLE if a.data], {"pp", *apart}
+        out: dict[str, Placement] = {a: Replicate() for a in table.AXES if a in self.sizes and a not in skip}
+        out.update({a: Partial("avg") for a in data if a in self.sizes})
+        return {**out, "pp": Shard(None, self.sizes.get("pp", 1))}
 
     def replica_axes(self) -> tuple[str, ...]:
         """The axes every parameter's gradient is averaged over (GradSync's group); PlanError when they differ."""
         found = {tuple(a for a, p in axes.items() if p == Partial("avg")) for axes in self.params.values()}
         if len(found) > 1:
             raise PlanError([("parallel", f"parameters are averaged over different axes {sorted(found)}")])
-        return found.pop() if found else tuple(a for a in DATA_AXES if a in self.sizes)
+        return found.pop() if found else tuple(a.name for a in table.TABLE if a.data and a.name in self.sizes)
 
     def norm_weight(self) -> dict[str, float]:
         """Name -> 1 / the ranks outside the replica axes holding the same reduced gradient (a global norm counts

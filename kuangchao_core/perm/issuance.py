@@ -170,7 +170,7 @@ def issue_tokens_for_run(
     else:
         local_of_rank = [r % nproc for r in range(world)]
     hierarchical = str(setting(par, "hierarchical_allreduce", "off"))
-    layout = group_layout(axes.dp, axes.tp, axes.pp, node_of_rank, hierarchical, cp=axes.cp)
+    layout = group_layout(axes.sizes, node_of_rank, hierarchical)
     use_cuda = setting(cfg, "train.device", "auto") != "cpu"
     task_name = cfg.task.name
     datasets = [f"dataset:{d}" for d in {dataset_resource_name(cfg.data), "synthetic"} if d]

@@ -9,6 +9,8 @@ tokens always grant the groups the mesh builds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kuangchao_core.axes import group_name
 from kuangchao_core.data.dataset import dataset_name
 from kuangchao_core.parallel.mesh import MeshLayout, dp_subgroups
@@ -22,20 +24,16 @@ __all__ = ["DEFAULT_REGIONS", "dataset_resource_name", "group_layout", "group_na
 
 
 def group_layout(
-    dp: int,
-    tp: int = 1,
-    pp: int = 1,
-    node_of_rank: list[int] | None = None,
-    hierarchical: str = "off",
-    cp: int = 1,
+    sizes: Mapping[str, int], node_of_rank: list[int] | None = None, hierarchical: str = "off"
 ) -> dict[str, list[int]]:
-    """Every group of a dp×cp×pp×tp job: name -> global ranks (``world`` and ``host`` — every rank, for device
-    tensors and for host coordination — plus every group the mesh builds (tp, pp, dp, and cp when ``cp > 1``), and
-    the DP groups' node-local ``dpn`` / cross-node ``dpx`` subgroups when the hierarchical all-reduce applies)."""
-    mesh = MeshLayout(dp, tp, pp, cp)
+    """Every group of the job whose mesh has ``sizes`` (``{axis: size}``): name -> global ranks (``world`` and
+    ``host`` — every rank, for device tensors and for host coordination — plus every group the mesh builds, of each
+    kind of ``MeshLayout.kinds()``, and the DP groups' node-local ``dpn`` / cross-node ``dpx`` subgroups when the
+    hierarchical all-reduce applies)."""
+    mesh = MeshLayout(sizes)
     every = list(range(mesh.world_size))
     groups: dict[str, list[int]] = {"world": every, "host": list(every)}
-    groups.update(mesh.axes.named_groups(mesh.kinds()))
+    groups.update(mesh.named_groups())
     for kind, ranks in dp_subgroups(mesh, node_of_rank, hierarchical):
         groups[group_name(kind, ranks)] = list(ranks)
     return groups

@@ -41,13 +41,6 @@ class GroupSpan:
         return self.nodes > 1
 
 
-def mesh_groups(kind: str, dp: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
-    """Every group of ``kind`` as its list of global ranks, in mesh order (TP innermost, then PP, CP, DP)."""
-    if kind not in ("tp", "pp", "dp", "cp"):
-        raise ValueError(f"group kind must be tp, pp, dp or cp, got {kind!r}")
-    return MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp).groups(kind)
-
-
 def group_span(
     kind: str, dp: int, tp: int, pp: int, ranks_per_node: int, placement: str = "aware", cp: int = 1
 ) -> GroupSpan:
@@ -64,7 +57,7 @@ def group_span(
         span = min(size, nodes_used)
         per_node = -(-size // span)
         return GroupSpan(kind, size, span, per_node, max(1, local // per_node), local, local if kind == "pp" else 0)
-    groups = mesh_groups(kind, dp, tp, pp, cp)
+    groups = axes.groups(kind)
     ring_flows: Counter[int] = Counter()
     crossing: Counter[int] = Counter()
     p2p: Counter[int] = Counter()

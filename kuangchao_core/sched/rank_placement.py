@@ -29,7 +29,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kuangchao_core.axes import AXES, MeshAxes
+from kuangchao_core import axes as table
+from kuangchao_core.axes import MeshAxes
 
 ENV_RANK_MAP = "KC_RANK_MAP"
 ENV_NODE_OF_RANK = "KC_NODE_OF_RANK"
@@ -37,16 +38,17 @@ ENV_TORCH_RANK = "KC_TORCH_RANK"
 PLACEMENTS = ("topology", "blind")
 
 
-def mesh_order(dp: int, tp: int, pp: int, traffic: dict[str, float], cp: int = 1) -> list[int]:
+def mesh_order(axes: MeshAxes, traffic: dict[str, float]) -> list[int]:
     """Mesh ranks in slot order: the kind moving the most bytes innermost (ties keep the mesh's own order: TP,
-    then PP, then CP, then DP), except that CP always stays inside DP (a context-parallel ring exchanges K/V every
-    layer, latency-bound, where DP reduces once per step). The ranks are ``kuangchao_core.axes``'s."""
-    axes = MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp)
-    priority = {axis: i for i, axis in enumerate(reversed(AXES))}  # innermost first
-    inner_first = sorted(AXES, key=lambda k: (-traffic.get(k, 0.0), priority[k]))
-    if inner_first.index("cp") > inner_first.index("dp"):
-        inner_first.remove("cp")
-        inner_first.insert(inner_first.index("dp"), "cp")
+    then PP, then CP, then DP), except that the other data axes (CP) always stay inside DP (a context-parallel ring
+    exchanges K/V every layer, latency-bound, where DP reduces once per step). The ranks are ``axes``'s."""
+    names = table.AXES
+    priority = {axis: i for i, axis in enumerate(reversed(names))}  # innermost first
+    inner_first = sorted(names, key=lambda k: (-traffic.get(k, 0.0), priority[k]))
+    for a in (a.name for a in table.TABLE if a.data and a.name != "dp"):
+        if inner_first.index(a) > inner_first.index("dp"):
+            inner_first.remove(a)
+            inner_first.insert(inner_first.index("dp"), a)
     return axes.ranks_in_order(list(reversed(inner_first)))
 
 
@@ -183,7 +185,7 @@ def place_ranks(
             rank_of_slot[(rank % n) * nproc + rank // n] = rank
         return RankPlacement(list(nodes), nproc, rank_of_slot, mode, {})
     traffic = dict(traffic or {})
-    order = mesh_order(axes.dp, axes.tp, axes.pp, traffic, axes.cp)
+    order = mesh_order(axes, traffic)
     node_seq = chain_order(len(nodes), node_bandwidth, node_latency)
     local_seq = list(device_chain) if device_chain else list(range(nproc))
     rank_of_slot = [0] * world
