@@ -1,6 +1,7 @@
 """The whole held-out split in every layout (issue 39 item 1): the engine's held-out loss of the same model at dp2,
 ZeRO-3 dp2, tp2, pp2 and cp2 equals the token-weighted mean over every held-out window computed in one forward in
-this process (fp64), with the same windows and labelled tokens counted; the split is longer than the old cap (the
+this process (fp64), with the same windows and labelled tokens counted (and the bytes they spell, issue 39 item 5,
+reduced with the loss); the split is longer than the old cap (the
 first 8 micro-batches), so the full-split number differs from the capped one. Control: the DP reduction of the
 evaluation skipped (each rank reports its own share) misses the reference.
 """
@@ -63,9 +64,8 @@ def _held_out_losses(rank: int, world_size: int, jobs: list):
         finally:
             evaluation.P.all_reduce = reduce
         params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()} if world_size == 1 else {}
-        out.append(
-            {"loss": loss, "tokens": trainer.evaluator.tokens, "windows": trainer.evaluator.windows, "params": params}
-        )
+        ev = trainer.evaluator
+        out.append({"loss": loss, "tokens": ev.tokens, "windows": ev.windows, "params": params, "text": ev.text_bytes})
         trainer.barrier()
     return out
 
@@ -109,6 +109,7 @@ def test_every_layout_evaluates_the_whole_split_like_one_process(runs, layout):
     want, tokens = _direct(runs, runs["one"]["windows"])
     for rank, res in enumerate(runs[layout]):
         assert res["windows"] == runs["one"]["windows"] and res["tokens"] == tokens, (layout, rank, res["tokens"])
+        assert res["text"] == tokens, (layout, rank, res["text"])  # the byte tokenizer: one byte per labelled token
         assert abs(res["loss"] - want) <= FP64_REL * want, (layout, rank, res["loss"], want)
 
 

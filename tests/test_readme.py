@@ -14,7 +14,9 @@ of this checkout or this user is touched. Each command must exit 0. What the run
 - the README's multi-machine section's commands name addresses of real machines: ``tests/test_cluster.py`` runs them on
   hosts made of network namespaces; the Slurm section's need a Slurm cluster: ``tests/test_slurm.py`` and
   ``tests/test_slurm_doctor.py`` run them on one made of network namespaces; the vision demo takes minutes:
-  ``tests/test_vision_demo.py`` runs its commands on a short version; this test checks that they still do.
+  ``tests/test_vision_demo.py`` runs its commands on a short version, and the Shakespeare demo downloads its corpus and
+  trains for minutes: ``tests/test_shakespeare_demo.py`` runs it on a generated corpus; this test checks that they
+  still do.
 
 A ``python`` block names its file in its first line (``# script.py``) and is written there; a ``yaml`` block that names
 its file the same way (``# mine.yaml``) is written there and must validate as it is; any other ``yaml`` block is a
@@ -65,6 +67,9 @@ ELSEWHERE = {
             ('"doctor","--config"', '"slurm","script"', '"sbatch","--test-only","job.sbatch"'),
         ),
         ("tests/test_slurm_cancel.py", ('"prefect","flow-run","cancel"',)),
+    ),
+    "Train on Shakespeare": (  # the real demo downloads the plays and takes minutes: the test runs it short
+        ("tests/test_shakespeare_demo.py", ('"examples"/"shakespeare.sh"', '"--corpus",str(corpus)')),
     ),
     "Vision-language models": (  # the full demo takes minutes: the test runs it short
         (

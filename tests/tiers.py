@@ -102,6 +102,7 @@ FILE_TIERS = {
     "test_image_pool.py": "unit",
     "test_vlm_engine.py": "distributed",
     "test_vision_demo.py": "flows",
+    "test_shakespeare_demo.py": "flows",
     "test_shape_set.py": "unit",
     "test_hierarchical_allreduce.py": "distributed",
     "test_hostile_input.py": "unit",
@@ -198,6 +199,8 @@ FILE_TIERS = {
 }
 
 TEST_TIERS = {
+    "test_shakespeare_demo.py::test_token_sizes_count_the_bytes_and_characters_of_the_text": "unit",
+    "test_shakespeare_demo.py::test_a_tokenizer_whose_tokens_are_not_bytes_gives_no_per_byte_figure": "unit",
     "test_attention_paths.py::test_packed_attention_memory_grows_linearly_not_with_s_squared": "distributed",
     "test_readme.py::test_readme_blocks_are_found_and_named": "unit",
     "test_readme.py::test_sections_run_elsewhere_are_in_the_readme_and_still_run_there": "unit",

@@ -4,12 +4,16 @@ The held-out loss (:mod:`~kuangchao_core.engine.evaluation`) runs every ``train.
 samples (:mod:`~kuangchao_core.engine.samples`) every ``train.samples.every`` steps (by default the same steps);
 each evaluation's wall time is the metric ``eval_time_s`` beside the step's own ``step_time_s``, and the run's
 evaluation time adds up in :attr:`StepEvaluations.seconds`. The final model's samples (``train.samples.at_end``) reuse
-the samples of an evaluation at the same step instead of decoding them again.
+the samples of an evaluation at the same step instead of decoding them again. Where the tokenizer says what text
+its tokens spell, the held-out loss is also given per character and per byte (``eval_nats_per_char``,
+``eval_bits_per_byte``: the loss summed over the evaluated tokens, divided by the characters or bytes they spell;
+:mod:`~kuangchao_core.data.token_bytes`), and the latest held-out figures are kept for the run's summary.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -28,6 +32,7 @@ class StepEvaluations:
         self.eval_interval, self.samples_every = int(eval_interval), int(samples_every)
         self.seconds = 0.0  # the wall time of this run's evaluations
         self.last: tuple[int, float | None, str] | None = None  # (step, exact match, text) of the latest samples
+        self.last_heldout: dict[str, Any] | None = None  # the latest held-out loss with what it covered
 
     def due(self, step: int) -> tuple[bool, bool]:
         """Whether the held-out loss and whether the samples run at ``step``."""
@@ -45,6 +50,9 @@ class StepEvaluations:
         if loss_due:
             metrics["eval_loss"] = fields["eval_loss"] = self.evaluator()
             fields |= {"eval_tokens": self.evaluator.tokens, "eval_windows": self.evaluator.windows}
+            fields |= per_text(fields["eval_loss"], self.evaluator)
+            metrics.update({k: fields[k] for k in ("eval_nats_per_char", "eval_bits_per_byte") if k in fields})
+            self.last_heldout = dict(fields)
         text = None
         if samples_due:
             accuracy, text = self.samples()
@@ -85,3 +93,18 @@ class StepEvaluations:
         self.seconds += time.perf_counter() - t0
         self.last = (step, accuracy, text)
         return accuracy, text
+
+
+def per_text(loss: float, evaluator: Any) -> dict[str, Any]:
+    """The held-out loss per character and per byte of the text its tokens spell, with those counts (empty when
+    the tokenizer cannot say): ``loss × tokens / chars`` nats, ``loss × tokens / bytes / ln 2`` bits."""
+    n_bytes, n_chars = getattr(evaluator, "text_bytes", None), getattr(evaluator, "text_chars", None)
+    if not n_bytes or not n_chars or not math.isfinite(loss):
+        return {}
+    total = loss * evaluator.tokens  # nats over the evaluated tokens
+    return {
+        "eval_bytes": n_bytes,
+        "eval_chars": n_chars,
+        "eval_nats_per_char": total / n_chars,
+        "eval_bits_per_byte": total / n_bytes / math.log(2),
+    }

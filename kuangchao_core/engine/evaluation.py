@@ -4,7 +4,10 @@ The held-out set is the data's evaluation split: the synthetic corpus' held-out 
 or the files of ``data.eval_path``.
 Every ``eval_interval`` steps each DP rank computes the loss of its share of the held-out micro-batches (TP ranks
 of a DP rank compute the same ones together), and the token-weighted mean is summed over the DP group, so every
-layout reports the same number. The micro-batches cover the whole held-out split, or its first
+layout reports the same number. Where the tokenizer's tokens are byte strings
+(:mod:`~kuangchao_core.data.token_bytes`) the bytes and characters the labelled tokens spell are summed the same way,
+so the loss restates as nats per character and bits per byte of the text evaluated (issue 39 item 5). The
+micro-batches cover the whole held-out split, or its first
 ``train.eval_tokens`` tokens (whole windows; issue 39 item 1: before, the first 8 micro-batches only, a share
 that shrank as the held-out data grew); each evaluation states the windows and labelled tokens it covered; a pipeline runs its stages forward only, one micro-batch after another. A job
 without held-out data says so once at start. Under context parallelism every CP rank of a DP rank takes its shard
@@ -20,6 +23,7 @@ import torch
 from kuangchao_core.comm import diag
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.data import build_dataset
+from kuangchao_core.data.token_bytes import labelled_text_sizes, token_text_sizes
 from kuangchao_core.errors import DataError
 from kuangchao_core.models.llama import IGNORE_INDEX
 from kuangchao_core.parallel.context import shard_inputs
@@ -34,7 +38,7 @@ EVAL_MICRO_BATCHES = 8
 class HeldOutLoss:
     """The held-out loss of this rank's model part over the first ``windows`` held-out windows (None: all); call it
     on every rank (collective over TP and DP). After a call ``tokens`` holds the labelled tokens it covered (all DP
-    ranks)."""
+    ranks), and ``text_bytes``/``text_chars`` the bytes and characters they spell (None: the tokenizer cannot say)."""
 
     def __init__(
         self,
@@ -53,6 +57,10 @@ class HeldOutLoss:
         self.dataset = dataset
         self.windows = total = len(dataset) if windows is None else min(int(windows), len(dataset))
         self.tokens = 0
+        self.text_bytes: int | None = None
+        self.text_chars: int | None = None
+        tokenizer = getattr(dataset, "tokenizer", None)
+        self._sizes = token_text_sizes(tokenizer, tokenizer.vocab_size) if tokenizer is not None else None
         n = -(-total // micro_batch)  # the last one may be short
 
         def rows(i: int) -> range:
@@ -77,7 +85,7 @@ class HeldOutLoss:
         """Token-weighted mean loss over the held-out micro-batches of every DP rank."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors
         try:
             for rows, counted in self.batches:
                 diag.beat()  # progress for comm.watchdog: a peer waiting on this rank is not hung while it evaluates
@@ -94,15 +102,22 @@ class HeldOutLoss:
             if group is not None and group.size > 1:
                 P.all_reduce(totals, group=group, op="sum")
         self.tokens = int(totals[1])
+        if self._sizes is not None:
+            self.text_bytes, self.text_chars = int(totals[2]), int(totals[3])
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
     def _token_weighted(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != IGNORE_INDEX).sum()
         loss = self.loss_fn(logits, labels)
-        return torch.stack([loss.detach().double() * count, count.double()])
+        text = (
+            labelled_text_sizes(self._sizes, labels, IGNORE_INDEX)
+            if self._sizes is not None
+            else torch.zeros(2, dtype=torch.float64, device=labels.device)
+        )
+        return torch.cat([torch.stack([loss.detach().double() * count, count.double()]), text.to(labels.device)])
 
     def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(loss × tokens, tokens) of one micro-batch, float64 on the device."""
+        """(loss × tokens, tokens, bytes, characters) of one micro-batch, float64 on the device."""
         return self._token_weighted(self.model(batch["input_ids"], **model_inputs(batch)), batch["labels"])
 
 
@@ -127,7 +142,7 @@ class PipelinedHeldOutLoss(HeldOutLoss):
     def _loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         y = self.executor.forward_only(batch["input_ids"], stage_inputs(batch, self.device))
         if y is None:  # not the last stage: it adds nothing to the sums
-            return torch.zeros(2, dtype=torch.float64, device=self.device)
+            return torch.zeros(4, dtype=torch.float64, device=self.device)
         return self._token_weighted(y, batch["labels"])
 
 

@@ -145,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s_mean": state.tokens_per_s_mean,
                 "tokens_per_s_loop": state.tokens_per_s_loop,
                 "eval_seconds": trainer.evaluate.seconds,
+                "heldout": trainer.evaluate.last_heldout,  # the latest held-out loss, per token, char and byte
             }
             emit_event("done", step=state.step, **finals)
             if sink is not None:  # run-level values, at the final step with the rest
-                sink.log_final({k: v for k, v in finals.items() if v is not None}, state.step)
+                sink.log_final({k: v for k, v in finals.items() if v is not None and k != "heldout"}, state.step)
     except Exception as exc:  # said once as an event, so the orchestrator can tell a fault that repeats identically
         emit_event("fault", rank=rank, step=trainer.state.step, error=f"{type(exc).__name__}: {exc}")
         raise

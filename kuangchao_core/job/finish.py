@@ -81,6 +81,7 @@ def finish_run(
         "tokens_per_s_loop": result.get("tokens_per_s_loop"),  # the whole loop, evaluations included
         "tokens_per_s_last": result["tokens_per_s"],
         "heldout_accuracy": result["heldout_accuracy"],
+        "heldout": result.get("heldout"),  # the latest held-out loss: per token, and per character and byte
         "loss_floor": result["loss_floor"],
         "attempts": attempts,
         "restarts": attempts - 1,

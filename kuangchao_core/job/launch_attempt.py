@@ -67,6 +67,8 @@ class LaunchSummary:
     checkpoints: list[int] = field(default_factory=list)
     #: over the whole training loop, evaluations and checkpoints included (issue 39 item 1)
     tokens_per_s_loop: float | None = None
+    #: the latest held-out loss: step, eval_loss, eval_tokens, and per character and byte where known (issue 39)
+    heldout: dict[str, Any] | None = None
     anomalies: list[dict[str, Any]] = field(default_factory=list)  # the ranks' anomaly events, in order
 
     def to_dict(self) -> dict[str, Any]:
@@ -290,6 +292,7 @@ def launch_workers(
         tokens_per_s=last.get("tokens_per_s"),
         tokens_per_s_mean=done[-1].get("tokens_per_s_mean") if done else None,
         tokens_per_s_loop=done[-1].get("tokens_per_s_loop") if done else None,
+        heldout=done[-1].get("heldout") if done else None,
         heldout_accuracy=evals[-1].get("heldout_accuracy") if evals else None,
         loss_floor=evals[-1].get("loss_floor") if evals else None,
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],

@@ -34,6 +34,8 @@ def for_people(value: Any) -> str:
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     if _is_anomaly_list(value):
         return "\n".join(anomaly_lines(value)) or "none"
+    if isinstance(value, dict) and all(isinstance(v, (int, float, str, type(None))) for v in value.values()):
+        return ", ".join(f"{k} {for_people(v)}" for k, v in value.items())  # e.g. the held-out figures
     return str(value)
 
 
@@ -161,6 +163,8 @@ def format_eval(event: dict[str, Any]) -> str:
     line = f"held-out loss {event.get('eval_loss', float('nan')):.4f} at step {event.get('step')}"
     if event.get("eval_tokens") is not None:
         line += f" over {event['eval_tokens']} tokens ({event.get('eval_windows')} windows)"
+    if event.get("eval_nats_per_char") is not None:  # the text those tokens spell (issue 39 item 5)
+        line += f" = {event['eval_nats_per_char']:.4f} nats/char, {event['eval_bits_per_byte']:.4f} bits/byte"
     if event.get("eval_exact_match") is not None:
         line += f", exact match {event['eval_exact_match']:.3f} on {event.get('samples')} samples"
     if event.get("eval_time_s") is not None:
