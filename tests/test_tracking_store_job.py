@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kuangchao_core.obs.voice import message_of
 from tests.conftest_prefect import TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -81,7 +82,7 @@ def _losses(uri: str, task: str) -> list[int]:
 
 
 def _failure_lines(out: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("kc train failed")]
+    return [line for line in (out.stdout + out.stderr).splitlines() if message_of(line).startswith("kc train failed")]
 
 
 def _lock_when(db: Path, pattern: str, hold_s: float) -> subprocess.Popen:

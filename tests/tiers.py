@@ -129,6 +129,7 @@ FILE_TIERS = {
     "test_mp_helper.py": "distributed",
     "test_nccl_rules.py": "distributed",
     "test_nccl_rules_job.py": "distributed",
+    "test_one_voice.py": "unit",
     "test_orchestrator_shape.py": "unit",
     "test_perf_model.py": "unit",
     "test_perm_audit.py": "unit",
