@@ -290,6 +290,10 @@ class LiveView:
             counts = self.anomaly_counts()
             self._print(format_step(event) + (f"  {counts}" if counts else ""))
 
+    def note(self, text: str, level: str = "INFO", source: str = "kc") -> None:
+        """Say a line of the orchestrator's about the attempt (a Slurm job's state) beside the workers' lines."""
+        self._print(text, level=level, source=source)
+
     def _print(self, text: str, always: bool = False, level: str = "INFO", source: str = "kc") -> None:
         """``text`` as console lines (:func:`~kuangchao_core.obs.voice.render`); ``always`` even when the view is
         quiet (``logging.console: false``), if ``level`` reaches the console's threshold (``kc train -q``)."""
