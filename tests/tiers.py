@@ -191,6 +191,7 @@ FILE_TIERS = {
     "test_validate_data.py": "unit",
     "test_vocab_padding.py": "distributed",
     "test_weight_decay.py": "distributed",
+    "test_worker_sigterm.py": "flows",
     "test_zero.py": "distributed",
     "test_zero3_memory.py": "distributed",
     "test_zero3_lora.py": "distributed",

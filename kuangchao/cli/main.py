@@ -41,6 +41,7 @@ _COMMAND_MODULES = [
     "debug",
     "runs",
     "node",
+    "worker",
     "slurm",
     "topology",
     "operator_cmd",
