@@ -32,6 +32,7 @@ def start(
     except KeyboardInterrupt:  # a SIGINT before the loop took the signals
         stopped.append(signal.SIGINT)
     if stopped:
+        _drain(timeout_s=3.0)  # its last events and logs sent now, not reported as still pending at exit
         voice.result(f"kc worker: stopped by {signal.Signals(stopped[0]).name}")
         raise typer.Exit(128 + stopped[0])
 
@@ -58,6 +59,18 @@ async def _serve(pool: str, name: str | None, stopped: list[int]) -> None:
     except asyncio.CancelledError:
         if not stopped:
             raise
+
+
+def _drain(timeout_s: float) -> None:
+    """Prefect's event and log workers: what they hold sent to the API within ``timeout_s`` each."""
+    import contextlib
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (EventsWorker, APILogWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=timeout_s)
 
 
 def register(app: typer.Typer) -> None:
