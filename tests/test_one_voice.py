@@ -43,6 +43,7 @@ RAW = [
     "03:12:25.013 | ERROR   | prefect.server.services.telemetry - Failed to send telemetry: ConnectError",
     "2026/12/07 03:03:59 INFO mlflow.store.db.utils: Creating initial MLflow database tables...",
     "[rank0]:a worker's own line",
+    "[rank2]:2026/12/07 18:00:39 INFO mlflow.system_metrics.system_metrics_monitor: Skip logging GPU metrics.",
     "[W1207 03:12:20.704000 123 torch/csrc/distributed/c10d/socket.cpp:45] The hostname of the client socket cannot "
     "be retrieved. err=-3",
 ]
@@ -84,6 +85,7 @@ def test_the_live_view_rewrites_the_ranks_and_torchs_lines_and_says_each_torch_w
         "[rank1]:a worker's own line",
         "[rank0]:" + json.dumps({"level": "WARNING", "rank": 0, "msg": "checkpoint.s3 is slow"}),
         "[rank0]:" + voice.render("a record of the rank's own logger", "WARNING", "kc"),
+        "[rank2]:2026/12/07 18:00:45 INFO mlflow.system_metrics.system_metrics_monitor: Started monitoring.",
     ]
     events = io.StringIO()
     emit_event("start", stream=events, start_step=0, total_steps=4)
@@ -107,6 +109,7 @@ def test_the_live_view_rewrites_the_ranks_and_torchs_lines_and_says_each_torch_w
         ("INFO", "rank1", "a worker's own line"),
         ("WARNING", "rank0", "checkpoint.s3 is slow"),
         ("WARNING", "rank0", "a record of the rank's own logger"),
+        ("INFO", "mlflow", "Started monitoring."),  # MLflow's own format, on a Slurm node's rank
         ("INFO", "kc", "training t: steps 0→4"),
         ("INFO", "kc", "step 2/4  loss 1.5000  lr 0.00e+00  0 tok/s  grad_norm 0.000  mem -  comm 0.0%  ETA -"),
     ]

@@ -83,9 +83,9 @@ def format_memory(ev: dict[str, Any]) -> str:
     )
 
 
-def _noteworthy(line: str, notes: voice.TorchNotes) -> tuple[str, str, str] | None:
+def _noteworthy(line: str, notes: voice.RelayedLines) -> tuple[str, str, str] | None:
     """What the console shows of a non-event line, as ``(level, source, message)``: free text as it is (under its
-    rank, or torchrun; torch's C++ warnings rewritten once, :class:`~kuangchao_core.obs.voice.TorchNotes`), a JSON
+    rank, or torchrun; torch's C++ warnings rewritten once, :class:`~kuangchao_core.obs.voice.RelayedLines`), a JSON
     log record of level WARNING or above as its message (the JSON stays in ``launcher.log`` and the JSON log
     files), and nothing for other records, nor for an anomaly's own log record (the anomaly events are tallied)."""
     text = line.strip()
@@ -186,7 +186,7 @@ class LiveView:
         self._progress = None
         self._task_id = None
         self._noise = FailureNoise()
-        self._notes = voice.TorchNotes()
+        self._notes = voice.RelayedLines()
         #: the ranks' anomaly events, in order (rank 0 reports for the job); tallied per kind by :meth:`close`
         self.anomalies: list[dict[str, Any]] = []
         self._tallied = False

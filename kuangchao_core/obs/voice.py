@@ -6,7 +6,7 @@ own lines, relayed by the live view), ``torchrun`` and ``torch`` (torch's C++ wa
 
 Python loggers in the ``kc`` process reach the console through :class:`ConsoleHandler` (Prefect's logging config,
 ``prefect_logging.yml`` beside this module, names it; MLflow's loggers propagate to it); the workers' and torchrun's
-lines are rewritten by :func:`relayed`. How much is said: :func:`threshold` (``-q`` warnings and errors, ``-v``
+lines are rewritten by :class:`RelayedLines`. How much is said: :func:`threshold` (``-q`` warnings and errors, ``-v``
 debug), kept in the environment so that every process ``kc`` starts agrees.
 """
 
@@ -34,6 +34,9 @@ _RANK = re.compile(r"^\[rank(\d+)\]:(?:\[rank\d+\]: ?)*")
 #: is left out by some builds)
 _GLOG = re.compile(r"^\[?([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? ([^\]]*)\] ?(.*)$")
 _GLOG_LEVELS = {"I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
+#: MLflow's own log format, where a process configured it (a rank on a Slurm node): ``2026/12/07 03:03:59 INFO
+#: mlflow.store.db.utils: message``
+_MLFLOW = re.compile(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)$")
 #: torch C++ warnings that say nothing a user can act on: debug lines (``-v``) instead of warnings
 _HARMLESS = ("The hostname of the client socket cannot be retrieved",)
 
@@ -101,9 +104,10 @@ def message_of(line: str) -> str:
     return parsed[3] if parsed else line
 
 
-class TorchNotes:
-    """Rewrites the lines of workers and torchrun: ``(level, source, message)`` per line, or None for a line to
-    leave out (a torch C++ warning already said: each is said once, per message, not once per rank)."""
+class RelayedLines:
+    """Rewrites the lines of workers and torchrun: ``(level, source, message)`` per line — a rank's own under
+    ``rank<r>``, torch's C++ lines under ``torch``, MLflow's (its own format, where a rank configured it) under
+    ``mlflow`` — or None for a line to leave out (a torch C++ warning already said: each once, not once per rank)."""
 
     def __init__(self) -> None:
         self._said: set[str] = set()
@@ -115,6 +119,9 @@ class TorchNotes:
         parsed = parse(body)
         if parsed:  # a worker that speaks in this voice already (its Prefect or kc logger)
             return parsed[1], source, parsed[3]
+        mlflow = _MLFLOW.match(body.strip())
+        if mlflow:
+            return mlflow.group(1), mlflow.group(2).split(".", 1)[0], mlflow.group(3)
         glog = _GLOG.match(body.strip())
         if not glog:
             return "INFO", source, body
