@@ -2,7 +2,8 @@
 
 The sources: ``kc`` (kc's own lines: progress, refusals, the result), ``flow`` and ``task`` (Prefect's run loggers:
 the flow's progress lines and the tasks' states), ``prefect`` (Prefect itself), ``mlflow``, ``rank<r>`` (a worker's
-own lines, relayed by the live view), ``torchrun`` and ``torch`` (torch's C++ warnings, each said once).
+own lines, relayed by the live view), ``torchrun``, ``torch`` (torch's C++ warnings, each said once) and ``slurm``
+(a Slurm job's states).
 
 Python loggers in the ``kc`` process reach the console through :class:`ConsoleHandler` (Prefect's logging config,
 ``prefect_logging.yml`` beside this module, names it; MLflow's loggers propagate to it); the workers' and torchrun's
