@@ -21,6 +21,7 @@ import pytest
 from kuangchao_core.config import load_config
 from kuangchao_core.data.early_check import check_data_early
 from kuangchao_core.errors import DataError
+from kuangchao_core.obs.voice import message_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -86,7 +87,7 @@ def test_kc_train_with_a_wrong_data_path_fails_in_seconds_with_one_line_and_star
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
     assert out.returncode == 1 and took <= 5.0, (out.returncode, took, lines)
     assert len(lines) == 1, lines
-    assert lines[0] == (
+    assert message_of(lines[0]) == (
         f"kc train failed: data.path: {missing} does not exist; give an existing file, directory or glob pattern"
     )
     assert not (tmp_path / "mlflow.db").exists()  # no MLflow run, not even the store

@@ -30,6 +30,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from kuangchao_core.obs.publish_gate import NotPublishable, check_publishable, publish_refusal
+from kuangchao_core.obs.voice import message_of
 from tests.engine_helpers import tiny_job
 from tests.mp import run_distributed
 
@@ -253,7 +254,7 @@ def test_kc_train_of_a_diverging_job_exits_nonzero_registers_nothing_and_moves_n
         args += ["--set", f"{key}={value}"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1, res.output
-    failed = [line for line in res.output.splitlines() if line.startswith("kc train failed:")]
+    failed = [line for line in res.output.splitlines() if message_of(line).startswith("kc train failed:")]
     assert len(failed) == 1 and "diverged" in failed[0] and "AnomalyStop" in failed[0], res.output
     assert "attempt 1" not in failed[0]  # a diverged run is never retried
     assert [int(v.version) for v in client.search_model_versions(f"name='{name}'")] == [1]

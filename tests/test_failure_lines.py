@@ -18,6 +18,7 @@ import pytest
 
 from kuangchao_core.errors import ConfigError, NothingToTrain, WorkerFailed
 from kuangchao_core.obs.console import FailureNoise, LiveView
+from kuangchao_core.obs.voice import message_of, parse
 
 # what torchrun prints when rank 1 of two dies and rank 0 sees its connection drop (shortened from a real run)
 TORCHRUN_FAILURE = """\
@@ -69,13 +70,18 @@ def test_the_live_view_shows_the_workers_lines_but_not_torchruns_failure_report(
     view = LiveView(stream=out, rich_live=False)
     for line in TORCHRUN_FAILURE.splitlines():
         view(line)
-    shown = out.getvalue().splitlines()
-    assert "slow step" in shown[1] and shown[2] == "[rank1]:a worker's own free-text line", shown
-    assert shown[-1] == "[rank1]:the worker speaks again after a traceback", shown
+    lines = out.getvalue().splitlines()
+    shown = [parse(line)[1:] for line in lines]  # (level, source, message): every line in the one voice
+    assert shown[1] == ("WARNING", "rank0", "slow step") and shown[2] == (
+        "INFO",
+        "rank1",
+        "a worker's own free-text line",
+    )
+    assert shown[-1] == ("INFO", "rank1", "the worker speaks again after a traceback"), shown
     text = out.getvalue()
     for noise in ("Traceback", "ChildFailedError", "Connection closed", "====", "Root Cause", "exitcode", "SIGTERM"):
         assert noise not in text, (noise, text)
-    assert len(shown) == 4, shown  # the start line, the warning, the two free-text lines
+    assert len(shown) == 4, lines  # the start line, the warning, the two free-text lines
     # the control: without the filter every one of those lines reached the console
     bare = FailureNoise()
     assert sum(bare(line) for line in TORCHRUN_FAILURE.splitlines()) >= 30
@@ -245,7 +251,7 @@ def test_kc_train_of_a_failing_worker_says_the_cause_once_and_keeps_torchs_outpu
     text = out.stdout + out.stderr
     (tmp_path / "console.txt").write_text(text)
     assert out.returncode == 1, text[-4000:]
-    failed = [line for line in text.splitlines() if line.startswith("kc train failed:")]
+    failed = [line for line in text.splitlines() if message_of(line).startswith("kc train failed:")]
     assert len(failed) == 1 and "AnomalyStop" in failed[0] and "rank" in failed[0], text[-4000:]
     for noise in ("Traceback", "ChildFailedError", "Root Cause", "Encountered exception", "Task run failed"):
         assert noise not in text, (noise, text[-4000:])

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from kuangchao_core.obs.voice import message_of, parse
 from kuangchao_core.sched import interrupt
 from tests.proc_sessions import left_in, live, nothing_left, sessions_below, wait_for
 
@@ -96,7 +97,9 @@ class Run:
             return False
         if not steps_seen:
             return len(saved) >= 2
-        printed = [int(m) for m in re.findall(r"^step (\d+)/", self.text(), re.M)]
+        printed = [
+            int(m.group(1)) for ln in self.text().splitlines() if (m := re.match(r"step (\d+)/", message_of(ln)))
+        ]
         return bool(printed) and max(printed) > saved[0]
 
     def kill_all(self, sessions: set[int]) -> None:
@@ -154,9 +157,10 @@ def _interrupt(run: Run, sig: int, second_after_s: float | None = None) -> tuple
 
 
 def _the_one_line(after: str, run: Run) -> re.Match:
-    said = [ln for ln in after.splitlines() if ln.strip() and not PROGRESS.match(ln)]
+    said = [ln for ln in after.splitlines() if ln.strip() and not PROGRESS.match(message_of(ln))]
     assert len(said) == 1, f"more than the one line after the signal:\n{after[-4000:]}"
-    m = LINE.match(said[0])
+    assert parse(said[0]), said[0]  # in the one voice (issue 45 §3)
+    m = LINE.match(message_of(said[0]))
     assert m, said[0]
     assert "Traceback" not in run.text() and "Crash detected" not in run.text(), run.text()[-4000:]
     return m

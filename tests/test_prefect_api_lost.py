@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.obs import prefect_watch
+from kuangchao_core.obs.voice import message_of
 from tests.fixtures import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,7 +196,7 @@ def test_kc_train_ends_within_60s_of_the_prefect_server_being_killed(tmp_path):
         err = (tmp_path / "kc.err").read_text(errors="replace")
         assert rc is not None and took < 60, f"kc train still running {took:.0f} s after the kill:\n{err[-3000:]}"
         assert rc == 1, err[-3000:]
-        lines = [ln for ln in err.splitlines() if ln.startswith("kc train: the Prefect API at")]
+        lines = [ln for ln in err.splitlines() if message_of(ln).startswith("kc train: the Prefect API at")]
         assert len(lines) == 1 and api in lines[0] and "the model was not registered" in lines[0], err[-3000:]
         summaries = glob.glob(str(tmp_path / "runs" / task / "*" / "summary.json"))
         assert len(summaries) == 1 and summaries[0] in lines[0]

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from kuangchao_core.obs.console import LiveView, for_people
 from kuangchao_core.obs.jsonlog import emit_event
+from kuangchao_core.obs.voice import message_of, parse
 
 
 def _feed(view: LiveView, emit) -> None:
@@ -46,12 +47,12 @@ def test_each_anomaly_kind_is_one_console_line_with_its_count():
     _feed(view, emit)
     view.close()  # idempotent: the launch task closes the view again
     text = out.getvalue()
-    anomaly_lines = [line for line in text.splitlines() if line.startswith("anomaly")]
+    anomaly_lines = [message_of(line) for line in text.splitlines() if message_of(line).startswith("anomaly")]
     assert anomaly_lines == [
         "anomaly comm_share ×3, steps 134–2917 (warn)",
         "anomaly grad_norm ×2, steps 200–900 (warn)",
     ], text
-    assert "rank 1 warning: checkpoint.s3 is slow" in text
+    assert ("WARNING", "rank1", "checkpoint.s3 is slow") in [parse(line)[1:] for line in text.splitlines()]
     assert "{" not in text  # no raw JSON on the console
     assert "anomalies comm_share×3 grad_norm×2" in text  # the step line carries the counts so far
     # the control: the raw lines the view was fed hold every flag, twice
@@ -67,7 +68,9 @@ def test_a_stop_anomaly_is_said_at_once():
             "anomaly", stream=s, kind="loss_nan", step=8, value=0.0, threshold=0.0, action="stop", message="loss nan"
         ),
     )
-    assert out.getvalue() == "anomaly loss_nan at step 8: loss nan\n"
+    assert [parse(line)[1:] for line in out.getvalue().splitlines()] == [
+        ("ERROR", "kc", "anomaly loss_nan at step 8: loss nan")
+    ]
 
 
 def test_the_summary_anomaly_row_is_one_short_line_per_kind():

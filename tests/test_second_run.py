@@ -20,6 +20,7 @@ from kuangchao_core.ckpt.lineage import list_lineages, plan_resume
 from kuangchao_core.config import load_config
 from kuangchao_core.config.settings import lineage_key
 from kuangchao_core.errors import NothingToTrain
+from kuangchao_core.obs.voice import message_of, parse
 from tests.conftest_prefect import TINY, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,8 +128,11 @@ def test_kc_train_resumed_past_train_steps_prints_one_line_and_exits_2(two_runs,
     assert "Traceback" not in text and "Encountered exception" not in text, text
     said = [line for line in text.splitlines() if "already at step 6 of 4" in line]
     assert len(said) == 1, text
-    assert said[0].startswith("kc train: ") and "--resume never" in said[0] and "raise train.steps" in said[0]
-    assert not [line for line in text.splitlines() if "| ERROR" in line], text
+    assert (
+        message_of(said[0]).startswith("kc train: ") and "--resume never" in said[0] and "raise train.steps" in said[0]
+    )
+    assert [parse(line)[1] for line in said] == ["ERROR"]  # the refusal, the one error line
+    assert not [line for line in text.splitlines() if line != said[0] and " ERROR " in line], text
 
 
 def test_resume_past_train_steps_with_skip_trains_nothing_and_says_so(two_runs):

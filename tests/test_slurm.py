@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from kuangchao_core.obs.voice import parse
 from tests.conftest_prefect import TINY, loss_history
 from tests.reference_runs import one_process_reference
 from tests.tolerances import FP32_LOSS_REL
@@ -220,6 +221,12 @@ def test_dp2_tp2_on_two_slurm_nodes_matches_one_process_and_slurm_keeps_no_secre
     kept["Prefect artifact"] = artifact
     states = (run_dir / "attempt_0/slurm/states.log").read_text()
     assert f"Slurm job {job}: RUNNING on n[1-2]" in states and f"Slurm job {job}: COMPLETED" in states, states
+    said = [p[3] for line in output.splitlines() if (p := parse(line)) and p[2] == "slurm"]  # kc train's console
+    assert f"Slurm job {job}: RUNNING on n[1-2]" in said, output[-5000:]  # as it changed, in the one voice (issue 45)
+    assert any(m.startswith(f"Slurm job {job}: COMPLETED") for m in said), said
+    console = (tmp_path / "kc-train.out").read_text().split("\n{")[0] + (tmp_path / "kc-train.err").read_text()
+    voices = [line for line in console.splitlines() if line.strip() and not parse(line)]
+    assert voices == [], voices  # all but --json's summary, the ranks' MLflow lines on the nodes included
     # the nodes' facts (issue 32 §5): nodes.json, one line each in the log, and the MLflow run's artifact
     facts = json.loads((run_dir / "attempt_0/slurm/nodes.json").read_text())["nodes"]
     assert [(n["name"], n["addr"], n["cpus"]) for n in facts] == [(n, lab.node_addr[n], 2) for n in ("n1", "n2")]

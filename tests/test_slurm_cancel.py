@@ -26,6 +26,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 
+from kuangchao_core.obs.voice import message_of
 from kuangchao_core.sched.heartbeat import read_beat
 from kuangchao_core.sched.lifeline import wait_gone
 from tests.test_slurm import _finish, _overrides, _slurm, _start_train, _summary, _wait
@@ -79,7 +80,9 @@ def _cancel_and_check(proc, tmp_path: Path, task: str, pids: list[int], api: str
     print(f"kc train ended {took:.1f} s after `prefect flow-run cancel` started")  # the figure, with pytest -s
     assert took < CANCEL_BOUND_S, f"kc train ended {took:.0f} s after the cancel: {output[-3000:]}"
     assert code == 1, output[-3000:]
-    lines = [ln for ln in output.splitlines() if ln.startswith("kc train: the run was cancelled in Prefect")]
+    lines = [
+        ln for ln in output.splitlines() if message_of(ln).startswith("kc train: the run was cancelled in Prefect")
+    ]
     assert len(lines) == 1 and str(flow_run.id) in lines[0], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert len(pids) >= 2 and wait_gone(pids, 30) == [], "ranks still running after the cancel"
@@ -168,7 +171,7 @@ def test_a_time_limit_close_to_running_out_checkpoints_every_rank_and_resume_aut
     took = time.monotonic() - started
     assert code == 1, output[-3000:]
     said = [ln for ln in output.splitlines() if "reached its time limit after checkpointing at step" in ln]
-    assert len(said) == 1 and said[0].startswith("kc train failed: Slurm job"), output[-3000:]
+    assert len(said) == 1 and message_of(said[0]).startswith("kc train failed: Slurm job"), output[-3000:]
     step = int(said[0].split("checkpointing at step ")[1].split()[0])
     assert 0 < step < 5000, said[0]
     (slurm_dir,) = tmp_path.glob("runs/*/*/attempt_0/slurm")

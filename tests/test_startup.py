@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.obs import phases
+from kuangchao_core.obs.voice import message_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -65,7 +66,9 @@ def test_a_refused_kc_train_exits_2_within_3_s_before_any_prefect_run(tmp_path):
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kc train: already at step 6 of 4"), out.stderr  # as the flow says
+    assert len(lines) == 1 and message_of(lines[0]).startswith("kc train: already at step 6 of 4"), (
+        out.stderr
+    )  # as the flow says
     assert str(step_dir) in lines[0] and "--resume never" in lines[0], out.stderr
     assert "Prefect" not in out.stderr, out.stderr  # refused before the Prefect API was asked anything
     assert not (tmp_path / "runs").exists()  # no flow run, no run directory

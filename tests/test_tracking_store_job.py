@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kuangchao_core.obs.voice import message_of
 from tests.conftest_prefect import TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -81,7 +82,8 @@ def _losses(uri: str, task: str) -> list[int]:
 
 
 def _failure_lines(out: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("kc train failed")]
+    said = [message_of(line) for line in (out.stdout + out.stderr).splitlines()]
+    return [line for line in said if line.startswith("kc train failed")]
 
 
 def _lock_when(db: Path, pattern: str, hold_s: float) -> subprocess.Popen:

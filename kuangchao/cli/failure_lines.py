@@ -61,14 +61,15 @@ class ExpectedFailureFilter(logging.Filter):
 
 
 def console_handlers() -> list[logging.Handler]:
-    """Prefect's console handlers of this process's loggers."""
+    """Prefect's console handlers of this process's loggers (kc's :class:`~kuangchao_core.obs.voice.ConsoleHandler`
+    where Prefect's logging config is kc's, Prefect's own where the user set another)."""
     loggers = [logging.getLogger()] + [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
     ]
     out: list[logging.Handler] = []
     for lg in loggers:
         for handler in lg.handlers:
-            if type(handler).__name__ == "PrefectConsoleHandler" and handler not in out:
+            if type(handler).__name__ in ("PrefectConsoleHandler", "ConsoleHandler") and handler not in out:
                 out.append(handler)
     return out
 

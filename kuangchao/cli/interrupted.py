@@ -17,8 +17,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-import typer
-
 from kuangchao.cli.failure_lines import console_handlers
 from kuangchao_core.sched import interrupt
 
@@ -45,7 +43,9 @@ def say_interrupted(config: str, overrides: list[str], message: str | None = Non
     """Print the line (the flow's own ``message`` when it ended its run Cancelled) and exit ``128 + N``: the exit
     handlers run (Prefect's last logs, its temporary server's stop), the interpreter's teardown of torch, MLflow and
     Prefect (seconds on a loaded machine, nothing to save) is skipped."""
-    typer.echo(message or _line(config, overrides), err=True)
+    from kuangchao_core.obs import voice
+
+    voice.result(message or _line(config, overrides), "WARNING")
     _flush()
     _drain_prefect(timeout_s=3.0)  # as the interpreter's exit does before its exit handlers
     atexit._run_exitfuncs()
@@ -92,7 +92,9 @@ def _end_now(config: str, overrides: list[str], _signum: int) -> None:
     with contextlib.suppress(Exception):
         _mark_cancelled(text)
     _flush()
-    os.write(2, (text + "\n").encode())
+    from kuangchao_core.obs.voice import render
+
+    os.write(2, (render(text, "WARNING") + "\n").encode())
     os._exit(interrupt.exit_code())
 
 

@@ -13,8 +13,9 @@ import sys
 import typer
 
 from kuangchao_core import __version__
+from kuangchao_core.obs import voice
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+voice.environment()  # one voice on the console, no telemetry (issue 45 §3): before Prefect or MLflow is imported
 # Prefect's temporary server (no PREFECT_API_URL) gets 20 s to start by default: a busy laptop or a 2-core CI
 # machine can need more, and a job that never started is worse than a slow start
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -40,6 +41,7 @@ _COMMAND_MODULES = [
     "debug",
     "runs",
     "node",
+    "worker",
     "slurm",
     "topology",
     "operator_cmd",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import logging
 import sys
 import time
 
@@ -29,13 +29,22 @@ def register(app: typer.Typer) -> None:
             "restart (a new lineage from the start).",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings, errors and the final line."),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug lines too (Prefect's, MLflow's)."),
     ) -> None:
         """Train: doctor, topology probe, data validation, tokens, launch with recovery, checkpoint verification.
 
         Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
         from kuangchao.cli.interrupted import one_line_on_interrupt
+        from kuangchao_core.obs import voice
 
+        if quiet and verbose:
+            voice.result("kc train: --quiet and --verbose exclude each other", "ERROR")
+            raise typer.Exit(2)
+        if quiet or verbose:  # before Prefect is imported: its logging config reads the levels once
+            voice.set_threshold("WARNING" if quiet else "DEBUG")
+        logging.captureWarnings(True)  # Python's warnings as console lines too (source python)
         with one_line_on_interrupt(config, list(set_)):  # Ctrl-C, SIGTERM: the ranks stopped, one line (issue 45)
             _train(config, set_, resume, if_finished, as_json)
 
@@ -43,11 +52,12 @@ def register(app: typer.Typer) -> None:
 def _train(config: str, set_: list[str], resume: str | None, if_finished: str, as_json: bool) -> None:
     from kuangchao.cli.failure_lines import failure_lines
     from kuangchao_core.obs import phases
+    from kuangchao_core.obs.voice import result, say
 
     clock = phases.begin(phases.process_start_time())  # the run summary's start-up phases (issue 27 §2)
     clock.since("imports", clock.origin)  # the interpreter and the CLI's modules
     if if_finished not in ("error", "skip", "restart"):
-        typer.echo(f"--if-finished must be error, skip or restart, got {if_finished!r}", err=True)
+        result(f"kc train: --if-finished must be error, skip or restart, got {if_finished!r}", "ERROR")
         raise typer.Exit(2)
     try:
         with clock.phase("config"):
@@ -55,22 +65,21 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
     except ConfigError as exc:  # PlanError too: bad layouts are refused before anything starts
         if isinstance(exc, NothingToTrain):  # the same line as when the flow refuses it
             for line in failure_lines(exc, config)[0]:
-                typer.echo(line, err=True)
+                result(line, "ERROR")
             raise typer.Exit(2) from None
         for path, msg in exc.errors:
-            typer.echo(f"{exc.source or config}: {path}: {msg}", err=True)
+            result(f"{exc.source or config}: {path}: {msg}", "ERROR")
         raise typer.Exit(2) from None
     except KuangchaoError as exc:  # an unreadable --resume directory, a corrupt tracking store: exit 1
         lines, code = failure_lines(exc, config)
         for line in lines:
-            typer.echo(line, err=True)
+            result(line, "ERROR")
         raise typer.Exit(code) from None
     del cfg  # the flow loads the config again, with its Prefect block references resolved
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     with clock.phase("prefect"):
         unreachable = prefect_api_problem()
         if unreachable:
-            typer.echo(f"kc train: {unreachable}", err=True)
+            result(f"kc train: {unreachable}", "ERROR")
             raise typer.Exit(1)
         server = start_temporary_server()  # its start overlaps the flow's imports; it dies with this process
     from kuangchao_core.sched.doctor import start_gloo_check
@@ -89,7 +98,7 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
     # a Prefect API lost during the run: one line and exit 1 once the flow has unwound (issue 26 §5);
     # one line per failure: Prefect's tracebacks of it stay in its API log
     try:
-        with exit_when_lost(lambda line: typer.echo(line, err=True)), quiet_expected_failures():
+        with exit_when_lost(lambda line: result(line, "ERROR")), quiet_expected_failures():
             clock.mark(phases.FLOW_CALLED)
             state = train_flow(
                 config_path=config, overrides=list(set_), resume=resume, if_finished=if_finished, return_state=True
@@ -97,16 +106,16 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
             if interrupt.requested() is not None:  # Ctrl-C or SIGTERM: the flow ended its run Cancelled, one line
                 say_interrupted(config, list(set_), state.message if state.is_cancelled() else None)
             if state.is_cancelled():  # issue 32 §3: cancelled in the Prefect UI or API; the ranks are stopped
-                typer.echo(f"kc train: {state.message or 'the run was cancelled in Prefect'}", err=True)
+                result(f"kc train: {state.message or 'the run was cancelled in Prefect'}", "WARNING")
                 raise typer.Exit(1)
             summary = state.result()
     except KuangchaoError as exc:  # ConfigError, NothingToTrain, PlanError: exit 2; the others: exit 1
         lines, code = failure_lines(exc, config)
         for line in lines:
-            typer.echo(line, err=True)
+            result(line, "ERROR")
         raise typer.Exit(code) from None
     if state.name == "Skipped":
-        typer.echo(f"kc train: {state.message}", err=True)
+        result(f"kc train: {state.message}")
     after = summary.get("after_last_step_s") if isinstance(summary, dict) else None
     if after and clock.last_step is not None:  # the flow's own end (its state, the artifact) after the summary
         clock.add("flow_end", time.time() - clock.last_step[1] - after["total"])
@@ -119,7 +128,9 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
         _print_summary({k: v for k, v in summary.items() if k not in ("startup_s", "after_last_step_s")})
         line = phases.compact(summary.get("startup_s"), summary.get("after_last_step_s"))
         if line:
-            typer.echo(line)
+            say(line, stream=sys.stdout)
+        if isinstance(summary, dict) and state.name != "Skipped":
+            result(result_line(summary), stream=sys.stdout)
 
 
 def refuse_early(config: str, overrides: list[str], resume: str | None, if_finished: str):
@@ -201,12 +212,29 @@ def start_temporary_server():
 
 
 def _print_summary(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """The run summary, one console line per field (``-q`` leaves it out: the result line says the gist)."""
+    from kuangchao_core.obs.console import for_people
+    from kuangchao_core.obs.voice import say
 
+    say("run summary:", stream=sys.stdout)
+    width = max((len(key) for key in summary), default=0)
+    for key, value in summary.items():  # rounded for people; --json prints full precision
+        lines = for_people(value).splitlines() or [""]
+        say(
+            "\n".join([f"  {key:<{width}}  {lines[0]}", *(f"  {'':<{width}}  {ln}" for ln in lines[1:])]),
+            stream=sys.stdout,
+        )
+
+
+def result_line(summary: dict) -> str:
+    """The run's one-line result: ``done: task T, S steps trained, final loss L, checkpoint step C at DIR, …``."""
     from kuangchao_core.obs.console import for_people
 
-    table = Table(title="kc train: run summary", show_header=False)
-    for key, value in summary.items():  # rounded for people; --json prints full precision
-        table.add_row(key, for_people(value))
-    Console(file=sys.stdout).print(table)
+    parts = [f"task {summary.get('task')}", f"{summary.get('trained_steps', summary.get('steps'))} steps trained"]
+    if summary.get("final_loss") is not None:
+        parts.append(f"final loss {for_people(summary['final_loss'])}")
+    if summary.get("checkpoint_step") is not None:
+        parts.append(f"checkpoint step {summary['checkpoint_step']} at {summary.get('checkpoint_path')}")
+    if summary.get("run_dir"):
+        parts.append(f"summary in {summary['run_dir']}")
+    return "done: " + ", ".join(parts)

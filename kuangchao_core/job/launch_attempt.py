@@ -243,7 +243,7 @@ def launch_workers(
         elif on_slurm:  # each node's tokens in a 0600 file of its own, never in the job Slurm stores
             tokens_for = (lambda node, ranks: node_token_env({}, run_dir, attempt, node, ranks)) if (
                 "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
-            say = run_logger.info if run_logger is not None else print
+            say = partial(_say_slurm, run_logger, view)  # the job's states on the console too (issue 45 §3)
             stack.callback(log_slurm_nodes, cfg, mlflow_run_id, run_dir, attempt, say)  # also after a failure
             placed_cb = partial(_slurm_placed, cfg, mlflow_run_id, run_dir, attempt, say, "KC_TRUST_ROOT" in worker_env)
             launch_slurm_attempt(
@@ -298,3 +298,11 @@ def launch_workers(
         checkpoints=[int(e["step"]) for e in view.events if e.get("event") == "checkpoint"],
         anomalies=[{k: a.get(k) for k in ("kind", "step", "action", "message")} for a in events.anomalies],
     )
+
+
+def _say_slurm(run_logger: Any, view: LiveView, line: str) -> None:
+    """A line of the Slurm job's (its states: ``Slurm job 42: PENDING (Resources)``, its nodes, its placement) in
+    the flow run's log (``prefect flow-run logs``) and on ``kc train``'s console, as the README says."""
+    if run_logger is not None:
+        run_logger.info(line)
+    view.note(line, source="slurm")

@@ -10,10 +10,12 @@ by the orchestrator, and the full output stays in the attempt's ``launcher.log``
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from typing import Any, TextIO
 
+from kuangchao_core.obs import voice
 from kuangchao_core.obs.jsonlog import parse_event
 
 
@@ -83,10 +85,11 @@ def format_memory(ev: dict[str, Any]) -> str:
     )
 
 
-def _noteworthy(line: str) -> str | None:
-    """What the console shows of a non-event line: free text as it is, a JSON log record of level WARNING or above
-    as one human line (``rank 0 warning: ...``; the JSON stays in ``launcher.log`` and the JSON log files), and
-    nothing for other records, nor for an anomaly's own log record (the anomaly events are tallied instead)."""
+def _noteworthy(line: str, notes: voice.RelayedLines) -> tuple[str, str, str] | None:
+    """What the console shows of a non-event line, as ``(level, source, message)``: free text as it is (under its
+    rank, or torchrun; torch's C++ warnings rewritten once, :class:`~kuangchao_core.obs.voice.RelayedLines`), a JSON
+    log record of level WARNING or above as its message (the JSON stays in ``launcher.log`` and the JSON log
+    files), and nothing for other records, nor for an anomaly's own log record (the anomaly events are tallied)."""
     text = line.strip()
     if not text:
         return None
@@ -94,13 +97,13 @@ def _noteworthy(line: str) -> str | None:
     try:
         record = json.loads(body)
     except (json.JSONDecodeError, ValueError):
-        return line.rstrip()  # free text (torchrun messages, prints) is always shown
+        return notes(line)  # free text (torchrun messages, prints) is always shown
     if not isinstance(record, dict) or record.get("level") not in ("WARNING", "ERROR", "CRITICAL"):
         return None
     if "anomaly" in record:
         return None
-    who = f"rank {record['rank']}" if record.get("rank") is not None else str(record.get("module_id") or "worker")
-    return f"{who} {str(record['level']).lower()}: {record.get('msg', '')}"
+    who = f"rank{record['rank']}" if record.get("rank") is not None else str(record.get("module_id") or "worker")
+    return str(record["level"]), who.replace(" ", "_"), str(record.get("msg", ""))
 
 
 #: the launcher's ``[rank<r>]:`` prefix, and torch's own ``[rank<r>]: `` on a rank's traceback after it
@@ -187,6 +190,7 @@ class LiveView:
         self._progress = None
         self._task_id = None
         self._noise = FailureNoise()
+        self._notes = voice.RelayedLines()
         #: the ranks' anomaly events, in order (rank 0 reports for the job); tallied per kind by :meth:`close`
         self.anomalies: list[dict[str, Any]] = []
         self._tallied = False
@@ -202,16 +206,17 @@ class LiveView:
         if event is None:
             if self._noise(line):
                 return  # a failure report: in launcher.log, and its cause is said once by the orchestrator
-            shown = _noteworthy(line)
+            shown = _noteworthy(line, self._notes)
             if shown is not None:
-                self._print(shown, always=True)  # warnings and errors even without the console view
+                level, source, text = shown
+                self._print(text, always=True, level=level, source=source)  # even without the console view
             return
         kind = event.get("event")
         for listener in self.listeners:
             try:
                 listener(event)
             except Exception as exc:  # a listener's failure never stops the view of the run
-                self._print(f"event listener failed: {exc}", always=True)
+                self._print(f"event listener failed: {exc}", always=True, level="WARNING")
         if kind == "steps":
             return  # every step's metrics, for the listeners (Prometheus); the console speaks at log_interval
         if kind == "step":
@@ -245,7 +250,8 @@ class LiveView:
         the progress bar show the counts so far). An anomaly that ends the run (``stop``) is said at once."""
         self.anomalies.append(event)
         if event.get("action") == "stop":
-            self._print(f"anomaly {event.get('kind')} at step {event.get('step')}: {event.get('message')}", always=True)
+            stop = f"anomaly {event.get('kind')} at step {event.get('step')}: {event.get('message')}"
+            self._print(stop, always=True, level="ERROR")
 
     def anomaly_counts(self) -> str:
         """The anomalies so far, for a step line: ``anomalies comm_share×2 grad_norm×1`` (empty when none)."""
@@ -288,11 +294,18 @@ class LiveView:
             counts = self.anomaly_counts()
             self._print(format_step(event) + (f"  {counts}" if counts else ""))
 
-    def _print(self, text: str, always: bool = False) -> None:
-        if self.quiet and not always:
+    def note(self, text: str, level: str = "INFO", source: str = "kc") -> None:
+        """Say a line of the orchestrator's about the attempt (a Slurm job's state) beside the workers' lines."""
+        self._print(text, level=level, source=source)
+
+    def _print(self, text: str, always: bool = False, level: str = "INFO", source: str = "kc") -> None:
+        """``text`` as console lines (:func:`~kuangchao_core.obs.voice.render`); ``always`` even when the view is
+        quiet (``logging.console: false``), if ``level`` reaches the console's threshold (``kc train -q``)."""
+        if (self.quiet and not always) or logging.getLevelName(level) < voice.threshold():
             return
+        text = voice.render(text, level, source)
         if self._progress is not None:
-            self._progress.console.print(text, markup=False, highlight=False)
+            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
         else:
             self.stream.write(text + "\n")
             self.stream.flush()
@@ -305,4 +318,4 @@ class LiveView:
         if not self._tallied and self.anomalies:
             self._tallied = True
             for line in anomaly_lines(self.anomalies):
-                self._print(f"anomaly {line}", always=True)
+                self._print(f"anomaly {line}", always=True, level="WARNING")

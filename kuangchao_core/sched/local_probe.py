@@ -18,6 +18,12 @@ def _spawned_rank(rank: int, world_size: int, port: int, sizes, iters: int, time
     from datetime import timedelta
 
     ignore_terminal_interrupt()  # kc train's Ctrl-C is kc train's: the probe stops its ranks itself
+    # torch's C++ lines of this rendezvous ([W… ] the hostname of the client socket…) would reach kc train's
+    # console raw, beside its one voice (issue 45 §3); the probe reports its outcome through the queue
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
