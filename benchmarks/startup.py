@@ -38,7 +38,8 @@ RESULT_KEYS = (*FIELDS, "seconds", "kc_phases")
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-STEP_LINE = re.compile(r"^(?:BARE )?step (\d+)\b")
+#: a step line: the bare script's, or kc train's message after its console prefix (``HH:MM:SS.mmm LEVEL source: ``)
+STEP_LINE = re.compile(r"^(?:\d\d:\d\d:\d\d\.\d{3} [A-Z]+ +[\w.-]+: )?(?:BARE )?step (\d+)\b")
 
 
 def _timed(argv: list[str], env: dict[str, str], cwd: Path, last_step: int, log: Path) -> dict[str, float]:
