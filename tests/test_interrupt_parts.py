@@ -127,12 +127,22 @@ def test_a_ctrl_c_during_the_topology_probe_prints_no_traceback_of_its_processes
     assert out is not None, "the probe finished before the Ctrl-C in every attempt"
 
 
+def _as_a_terminal_starts_it() -> None:
+    """Ctrl-C at its default and unblocked in the child, as a shell started from a terminal has it: a library an
+    earlier test ran in this pytest worker may have left SIGINT ignored, which a child inherits through exec (and
+    Python then installs no KeyboardInterrupt for it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _interrupt_the_probe() -> str | None:
     """Ctrl-C the probe's process group once its two processes are seen; its output, or None when the probe
     finished first."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out_opts = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE], env=env, start_new_session=True, **out_opts)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PROBE], env=env, start_new_session=True, preexec_fn=_as_a_terminal_starts_it, **out_opts
+    )  # noqa: PLW1509 - the test process's threads take no lock the child needs before exec
     try:
 
         def ranks() -> list[int]:
