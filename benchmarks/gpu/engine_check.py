@@ -57,21 +57,12 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from kuangchao_core.config.presets import MODEL_PRESETS  # noqa: E402
+
 #: bf16 dense peak FLOP/s by device name fragment (vendor figures, without sparsity)
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
-#: Llama-3.2-1B's shape (tied embeddings: 1.236 B parameters)
-LLAMA_1B = {
-    "vocab_size": 128256,
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_layers": 16,
-    "num_heads": 32,
-    "num_kv_heads": 8,
-    "max_seq_len": 2048,
-    "rope_theta": 500000.0,
-    "norm_eps": 1e-5,
-    "tie_embeddings": True,
-}
+#: Llama-3.2-1B's shape (tied embeddings: 1.236 B parameters): the ``1b`` preset, at 2048 positions
+LLAMA_1B = {**MODEL_PRESETS["1b"], "max_seq_len": 2048}
 #: steps of the kc train run whose time includes the compilation (left out of tokens/s and MFU)
 WARM = 5
 #: tests/test_mixed_precision.py's stated bf16 tolerance (relative, per step, for the tiny and small presets)
