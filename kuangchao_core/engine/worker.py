@@ -194,4 +194,6 @@ def _final_eval(trainer, sink, at_end: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kuangchao_core.sched.fast_exit import exit_now
+
+    exit_now(main())  # the run is over: no interpreter teardown (seconds of CPU per rank on a loaded machine)
