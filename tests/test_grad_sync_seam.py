@@ -23,10 +23,11 @@ from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_sync import GradSync, ReplicatedAdamW, ShardedAdamW
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer
+from kuangchao_core.parallel.zero_state import ShardedState
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "kuangchao_core"
-CLASSES = (ReplicatedAdamW, ShardedAdamW, ZeroOptimizer, Zero3Optimizer, DataParallel)
+CLASSES = (ReplicatedAdamW, ShardedAdamW, ZeroOptimizer, Zero3Optimizer, ShardedState, DataParallel)
 
 
 def _public(cls) -> set[str]:

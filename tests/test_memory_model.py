@@ -101,16 +101,16 @@ def _weight_shapes(trainer) -> set[tuple[int, ...]]:
 def _keep_bf16_grads() -> None:
     """The negative control of the dp4 ZeRO-1 bound: the bf16 gradients kept beside the fp32 buffer (the hook adds
     each into its fp32 slot but leaves ``param.grad``), 2 bytes per parameter more."""
-    from kuangchao_core.parallel.zero_master import MasterZeroOptimizer
+    from kuangchao_core.parallel.zero import ZeroOptimizer
 
-    hook = MasterZeroOptimizer._on_grad_ready
+    hook = ZeroOptimizer._on_grad_ready
 
     def keeping(self, p, _hook=hook):
         grad = p.grad
         _hook(self, p)
         p.grad = grad
 
-    MasterZeroOptimizer._on_grad_ready = keeping
+    ZeroOptimizer._on_grad_ready = keeping
 
 
 def _measure(rank: int, world_size: int, cfgs: list, sabotaged: tuple[int, ...] = ()) -> list[dict]:

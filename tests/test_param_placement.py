@@ -41,7 +41,7 @@ OLD = (
 )
 OLD_RE = (r"def _micro_batches\(parts", r"for pr in peers", r"\bnorm_weight\[n\]\s*=")
 #: GradSync's family: the reduction over the replicas and the global norm
-GRADSYNC = {"data.py", "zero.py", "zero3.py", "grad_sync.py", "master_weights.py", "bucket_reduce.py"}
+GRADSYNC = {"data.py", "zero.py", "zero3.py", "grad_sync.py", "bucket_reduce.py"}
 
 
 def _regions(tp: int, rank: int) -> dict[str, Region]:

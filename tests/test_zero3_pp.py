@@ -70,7 +70,7 @@ def test_dp2_pp2_zero3_trains_like_one_process_in_fp64(runs, layout):
 
 
 def test_bf16_parameters_under_pp_and_zero3_track_fp32(runs):
-    """bf16 parameters with fp32 masters (MasterZero3Optimizer per stage) within tests/test_bf16_params.py's bound
+    """bf16 parameters with fp32 masters (Zero3Optimizer under a master policy, per stage) within tests/test_bf16_params.py's bound
     of the fp32 run, 2 % (5u, u = 2^-8), at every step."""
     got, want = runs["bf16p"][-1], runs["fp32"][-1]
     assert got["memory"]["stage"] == 3 and got["losses"] != want["losses"]

@@ -93,7 +93,7 @@ def build_parallel_model(
     """Build, initialise (seed ``task.seed``) and partition the model for this rank of ``mesh``; its parameters are
     in the dtype ``train.dtype`` names (initialised in fp32 in every case, so an fp64 job starts from the same
     values as an fp32 one); with ``train.param_dtype: bf16`` they stay fp32 until the job's GradSync has taken
-    them as its master weights (:mod:`~kuangchao_core.parallel.master_weights`)."""
+    them as its master weights (:mod:`~kuangchao_core.parallel.precision_policy`)."""
     seed = build.seed
     sp = build.sequence_parallel and mesh.tp > 1
     if mesh.tp > 1:

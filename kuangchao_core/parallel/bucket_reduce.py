@@ -68,3 +68,23 @@ class BucketReducer:
         """Restore :meth:`state_tensors`."""
         if self.compressor is not None:
             self.compressor.load_state_tensors(tensors)
+
+
+def reduce_scatter_sum(out: torch.Tensor, buf: torch.Tensor, group, dtype: torch.dtype, add=None) -> int:
+    """This rank's chunk of the sum of ``buf`` over ``group`` (a ZeRO bucket, summed in ``dtype``) written into
+    ``out`` (which may be ``buf``'s own chunk) or, given ``add`` (``data.accumulate_grad``), added to it by
+    ``add(out, chunk)``; returns the bytes of the ``dtype`` copy of ``buf`` made for the wire (0: none made)."""
+    if group.size == 1:
+        if add is not None:
+            add(out, buf)
+        elif out.data_ptr() != buf.data_ptr():
+            out.copy_(buf)
+        return 0
+    wire = buf if buf.dtype == dtype else buf.to(dtype)
+    mine = out if wire.dtype == out.dtype and add is None else torch.empty_like(out, dtype=wire.dtype)
+    comm.reduce_scatter(mine, wire, group=group, op="sum")
+    if add is not None:
+        add(out, mine)
+    elif mine is not out:
+        out.copy_(mine)
+    return 0 if wire is buf else wire.numel() * wire.element_size()

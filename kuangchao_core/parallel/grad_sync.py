@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,72 +29,14 @@ from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel.bucket_reduce import BucketReducer
 from kuangchao_core.parallel.data import DataParallel
 from kuangchao_core.parallel.grad_compression import make_compressor
+from kuangchao_core.parallel.grad_sync_protocol import GradSync
+from kuangchao_core.parallel.precision_policy import PrecisionPolicy, cast_parameters, precision_policy
 from kuangchao_core.parallel.weight_decay import decays, param_groups
 from kuangchao_core.parallel.zero import ZeroOptimizer
 from kuangchao_core.parallel.zero3 import Zero3Optimizer, block_units
-from kuangchao_core.parallel.zero3_lora import with_frozen_base
+from kuangchao_core.parallel.zero3_lora import LoraZero3Optimizer
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-class GradSync(Protocol):
-    """What the step loop needs from gradient synchronisation and the optimizer."""
-
-    param_groups: list[dict[str, Any]]
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Backward inside this block accumulates locally and communicates nothing."""
-
-    def zero_grad(self) -> None:
-        """Clear gradients before a step."""
-
-    def finish(self, accumulated: bool = False) -> None:
-        """Complete the reduction of this step's gradients; ``accumulated``: every backward ran under no_sync."""
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm before clipping (each element once), a scalar tensor on the gradients' device (no
-        host sync); clip to ``max_norm`` when it is > 0."""
-
-    def step(self) -> None:
-        """Apply the optimizer; afterwards every replica holds the same parameters."""
-
-    def prepare(self) -> None:
-        """Make every DP replica start from the same parameters (before training or after a load)."""
-
-    def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This rank's optimizer tensors for a checkpoint and their slice metadata (collective)."""
-
-    def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
-        """Restore the optimizer from full-slice ``optim.<name>.<key>`` tensors after ``steps`` optimizer steps."""
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The optimizer-state tensors this rank holds (for memory accounting)."""
-
-    def local_grads(self) -> list[torch.Tensor]:
-        """The reduced gradient tensors this rank's optimizer will read (for loss-scale unscaling)."""
-
-    def grad_norm_sq(self) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm (float64 scalar on the gradients' device, each
-        element weighted by ``norm_weight``); the sum over the mesh's groups is the square of what
-        :meth:`clip_grad_norm` returns."""
-
-    def memory_report(self) -> dict[str, Any] | None:
-        """The optimizer's own account of the bytes each rank holds (measured beside the formulas), or None when it
-        keeps no buffers of its own (replicated AdamW: the tensors are the model's)."""
-
-    def tensor_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds in ``params`` (trainable and frozen), ``grads`` and ``optimizer`` state (what
-        ``kc plan`` estimates)."""
-
-    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        """Collective: inside the block the model's parameters hold their full values (ZeRO-3 keeps only shards
-        between forwards; bf16 parameters show their fp32 masters); with ``writeback`` what was written is kept."""
-
-    def comm_state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's gradient-exchange state (top-k residuals), saved per rank with a checkpoint; may be empty."""
-
-    def load_comm_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`comm_state_tensors` gave (same layout, placement and compression)."""
 
 
 def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -126,7 +68,14 @@ def _apply_clip(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float)
 
 
 class ReplicatedAdamW:
-    """Data parallel with a full AdamW on every replica (``parallel.zero_stage: 0``)."""
+    """Data parallel with a full AdamW on every replica (``parallel.zero_stage: 0``).
+
+    Under a master policy (``train.param_dtype: bf16``) AdamW steps fp32 copies of the trainable parameters (built
+    while the model is fp32, which then becomes bf16) and the DataParallel buckets are fp32 main gradients
+    (``main_grads=True``, one DP rank too): every backward's bf16 gradient is added into its parameter's fp32 slot
+    and dropped, the buckets are all-reduced (with ``grad_reduce_dtype`` bf16 the sum travels in bf16), and the
+    masters' gradients are the buckets' fp32 views; after each step the masters are rounded into the parameters.
+    """
 
     def __init__(
         self,
@@ -137,16 +86,25 @@ class ReplicatedAdamW:
         bucket_mb: float,
         compressor: Any = None,
         exclude: tuple[str, ...] = (),
+        policy: PrecisionPolicy = PrecisionPolicy(),
     ):
         self.model = model
         self.groups = groups
         self.norm_weight = norm_weight
+        self.policy = policy
+        self.named = _trainable(model)
+        self.masters = {}  # name -> its master, under a master policy
+        if policy.masters:
+            self.masters = {n: torch.nn.Parameter(p.detach().to(policy.master_dtype).clone()) for n, p in self.named}
+        self.stepped = self.masters or dict(self.named)  # what AdamW steps, by name
+        cast_parameters(model, policy)
         self.reducer = BucketReducer(groups.replicas, groups.intra, groups.inter, compressor)
-        self.dp = DataParallel(model, groups.replicas, bucket_cap_mb=bucket_mb, reducer=self.reducer)
-        named = _trainable(model)
-        params = [p for _, p in named]
+        self.dp = DataParallel(
+            model, groups.replicas, bucket_mb, policy.master_dtype, reducer=self.reducer, main_grads=policy.masters
+        )
         hyper = dict(hyper)
-        groups = param_groups(named, hyper.pop("weight_decay"), exclude)
+        params = list(self.stepped.values())
+        groups = param_groups(list(self.stepped.items()), hyper.pop("weight_decay"), exclude)
         self.optimizer = torch.optim.AdamW(groups, **adamw_kernel(params), **hyper)
 
     @property
@@ -159,20 +117,24 @@ class ReplicatedAdamW:
         return self.dp.no_sync()
 
     def zero_grad(self) -> None:
-        """See :meth:`GradSync.zero_grad`."""
+        """See :meth:`GradSync.zero_grad`: the model's gradients, the buckets (and the masters' gradients)."""
         self.dp.zero_grad()
+        for m in self.masters.values():
+            m.grad = None
 
     def finish(self, accumulated: bool = False) -> None:
-        """See :meth:`GradSync.finish`."""
+        """See :meth:`GradSync.finish`; masters get the reduced buckets' fp32 views as their gradients."""
         if accumulated:
             self.dp.sync_accumulated()
         else:
             self.dp.finish_gradient_sync()
+        for name, p in self.named if self.masters else ():
+            self.stepped[name].grad = self.dp.main_grad(p)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """See :meth:`GradSync.clip_grad_norm`; without TP and PP, ``torch.nn.utils.clip_grad_norm_`` itself."""
+        """See :meth:`GradSync.clip_grad_norm`; without TP, PP and masters, ``torch.nn.utils.clip_grad_norm_``."""
         g = self.groups
-        if g.tp_group.size == 1 and g.pp_group.size == 1:
+        if g.tp_group.size == 1 and g.pp_group.size == 1 and not self.masters:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
@@ -182,24 +144,37 @@ class ReplicatedAdamW:
         return total
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """See :meth:`GradSync.grad_norm_sq`: every gradient of the replica (all replicas hold the same)."""
+        """See :meth:`GradSync.grad_norm_sq`: every gradient AdamW reads (all replicas hold the same)."""
         sq = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
-        for name, p in self.model.named_parameters():
+        for name, p in self.stepped.items():
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum() * self.norm_weight[name]
         return sq
 
+    @torch.no_grad()
     def step(self) -> None:
-        """See :meth:`GradSync.step`."""
+        """See :meth:`GradSync.step` (masters rounded into the parameters after AdamW)."""
         self.optimizer.step()
+        self._round_into_params()
 
     def local_grads(self) -> list[torch.Tensor]:
         """See :meth:`GradSync.local_grads`."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [p.grad for p in self.stepped.values() if p.grad is not None]
 
     def prepare(self) -> None:
-        """Broadcast DP rank 0's parameters to the other replicas."""
+        """Broadcast DP rank 0's parameters (and masters) to the other replicas."""
         self.dp.sync_parameters()
+        if self.masters and (replicas := self.groups.replicas).size > 1:
+            with torch.no_grad():
+                flat = torch.cat([m.detach().reshape(-1) for m in self.masters.values()])
+                comm.broadcast(flat, src=replicas.ranks[0], group=replicas)
+                torch.nn.utils.vector_to_parameters(flat, list(self.masters.values()))
+        self._round_into_params()
+
+    @torch.no_grad()
+    def _round_into_params(self) -> None:
+        for name, p in self.named if self.masters else ():
+            p.copy_(self.stepped[name])
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The first DP replica's AdamW moments, sliced like the parameters."""
@@ -207,7 +182,7 @@ class ReplicatedAdamW:
         slices: dict[str, Any] = {}
         if self.groups.replicas.rank != 0:
             return tensors, slices
-        for name, p in self.model.named_parameters():
+        for name, p in self.stepped.items():
             st = self.optimizer.state.get(p) or {}
             for key in ADAM_KEYS:
                 if key in st:
@@ -217,7 +192,7 @@ class ReplicatedAdamW:
 
     def load_state(self, optim: dict[str, torch.Tensor], steps: int) -> None:
         """See :meth:`GradSync.load_state`."""
-        for name, p in _trainable(self.model):
+        for name, p in self.stepped.items():
             self.optimizer.state[p] = {
                 "step": torch.tensor(float(steps), dtype=torch.float32),
                 "exp_avg": optim[f"optim.{name}.exp_avg"].to(p.dtype).clone(),
@@ -225,22 +200,38 @@ class ReplicatedAdamW:
             }
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """See :meth:`GradSync.state_tensors`."""
+        """See :meth:`GradSync.state_tensors` (the masters are counted by :meth:`tensor_bytes`)."""
         return [v for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
 
     def memory_report(self) -> None:
-        """See :meth:`GradSync.memory_report`: none (the parameters and gradients are the model's own)."""
+        """See :meth:`GradSync.memory_report`: none (:meth:`tensor_bytes` counts what the rank holds)."""
         return None
 
     def tensor_bytes(self) -> dict[str, int]:
-        """See :meth:`GradSync.tensor_bytes`: the model's parameters and gradients, and AdamW's moments."""
+        """See :meth:`GradSync.tensor_bytes`: the model's parameters and gradients, and AdamW's moments; under
+        masters the fp32 gradient buckets too, and the masters as ``optimizer``."""
         trainable, frozen, grads = _model_bytes(self.model)
         optim = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        if self.masters:
+            grads += sum(b.buffer.numel() * b.buffer.element_size() for b in self.dp._buckets)
+            optim += sum(m.numel() * m.element_size() for m in self.masters.values())
         return {"params": trainable + frozen, "grads": grads, "optimizer": optim}
 
-    def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        """See :meth:`GradSync.full_parameters`: every replica always holds the full parameters."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def full_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """See :meth:`GradSync.full_parameters`: every replica always holds the full parameters; under masters the
+        trainable ones hold their fp32 masters inside the block (what checkpoints save and load), and with
+        ``writeback`` what was written stays in the masters and is rounded into the parameters."""
+        kept = {name: p.data for name, p in self.named}
+        for name, p in self.named if self.masters else ():
+            p.data = self.stepped[name].data
+        try:
+            yield
+        finally:
+            for name, p in self.named if self.masters else ():
+                p.data = kept[name]
+            if writeback:
+                self._round_into_params()
 
     def comm_state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's gradient-compression state (top-k residuals), saved per rank with the checkpoint."""
@@ -263,24 +254,24 @@ class ShardedAdamW:
         bucket_mb: float,
         stage: int,
         exclude: tuple[str, ...] = (),
-        classes: tuple[type, type] | None = None,  # ZeRO-1/2 and ZeRO-3 optimizers (parallel.master_weights')
+        policy: PrecisionPolicy = PrecisionPolicy(),
     ):
         self.model = model
         self.groups = groups
         self.norm_weight = norm_weight
         named = _trainable(model)
         self.names = [n for n, _ in named]
-        hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)]}
-        zero, zero3 = classes or (ZeroOptimizer, Zero3Optimizer)
-        if any(not p.requires_grad for p in model.parameters()):  # a frozen LoRA base, sharded beside the adapters
-            zero3 = with_frozen_base(zero3)
+        hyper = {**hyper, "no_decay": [n for n, p in named if not decays(n, p.shape, exclude)], "policy": policy}
         if stage == 3:
+            frozen = any(not p.requires_grad for p in model.parameters())  # a LoRA base, sharded beside the adapters
+            zero3 = LoraZero3Optimizer if frozen else Zero3Optimizer
             units = block_units(model)
             checkpointed = getattr(model, "activation_checkpointing", "none") != "none"
             recomputed = [i for i, u in enumerate(units) if checkpointed and u in set(model.model.layers)]
             self.optimizer = zero3(model, units, groups.replicas, recomputed, **hyper)
         else:
-            self.optimizer = zero(named, groups.replicas, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
+            self.optimizer = ZeroOptimizer(named, groups.replicas, stage=stage, bucket_cap_mb=bucket_mb, **hyper)
+        cast_parameters(model, policy)  # the optimizer took the fp32 values as its masters
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -395,17 +386,14 @@ def make_grad_sync(par: GradSyncSettings, model: torch.nn.Module, groups: Any, n
     hyper = {"lr": par.lr, "betas": tuple(par.betas), "eps": par.eps, "weight_decay": par.weight_decay}
     exclude = tuple(par.weight_decay_exclude)
     stage = int(par.zero_stage)  # ZeRO-3 under pp: each stage's units over its DP group
-    if par.param_dtype == "bf16":  # bf16 parameters, fp32 master weights held by the optimizer (issue 29)
-        from kuangchao_core.parallel.master_weights import master_grad_sync
-
-        return master_grad_sync(par, model, groups, norm_weight, hyper, stage, ShardedAdamW)
+    policy = precision_policy(par)  # bf16 parameters: fp32 master weights held by the optimizer (issue 29, 43)
     if stage:
-        return ShardedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, stage, exclude)
+        return ShardedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, stage, exclude, policy)
     kind = par.grad_compression
     if kind == "none" and par.grad_reduce_dtype == "bf16":
         kind = "bf16"  # the same exchange: buckets summed in bfloat16
     compressor = make_compressor(kind, par.topk_ratio, par.topk_warmup_steps) if groups.replicas.size > 1 else None
-    return ReplicatedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, compressor, exclude)
+    return ReplicatedAdamW(model, groups, norm_weight, hyper, par.bucket_size_mb, compressor, exclude, policy)
 
 
 def require_full_state(optim: dict[str, torch.Tensor], names: list[str], where: str) -> bool:

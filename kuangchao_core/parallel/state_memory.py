@@ -21,7 +21,7 @@ bf16       bf16         2      0      4       8        0      4
   2 bytes per element of those weights, per micro-batch in flight (each forward runs in its own autocast region,
   so each has its own copies). It is not sharded by ZeRO: ZeRO-3 gathers a unit, autocast casts the gathered
   weights and the copies stay until the unit's backward.
-- **bf16 parameters** (``train.param_dtype: bf16``, :mod:`~kuangchao_core.parallel.master_weights`): bf16
+- **bf16 parameters** (``train.param_dtype: bf16``, :mod:`~kuangchao_core.parallel.precision_policy`): bf16
   parameters, no casts (the weights already are bf16), and the optimizer's fp32 *master* weights and fp32
   *master_grad*, in which every backward's bf16 gradient is summed at once and dropped (*grad* 0: no bf16
   gradient is kept) — a full fp32 buffer without ZeRO and at stage 1 (whose rank's chunk is a view of it, as

@@ -36,7 +36,7 @@ in :mod:`kuangchao_core.parallel.zero_state`; the optimizer's methods of the sam
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,14 +44,16 @@ import torch
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
-from kuangchao_core.parallel import zero_state
+from kuangchao_core.parallel import data, zero_state
+from kuangchao_core.parallel.bucket_reduce import reduce_scatter_sum
+from kuangchao_core.parallel.precision_policy import PrecisionPolicy
 from kuangchao_core.parallel.weight_decay import apply_decay
-from kuangchao_core.parallel.zero_layout import Slot, named_trainable, owned_sum_of_squares, pieces_of, plan_buckets
+from kuangchao_core.parallel.zero_layout import Slot, named_trainable, plan_buckets
 
 _MB = 1024 * 1024
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(zero_state.ShardedState):
     """AdamW whose state (stage 1) and gradients (stage 2) are sharded across ``dp_group``.
 
     Args:
@@ -64,6 +66,13 @@ class ZeroOptimizer:
         bucket_cap_mb: upper bound of one bucket in MiB (the unit of reduce-scatter and all-gather).
         no_decay: names of parameters without weight decay (:mod:`~kuangchao_core.parallel.weight_decay`); the
             decay of the others is then applied to their ranges of the shard before AdamW's update.
+        policy: with master weights (``train.param_dtype: bf16``) the module's parameters become ``param_dtype``
+            views of ``flat_params`` and AdamW steps ``master``, this rank's fp32 chunk of every bucket; gradients
+            are fp32 from the first backward on (each parameter's hook adds its gradient into an fp32 slot and
+            drops ``param.grad``, under ``no_sync`` too: stage 1 into the full buffer ``flat_grads``, reduced in
+            place; stage 2 into transient buckets reduce-scattered and *added* into the shard every micro-batch,
+            DeepSpeed's way, then averaged once), summed over DP in ``reduce_dtype``; after AdamW each rank rounds
+            its chunk and the rounded chunks are all-gathered. Built while the parameters are still fp32.
 
     Parameters are broadcast from the group's first rank at construction so that all replicas start equal.
     """
@@ -79,6 +88,7 @@ class ZeroOptimizer:
         weight_decay: float = 1e-2,
         bucket_cap_mb: float = 25,
         no_decay: Iterable[str] = (),
+        policy: PrecisionPolicy = PrecisionPolicy(),
     ):
         if stage not in (1, 2):
             raise KuangchaoError(f"ZeroOptimizer: stage must be 1 or 2, got {stage}; set parallel.zero_stage to 1 or 2")
@@ -99,6 +109,9 @@ class ZeroOptimizer:
         self.device = devices.pop()
         self.dtype = _master_dtype(p.dtype for _, p in self._named)
         self._item = torch.empty((), dtype=self.dtype).element_size()
+        self.policy = policy
+        self.reduce_dtype = policy.reduce_dtype or self.dtype
+        self.master: torch.Tensor | None = None
         self._build_layout(bucket_cap_mb)
         self._sync_enabled = True
         self._synced = False
@@ -107,23 +120,23 @@ class ZeroOptimizer:
         self._ready: list[list[bool]] = [[False] * len(b.slots) for b in self.buckets]
         self.peak_transient_grad_bytes = 0
         self._hooks = []
-        if stage == 2:
+        if stage == 2 or policy.masters:
             for slot in self._slots:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._shard_params = [
+        self.shard_params = [
             torch.nn.Parameter(self._param_chunk(i), requires_grad=True) for i in range(len(self.buckets))
         ]
-        for sp, g in zip(self._shard_params, self._grad_shards(), strict=True):
+        for sp, g in zip(self.shard_params, self._grad_shards(), strict=True):
             sp.grad = g
         self._no_decay = set(no_decay)
         self.weight_decay = float(weight_decay)
         self.optimizer = torch.optim.AdamW(
-            self._shard_params,
+            self.shard_params,
             lr=lr,
             betas=betas,
             eps=eps,
             weight_decay=0.0 if self._no_decay else weight_decay,
-            **adamw_kernel(self._shard_params),
+            **adamw_kernel(self.shard_params),
         )
         self._broadcast_params()
 
@@ -135,14 +148,26 @@ class ZeroOptimizer:
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
-        self.flat_params = torch.zeros(start, dtype=self.dtype, device=self.device)
+        masters = self.policy.masters
+        self.flat_params = torch.zeros(start, dtype=self.policy.param_dtype or self.dtype, device=self.device)
+        if masters:
+            self.master = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
         self._copy_back: list[Slot] = []
         with torch.no_grad():
             for b in self.buckets:
+                if masters:  # every replica's masters are the first one's fp32 values
+                    full = torch.zeros(b.size, dtype=self.dtype, device=self.device)
+                    for s in b.slots:
+                        full[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                    if self.size > 1:
+                        comm.broadcast(full, src=self.group.ranks[0], group=self.group)
+                    self.master[b.start // self.size :][: b.chunk].copy_(full[self.rank * b.chunk :][: b.chunk])
+                    self.flat_params[b.start : b.start + b.size].copy_(full)
                 for s in b.slots:
                     view = self.flat_params[b.start + s.offset : b.start + s.offset + s.numel]
-                    view.copy_(s.param.detach().reshape(-1))
-                    if s.param.dtype == self.dtype:
+                    if not masters:
+                        view.copy_(s.param.detach().reshape(-1))
+                    if masters or s.param.dtype == self.dtype:
                         s.param.data = view.view_as(s.param)
                     else:
                         self._copy_back.append(s)
@@ -150,7 +175,7 @@ class ZeroOptimizer:
             self.flat_grads = torch.zeros(start, dtype=self.dtype, device=self.device)
             for b in self.buckets:
                 for s in b.slots:
-                    if s.param.dtype == self.dtype:
+                    if not masters and s.param.dtype == self.dtype:  # masters: added in by the hooks
                         s.param.grad = self.flat_grads[b.start + s.offset : b.start + s.offset + s.numel].view_as(
                             s.param
                         )
@@ -158,7 +183,10 @@ class ZeroOptimizer:
             self.grad_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
 
     def _param_chunk(self, b: int) -> torch.Tensor:
+        """This rank's chunk of bucket ``b`` that AdamW steps (its fp32 master chunk under a master policy)."""
         bk = self.buckets[b]
+        if self.master is not None:
+            return self.master[bk.start // self.size :][: bk.chunk]
         lo = bk.start + self.rank * bk.chunk
         return self.flat_params[lo : lo + bk.chunk]
 
@@ -174,19 +202,7 @@ class ZeroOptimizer:
             shard_off += bk.chunk
         return out
 
-    def _pieces(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
-        return pieces_of(self.buckets, self.rank if rank is None else rank)
-
     # ------------------------------------------------------------------ torch.optim-like surface
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner AdamW's param groups (set ``lr`` here, as for any torch optimizer)."""
-        return self.optimizer.param_groups
-
-    def parameter_names(self) -> list[str]:
-        """Names of the optimized parameters, in registration order."""
-        return [n for n, _ in self._named]
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside this block backward accumulates gradients locally and communicates nothing."""
@@ -212,13 +228,21 @@ class ZeroOptimizer:
                     dst.zero_()
                 else:
                     dst.copy_(s.param.grad.reshape(-1))
-            if self.size > 1:
-                shards = self._grad_shards()
-                for b, bk in enumerate(self.buckets):
-                    buf = self.flat_grads[bk.start : bk.start + bk.size]
-                    out = shards[b]
-                    comm.reduce_scatter(out, buf, group=self.group, op="sum")
+            for bk, out in zip(self.buckets, self._grad_shards(), strict=True):
+                self._reduce_into(out, self.flat_grads[bk.start : bk.start + bk.size])
+                if self.size > 1:
                     out.div_(self.size)
+        elif self.master is not None:
+            for _ in range(len(self.buckets)):  # from the next bucket due, round to it again
+                b = self._next_launch
+                if self._bucket_bufs[b] is not None:
+                    self._ready[b] = [True] * len(self._ready[b])
+                    self._launch_in_order()
+                else:
+                    self._next_launch = (b + 1) % len(self.buckets)
+            self._next_launch = 0
+            if self.size > 1:
+                self.grad_shard.div_(self.size)
         else:
             for b in range(self._next_launch, len(self.buckets)):
                 for i, s in enumerate(self.buckets[b].slots):
@@ -227,18 +251,9 @@ class ZeroOptimizer:
             self._launch_in_order()
         self._synced = True
 
-    def owned_pieces(self) -> list[tuple[Any, int, int, int]]:
-        """``(slot, lo, hi, offset)`` of every parameter range this rank owns: elements ``[lo, hi)`` of the flattened
-        parameter ``slot.name`` sit at ``offset`` in this rank's shard of bucket ``slot.bucket`` (read by
-        :mod:`~kuangchao_core.parallel.zero_state`)."""
-        return self._pieces()
-
-    def grad_norm_sq(self, weight: Mapping[str, float]) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm: the sum of squares of the averaged gradient
-        elements it owns, parameter ``name`` weighted by ``weight[name]`` (float64 scalar; sum it over the DP group
-        and any other group of the mesh)."""
-        self.finish_gradient_sync()
-        return owned_sum_of_squares(self._grad_shards(), self._pieces(), weight)
+    def _reduce_into(self, out: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
+        copied = reduce_scatter_sum(out, buf, self.group, self.reduce_dtype, data.accumulate_grad if add else None)
+        self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, copied)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """This rank's averaged gradient shards (valid after :meth:`finish_gradient_sync`), one per bucket."""
@@ -264,16 +279,19 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this rank's chunks, then all-gather every bucket so all replicas hold the same parameters."""
+        """AdamW on this rank's chunks, then all-gather every bucket so all replicas hold the same parameters
+        (master chunks are rounded to ``param_dtype`` first, and the rounded chunks gathered)."""
         self.finish_gradient_sync()
         if self._no_decay:
             apply_decay(self._decayed_ranges(), self.optimizer.param_groups[0]["lr"], self.weight_decay)
         self.optimizer.step()
-        if self.size > 1:
-            for b, bk in enumerate(self.buckets):
-                full = self.flat_params[bk.start : bk.start + bk.size]
-                chunks = list(full.split(bk.chunk))
-                comm.all_gather(chunks, self._param_chunk(b).clone(), group=self.group)
+        for b, bk in enumerate(self.buckets):
+            full = self.flat_params[bk.start : bk.start + bk.size]
+            if self.size > 1:
+                mine = self._param_chunk(b).to(full.dtype, copy=True)
+                comm.all_gather(list(full.split(bk.chunk)), mine, group=self.group)
+            elif self.master is not None:
+                full.copy_(self._param_chunk(b))
         for s in self._copy_back:
             bk = self.buckets[s.bucket]
             src = self.flat_params[bk.start + s.offset : bk.start + s.offset + s.numel]
@@ -282,7 +300,7 @@ class ZeroOptimizer:
 
     def _decayed_ranges(self) -> list[torch.Tensor]:
         return [
-            self._shard_params[s.bucket].data[coff : coff + hi - lo]
+            self.shard_params[s.bucket].data[coff : coff + hi - lo]
             for s, lo, hi, coff in self._pieces()
             if s.name not in self._no_decay
         ]
@@ -295,6 +313,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Zero the gradients (stage 1: the flat buffer; stage 2: the shard, and ``param.grad`` is dropped)."""
+        if self.master is not None:  # its reductions are synchronous: none is ever half done
+            self._next_launch = 0
         if self._next_launch not in (0, len(self.buckets)):
             raise KuangchaoError("ZeroOptimizer.zero_grad: a gradient sync is half done; call step() first")
         self._next_launch = 0
@@ -318,9 +338,18 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ stage 2 internals
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        slot = self._slot_of[id(p)]
+        if self.master is not None:  # every backward, under no_sync too: into fp32 (module docstring)
+            if self.stage == 1:
+                bk = self.buckets[slot.bucket]
+                data.accumulate_grad(self.flat_grads[bk.start + slot.offset :][: slot.numel], p.grad)
+                p.grad = None
+            else:
+                self._take_gradient(slot.bucket, slot.index, slot)
+                self._launch_in_order()
+            return
         if not self._sync_enabled:
             return
-        slot = self._slot_of[id(p)]
         b, i = slot.bucket, slot.index
         if self._ready[b][i] or b < self._next_launch:
             raise KuangchaoError(
@@ -338,13 +367,23 @@ class ZeroOptimizer:
             held = sum(x.numel() * self._item for x in self._bucket_bufs if x is not None)
             self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
         if s.param.grad is not None:
-            self._bucket_bufs[b][s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+            dst = self._bucket_bufs[b][s.offset : s.offset + s.numel]
+            if self.master is not None:
+                data.accumulate_grad(dst, s.param.grad)
+            else:
+                dst.copy_(s.param.grad.reshape(-1))
             s.param.grad = None
         self._ready[b][i] = True
 
     def _launch_in_order(self) -> None:
         shards = self._grad_shards()
-        while self._next_launch < len(self.buckets) and all(self._ready[self._next_launch]):
+        while self.master is not None and all(self._ready[self._next_launch]):  # added in; round and round
+            b = self._next_launch
+            self._reduce_into(shards[b], self._bucket_bufs[b], add=True)
+            self._bucket_bufs[b] = None
+            self._ready[b] = [False] * len(self._ready[b])
+            self._next_launch = (b + 1) % len(self.buckets)
+        while self.master is None and self._next_launch < len(self.buckets) and all(self._ready[self._next_launch]):
             b = self._next_launch
             buf = self._bucket_bufs[b]
             if self.size > 1:
@@ -356,7 +395,7 @@ class ZeroOptimizer:
             self._next_launch += 1
 
     def _broadcast_params(self) -> None:
-        if self.size <= 1:
+        if self.size <= 1 or self.master is not None:  # masters: broadcast in _build_layout
             return
         with torch.no_grad():
             comm.broadcast(self.flat_params, src=self.group.ranks[0], group=self.group)
@@ -367,22 +406,13 @@ class ZeroOptimizer:
 
     def full_parameters(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
         """The module's parameters always hold their full values at stages 1 and 2: nothing to gather (the same
-        surface as :meth:`Zero3Optimizer.full_parameters`)."""
-        return contextlib.nullcontext()
+        surface as :meth:`Zero3Optimizer.full_parameters`), except under masters: :func:`zero_state.full_masters`."""
+        return contextlib.nullcontext() if self.master is None else zero_state.full_masters(self, writeback)
 
     # ------------------------------------------------------------------ memory
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The AdamW moments this rank holds (its chunks' ``exp_avg``, ``exp_avg_sq``)."""
-        return [v for st in self.optimizer.state.values() for k, v in st.items() if k != "step"]
-
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank for parameters, gradients and AdamW state: :func:`~kuangchao_core.parallel.zero_state.memory_report`."""
         return zero_state.memory_report(self)
-
-    @property
-    def item_bytes(self) -> int:
-        """Bytes per element of the master dtype (4 in fp32, 8 in fp64)."""
-        return self._item
 
     def copied_back_params(self) -> list[Any]:
         """Slots of parameters in another dtype than the master buffer (copied back after each step)."""
@@ -392,47 +422,10 @@ class ZeroOptimizer:
         """Stage 2's bucket buffers alive now (filled by backward, freed after their reduce-scatter)."""
         return [x for x in self._bucket_bufs if x is not None]
 
-    # ------------------------------------------------------------------ checkpoints
-    def hyperparameters(self) -> dict[str, Any]:
-        """AdamW's settings (lr, betas, eps, weight_decay …) as the wrapped optimizer holds them."""
-        return zero_state.adamw_hyperparameters(self.optimizer, self.weight_decay)
-
-    def step_count(self) -> float:
-        """Optimizer steps taken (AdamW's ``step``), 0 before the first."""
-        return zero_state.adamw_step_count(self.optimizer)
-
     @property
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The optimised parameters with their names, in registration order."""
         return list(self._named)
-
-    @property
-    def shard_params(self) -> list[torch.Tensor]:
-        """This rank's chunk of every bucket: the parameters the wrapped AdamW steps."""
-        return self._shard_params
-
-    def shard_states(self) -> list[dict[str, torch.Tensor] | None]:
-        """AdamW state of this rank's chunk of every bucket (None for a bucket never stepped)."""
-        return [self.optimizer.state.get(sp) for sp in self._shard_params]
-
-    def state_dict_for_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
-        """This rank's shard of the optimizer state: :func:`~kuangchao_core.parallel.zero_state.sharded_state`."""
-        return zero_state.sharded_state(self)
-
-    def full_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Collective over the DP group: :func:`~kuangchao_core.parallel.zero_state.gather_full_state`."""
-        return zero_state.gather_full_state(self)
-
-    def load_full_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        """Keep this rank's ranges of an unsharded AdamW state: :func:`~kuangchao_core.parallel.zero_state.load_full_state`."""
-        zero_state.load_full_state(self, tensors, meta)
-
-    def load_sharded_states(
-        self, shards: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Mapping[str, Any]], Mapping[str, Any]]]
-    ) -> None:
-        """Rebuild this rank's shard from every rank's :meth:`state_dict_for_checkpoint` of any DP size/stage."""
-        tensors, meta = zero_state.merge_shards_to_full(shards)
-        self.load_full_state(tensors, meta)
 
 
 def _master_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

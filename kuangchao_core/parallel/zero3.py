@@ -32,7 +32,7 @@ new tensors and are saved for the backward as usual (2 bytes per element of ever
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +43,10 @@ from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
 from kuangchao_core.parallel import zero_state
+from kuangchao_core.parallel.precision_policy import PrecisionPolicy
 from kuangchao_core.parallel.state_memory import zero_formula
 from kuangchao_core.parallel.weight_decay import apply_decay
 from kuangchao_core.parallel.zero3_shards import shard_units
-from kuangchao_core.parallel.zero_layout import Slot, owned_sum_of_squares, pieces_of
 
 
 def block_units(model: nn.Module) -> list[nn.Module]:
@@ -95,7 +95,7 @@ class _GatherUnit(torch.autograd.Function):
         return ctx.owner._reduce_unit(ctx.unit, grads), None, None
 
 
-class Zero3Optimizer:
+class Zero3Optimizer(zero_state.ShardedState):
     """AdamW with parameters, gradients and state sharded across ``dp_group`` by unit (see the module docstring).
 
     Args:
@@ -105,6 +105,11 @@ class Zero3Optimizer:
         dp_group: the data-parallel ``CommGroup``.
         recomputed: indices into ``units`` whose forward runs under activation checkpointing (nothing is packed).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; ``no_decay``: parameter names without decay.
+        policy: with master weights (``train.param_dtype: bf16``) this rank's chunk of every unit is kept twice:
+            the fp32 master (``flat_shard``, what AdamW steps and what each unit's gather function takes, so the
+            reduce-scattered gradient, summed in ``reduce_dtype``, lands on it in fp32) and its rounding
+            (``param_shard``), which forwards and backwards gather — half the bytes of an fp32 gather. Built while
+            the model is still fp32.
     """
 
     stage = 3
@@ -120,6 +125,7 @@ class Zero3Optimizer:
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         no_decay: Iterable[str] = (),
+        policy: PrecisionPolicy = PrecisionPolicy(),
     ):
         if dp_group.rank is None:
             raise KuangchaoError(f"ZeRO-3: this process (global rank {dp_group.global_rank}) is not in {dp_group}")
@@ -138,7 +144,12 @@ class Zero3Optimizer:
         self.dtype, self.device = dtypes.pop(), devices.pop()
         self._item = torch.empty((), dtype=self.dtype).element_size()
         self._units = list(units)
+        self.policy, self._gather_master = policy, False
+        self.reduce_dtype = policy.reduce_dtype or self.dtype
         self._build_layout(model)
+        self.param_shard = self.flat_shard.to(policy.param_dtype) if policy.masters else self.flat_shard
+        if policy.masters:
+            self._empty_params()
         self._no_decay = set(no_decay)
         self.weight_decay = float(weight_decay)
         self.shard_params = [nn.Parameter(self._chunk_view(b), requires_grad=True) for b in range(len(self.buckets))]
@@ -165,16 +176,27 @@ class Zero3Optimizer:
     def _chunk_view(self, b: int) -> torch.Tensor:
         return self.flat_shard[self._shard_offsets[b] : self._shard_offsets[b] + self.buckets[b].chunk]
 
+    def _trainable_chunk(self, i: int) -> torch.Tensor:
+        """What unit ``i`` is gathered from: this rank's chunk (the rounded one under masters, except inside
+        :meth:`full_parameters`, which gathers the masters)."""
+        if self._gather_master or not self.policy.masters:
+            return self.shard_params[i].detach()
+        return self.param_shard[self._shard_offsets[i] :][: self.buckets[i].chunk]
+
+    def _empty_params(self) -> None:
+        for params in self._params:
+            for _, p in params:
+                p.data = torch.empty(0, dtype=self.param_shard.dtype, device=self.device)
+
     # ------------------------------------------------------------------ gathering
     def _record(self, event: str, i: int) -> None:
         if self.trace is not None:
             self.trace.append((event, i))
 
     def _issue_gather(self, i: int, async_op: bool) -> tuple[Any, torch.Tensor]:
-        bk = self.buckets[i]
-        full = torch.empty(bk.size, dtype=self.dtype, device=self.device)
+        bk, chunk = self.buckets[i], self._trainable_chunk(i)
+        full = torch.empty(bk.size, dtype=chunk.dtype, device=self.device)
         self._record("gather", i)
-        chunk = self.shard_params[i].detach()
         if self.size == 1:
             full.copy_(chunk)
             return None, full
@@ -254,17 +276,16 @@ class Zero3Optimizer:
         self._backward_full.pop(i, None)
         self._packed.discard(i)
         bk = self.buckets[i]
-        flat = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
+        flat = torch.zeros(bk.size, dtype=self.reduce_dtype, device=self.device)
         for s, g in zip(bk.slots, grads, strict=True):
             if g is not None:
                 flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-        out = torch.empty(bk.chunk, dtype=self.dtype, device=self.device)
+        out = torch.empty(bk.chunk, dtype=self.reduce_dtype, device=self.device)
         if self.size > 1:
             comm.reduce_scatter(out, flat, group=self.group, op="sum")
-            out.div_(self.size)
         else:
             out.copy_(flat)
-        return out
+        return out.to(self.dtype).div_(self.size)
 
     def _drain(self) -> None:
         for handle, _ in self._inflight.values():
@@ -275,15 +296,6 @@ class Zero3Optimizer:
         self._packed.clear()
 
     # ------------------------------------------------------------------ torch.optim-like surface
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner AdamW's param groups (set ``lr`` here)."""
-        return self.optimizer.param_groups
-
-    def parameter_names(self) -> list[str]:
-        """Names of the optimized parameters, in registration order."""
-        return [n for n, _ in self._named]
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accepted for the interface; ZeRO-3 reduce-scatters every micro-batch's gradient (see module docstring)."""
@@ -302,18 +314,6 @@ class Zero3Optimizer:
             out.append(sp.grad)
         return out
 
-    def owned_pieces(self) -> list[tuple[Slot, int, int, int]]:
-        """``(slot, lo, hi, offset)`` of every parameter range this rank owns (as ``ZeroOptimizer.owned_pieces``)."""
-        return pieces_of(self.buckets, self.rank)
-
-    def grad_norm_sq(self, weight: Mapping[str, float]) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm (as :meth:`ZeroOptimizer.grad_norm_sq`)."""
-        self.finish_gradient_sync()
-        return owned_sum_of_squares(self.grad_shards(), self._pieces(), weight)
-
-    def _pieces(self, rank: int | None = None) -> list[tuple[Slot, int, int, int]]:
-        return pieces_of(self.buckets, self.rank if rank is None else rank)
-
     @torch.no_grad()
     def step(self) -> None:
         """Decay the decayed ranges, then AdamW on this rank's chunks (gathered again by the next forward)."""
@@ -326,6 +326,8 @@ class Zero3Optimizer:
         ]
         apply_decay(decayed, self.optimizer.param_groups[0]["lr"], self.weight_decay)
         self.optimizer.step()
+        if self.policy.masters:  # rounded into the chunks the next forward gathers
+            self.param_shard.copy_(self.flat_shard)
 
     def set_weight_decay(self, value: float) -> None:
         """Change the decoupled weight decay (of the decayed parameters)."""
@@ -339,50 +341,44 @@ class Zero3Optimizer:
     @contextlib.contextmanager
     def full_parameters(self, writeback: bool = False) -> Iterator[None]:
         """Collective over the DP group: the module's parameters hold their full values inside the block (for
-        checkpoints and inspection); with ``writeback`` what was written into them is kept (each rank its chunk)."""
+        checkpoints and inspection; the fp32 masters under a master policy); with ``writeback`` what was written
+        into them is kept (each rank its chunk, rounded into the gathered chunks)."""
         self._drain()
         fulls = []
+        self._gather_master = True
         with torch.no_grad():
             for i, params in enumerate(self._params):
                 _, full = self._issue_gather(i, async_op=False)
                 fulls.append(full)
                 for s, (_, p) in zip(self.buckets[i].slots, params, strict=True):
                     p.data = full[s.offset : s.offset + s.numel].view(s.param.shape)
+        self._gather_master = False
         try:
             yield
         finally:
             with torch.no_grad():
-                for i, params in enumerate(self._params):
-                    bk = self.buckets[i]
+                for i, bk in enumerate(self.buckets):
                     if writeback:
                         self._chunk_view(i).copy_(fulls[i][self.rank * bk.chunk : (self.rank + 1) * bk.chunk])
-                    for _, p in params:
-                        p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+                if writeback and self.policy.masters:
+                    self.param_shard.copy_(self.flat_shard)
+                self._empty_params()
 
     # ------------------------------------------------------------------ memory
-    @property
-    def item_bytes(self) -> int:
-        """Bytes per element of the master dtype."""
-        return self._item
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The AdamW moments this rank holds (its chunks' ``exp_avg``, ``exp_avg_sq``)."""
-        return [v for st in self.optimizer.state.values() for k, v in st.items() if k != "step"]
-
     def memory_report(self) -> dict[str, Any]:
         """Bytes per rank held now for parameters (chunks, plus gathered buckets alive), gradient chunks and AdamW
-        state, beside the formulas 4Ψ/N, 4Ψ/N, 8Ψ/N (fp32; :func:`~kuangchao_core.parallel.state_memory.zero_formula`;
-        padding included in the measured sizes)."""
+        state (with the fp32 masters under a master policy), beside the formulas 4Ψ/N, 4Ψ/N, 8Ψ/N (fp32;
+        :func:`~kuangchao_core.parallel.state_memory.zero_formula`; padding included in the measured sizes)."""
         psi, n, b = self.numel, self.size, self._item
         gathered = sum(t.numel() for t in (*self._forward_full.values(), *self._backward_full.values()))
-        params = (self.flat_shard.numel() + gathered) * b
+        params = (self.param_shard.numel() + gathered) * self.param_shard.element_size()
         grads = sum(sp.grad.numel() * b for sp in self.shard_params if sp.grad is not None)
         optim = sum(
             st[k].numel() * st[k].element_size()
             for st in self.optimizer.state.values()
             for k in zero_state.STATE_KEYS
             if k in st
-        )
+        ) + (self.flat_shard.numel() * b if self.policy.masters else 0)
         return {
             "stage": 3,
             "dp_size": n,
@@ -390,37 +386,13 @@ class Zero3Optimizer:
             "padded_numel": self.padded_numel,
             "num_buckets": len(self.buckets),
             "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
-            "formula": zero_formula(psi, n, 3, "fp64" if b == 8 else "fp32"),
+            "formula": zero_formula(psi, n, 3, *self.policy.formula_dtypes(b)),
             "peak_gathered_bytes": self.peak_gathered_bytes,
         }
 
     # ------------------------------------------------------------------ checkpoints (as ZeroOptimizer)
-    def hyperparameters(self) -> dict[str, Any]:
-        """AdamW's settings with the decoupled weight decay of the decayed parameters."""
-        return zero_state.adamw_hyperparameters(self.optimizer, self.weight_decay)
-
-    def step_count(self) -> float:
-        """Optimizer steps taken, 0 before the first."""
-        return zero_state.adamw_step_count(self.optimizer)
-
     @property
     def named_params(self) -> list[tuple[str, torch.Tensor]]:
         """Parameter names with shape placeholders (meta tensors), in registration order."""
         shapes = {s.name: s.param for bk in self.buckets for s in bk.slots}
         return [(n, shapes[n]) for n, _ in self._named]
-
-    def shard_states(self) -> list[dict[str, torch.Tensor] | None]:
-        """AdamW state of this rank's chunk of every unit (None before the first step)."""
-        return [self.optimizer.state.get(sp) for sp in self.shard_params]
-
-    def state_dict_for_checkpoint(self):
-        """This rank's pieces of the AdamW state: :func:`~kuangchao_core.parallel.zero_state.sharded_state`."""
-        return zero_state.sharded_state(self)
-
-    def full_state_dict(self):
-        """Collective over the DP group: :func:`~kuangchao_core.parallel.zero_state.gather_full_state`."""
-        return zero_state.gather_full_state(self)
-
-    def load_full_state(self, tensors, meta) -> None:
-        """Keep this rank's ranges of an unsharded AdamW state."""
-        zero_state.load_full_state(self, tensors, meta)

@@ -30,7 +30,6 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.parallel.zero3 import Zero3Optimizer
-from kuangchao_core.parallel.zero3_master import PARAM_DTYPE, MasterZero3Optimizer
 from kuangchao_core.parallel.zero3_shards import shard_units
 
 
@@ -48,7 +47,8 @@ class _Both:
 
 class LoraZero3Optimizer(Zero3Optimizer):
     """:class:`Zero3Optimizer` of a model whose parameters that need no gradient (a LoRA base) are sharded too
-    (module docstring); same arguments."""
+    (module docstring); same arguments. Under a master policy the adapters have fp32 master chunks, gathered
+    rounded, and the base's chunks are in ``param_dtype`` only (never updated, so without a master)."""
 
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any):
         self._bound: dict[int, torch.Tensor] = {}  # unit -> the buffer its running forward binds the base from
@@ -57,6 +57,7 @@ class LoraZero3Optimizer(Zero3Optimizer):
         frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.base_numel = sum(p.numel() for _, p in frozen)
         self.base = shard_units(self._units, frozen, self.group, self.dtype, self.device)
+        self.base.flat = self.base.flat.to(self.param_shard.dtype)  # bf16 parameters: the base has no master
 
     def _issue_gather(self, i: int, async_op: bool) -> tuple[Any, torch.Tensor]:
         """Unit ``i``'s adapters and base into one buffer, ``[adapters | base]``."""
@@ -72,10 +73,6 @@ class LoraZero3Optimizer(Zero3Optimizer):
             return None, full
         handles = [comm.all_gather_into(out, chunk, group=self.group, async_op=async_op) for out, chunk in pairs]
         return (_Both(handles) if async_op else None), full
-
-    def _trainable_chunk(self, i: int) -> torch.Tensor:
-        """What unit ``i``'s adapters are gathered from (this rank's chunk; bf16 parameters: its bf16 rounding)."""
-        return self.shard_params[i].detach()
 
     def _full_for_forward(self, i: int) -> torch.Tensor:
         full = super()._full_for_forward(i)
@@ -147,24 +144,3 @@ class LoraZero3Optimizer(Zero3Optimizer):
         formula["params"] += share
         formula["total"] += share
         return {**report, "measured": measured, "formula": formula, "base_numel": self.base_numel}
-
-
-class MasterLoraZero3Optimizer(LoraZero3Optimizer, MasterZero3Optimizer):
-    """:class:`LoraZero3Optimizer` on bf16 parameters (``train.param_dtype: bf16``): the adapters as
-    :class:`~kuangchao_core.parallel.zero3_master.MasterZero3Optimizer` keeps them (fp32 master chunks, gathered in
-    bf16), the base's chunks in bf16 only (it is never updated, so it has no master), gathered with them."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.base.flat = self.base.flat.to(PARAM_DTYPE)
-
-    def _trainable_chunk(self, i: int) -> torch.Tensor:
-        if self._gather_master:
-            return super()._trainable_chunk(i)
-        lo = self._shard_offsets[i]
-        return self.param_shard[lo : lo + self.buckets[i].chunk]
-
-
-def with_frozen_base(zero3: type) -> type:
-    """The ZeRO-3 optimizer class that also shards a frozen base, for ``zero3`` (plain or bf16 parameters)."""
-    return MasterLoraZero3Optimizer if issubclass(zero3, MasterZero3Optimizer) else LoraZero3Optimizer

@@ -12,8 +12,9 @@ this rank's pieces, the gathered full state, loading either into a
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,12 +22,83 @@ import torch
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.parallel.state_memory import zero_formula
+from kuangchao_core.parallel.zero_layout import owned_sum_of_squares, pieces_of
 
 if TYPE_CHECKING:
     from kuangchao_core.parallel.zero import ZeroOptimizer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ZERO_META_FORMAT = 1
+
+
+class ShardedState:
+    """What the ZeRO optimizers (stages 1/2 and 3) share: the torch.optim-like surface over the wrapped AdamW and
+    this rank's pieces, and the checkpoint methods of this module. A subclass sets ``_named``, ``optimizer``,
+    ``buckets``, ``rank``, ``weight_decay``, ``_item`` and ``shard_params`` and defines ``finish_gradient_sync``
+    and ``grad_shards``."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner AdamW's param groups (set ``lr`` here, as for any torch optimizer)."""
+        return self.optimizer.param_groups
+
+    def parameter_names(self) -> list[str]:
+        """Names of the optimized parameters, in registration order."""
+        return [n for n, _ in self._named]
+
+    def _pieces(self, rank: int | None = None) -> list[tuple[Any, int, int, int]]:
+        return pieces_of(self.buckets, self.rank if rank is None else rank)
+
+    def owned_pieces(self) -> list[tuple[Any, int, int, int]]:
+        """``(slot, lo, hi, offset)`` of every parameter range this rank owns: elements ``[lo, hi)`` of the flattened
+        parameter ``slot.name`` sit at ``offset`` in this rank's shard of bucket ``slot.bucket``."""
+        return self._pieces()
+
+    def grad_norm_sq(self, weight: Mapping[str, float]) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: the sum of squares of the averaged gradient
+        elements it owns, parameter ``name`` weighted by ``weight[name]`` (float64 scalar; sum it over the DP group
+        and any other group of the mesh)."""
+        self.finish_gradient_sync()
+        return owned_sum_of_squares(self.grad_shards(), self._pieces(), weight)
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes per element of the master dtype (4 in fp32, 8 in fp64)."""
+        return self._item
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The AdamW moments this rank holds (its chunks' ``exp_avg``, ``exp_avg_sq``)."""
+        return [v for st in self.optimizer.state.values() for k, v in st.items() if k != "step"]
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """AdamW's settings (lr, betas, eps …) with the decoupled weight decay of the decayed parameters."""
+        return adamw_hyperparameters(self.optimizer, self.weight_decay)
+
+    def step_count(self) -> float:
+        """Optimizer steps taken (AdamW's ``step``), 0 before the first."""
+        return adamw_step_count(self.optimizer)
+
+    def shard_states(self) -> list[dict[str, torch.Tensor] | None]:
+        """AdamW state of this rank's chunk of every bucket (None for a bucket never stepped)."""
+        return [self.optimizer.state.get(sp) for sp in self.shard_params]
+
+    def state_dict_for_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
+        """This rank's shard of the optimizer state: :func:`sharded_state`."""
+        return sharded_state(self)
+
+    def full_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Collective over the DP group: :func:`gather_full_state`."""
+        return gather_full_state(self)
+
+    def load_full_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Keep this rank's ranges of an unsharded AdamW state: :func:`load_full_state`."""
+        load_full_state(self, tensors, meta)
+
+    def load_sharded_states(
+        self, shards: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Mapping[str, Any]], Mapping[str, Any]]]
+    ) -> None:
+        """Rebuild this rank's shard from every rank's :meth:`state_dict_for_checkpoint` of any DP size/stage."""
+        load_full_state(self, *merge_shards_to_full(shards))
 
 
 def adamw_hyperparameters(optimizer: torch.optim.Optimizer, weight_decay: float) -> dict[str, Any]:
@@ -52,13 +124,15 @@ def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
     padding of each bucket to a multiple of N.
     """
     psi, n, b = opt.numel, opt.size, opt.item_bytes
-    params = opt.flat_params.numel() * b + sum(
+    masters = opt.master is not None  # bf16 parameters; fp32 masters counted in ``optimizer_state``
+    params = opt.flat_params.numel() * opt.flat_params.element_size() + sum(
         s.param.numel() * s.param.element_size() for s in opt.copied_back_params()
     )
     if opt.stage == 1:
         grads = opt.flat_grads.numel() * b
     else:
         grads = opt.grad_shard.numel() * b + sum(x.numel() * b for x in opt.transient_grad_buffers())
+    if opt.stage == 2 or masters:  # the gradients a parameter holds outside the buffers
         grads += sum(p.grad.numel() * p.grad.element_size() for _, p in opt.named_params if p.grad is not None)
     optim = 0
     optim_elems = 0
@@ -67,6 +141,8 @@ def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
             if k in st:
                 optim += st[k].numel() * st[k].element_size()
                 optim_elems += st[k].numel()
+    if masters:
+        optim += opt.master.numel() * b
     return {
         "stage": opt.stage,
         "dp_size": n,
@@ -74,7 +150,7 @@ def memory_report(opt: ZeroOptimizer) -> dict[str, Any]:
         "padded_numel": opt.padded_numel,
         "num_buckets": len(opt.buckets),
         "measured": {"params": params, "grads": grads, "optimizer_state": optim, "total": params + grads + optim},
-        "formula": zero_formula(psi, n, opt.stage, "fp64" if b == 8 else "fp32"),
+        "formula": zero_formula(psi, n, opt.stage, *opt.policy.formula_dtypes(b)),
         "optimizer_state_elements": optim_elems,
         "peak_transient_grad_bytes": opt.peak_transient_grad_bytes,
     }
@@ -263,3 +339,32 @@ def merge_shards_to_full(
             for k in STATE_KEYS:
                 full[name][k] = full[name][k].view(shapes[name])
     return _as_flat_adamw(full, float(meta0.get("step", 0.0)), meta0.get("hyper", {}), [(n, shapes[n]) for n in order])
+
+
+@contextlib.contextmanager
+def full_masters(opt: ZeroOptimizer, writeback: bool) -> Iterator[None]:
+    """Collective: inside the block the trainable parameters of ``opt`` (ZeRO-1/2 with masters) hold the full fp32
+    masters (gathered; what checkpoints save and load); with ``writeback`` each rank keeps its chunk of what was
+    written, rounded into the parameters."""
+    fulls = []
+    with torch.no_grad():
+        for b, bk in enumerate(opt.buckets):
+            full = torch.empty(bk.size, dtype=opt.dtype, device=opt.device)
+            if opt.size > 1:
+                comm.all_gather(list(full.split(bk.chunk)), opt._param_chunk(b).clone(), group=opt.group)
+            else:
+                full.copy_(opt._param_chunk(b))
+            fulls.append(full)
+            for s in bk.slots:
+                s.param.data = full[s.offset : s.offset + s.numel].view_as(s.param)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, bk in enumerate(opt.buckets):
+                if writeback:
+                    opt._param_chunk(b).copy_(fulls[b][opt.rank * bk.chunk : (opt.rank + 1) * bk.chunk])
+                    opt.flat_params[bk.start : bk.start + bk.size].copy_(fulls[b])
+                for s in bk.slots:
+                    view = opt.flat_params[bk.start + s.offset : bk.start + s.offset + s.numel]
+                    s.param.data = view.view_as(s.param)
