@@ -81,7 +81,6 @@ def test_bias_balancing_may_drop_the_aux_loss_and_set_its_rate():
         ({"parallel": {"tensor_parallel_size": 2}}, "parallel.tensor_parallel_size"),
         ({"parallel": {"pipeline_parallel_size": 2}}, "parallel.pipeline_parallel_size"),
         ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size"),
-        ({"parallel": {"data_parallel_size": 2}}, "parallel.data_parallel_size"),
         ({"parallel": {"data_parallel_size": 2, "zero_stage": 3}}, "parallel.zero_stage"),
         ({"train": {"compile": True}}, "train.compile"),
     ],
@@ -92,6 +91,10 @@ def test_layouts_moe_does_not_support_yet_are_refused_with_one_line(sections, pa
     assert path in [p for p, _ in errors]
     message = dict(errors)[path]
     assert "model.moe" in message and "\n" not in message
+
+
+def test_data_parallelism_with_zero_up_to_2_is_allowed():
+    assert _job(MOE, parallel={"data_parallel_size": 2, "zero_stage": 2}).model.moe.num_experts == 4
 
 
 @pytest.mark.parametrize("extra", [{"lora": {}}, {"checkpoint": "/nonexistent"}])

@@ -4,6 +4,7 @@ control without them disagrees), the loss falls, and ``balance: bias`` moves the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, config_from_model_section
@@ -11,6 +12,7 @@ from kuangchao_core.models.moe import MoeStep, moe_blocks
 from kuangchao_core.parallel.forward_backward import model_inputs
 from tests.engine_helpers import run_trainers, tiny_job, trainer_in_process
 from tests.mp import run_distributed
+from tests.tolerances import FP64_REL, NEGATIVE_MIN
 
 MOE = {"num_experts": 4, "top_k": 2, "num_shared_experts": 1, "layers": [1], "aux_loss_coef": 0.05, "z_loss_coef": 0.01}
 
@@ -78,3 +80,61 @@ def test_bias_balancing_moves_the_bias_once_per_step_in_the_engine(tmp_path):
         # updates a step (or none) would give an even number
         assert all(s == round(s) and abs(s) <= 5 and s % 2 == 1 for s in steps), layer
     assert all(b == 0.0 for layer in control["biases"] for b in layer)  # balance aux_loss never touches the bias
+
+
+def _train_layouts(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
+    """Each job's losses, parameters and routing biases; ``unsummed_loads``: the negative control, each replica
+    moving its biases from its own loads only (the DP sum of the loads left out)."""
+    out = []
+    for job in jobs:
+        trainer = trainer_in_process(job["cfg"], rank, world_size)
+        if job.get("unsummed_loads"):
+            trainer.parts.groups = {**trainer.parts.groups, "dp": None}
+        state = trainer.run(resume="never")
+        # numpy arrays travel back by value (tensors would be shared through fds that die with the process)
+        params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+        biases = [b.router.expert_bias.numpy().copy() for b in moe_blocks(trainer.model)]
+        out.append({"losses": list(state.losses), "params": params, "biases": biases})
+    return out
+
+
+def _layout_job(tmp_path, name: str, dp: int, zero: int = 0):
+    moe = {**MOE, "layers": [0, 1], "balance": "bias", "bias_update_rate": 0.01, "capacity_factor": 1.0}
+    return tiny_job(
+        str(tmp_path / name),
+        model={"preset": "tiny", "num_layers": 2, "moe": moe},
+        data={"seq_len": 16},
+        parallel={
+            "data_parallel_size": dp,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 4 // dp,
+            "zero_stage": zero,
+        },
+        train={"steps": 5, "warmup_steps": 0, "dtype": "fp64"},
+    )
+
+
+def _worst(a: dict, b: dict) -> float:
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"], strict=True))
+    for name, p in b["params"].items():
+        worst = max(worst, float(np.abs(a["params"][name] - p).max() / np.abs(p).max()))
+    return worst
+
+
+def test_dp2_with_replicated_experts_equals_one_process_in_fp64(tmp_path):
+    (one,) = run_distributed(_train_layouts, 1, args=([{"cfg": _layout_job(tmp_path, "one", 1)}],), timeout=300)[0]
+    jobs = [
+        {"cfg": _layout_job(tmp_path, "dp2", 2)},
+        {"cfg": _layout_job(tmp_path, "dp2_zero1", 2, zero=1)},
+        {"cfg": _layout_job(tmp_path, "dp2_unsummed", 2), "unsummed_loads": True},
+    ]
+    ranks = run_distributed(_train_layouts, 2, args=(jobs,), timeout=300)
+    dp2, zero1, control = ranks[0]
+    assert one["losses"][-1] < one["losses"][0] and any(np.abs(b).sum() > 0 for b in one["biases"])
+    for run in (dp2, zero1):
+        assert _worst(run, one) < FP64_REL
+        for got, want in zip(run["biases"], one["biases"], strict=True):
+            assert np.allclose(got, want, rtol=0, atol=1e-12)
+    assert all(np.array_equal(a, b) for a, b in zip(ranks[0][0]["biases"], ranks[1][0]["biases"], strict=True))
+    # negative control: each replica's own loads move its biases away from one process's
+    assert _worst(control, one) > NEGATIVE_MIN

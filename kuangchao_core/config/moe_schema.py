@@ -73,14 +73,13 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
 
 
 def moe_layout_errors(model: Any, parallel: Any, train: Any) -> list[tuple[str, str]]:
-    """What a job with ``model.moe`` may not combine it with yet (the block runs in one process; expert
-    parallelism comes later): one ``(path, message)`` for each such setting."""
-    why = "model.moe runs in one process for now (issue 40)"
+    """What a job with ``model.moe`` may not combine it with yet (the experts are replicated, data parallelism
+    with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting."""
+    why = "model.moe replicates its experts: only data parallelism for now (issue 40)"
     refused = [
         (parallel.tensor_parallel_size > 1, "parallel.tensor_parallel_size", "must be 1"),
         (parallel.pipeline_parallel_size > 1, "parallel.pipeline_parallel_size", "must be 1"),
         (parallel.context_parallel_size > 1, "parallel.context_parallel_size", "must be 1"),
-        (parallel.data_parallel_size > 1, "parallel.data_parallel_size", "must be 1 (not tested with MoE yet)"),
         (parallel.zero_stage == 3, "parallel.zero_stage", "must not be 3"),
         (model.lora is not None, "model.lora", "LoRA does not adapt experts"),
         (model.vision is not None, "model.vision", "a vision tower is not built beside MoE"),

@@ -70,9 +70,10 @@ class ParallelModel:
         return get_forward_backward(self.model, self.loss_fn, self.executor, precision, sums, aux)
 
     def after_step(self, applied: bool) -> None:
-        """After the optimizer step (``applied``: not skipped): the MoE blocks' bias update (``balance: bias``)."""
+        """After the optimizer step (``applied``: not skipped): the MoE blocks' bias update (``balance: bias``), from
+        the loads of every DP replica."""
         if self.moe is not None:
-            self.moe.after_step(applied)
+            self.moe.after_step(applied, self.groups.get("dp"))
 
 
 def target_layout(mesh: Any, build: ModelBuildSettings) -> TargetLayout:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kuangchao_core.comm import primitives as P
 from kuangchao_core.hal.dtypes import at_least_fp32
 
 
@@ -250,11 +251,21 @@ class MoeStep:
                 total = block.aux_loss if total is None else total + block.aux_loss
         return total
 
-    def after_step(self, applied: bool) -> None:
-        """Update the biases from the step's loads when the optimizer step was ``applied``; reset the loads."""
-        if applied:
-            for block, load in zip(self.blocks, self.loads, strict=True):
-                if block.cfg.balance == "bias" and load is not None:
+    def after_step(self, applied: bool, group: Any = None) -> None:
+        """Update the biases from the step's loads when the optimizer step was ``applied`` (the same decision on
+        every rank), the loads summed over ``group`` (the DP group: every replica then moves its biases alike, as
+        one process would from the whole global batch); reset the loads."""
+        if applied and any(b.cfg.balance == "bias" for b in self.blocks):
+            loads = torch.stack(
+                [
+                    torch.zeros_like(b.router.expert_bias, dtype=torch.float64) if n is None else n.double()
+                    for b, n in zip(self.blocks, self.loads, strict=True)
+                ]
+            )
+            if group is not None and group.size > 1:
+                P.all_reduce(loads, group=group, op="sum")
+            for block, load in zip(self.blocks, loads, strict=True):
+                if block.cfg.balance == "bias":
                     block.router.update_bias(load)
         self.loads = [None] * len(self.blocks)
 
