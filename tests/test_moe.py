@@ -292,3 +292,30 @@ def test_moe_model_forward_backward_and_its_aux_loss():
     assert all(int(b.load.sum()) == 2 * 16 * 2 for b in blocks)
     (logits.logsumexp(-1).mean() + aux).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_counts_each_load_once():
+    cfg = LlamaConfig(
+        num_layers=2,
+        moe=MoeConfig(num_experts=4, top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=1.0, balance="bias"),
+    )
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(mode: str, with_aux: bool = True):
+        model = LlamaForCausalLM(cfg)
+        model.init_weights(1)
+        model = model.double()
+        model.activation_checkpointing = mode
+        moe = MoeStep(model)
+        loss = model(ids).logsumexp(-1).mean()
+        aux = moe.micro_batch_loss()
+        (loss + aux if with_aux else loss).backward()  # a recomputed forward runs inside this backward
+        return {n: p.grad for n, p in model.named_parameters()}, moe.loads
+
+    grads, loads = step("none")
+    for mode in ("full", "selective"):
+        got, got_loads = step(mode)
+        assert all(torch.allclose(got[n], g, rtol=1e-12, atol=1e-15) for n, g in grads.items()), mode
+        assert all(torch.equal(a, b) for a, b in zip(got_loads, loads, strict=True))
+    without, _ = step("full", with_aux=False)  # the control: the auxiliary losses left out change the router's
+    assert not torch.allclose(without["model.layers.0.mlp.router.weight"], grads["model.layers.0.mlp.router.weight"])
