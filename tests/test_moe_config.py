@@ -16,7 +16,8 @@ def _job(moe=None, **sections):
     model = {"preset": "tiny", "num_layers": 4}
     if moe is not None:
         model["moe"] = moe
-    return config_from_dict({"task": {"name": "t"}, "model": model, **sections})
+    tracking = {"log_model": False}  # a MoE model has no Hugging Face export yet (refused below)
+    return config_from_dict({"task": {"name": "t"}, "model": model, "tracking": tracking, **sections})
 
 
 def _errors(moe=None, **sections) -> list[tuple[str, str]]:
@@ -83,6 +84,7 @@ def test_bias_balancing_may_drop_the_aux_loss_and_set_its_rate():
         ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size"),
         ({"parallel": {"data_parallel_size": 2, "zero_stage": 3}}, "parallel.zero_stage"),
         ({"train": {"compile": True}}, "train.compile"),
+        ({"tracking": {"log_model": True}}, "tracking.log_model"),
     ],
 )
 def test_layouts_moe_does_not_support_yet_are_refused_with_one_line(sections, path):
@@ -100,7 +102,7 @@ def test_data_parallelism_with_zero_up_to_2_is_allowed():
 @pytest.mark.parametrize("extra", [{"lora": {}}, {"checkpoint": "/nonexistent"}])
 def test_lora_and_pretrained_llama_weights_are_refused_with_moe(extra):
     with pytest.raises(ConfigError) as info:
-        config_from_dict({"task": {"name": "t"}, "model": {"preset": "tiny", "moe": MOE, **extra}})
+        config_from_dict({"task": {"name": "t"}, "model": {"preset": "tiny", "moe": MOE, **extra}, "tracking": {}})
     assert f"model.{next(iter(extra))}" in [p for p, _ in info.value.errors]
 
 

@@ -5,12 +5,15 @@ control without them disagrees), the loss falls, and ``balance: bias`` moves the
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from kuangchao_core.ckpt.convert import export_hf
+from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, config_from_model_section
 from kuangchao_core.models.moe import MoeStep, moe_blocks
 from kuangchao_core.parallel.forward_backward import model_inputs
-from tests.engine_helpers import run_trainers, tiny_job, trainer_in_process
+from tests.engine_helpers import only_lineage, run_trainers, tiny_job, trainer_in_process
 from tests.mp import run_distributed
 from tests.tolerances import FP64_REL, NEGATIVE_MIN
 
@@ -24,6 +27,7 @@ def _job(tmp_path, name: str, moe: dict, steps: int = 8):
         parallel={"micro_batch_size": 2, "gradient_accumulation_steps": 2},
         train={"steps": steps, "warmup_steps": 0, "dtype": "fp64"},
         optimizer={"lr": 3e-3, "weight_decay": 0.0, "max_grad_norm": None},
+        tracking={"log_model": False},  # a MoE model has no Hugging Face export yet
     )
 
 
@@ -68,7 +72,7 @@ def _train_bias(rank: int, world_size: int, cfgs: list) -> list[dict]:
     return out
 
 
-def test_bias_balancing_moves_the_bias_once_per_step_in_the_engine(tmp_path):
+def test_bias_balancing_moves_the_bias_once_per_step_in_the_engine(tmp_path, trusted):
     rate = 0.125  # a power of two: every bias is a whole number of steps of it, exactly
     bias = {**MOE, "balance": "bias", "bias_update_rate": rate, "aux_loss_coef": 0.0, "layers": [0, 1]}
     cfgs = [_job(tmp_path, "bias", bias, steps=5), _job(tmp_path, "aux", {**MOE, "layers": [0, 1]}, steps=5)]
@@ -80,6 +84,10 @@ def test_bias_balancing_moves_the_bias_once_per_step_in_the_engine(tmp_path):
         # updates a step (or none) would give an even number
         assert all(s == round(s) and abs(s) <= 5 and s % 2 == 1 for s in steps), layer
     assert all(b == 0.0 for layer in control["biases"] for b in layer)  # balance aux_loss never touches the bias
+    step_dir = sorted(only_lineage(tmp_path / "bias" / "ckpt" / "t").glob("step_*"))[-1]
+    with pytest.raises(CheckpointError, match="MoE model"):  # no Hugging Face Llama export of experts yet
+        export_hf(step_dir, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
 
 
 def _train_layouts(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
@@ -111,6 +119,7 @@ def _layout_job(tmp_path, name: str, dp: int, zero: int = 0):
             "zero_stage": zero,
         },
         train={"steps": 5, "warmup_steps": 0, "dtype": "fp64"},
+        tracking={"log_model": False},
     )
 
 

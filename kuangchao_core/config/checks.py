@@ -85,11 +85,11 @@ def _vision_layout(model: Any, parallel: Any) -> Errors:
     return errors
 
 
-@_check("model", "parallel", "train")
-def _moe(model: Any, parallel: Any, train: Any) -> Errors:
+@_check("model", "parallel", "train", "tracking")
+def _moe(model: Any, parallel: Any, train: Any, tracking: Any) -> Errors:
     if model.moe is None:
         return []
-    return moe_errors(model.moe, model.num_layers) + moe_layout_errors(model, parallel, train)
+    return moe_errors(model.moe, model.num_layers) + moe_layout_errors(model, parallel, train, tracking)
 
 
 @_check("model", "parallel")

@@ -72,7 +72,7 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
     return errs
 
 
-def moe_layout_errors(model: Any, parallel: Any, train: Any) -> list[tuple[str, str]]:
+def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> list[tuple[str, str]]:
     """What a job with ``model.moe`` may not combine it with yet (the experts are replicated, data parallelism
     with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting."""
     why = "model.moe replicates its experts: only data parallelism for now (issue 40)"
@@ -85,5 +85,6 @@ def moe_layout_errors(model: Any, parallel: Any, train: Any) -> list[tuple[str, 
         (model.vision is not None, "model.vision", "a vision tower is not built beside MoE"),
         (bool(model.checkpoint), "model.checkpoint", "Hugging Face Llama weights have no experts"),
         (bool(train.compile), "train.compile", "MoE blocks are not compiled"),
+        (tracking.log_model, "tracking.log_model", "must be false (no Hugging Face export of experts yet)"),
     ]
     return [(path, f"{what} with model.moe: {why}") for bad, path, what in refused if bad]
