@@ -16,8 +16,7 @@ def _job(moe=None, **sections):
     model = {"preset": "tiny", "num_layers": 4}
     if moe is not None:
         model["moe"] = moe
-    tracking = {"log_model": False}  # a MoE model has no Hugging Face export yet (refused below)
-    return config_from_dict({"task": {"name": "t"}, "model": model, "tracking": tracking, **sections})
+    return config_from_dict({"task": {"name": "t"}, "model": model, **sections})
 
 
 def _errors(moe=None, **sections) -> list[tuple[str, str]]:
@@ -85,6 +84,7 @@ def test_bias_balancing_may_drop_the_aux_loss_and_set_its_rate():
         ({"parallel": {"data_parallel_size": 2, "zero_stage": 3}}, "parallel.zero_stage"),
         ({"train": {"compile": True}}, "train.compile"),
         ({"tracking": {"log_model": True}}, "tracking.log_model"),
+        ({"tracking": {"register_model": "m"}}, "tracking.register_model"),
     ],
 )
 def test_layouts_moe_does_not_support_yet_are_refused_with_one_line(sections, path):
@@ -112,3 +112,36 @@ def test_the_model_config_checks_moe_too():
     with pytest.raises(ConfigError) as info:
         LlamaConfig(num_layers=2, moe=MoeConfig(num_experts=2, top_k=4)).validate()
     assert [p for p, _ in info.value.errors] == ["model.moe.top_k"]
+
+
+class _NoExport:
+    def export_and_register(self, *args):
+        raise AssertionError("exported")
+
+
+def test_the_job_does_not_export_a_moe_model_by_default_and_says_so(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from kuangchao_core.job.finish import _export
+
+    logger = logging.getLogger("kuangchao.test_moe")
+    with caplog.at_level(logging.WARNING, logger.name):
+        got = _export(SimpleNamespace(cfg=_job(MOE)), _NoExport(), None, logger, {"path": "/c/step_5"}, {})
+    assert got == (None, None) and "MoE model has no Hugging Face export" in caplog.text
+    with pytest.raises(AssertionError, match="exported"):  # the control: a dense job goes on to export
+        _export(
+            SimpleNamespace(cfg=_job(), run_id="r", run_dir="/r"),
+            _NoExport(),
+            _Clock(),
+            logger,
+            {"path": "/c/step_5"},
+            {"final_loss": 1.0},
+        )
+
+
+class _Clock:
+    def phase(self, name):
+        import contextlib
+
+        return contextlib.nullcontext()

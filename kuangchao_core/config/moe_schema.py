@@ -85,6 +85,7 @@ def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> l
         (model.vision is not None, "model.vision", "a vision tower is not built beside MoE"),
         (bool(model.checkpoint), "model.checkpoint", "Hugging Face Llama weights have no experts"),
         (bool(train.compile), "train.compile", "MoE blocks are not compiled"),
-        (tracking.log_model, "tracking.log_model", "must be false (no Hugging Face export of experts yet)"),
+        (_given(tracking, "log_model") and tracking.log_model, "tracking.log_model", "no Hugging Face export"),
+        (tracking.register_model is not None, "tracking.register_model", "no Hugging Face export to register"),
     ]
     return [(path, f"{what} with model.moe: {why}") for bad, path, what in refused if bad]
