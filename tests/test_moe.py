@@ -319,3 +319,23 @@ def test_activation_checkpointing_gives_the_same_gradients_and_counts_each_load_
         assert all(torch.equal(a, b) for a, b in zip(got_loads, loads, strict=True))
     without, _ = step("full", with_aux=False)  # the control: the auxiliary losses left out change the router's
     assert not torch.allclose(without["model.layers.0.mlp.router.weight"], grads["model.layers.0.mlp.router.weight"])
+
+
+def test_kv_cache_decoding_of_a_dropless_moe_model_equals_full_forwards():
+    from kuangchao_core.engine.samples import greedy_decode
+    from kuangchao_core.models.kv_cache import KVCacheDecoder
+
+    cfg = LlamaConfig(num_layers=2, moe=MoeConfig(num_experts=4, top_k=2, num_shared_experts=1, layer_interval=2))
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(5)
+    model = model.double().eval()
+    with torch.no_grad():  # experts that matter: N(0, 0.02) weights would leave the argmax to the embedding
+        for p in model.layers[0].mlp.experts.parameters():
+            p.mul_(100.0)
+    prompts = [[3, 7, 11, 13], [5, 9, 2, 8]]
+    with torch.no_grad():
+        plain = greedy_decode(model, prompts, max_new=6, stop_id=-1)
+        cached = greedy_decode(None, prompts, max_new=6, stop_id=-1, decoder=KVCacheDecoder(model))
+        assert cached == plain and len(plain[0]) == 6
+        model.layers[0].mlp.experts.w_down.neg_()  # the control: other experts, other tokens
+        assert greedy_decode(None, prompts, max_new=6, stop_id=-1, decoder=KVCacheDecoder(model)) != plain
