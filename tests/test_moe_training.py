@@ -4,11 +4,15 @@ control without them disagrees), the loss falls, and ``balance: bias`` moves the
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from kuangchao_core.ckpt.convert import export_hf
+from kuangchao_core.ckpt.lineage import new_lineage_id
 from kuangchao_core.errors import CheckpointError
 from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, config_from_model_section
 from kuangchao_core.models.moe import MoeStep, moe_blocks
@@ -91,14 +95,19 @@ def test_bias_balancing_moves_the_bias_once_per_step_in_the_engine(tmp_path, tru
 
 
 def _train_layouts(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
-    """Each job's losses, parameters and routing biases; ``unsummed_loads``: the negative control, each replica
-    moving its biases from its own loads only (the DP sum of the loads left out)."""
+    """Each job's losses, parameters and routing biases; ``resume``, ``max_steps`` and ``lineage`` as
+    ``Trainer.run`` takes them. ``unsummed_loads``: the negative control of DP, each replica moving its biases from its
+    own loads only (the DP sum of the loads left out); ``forget_biases``: that of a resume."""
     out = []
     for job in jobs:
         trainer = trainer_in_process(job["cfg"], rank, world_size)
         if job.get("unsummed_loads"):
             trainer.parts.groups = {**trainer.parts.groups, "dp": None}
-        state = trainer.run(resume="never")
+        if job.get("forget_biases"):  # the negative control of a resume: the routing biases not restored
+            trainer.parts.load_extra_state = lambda state: None
+        state = trainer.run(
+            resume=job.get("resume", "never"), max_steps=job.get("max_steps"), lineage=job.get("lineage")
+        )
         # numpy arrays travel back by value (tensors would be shared through fds that die with the process)
         params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
         biases = [b.router.expert_bias.numpy().copy() for b in moe_blocks(trainer.model)]
@@ -106,7 +115,7 @@ def _train_layouts(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     return out
 
 
-def _layout_job(tmp_path, name: str, dp: int, zero: int = 0):
+def _layout_job(tmp_path, name: str, dp: int, zero: int = 0, steps: int = 5):
     moe = {**MOE, "layers": [0, 1], "balance": "bias", "bias_update_rate": 0.01, "capacity_factor": 1.0}
     return tiny_job(
         str(tmp_path / name),
@@ -118,8 +127,9 @@ def _layout_job(tmp_path, name: str, dp: int, zero: int = 0):
             "gradient_accumulation_steps": 4 // dp,
             "zero_stage": zero,
         },
-        train={"steps": 5, "warmup_steps": 0, "dtype": "fp64"},
+        train={"steps": steps, "warmup_steps": 0, "dtype": "fp64"},
         tracking={"log_model": False},
+        checkpoint={"interval": 3},
     )
 
 
@@ -147,3 +157,30 @@ def test_dp2_with_replicated_experts_equals_one_process_in_fp64(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(ranks[0][0]["biases"], ranks[1][0]["biases"], strict=True))
     # negative control: each replica's own loads move its biases away from one process's
     assert _worst(control, one) > NEGATIVE_MIN
+
+
+def test_a_resumed_run_restores_the_routing_biases_and_equals_the_straight_run(tmp_path, trusted):
+    lineage, control = new_lineage_id(), new_lineage_id(time.time() + 1)
+    straight = _layout_job(tmp_path, "straight", 1, steps=6)
+    resumed = _layout_job(tmp_path, "resumed", 1, steps=6)
+    jobs = [
+        {"cfg": straight},
+        {"cfg": resumed, "max_steps": 3, "lineage": lineage},
+        {"cfg": resumed, "resume": "auto", "lineage": lineage},
+        {"cfg": resumed, "max_steps": 3, "lineage": control},
+        {"cfg": resumed, "resume": "auto", "lineage": control, "forget_biases": True},
+    ]
+    ref, first, second, _, forgot = run_distributed(_train_layouts, 1, args=(jobs,), timeout=300)[0]
+    saved = json.loads((only_lineage_step(tmp_path / "resumed", lineage, 3) / "state.json").read_text())
+    assert [np.float32(v) for v in saved["moe_expert_bias"][0]] == list(first["biases"][0])
+    assert any(np.abs(b).sum() > 0 for b in first["biases"])
+    assert second["losses"][-3:] == ref["losses"][-3:]
+    for got, want in zip(second["biases"], ref["biases"], strict=True):
+        assert np.array_equal(got, want)
+    for name, value in ref["params"].items():
+        assert np.array_equal(second["params"][name], value), name
+    assert _worst(forgot, ref) > NEGATIVE_MIN  # biases restarted at zero route other tokens from step 4 on
+
+
+def only_lineage_step(root, lineage: str, step: int):
+    return root / "ckpt" / "t" / lineage / f"step_{step:08d}"

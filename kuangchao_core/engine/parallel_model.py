@@ -75,6 +75,15 @@ class ParallelModel:
         if self.moe is not None:
             self.moe.after_step(applied, self.groups.get("dp"))
 
+    def extra_state(self) -> dict[str, Any]:
+        """``state.json`` entries beside the parameters: the MoE routing biases (:meth:`MoeStep.state_dict`)."""
+        return self.moe.state_dict() if self.moe is not None else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` wrote, from a checkpoint's ``state.json``."""
+        if self.moe is not None:
+            self.moe.load_state_dict(state)
+
 
 def target_layout(mesh: Any, build: ModelBuildSettings) -> TargetLayout:
     """The checkpoint-resharding view of this rank's place in the mesh."""

@@ -31,6 +31,7 @@ step by ``bias_update_rate · sign(mean load − load_i)``, the loads counted ov
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.hal.dtypes import at_least_fp32
+
+log = logging.getLogger("kuangchao.models")
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
-        # float32 whatever the model's dtype (bf16 would round the small steps away); no gradient, not in checkpoints
+        # float32 whatever the model's dtype (bf16 would round the small steps away); no gradient; checkpoints keep
+        # it in state.json (MoeStep.state_dict)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Router:
@@ -268,6 +272,26 @@ class MoeStep:
                 if block.cfg.balance == "bias":
                     block.router.update_bias(load)
         self.loads = [None] * len(self.blocks)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint's ``state.json`` keeps besides the parameters: each ``balance: bias`` block's routing
+        bias (``moe_expert_bias``, one list per block in module order; the same on every DP replica)."""
+        if not any(b.cfg.balance == "bias" for b in self.blocks):
+            return {}
+        return {"moe_expert_bias": [b.router.expert_bias.tolist() for b in self.blocks]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the biases :meth:`state_dict` wrote (a checkpoint without them, or of another shape, starts them
+        at zero, with a warning)."""
+        saved = state.get("moe_expert_bias")
+        if not self.state_dict():
+            return
+        if saved is None or [len(s) for s in saved] != [b.cfg.num_experts for b in self.blocks]:
+            log.warning("the checkpoint holds no MoE routing biases for this model; they start from zero")
+            return
+        with torch.no_grad():
+            for block, values in zip(self.blocks, saved, strict=True):
+                block.router.expert_bias.copy_(torch.tensor(values, dtype=torch.float32))
 
 
 def moe_step(model: nn.Module) -> MoeStep | None:
