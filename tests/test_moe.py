@@ -339,3 +339,15 @@ def test_kv_cache_decoding_of_a_dropless_moe_model_equals_full_forwards():
         assert cached == plain and len(plain[0]) == 6
         model.layers[0].mlp.experts.w_down.neg_()  # the control: other experts, other tokens
         assert greedy_decode(None, prompts, max_new=6, stop_id=-1, decoder=KVCacheDecoder(model)) != plain
+
+
+def test_the_router_computes_in_fp32_under_bf16_autocast():
+    block = _block(top_k=2).float()
+    x = _tokens().float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = block.router(x)
+        out = block(x)
+        control = F.linear(x, block.router.weight)  # what autocast does to a plain linear
+    assert routing.logits.dtype == torch.float32 and control.dtype == torch.bfloat16
+    assert torch.allclose(routing.logits, x @ block.router.weight.detach().T, rtol=1e-6, atol=1e-6)
+    assert out.shape == x.shape and torch.isfinite(out).all()

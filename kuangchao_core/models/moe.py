@@ -128,7 +128,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """Route ``x`` (tokens × hidden)."""
         h = at_least_fp32(x)
-        logits = F.linear(h, self.weight.to(h.dtype))
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run the linear in half precision
+            logits = F.linear(h, self.weight.to(h.dtype))
         scores = logits.softmax(-1) if self.cfg.router == "softmax" else logits.sigmoid()
         choose = scores
         if self.cfg.balance == "bias":
