@@ -197,8 +197,9 @@ FRAGMENTS: dict[str, dict[str, Any]] = {
     "permission.roles.resources": {
         "permission": {"roles": {"monitor": {"interfaces": ["metrics_read"], "resources": ["metrics*"]}}}
     },
-    **dict.fromkeys(("cluster.nodes", "cluster.nodes.host", "cluster.nodes.gpus"), _STATIC),
-    "model.moe.bias_update_rate": {"model": {"moe": {"balance": "bias", "bias_update_rate": 0.01}}},
+    "cluster.nodes": _STATIC,
+    "cluster.nodes.host": _STATIC,
+    "cluster.nodes.gpus": _STATIC,
     "cluster.nodes.role": {"cluster": {"mode": "static", "nodes": [_NODE, _COORDINATOR]}},
     "parallel.sequence_parallel": {"parallel": {"tensor_parallel_size": 2, "sequence_parallel": True}},
     "cluster.slurm.switches_wait": {"cluster": {"mode": "slurm", "slurm": {"switches": 1, "switches_wait": "10:00"}}},

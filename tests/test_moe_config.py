@@ -59,7 +59,6 @@ def test_defaults_route_top2_of_8_dropless_with_the_aux_loss():
         ({**MOE, "layers": [1, 1]}, "model.moe.layers"),
         ({**MOE, "layers": [1], "layer_interval": 2}, "model.moe.layer_interval"),
         ({**MOE, "layer_interval": 5}, "model.moe.layer_interval"),
-        ({**MOE, "bias_update_rate": 0.01}, "model.moe.bias_update_rate"),
         ({**MOE, "aux_loss_coef": 0}, "model.moe.aux_loss_coef"),
         ({**MOE, "router": "relu"}, "model.moe.router"),
         ({**MOE, "capacity_factor": 0}, "model.moe.capacity_factor"),
@@ -83,7 +82,6 @@ def test_bias_balancing_may_drop_the_aux_loss_and_set_its_rate():
         ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size"),
         ({"parallel": {"data_parallel_size": 2, "zero_stage": 3}}, "parallel.zero_stage"),
         ({"train": {"compile": True}}, "train.compile"),
-        ({"tracking": {"log_model": True}}, "tracking.log_model"),
         ({"tracking": {"register_model": "m"}}, "tracking.register_model"),
     ],
 )
@@ -112,6 +110,23 @@ def test_the_model_config_checks_moe_too():
     with pytest.raises(ConfigError) as info:
         LlamaConfig(num_layers=2, moe=MoeConfig(num_experts=2, top_k=4)).validate()
     assert [p for p, _ in info.value.errors] == ["model.moe.top_k"]
+
+
+def test_a_resolved_config_read_back_keeps_validating():
+    # a worker reads the resolved config, where every field is set: checks may only look at values
+    for moe in ({**MOE, "layers": [1, 3]}, {**MOE, "balance": "bias"}, MOE):
+        cfg = _job(moe)
+        again = config_from_dict(cfg.to_dict())
+        assert again.model.moe == cfg.model.moe
+
+
+def test_settings_moe_does_not_use_are_reported():
+    from kuangchao_core.config.unused import unused_settings
+
+    paths = [p for p, _ in unused_settings(_job({**MOE, "bias_update_rate": 0.01}, tracking={"log_model": True}))]
+    assert paths == ["model.moe.bias_update_rate", "tracking.log_model"]
+    assert unused_settings(_job({**MOE, "balance": "bias", "bias_update_rate": 0.01})) == []  # the control
+    assert unused_settings(_job({**MOE, "layers": [1]})) == []
 
 
 class _NoExport:

@@ -46,10 +46,6 @@ class MoeSection(Section):
     layers: list[Int] | None = Field(default=None, min_length=1)
 
 
-def _given(section: Any, name: str) -> bool:
-    return name in getattr(section, "model_fields_set", ())
-
-
 def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> list[tuple[str, str]]:
     """``(path, message)`` for each inconsistent setting of ``moe`` (a :class:`MoeSection` or the model's
     ``MoeConfig``) in a decoder of ``num_layers`` layers (None: not known yet)."""
@@ -58,10 +54,8 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
         errs.append((f"{prefix}.top_k", f"{moe.top_k} is more than num_experts {moe.num_experts}"))
     if moe.balance == "aux_loss" and moe.aux_loss_coef == 0:
         errs.append((f"{prefix}.aux_loss_coef", "is 0 under balance: aux_loss, so nothing balances the experts"))
-    if moe.balance == "aux_loss" and _given(moe, "bias_update_rate"):
-        errs.append((f"{prefix}.bias_update_rate", "only used with balance: bias"))
     if moe.layers is not None:
-        if _given(moe, "layer_interval"):
+        if moe.layer_interval != 1:
             errs.append((f"{prefix}.layer_interval", "give layers or layer_interval, not both"))
         if len(set(moe.layers)) != len(moe.layers):
             errs.append((f"{prefix}.layers", f"lists a layer twice: {list(moe.layers)}"))
@@ -74,7 +68,9 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
 
 def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> list[tuple[str, str]]:
     """What a job with ``model.moe`` may not combine it with yet (the experts are replicated, data parallelism
-    with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting."""
+    with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting.
+    (Only values count: a worker reads back the resolved config, where every field is set. ``tracking.log_model``
+    and ``bias_update_rate`` under ``balance: aux_loss`` are unused settings, ``config.unused``.)"""
     why = "model.moe replicates its experts: only data parallelism for now (issue 40)"
     refused = [
         (parallel.tensor_parallel_size > 1, "parallel.tensor_parallel_size", "must be 1"),
@@ -85,7 +81,6 @@ def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> l
         (model.vision is not None, "model.vision", "a vision tower is not built beside MoE"),
         (bool(model.checkpoint), "model.checkpoint", "Hugging Face Llama weights have no experts"),
         (bool(train.compile), "train.compile", "MoE blocks are not compiled"),
-        (_given(tracking, "log_model") and tracking.log_model, "tracking.log_model", "no Hugging Face export"),
         (tracking.register_model is not None, "tracking.register_model", "no Hugging Face export to register"),
     ]
     return [(path, f"{what} with model.moe: {why}") for bad, path, what in refused if bad]
