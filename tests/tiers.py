@@ -125,6 +125,9 @@ FILE_TIERS = {
     "test_mesh.py": "distributed",
     "test_axes_generic.py": "unit",
     "test_mesh_axes.py": "unit",
+    "test_moe.py": "unit",
+    "test_moe_config.py": "unit",
+    "test_moe_training.py": "distributed",
     "test_mixed_precision.py": "distributed",
     "test_mlflow_view_browser.py": "flows",
     "test_model.py": "unit",
@@ -210,6 +213,7 @@ TEST_TIERS = {
     "test_readme.py::test_sections_run_elsewhere_are_in_the_readme_and_still_run_there": "unit",
     "test_readme.py::test_the_readme_is_one_screen_and_links_the_rest": "unit",
     "test_activation_checkpointing.py::test_negative_control_a_recomputation_without_the_rng_state_changes_the_gradients": "unit",
+    "test_moe.py::test_activation_checkpointing_gives_the_same_gradients_and_counts_each_load_once": "distributed",  # 3 s
     "test_activation_checkpointing.py::test_no_recomputation_without_autograd": "unit",
     "test_anomaly.py::test_a_scrape_is_a_monitor_read_under_its_roles_rules": "unit",
     "test_anomaly.py::test_each_kind_fires_on_its_cause_and_a_normal_run_is_quiet": "unit",

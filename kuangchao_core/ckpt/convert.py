@@ -129,6 +129,8 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         if index.manifest.get("lora") is not None:
             raise CheckpointError(f"{step_dir} holds LoRA adapters only: merge them into their base (export_merged)")
         cfg = model_config_of_checkpoint(index.manifest)
+        if cfg.moe is not None:
+            raise CheckpointError(f"{step_dir} holds a MoE model (issue 40): it has no Hugging Face export yet")
         if (index.manifest.get("model") or {}).get("vision") is not None:
             from kuangchao_core.ckpt.vlm_export import export_hf_llava
 

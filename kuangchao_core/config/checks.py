@@ -12,6 +12,7 @@ from typing import Any
 from kuangchao_core import axes as table
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import slurm_time_s
+from kuangchao_core.config.moe_schema import moe_errors, moe_layout_errors
 from kuangchao_core.config.slurm_options import export_env_errors
 from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
 from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
@@ -82,6 +83,13 @@ def _vision_layout(model: Any, parallel: Any) -> Errors:
     if model.checkpoint:  # the tower's sizes come from the checkpoint: the plan's check reads them (engine.plan_vision)
         errors = [(p, m) for p, m in errors if not p.endswith((".num_heads", ".intermediate_size"))]
     return errors
+
+
+@_check("model", "parallel", "train", "tracking")
+def _moe(model: Any, parallel: Any, train: Any, tracking: Any) -> Errors:
+    if model.moe is None:
+        return []
+    return moe_errors(model.moe, model.num_layers) + moe_layout_errors(model, parallel, train, tracking)
 
 
 @_check("model", "parallel")

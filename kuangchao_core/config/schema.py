@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
+from kuangchao_core.config.moe_schema import MoeSection
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import AxesSection, Float, Int, Section, _number  # noqa: F401
 from kuangchao_core.config.tracking_schema import DEFAULT_PROMETHEUS_PORT, PROMETHEUS_PORT_SPAN, TrackingSection  # noqa: F401
@@ -84,8 +85,8 @@ class ModelSection(Section):
     norm_eps: Float | None = Field(default=None, gt=0)
     tie_embeddings: bool | None = None
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="residual dropout (0 = off)")
-    #: fine-tune low-rank adapters instead of every weight (unset: full fine-tuning)
-    lora: LoraSection | None = None
+    lora: LoraSection | None = Field(default=None, description="fine-tune low-rank adapters (unset: every weight)")
+    moe: MoeSection | None = Field(default=None, description="mixture-of-experts MLPs (issue 40; unset: dense)")
     vision: VisionSection | None = Field(default=None, description="a LLaVA vision tower (unset: text only)")
 
     @model_validator(mode="before")

@@ -109,6 +109,11 @@ def unused_settings(cfg: Any) -> Warnings:
                 out.append((f"tracking.{name}", "not used: tracking.prometheus_port is null (no metrics endpoint)"))
     if _given(data, "images") and cfg.model.vision is None:
         out.append(("data.images", "not used: a text-only job (model.vision unset) reads no image records"))
+    moe = cfg.model.moe
+    if moe is not None and moe.balance != "bias" and _given(moe, "bias_update_rate"):
+        out.append(("model.moe.bias_update_rate", "only used with model.moe.balance: bias"))
+    if moe is not None and cfg.tracking.log_model and _given(cfg.tracking, "log_model"):
+        out.append(("tracking.log_model", "a MoE model has no Hugging Face export yet: only its checkpoints are kept"))
     if perm.mode == "trusted":
         for name in ("token_ttl_seconds", "roles", "allowed_interfaces", "operators"):
             if _given(perm, name):

@@ -191,6 +191,7 @@ class TrainerCheckpoints:
             "kuangchao_version": __version__,
             "config_hash": self.settings.config_hash,
             **(extra or {}),
+            **self.parts.extra_state(),  # MoE routing biases (issue 40)
         }
         keep = self.settings.keep_last
 
@@ -364,6 +365,7 @@ class TrainerCheckpoints:
         regions = {n: r for n, r in self.parts.regions.items() if n in trainable}
         params = load_for_layout(step_dir, param_keys(regions))
         self._copy_params({k.removeprefix("param."): v for k, v in params.items()}, str(step_dir), set(regions))
+        self.parts.load_extra_state(state)
         steps = int(state.get("optimizer_steps", state["step"]))
         optim = load_optimizer_for_layout(step_dir, regions)
         names = [n for n, _ in self.parts.model.named_parameters() if n in trainable]

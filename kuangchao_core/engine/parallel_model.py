@@ -23,6 +23,7 @@ from kuangchao_core.models.compile import compile_layers
 from kuangchao_core.models.layout import Region, TargetLayout
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from kuangchao_core.models.lora import LoraSettings, attach_lora, lora_regions
+from kuangchao_core.models.moe import MoeStep, moe_step
 from kuangchao_core.models.ring_attention import cp_attention, use_attention
 from kuangchao_core.models.tp_llama import TPLlamaForCausalLM, init_from_seed
 from kuangchao_core.obs.jsonlog import log_event
@@ -43,7 +44,7 @@ class ParallelModel:
     tensor it holds; ``placement``: where each parameter lives on the mesh
     (:class:`~kuangchao_core.parallel.placement.PlacementRecord`) and ``groups`` its axes' groups; ``lora``: the adapters' settings when the base is frozen
     and only adapters train (``model.lora``); ``cp_attention``: the ring attention every layer calls under
-    context parallelism (None at cp 1).
+    context parallelism (None at cp 1); ``moe``: the step's work for the MoE blocks (None without any).
     """
 
     model: nn.Module
@@ -54,6 +55,7 @@ class ParallelModel:
     groups: dict[str, Any]
     lora: LoraSettings | None = None
     cp_attention: Callable | None = None
+    moe: MoeStep | None = None
 
     def trainable(self) -> set[str]:
         """Names of the parameters the optimizer updates and checkpoints hold."""
@@ -61,9 +63,26 @@ class ParallelModel:
 
     def step_function(self, precision: Any = None):
         """The step's forward and backward (:func:`~kuangchao_core.parallel.forward_backward.get_forward_backward`),
-        with the partial sums :attr:`placement` records (:mod:`~kuangchao_core.parallel.partial_sums`)."""
+        with the partial sums :attr:`placement` records (:mod:`~kuangchao_core.parallel.partial_sums`) and the MoE
+        blocks' auxiliary losses (:mod:`~kuangchao_core.models.moe`)."""
         sums = step_partial_sums(self.model, self.placement, self.groups)
-        return get_forward_backward(self.model, self.loss_fn, self.executor, precision, sums)
+        aux = self.moe.micro_batch_loss if self.moe is not None else None
+        return get_forward_backward(self.model, self.loss_fn, self.executor, precision, sums, aux)
+
+    def after_step(self, applied: bool) -> None:
+        """After the optimizer step (``applied``: not skipped): the MoE blocks' bias update (``balance: bias``), from
+        the loads of every DP replica."""
+        if self.moe is not None:
+            self.moe.after_step(applied, self.groups.get("dp"))
+
+    def extra_state(self) -> dict[str, Any]:
+        """``state.json`` entries beside the parameters: the MoE routing biases (:meth:`MoeStep.state_dict`)."""
+        return self.moe.state_dict() if self.moe is not None else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` wrote, from a checkpoint's ``state.json``."""
+        if self.moe is not None:
+            self.moe.load_state_dict(state)
 
 
 def target_layout(mesh: Any, build: ModelBuildSettings) -> TargetLayout:
@@ -150,7 +169,7 @@ def build_parallel_model(
     summed = {n for n in regions if n.endswith("lora_A.weight") or sp and n.endswith(("norm.weight", "lora_B.weight"))}
     placement = PlacementRecord.of_regions(regions, sizes, summed)
     groups = {axis: getattr(mesh, f"{axis}_group", None) for axis in sizes}
-    return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend)
+    return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend, moe_step(model))
 
 
 def _with_adapters(regions: dict[str, Region], lora: LoraSettings | None) -> dict[str, Region]:

@@ -242,8 +242,9 @@ class Trainer:
         bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
         if not bad:
             self.sync.step()
-        self._count_bad_step(bad, loss_sum / self.groups.replicas.size, grad_norm)
+        self.parts.after_step(applied=not bad)  # MoE: the routing bias update (issue 40)
         loss = loss_sum / self.groups.replicas.size
+        self._count_bad_step(bad, loss, grad_norm)
         self.state.step += 1
         self.state.losses.append(loss)
         dt = time.perf_counter() - t0
@@ -324,10 +325,8 @@ class Trainer:
         # a change made before this attempt (or before a resume) applies from its first step
         self.lr_scale = live.follow(self.state.step, first=True).lr_scale
         # on CUDA the prefetched batches sit in pinned memory, so the step's non-blocking copies overlap compute
-        pin = self.device.type == "cuda"
-        self.loader = PrefetchLoader(
-            self.dataset, self.sampler, depth=self.run_settings.batches.prefetch, pin_memory=pin
-        )
+        pin, depth = self.device.type == "cuda", self.run_settings.batches.prefetch
+        self.loader = PrefetchLoader(self.dataset, self.sampler, depth=depth, pin_memory=pin)
         self.data_wait, self.step_seconds = DataWait(), []
         total, start_step = self.train_settings.steps, self.state.step
         stop_at = total if max_steps is None else min(total, start_step + max_steps)

@@ -43,6 +43,9 @@ def _export(job: JobRun, steps: JobSteps, clock: phases.PhaseClock, logger: Any,
     cfg = job.cfg
     if not (cfg.tracking.log_model and ckpt["path"]):
         return None, None
+    if cfg.model.moe is not None:  # config.moe_schema refuses log_model given with it; the default lands here
+        logger.warning("model not exported: a MoE model has no Hugging Face export yet; it is in %s", ckpt["path"])
+        return None, None
     aliases_before = prefect_watch.before_registration(cfg)  # a lost API registers nothing
     with clock.phase("export"):
         exported = steps.export_and_register(cfg, job.run_id, ckpt["path"], str(job.run_dir), result["final_loss"])

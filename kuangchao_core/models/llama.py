@@ -13,7 +13,6 @@ holds no parallel code; later layers hook in through two seams:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,14 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.config.moe_schema import moe_errors
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.attention import Documents, attend
 from kuangchao_core.models.llava_config import decoder_config
+from kuangchao_core.models.lm_loss import IGNORE_INDEX, causal_lm_loss, expected_initial_loss  # noqa: F401
+from kuangchao_core.models.moe import MoeBlock, MoeConfig
 from kuangchao_core.models.recompute import run_layer
-
-IGNORE_INDEX = -100
 
 #: Roles a projection can have (how tensor parallelism splits each is ``models.tp_llama.TP_PLAN``).
 PROJECTION_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -52,6 +52,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0  # residual dropout after attention and MLP (training only; 0 = off, as in Llama)
+    moe: MoeConfig | None = None  # mixture-of-experts feed-forward blocks (issue 40, models.moe); None: dense
 
     @property
     def head_dim(self) -> int:
@@ -90,6 +91,7 @@ class LlamaConfig:
             errs.append(("model.rope_theta", f"must be > 0, got {self.rope_theta}"))
         if self.norm_eps <= 0:
             errs.append(("model.norm_eps", f"must be > 0, got {self.norm_eps}"))
+        errs += moe_errors(self.moe, self.num_layers) if self.moe is not None else []
         if errs:
             raise ConfigError(errs)
         return self
@@ -100,7 +102,8 @@ class LlamaConfig:
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
         layer = attn + 3 * h * i + 2 * h
         emb = self.vocab_size * h
-        return emb * (1 if self.tie_embeddings else 2) + self.num_layers * layer + h
+        moe = len(self.moe.moe_layers(self.num_layers)) * (self.moe.num_params(h, i) - 3 * h * i) if self.moe else 0
+        return emb * (1 if self.tie_embeddings else 2) + self.num_layers * layer + h + moe
 
 
 #: Named shapes, from the config layer's presets (one source of truth).
@@ -130,7 +133,7 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
         if value is not None:
             base[name] = value
         elif name not in base:
-            if name in ("rope_theta", "norm_eps", "tie_embeddings", "dropout"):
+            if name in ("rope_theta", "norm_eps", "tie_embeddings", "dropout", "moe"):
                 base[name] = getattr(LlamaConfig, name)
             else:
                 missing.append((f"model.{name}", "not set and no preset or checkpoint supplies it"))
@@ -143,6 +146,7 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     base["norm_eps"] = float(base["norm_eps"])
     base["tie_embeddings"] = bool(base["tie_embeddings"])
     base["dropout"] = float(base["dropout"])
+    base["moe"] = MoeConfig.from_section(base["moe"])
     return LlamaConfig(**base).validate()
 
 
@@ -339,12 +343,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm transformer block."""
+    """One pre-norm transformer block (decoder layer ``index``); its MLP is a MoE block in ``cfg.moe``'s layers."""
 
-    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory):
+    def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory, index: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, make_linear)
-        self.mlp = LlamaMLP(cfg, make_linear)
+        moe = cfg.moe is not None and index in cfg.moe.moe_layers(cfg.num_layers)
+        self.mlp = MoeBlock(cfg.hidden_size, cfg.intermediate_size, cfg.moe) if moe else LlamaMLP(cfg, make_linear)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.dropout = float(cfg.dropout)
@@ -367,7 +372,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, make_linear: LinearFactory, make_embedding: Callable[[int, int], nn.Module]):
         super().__init__()
         self.embed_tokens = make_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_linear) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, make_linear, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
@@ -480,21 +485,3 @@ def init_from_seed(model: LlamaForCausalLM, seed: int, slices: dict[str, tuple[i
         full = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
         spec = slices.get(name)
         param.copy_(full if spec is None else full.narrow(spec[0], spec[1], spec[2]))
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of ``logits`` (batch, seq, vocab) against ``labels`` (batch, seq) already aligned to them
-    (label t is the token after input t), ignoring ``-100``; ``mean`` over the counted tokens, or ``sum``."""
-    flat = at_least_fp32(logits.reshape(-1, logits.shape[-1]))
-    loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    if reduction == "sum":
-        return loss
-    if reduction != "mean":
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    count = (labels != IGNORE_INDEX).sum()
-    return loss / count.clamp(min=1)
-
-
-def expected_initial_loss(vocab_size: int) -> float:
-    """Loss of a uniform prediction over the vocabulary, ln(vocab_size)."""
-    return math.log(vocab_size)

@@ -17,6 +17,11 @@ average of the gradients, the step minimises the mean over every labelled token 
 would. (The mean of per-micro-batch means differs as soon as micro-batches hold different numbers of labelled tokens:
 masked instruction data, packed documents.) ``loss_weight`` None keeps the mean of per-micro-batch means.
 
+``aux_loss`` (MoE models, issue 40: ``models.moe.MoeStep.micro_batch_loss``), called after each micro-batch's forward,
+gives the auxiliary losses of that forward (or None); each is backpropagated with the micro-batch's loss, weighted
+``1 / micro-batches`` (the step's auxiliary loss is the mean over its micro-batches, and the DP average of the
+gradients makes it the mean over every rank's), and left out of the loss returned.
+
 The loss returned is this rank's, a float64 scalar tensor on the batches' device (read by the trainer once per step,
 with the gradient norm): its share of the step's loss on the last pipeline stage, 0 on other stages.
 """
@@ -45,13 +50,21 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def get_forward_backward(
-    model: torch.nn.Module, loss_fn: Callable, executor: Any = None, precision: Any = None, partial_sums: Any = None
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    executor: Any = None,
+    precision: Any = None,
+    partial_sums: Any = None,
+    aux_loss: Callable[[], torch.Tensor | None] | None = None,
 ) -> ForwardBackward:
     """The step function for this rank: pipelined when ``executor`` (a PipelineExecutor) is given, else plain.
 
     ``precision``: the job's :class:`~kuangchao_core.parallel.mixed_precision.MixedPrecision` (forwards under its
     autocast, backward of its scaled loss); None runs in the parameters' dtype. The loss returned is unscaled.
-    ``partial_sums``: called once the step's backwards ran, before GradSync's reduction (None: nothing to sum)."""
+    ``partial_sums``: called once the step's backwards ran, before GradSync's reduction (None: nothing to sum).
+    ``aux_loss``: the auxiliary losses of the last forward (see the module docstring); not with ``executor``."""
+    if aux_loss is not None and executor is not None:
+        raise ValueError("auxiliary losses (MoE) are not collected by the pipeline executor")
     autocast = precision.autocast if precision is not None else contextlib.nullcontext
     scale = precision.scale if precision is not None else (lambda loss: loss)
 
@@ -68,7 +81,8 @@ def get_forward_backward(
                     loss = weighted_loss(
                         loss_fn, model(batch["input_ids"], **model_inputs(batch)), batch, n, loss_weight
                     )
-                scale(loss).backward()
+                extra = aux_loss() if aux_loss is not None else None
+                scale(loss if extra is None else loss + extra.to(loss.dtype) / n).backward()
             local += loss.detach().double()  # summed in float64 as Python floats were: read once per step
         return local
 
