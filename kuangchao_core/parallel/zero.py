@@ -43,7 +43,7 @@ import torch
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
-from kuangchao_core.hal.dtypes import adamw_kernel
+from kuangchao_core.hal import dtypes, memory
 from kuangchao_core.parallel import zero_state
 from kuangchao_core.parallel.weight_decay import apply_decay
 from kuangchao_core.parallel.zero_layout import Slot, named_trainable, owned_sum_of_squares, pieces_of, plan_buckets
@@ -123,7 +123,7 @@ class ZeroOptimizer:
             betas=betas,
             eps=eps,
             weight_decay=0.0 if self._no_decay else weight_decay,
-            **adamw_kernel(self._shard_params),
+            **dtypes.adamw_kernel(self._shard_params),
         )
         self._broadcast_params()
 
@@ -135,7 +135,7 @@ class ZeroOptimizer:
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
-        self.flat_params = torch.zeros(start, dtype=self.dtype, device=self.device)
+        self.flat_params = memory.pool_zeros(start, self.dtype, self.device, "zero.flat_params", "params")
         self._copy_back: list[Slot] = []
         with torch.no_grad():
             for b in self.buckets:
@@ -147,7 +147,7 @@ class ZeroOptimizer:
                     else:
                         self._copy_back.append(s)
         if self.stage == 1:
-            self.flat_grads = torch.zeros(start, dtype=self.dtype, device=self.device)
+            self.flat_grads = memory.pool_zeros(start, self.dtype, self.device, "zero.flat_grads", "grads")
             for b in self.buckets:
                 for s in b.slots:
                     if s.param.dtype == self.dtype:
@@ -155,7 +155,7 @@ class ZeroOptimizer:
                             s.param
                         )
         else:
-            self.grad_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
+            self.grad_shard = memory.pool_zeros(start // self.size, self.dtype, self.device, "zero.grad_shard", "grads")
 
     def _param_chunk(self, b: int) -> torch.Tensor:
         bk = self.buckets[b]
@@ -334,7 +334,7 @@ class ZeroOptimizer:
     def _take_gradient(self, b: int, i: int, s: Slot) -> None:
         bk = self.buckets[b]
         if self._bucket_bufs[b] is None:
-            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
+            self._bucket_bufs[b] = memory.pool_zeros(bk.size, self.dtype, self.device, "zero.grad_buckets", "comm")
             held = sum(x.numel() * self._item for x in self._bucket_bufs if x is not None)
             self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
         if s.param.grad is not None:

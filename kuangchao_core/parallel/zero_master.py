@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from kuangchao_core.comm import primitives as comm
+from kuangchao_core.hal.memory import pool_zeros
 from kuangchao_core.parallel import data
 from kuangchao_core.parallel.state_memory import zero_formula
 from kuangchao_core.parallel.weight_decay import apply_decay
@@ -71,8 +72,8 @@ class MasterZeroOptimizer(ZeroOptimizer):
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
-        self.flat_params = torch.zeros(start, dtype=PARAM_DTYPE, device=self.device)
-        self.master = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
+        self.flat_params = pool_zeros(start, PARAM_DTYPE, self.device, "zero.flat_params", "params")
+        self.master = pool_zeros(start // self.size, self.dtype, self.device, "zero.master_params", "optim")
         self._master_offsets = []
         self._copy_back = []
         off = 0
@@ -91,10 +92,10 @@ class MasterZeroOptimizer(ZeroOptimizer):
                     view = self.flat_params[b.start + s.offset : b.start + s.offset + s.numel]
                     s.param.data = view.view_as(s.param)
         if self.stage == 1:  # the fp32 main gradients; this rank's chunks of them are its gradient shard
-            self.flat_grads = torch.zeros(start, dtype=self.dtype, device=self.device)
+            self.flat_grads = pool_zeros(start, self.dtype, self.device, "zero.flat_grads", "grads")
             self.grad_shard = None
         else:
-            self.grad_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
+            self.grad_shard = pool_zeros(start // self.size, self.dtype, self.device, "zero.grad_shard", "grads")
 
     def _param_chunk(self, b: int) -> torch.Tensor:
         """This rank's fp32 master chunk of bucket ``b`` (what AdamW steps)."""
@@ -169,7 +170,7 @@ class MasterZeroOptimizer(ZeroOptimizer):
         first gradient comes), ``param.grad`` dropped."""
         bk = self.buckets[b]
         if self._bucket_bufs[b] is None:
-            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
+            self._bucket_bufs[b] = pool_zeros(bk.size, self.dtype, self.device, "zero.grad_buckets", "comm")
             held = sum(x.numel() * x.element_size() for x in self._bucket_bufs if x is not None)
             self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
         if s.param.grad is not None:
