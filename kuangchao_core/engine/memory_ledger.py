@@ -1,14 +1,16 @@
 """Per-module memory records of one rank (issue 44 item 3): who holds the bytes, for ``kc debug memory`` and for the
 message an out-of-memory ends the job with.
 
-A record is ``{"module", "kind", "bytes"}``. Kinds: ``params``, ``grads``, ``buffers`` and ``optimizer_state`` of
-each block of the model (an element of a ``ModuleList`` — a decoder layer — or a module holding parameters itself:
-the embedding, the final norm, the head), ``activations`` a block's forward saved for its backward (counted through
-``saved_tensors_hooks`` while the step's forward-backward runs, each saved storage until autograd lets it go; what
-the step saves outside every block — the loss over the logits — goes to ``(outside blocks)``), and the HAL pool's
-allocations under their own module and region (``dp.grad_buckets grads``, ``zero.flat_params params``,
-``zero.grad_buckets comm``: the engine's buffers) plus its cached blocks. Every storage is counted once, the pool's
-first: a parameter that is a view of ZeRO's flat buffer is in ``zero.flat_params``.
+A record is ``{"module", "kind", "bytes"}``. Kinds: ``params``, ``grads`` and ``buffers`` of each block of the
+model (an element of a ``ModuleList`` — a decoder layer — or a module holding parameters itself: the embedding, the
+final norm, the head); the optimizer's ``optimizer_state`` (AdamW's moments, one record: the GradSync does not say
+whose they are) and ``master_params``; compression's error feedback as ``comm comm_buffers``; ``activations``, what
+a block's forward saved for its backward and its output while that lives (counted through ``saved_tensors_hooks`` while the step's forward-backward
+runs, each saved storage until autograd lets it go; what the step saves outside every block — the loss over the
+logits — goes to ``(outside blocks)``); and the HAL pool's allocations under their own module and region
+(``dp.grad_buckets grads``, ``zero.flat_params params``, ``zero.grad_buckets comm_buffers``: the engine's buffers)
+plus its cached blocks. Every storage is counted once, the pool's first: a parameter that is a view of ZeRO's flat
+buffer is in ``zero.flat_params``.
 
 On CUDA the bytes come from the caching allocator's own snapshot (``torch.cuda.memory_snapshot()``): every active
 block is named by the storage the records know at its address, and the blocks none of them owns are listed as
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,16 +86,18 @@ class MemoryLedger:
                 self._handles.append(mod.register_forward_hook(self._leave(name), always_call=True))
 
     # ------------------------------------------------------------------ activations
+    def _hold(self, t: torch.Tensor, block: str) -> int:
+        """Count ``t``'s storage under ``block`` once more; returns its address (for :meth:`_release`)."""
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        with self._lock:
+            entry = self._saved.setdefault(ptr, [0, st.nbytes(), block])
+            entry[0] += 1
+        return ptr
+
     def _hooks(self, block: str) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> Any:
-            if t.device.type == "meta":
-                return t
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            with self._lock:
-                entry = self._saved.setdefault(ptr, [0, st.nbytes(), block])
-                entry[0] += 1
-            return _Saved(self, ptr, t)
+            return t if t.device.type == "meta" else _Saved(self, self._hold(t, block), t)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor if isinstance(h, _Saved) else h)
 
@@ -117,11 +122,15 @@ class MemoryLedger:
         return pre
 
     def _leave(self, block: str) -> Callable:
-        def post(_mod, _args, _out) -> None:
+        def post(_mod, _args, out) -> None:
             stack = self._where.__dict__.get("stack") or [None]
             ctx = stack.pop()
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+            if ctx is None:
+                return
+            ctx.__exit__(None, None, None)
+            for t in out if isinstance(out, tuple | list) else (out,):  # the block's output, while it lives
+                if torch.is_tensor(t) and t.device.type != "meta":
+                    weakref.finalize(t, self._release, self._hold(t, block))
 
         return post
 
@@ -146,19 +155,6 @@ class MemoryLedger:
         return tracked
 
     # ------------------------------------------------------------------ records
-    def _optimizer_states(self) -> Iterator[tuple[str, torch.Tensor]]:
-        opt = getattr(self.sync, "optimizer", None)
-        while opt is not None and not isinstance(opt, torch.optim.Optimizer):
-            opt = getattr(opt, "optimizer", None)
-        if opt is not None:
-            for p, state in list(opt.state.items()):
-                for v in list(state.values()):
-                    if torch.is_tensor(v):
-                        yield self.owner.get(id(p), "optimizer"), v
-        if self.sync is not None and hasattr(self.sync, "state_tensors"):
-            for v in self.sync.state_tensors():
-                yield "optimizer", v
-
     def storages(self) -> list[tuple[str, str, int, int]]:
         """``(module, kind, bytes, storage address)``, each storage once (the pool's first, then parameters,
         gradients, buffers, optimizer state and master copies, activations)."""
@@ -182,12 +178,15 @@ class MemoryLedger:
             for name, mod in self.blocks:
                 for t in mod.buffers() if kind == "buffers" else mod.parameters():
                     take(name, kind, t.grad if kind == "grads" else t)
-        for owner, v in self._optimizer_states():
-            take(owner, "optimizer_state", v)
-        for group in getattr(self.sync, "param_groups", None) or []:
-            for p in group["params"]:  # fp32 masters of bf16 parameters; ZeRO's chunks are the pool's already
-                take("optimizer", "master_params", p)
-                take("optimizer", "master_grads", p.grad)
+        if self.sync is not None:  # the GradSync's own surface (tests/test_grad_sync_seam.py: no probing)
+            for v in self.sync.state_tensors():
+                take("optimizer", "optimizer_state", v)
+            for group in self.sync.param_groups:
+                for p in group["params"]:  # fp32 masters of bf16 parameters; ZeRO's chunks are the pool's already
+                    take("optimizer", "master_params", p)
+                    take("optimizer", "master_grads", p.grad)
+            for v in self.sync.comm_state_tensors().values():  # compression's error feedback
+                take("comm", "comm_buffers", v)
         with self._lock:
             saved = [(ptr, e[1], e[2]) for ptr, e in self._saved.items()]
         for ptr, nbytes, block in saved:

@@ -1,0 +1,193 @@
+"""Memory the user can read after an out-of-memory (issue 44 item 3): per-module records on every rank, the engine's
+buffers from the HAL pool, one message naming the top consumers.
+
+- On a real dp2 Gloo job (ZeRO-0: DP gradient buckets; ZeRO-2: flat shards and bucket buffers, both from the pool)
+  each rank's records (``engine/memory_ledger.py``), taken mid-step — after one optimizer step, with the next
+  step's forward done and its activations held — sum to within 5 % of the rank's *measured* bytes: every CPU
+  allocator allocation and free since before the model was built, as ``torch.profiler`` (``profile_memory``)
+  recorded them, summed — the bytes the allocator hands out and has not taken back, counted by the allocator's
+  own events, not by walking the tensors the records walk. Negative control: the same records without the
+  optimizer's state miss by more than 5 %.
+- A pool cap (``hal.memory_pool_size``) below the step's need ends the ZeRO-2 step with one HalOutOfMemory whose one
+  line names the top consumers (the records' five largest, in order), and writes the rank's report, which
+  ``kc debug memory`` prints.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kuangchao.cli.main import app
+from tests.mp import run_distributed
+
+VOCAB, SEQ = 512, 32
+TOLERANCE = 0.05  # the issue's: records within 5 % of the measured bytes
+
+
+def _parts(zero_stage: int):
+    """A tiny Llama, its GradSync over every rank (as ``make_grad_sync`` builds it for the job) and a batch."""
+    import torch
+
+    from kuangchao_core.comm import CommGroup
+    from kuangchao_core.config.settings import GradSyncSettings
+    from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
+    from kuangchao_core.parallel.grad_sync import make_grad_sync
+    from kuangchao_core.parallel.mesh import ReduceGroups
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB))
+    group = CommGroup([0, 1], backend="gloo", name=f"dp-z{zero_stage}")
+    settings = GradSyncSettings(
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.0,
+        weight_decay_exclude=(),
+        zero_stage=zero_stage,
+        bucket_size_mb=0.25,
+        grad_compression="none",
+        grad_reduce_dtype="fp32",
+        topk_ratio=0.01,
+        topk_warmup_steps=0,
+    )
+    sync = make_grad_sync(settings, model, ReduceGroups(replicas=group, tp_group=None, pp_group=None), {})
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(group.rank))
+    return model, sync, ids
+
+
+def _loss(model, ids):
+    from kuangchao_core.models.llama import causal_lm_loss
+
+    return causal_lm_loss(model(ids), ids)
+
+
+def settle() -> None:
+    """Let the Gloo work of the step end: its staging copies (a reduce-scatter's clone of its input) are freed when
+    the work's thread lets it go, and none of the records names them."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    time.sleep(0.2)
+    gc.collect()
+
+
+def _records_and_measured(rank: int, world_size: int) -> dict:
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kuangchao_core.engine.memory_ledger import MemoryLedger
+    from kuangchao_core.hal import memory as hal_memory
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    install_guard(AllowAll())
+    out = {}
+    for stage in (0, 2):
+        gc.collect()
+        hal_memory.release_unused()
+        # the previous layout's buffers outlive it (its gradient hooks on the parameters hold it): allocated before
+        # this window, they are not measured, so their bytes leave the records' sum too
+        before = {ptr for *_, ptr in hal_memory.POOL.live_blocks()}
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model, sync, ids = _parts(stage)
+            ledger = MemoryLedger(model, sync).install()
+            with ledger.tracking():
+                sync.zero_grad()
+                _loss(model, ids).backward()
+                sync.finish()
+            sync.step()
+            settle()
+            with ledger.tracking():
+                loss = _loss(model, ids)  # the next step's forward: its activations are held
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        measured = sum(int(e.nbytes()) for e in events)
+        leftover = sum(nbytes for *_, nbytes, ptr in ledger.storages() if ptr in before)
+        out[stage] = {"records": ledger.records(), "leftover": leftover, "measured": measured}
+        ledger.close()
+        del model, sync, ids, loss, ledger
+    return out
+
+
+def _within(records: list[dict], measured: int, leftover: int = 0) -> bool:
+    return abs(sum(r["bytes"] for r in records) - leftover - measured) <= TOLERANCE * measured
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_distributed(_records_and_measured, 2, timeout=180)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_records_sum_to_the_measured_bytes_of_each_rank(measured, stage):
+    for rank, result in enumerate(measured):
+        records, total = result[stage]["records"], result[stage]["measured"]
+        assert total > 1_000_000, total  # a real measurement, not an empty one
+        kinds = {(r["module"], r["kind"]) for r in records}
+        engine = ("dp.grad_buckets", "grads") if stage == 0 else ("zero.flat_params", "params")
+        assert engine in kinds, kinds  # the engine's buffers came from the HAL pool
+        assert ("model.layers.0", "activations") in kinds and ("optimizer", "optimizer_state") in kinds, kinds
+        leftover = result[stage]["leftover"]
+        assert _within(records, total, leftover), (rank, sum(r["bytes"] for r in records), leftover, total, records)
+
+
+def test_negative_control_records_without_the_optimizer_state_miss(measured):
+    for result in measured:
+        for stage in (0, 2):
+            records, total = result[stage]["records"], result[stage]["measured"]
+            kept = [r for r in records if r["kind"] != "optimizer_state"]
+            assert _within(records, total, result[stage]["leftover"])  # the same figures pass with it
+            assert not _within(kept, total, result[stage]["leftover"])
+
+
+# ---------------------------------------------------------------------- a pool cap below the step's need
+def _forced_oom(rank: int, world_size: int, dump: str) -> dict:
+    from kuangchao_core.engine.memory_ledger import MemoryLedger
+    from kuangchao_core.hal import memory as hal_memory
+    from kuangchao_core.perm.guard_api import AllowAll, install_guard
+
+    install_guard(AllowAll())
+    hal_memory.set_oom_dump(f"{dump}/rank_{rank:05d}.json")
+    model, sync, ids = _parts(2)
+    ledger = MemoryLedger(model, sync).install()
+    # room for the set-up's flat shards, not for the bucket buffers the backward asks for
+    hal_memory.configure_pool(limit_bytes=hal_memory.POOL.live_bytes + 1024)
+    try:
+        with ledger.tracking():
+            _loss(model, ids).backward()
+    except hal_memory.HalOutOfMemory as exc:
+        message = str(exc)
+    else:
+        message = None
+    hal_memory.configure_pool(limit_bytes=None)  # the control: without the cap the same step fits
+    sync.zero_grad()
+    with ledger.tracking():
+        _loss(model, ids).backward()
+    sync.finish()
+    return {"message": message, "fits_without_cap": True}
+
+
+def test_a_pool_cap_below_the_step_need_ends_with_one_message_naming_the_top_consumers(tmp_path):
+    import json
+
+    from kuangchao_core.hal.memory import top_consumers
+
+    dumps = tmp_path / "debug" / "memory"
+    results = run_distributed(_forced_oom, 2, args=(str(dumps),), timeout=120)
+    for rank, result in enumerate(results):
+        message = result["message"]
+        assert message is not None and result["fits_without_cap"], "the step fit under the cap"
+        assert "\n" not in message and message.startswith("out of memory: zero.grad_buckets (comm)"), message
+        assert "hal.memory_pool_size" in message, message
+        # the report written at the out-of-memory holds the records the message names, largest first
+        records = json.loads((dumps / f"rank_{rank:05d}.json").read_text())["records"]
+        top = top_consumers(records)
+        assert message.endswith(f"top consumers: {top}"), (message, top)
+        assert len(top.split(", ")) == 5 and "zero.flat_params params" in top and "activations" in top, top
+    res = CliRunner().invoke(app, ["debug", "memory", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "== rank_00000" in res.output and "== rank_00001" in res.output, res.output
+    assert "zero.flat_params" in res.output and "activations" in res.output and "records total" in res.output
