@@ -191,3 +191,40 @@ def test_a_pool_cap_below_the_step_need_ends_with_one_message_naming_the_top_con
     assert res.exit_code == 0, res.output
     assert "== rank_00000" in res.output and "== rank_00001" in res.output, res.output
     assert "zero.flat_params" in res.output and "activations" in res.output and "records total" in res.output
+
+
+# ---------------------------------------------------------------------- the engine's worker, capped by its config
+@pytest.mark.slow
+def test_the_worker_capped_by_hal_memory_pool_size_ends_with_the_oom_message_and_its_report(tmp_path):
+    """A dp2 ZeRO-2 job under torchrun whose ``hal.memory_pool_size`` holds its flat shards (6 bytes a parameter:
+    fp32 parameters, half the fp32 gradients) but not the step's bucket buffers: every rank ends with the one
+    HalOutOfMemory line naming its top consumers, and ``kc debug memory RUN_DIR`` prints the reports it wrote."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kuangchao_core.models.llama import LlamaForCausalLM, config_from_model_section
+    from tests.engine_helpers import tiny_job
+
+    run_dir = tmp_path / "run"
+    layout = {"data_parallel_size": 2, "zero_stage": 2}
+    cfg = tiny_job(str(run_dir), parallel=layout, train={"steps": 3})
+    params = sum(p.numel() for p in LlamaForCausalLM(config_from_model_section(cfg.model)).parameters())
+    cfg = tiny_job(str(run_dir), parallel=layout, train={"steps": 3}, hal={"memory_pool_size": 6 * params + 4096})
+    config = tmp_path / "job.yaml"
+    config.write_text(cfg.to_yaml(), encoding="utf-8")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "KC_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "kuangchao_core.engine.worker", "--config", str(config), "--resume", "never"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0, done.stderr[-2000:]
+    for rank in (0, 1):
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith(f"[rank{rank}]: ") and "HalOutOfMemory" in ln]
+        assert len(lines) == 1, done.stderr[-4000:]
+        assert "hal.memory_pool_size" in lines[0] and "top consumers: " in lines[0], lines[0]
+        assert "zero.flat_params params" in lines[0] and "activations" in lines[0], lines[0]
+        assert (run_dir / "debug" / "memory" / f"rank_{rank:05d}.json").is_file()
+    res = CliRunner().invoke(app, ["debug", "memory", str(run_dir)])
+    assert res.exit_code == 0 and "== rank_00001" in res.output and "zero.flat_params" in res.output, res.output
