@@ -223,7 +223,12 @@ def memory_records() -> list[dict]:
     """The per-module records (the registered source's), else the pool's live bytes per module and region."""
     source = _hooks["records"]
     if source is not None:
-        return source()
+        for attempt in range(3):  # a dump thread may walk the optimizer's state while the step adds to it
+            try:
+                return source()
+            except RuntimeError:
+                if attempt == 2:
+                    raise
     out: dict[tuple[str, str], int] = {}
     for module, region, nbytes, _ in POOL.live_blocks():
         out[(module, region)] = out.get((module, region), 0) + nbytes
