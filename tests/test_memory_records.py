@@ -10,10 +10,15 @@ buffers from the HAL pool, one message naming the top consumers.
   optimizer's state miss by more than 5 %.
 - A pool cap (``hal.memory_pool_size``) below the step's need ends the ZeRO-2 step with one HalOutOfMemory whose one
   line names the top consumers (the records' five largest, in order), and writes the rank's report, which
-  ``kc debug memory`` prints.
+  ``kc debug memory`` prints; the engine's worker does the same when its config's ``hal.memory_pool_size`` is too
+  small (slow: a torchrun job).
+- Counting activations leaves activation checkpointing alone: the same gradients and the same bytes held after the
+  forward with the records on and off; the control, block hooks that ignore the checkpoint's, keeps far more.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 from typer.testing import CliRunner
@@ -228,3 +233,41 @@ def test_the_worker_capped_by_hal_memory_pool_size_ends_with_the_oom_message_and
         assert (run_dir / "debug" / "memory" / f"rank_{rank:05d}.json").is_file()
     res = CliRunner().invoke(app, ["debug", "memory", str(run_dir)])
     assert res.exit_code == 0 and "== rank_00001" in res.output and "zero.flat_params" in res.output, res.output
+
+
+# ---------------------------------------------------------------------- counting leaves checkpointing alone
+def _checkpointed_step(track: bool) -> tuple[list, int]:
+    """Gradients of a ``full``-checkpointed tiny Llama, and the bytes its forward left held (profiler-measured)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kuangchao_core.engine.memory_ledger import MemoryLedger
+    from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB))
+    model.activation_checkpointing = "full"
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    ledger = MemoryLedger(model) if track else None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with ledger.tracking() if track else contextlib.nullcontext():
+            loss = _loss(model, ids)
+    held = sum(int(e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    with ledger.tracking() if track else contextlib.nullcontext():
+        loss.backward()
+    if ledger is not None:
+        ledger.close()
+    return [p.grad for p in model.parameters()], held
+
+
+def test_the_records_leave_what_checkpointing_keeps_unchanged(monkeypatch):
+    import torch
+
+    plain_grads, plain_held = _checkpointed_step(track=False)
+    grads, held = _checkpointed_step(track=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads, strict=True))
+    assert held == plain_held  # the checkpointed layers still keep only their inputs
+    # negative control: block hooks that ignore the checkpoint's (as if none were active) keep every activation
+    monkeypatch.setattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda *_: None)
+    _, sabotaged = _checkpointed_step(track=True)
+    assert sabotaged > 2 * plain_held, (sabotaged, plain_held)

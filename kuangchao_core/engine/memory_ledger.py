@@ -7,7 +7,9 @@ final norm, the head); the optimizer's ``optimizer_state`` (AdamW's moments, one
 whose they are) and ``master_params``; compression's error feedback as ``comm comm_buffers``; ``activations``, what
 a block's forward saved for its backward and its output while that lives (counted through ``saved_tensors_hooks`` while the step's forward-backward
 runs, each saved storage until autograd lets it go; what the step saves outside every block — the loss over the
-logits — goes to ``(outside blocks)``); and the HAL pool's allocations under their own module and region
+logits — goes to ``(outside blocks)``; hooks active before the block's — a checkpointed layer's, the sequence-parallel
+regather's — keep deciding what is saved, and what they keep in their own form is not counted: selective
+checkpointing's kept matmul outputs, the regather's shards); and the HAL pool's allocations under their own module and region
 (``dp.grad_buckets grads``, ``zero.flat_params params``, ``zero.grad_buckets comm_buffers``: the engine's buffers)
 plus its cached blocks. Every storage is counted once, the pool's first: a parameter that is a view of ZeRO's flat
 buffer is in ``zero.flat_params``.
@@ -55,16 +57,18 @@ def model_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 class _Saved:
-    """What autograd keeps for a saved tensor while activations are tracked: the tensor, and its share of the
-    count of its storage (released when autograd drops it)."""
+    """What autograd keeps for a saved tensor while activations are tracked: what the hooks active before ours made
+    of it (the tensor itself when there were none), and, when that is the tensor, its share of its storage's
+    count (released when autograd drops it)."""
 
-    __slots__ = ("__weakref__", "ledger", "ptr", "tensor")
+    __slots__ = ("__weakref__", "ledger", "packed", "ptr")
 
-    def __init__(self, ledger: MemoryLedger, ptr: int, tensor: torch.Tensor) -> None:
-        self.ledger, self.ptr, self.tensor = ledger, ptr, tensor
+    def __init__(self, ledger: MemoryLedger | None, ptr: int, packed: Any) -> None:
+        self.ledger, self.ptr, self.packed = ledger, ptr, packed
 
     def __del__(self) -> None:
-        self.ledger._release(self.ptr)
+        if self.ledger is not None:
+            self.ledger._release(self.ptr)
 
 
 class MemoryLedger:
@@ -96,10 +100,22 @@ class MemoryLedger:
         return ptr
 
     def _hooks(self, block: str) -> torch.autograd.graph.saved_tensors_hooks:
-        def pack(t: torch.Tensor) -> Any:
-            return t if t.device.type == "meta" else _Saved(self, self._hold(t, block), t)
+        """Hooks counting what ``block`` saves, run over the hooks active before them (a checkpointed layer's, the
+        sequence-parallel regather's): those still decide what is kept, and a tensor they replace is not counted."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor if isinstance(h, _Saved) else h)
+        def pack(t: torch.Tensor) -> Any:
+            packed = outer_pack(t) if outer_pack is not None else t
+            if packed is not t or t.device.type == "meta":
+                return _Saved(None, 0, packed)
+            return _Saved(self, self._hold(t, block), packed)
+
+        def unpack(h: Any) -> Any:
+            packed = h.packed if isinstance(h, _Saved) else h
+            return outer_unpack(packed) if outer_unpack is not None else packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _release(self, ptr: int) -> None:
         with self._lock:
