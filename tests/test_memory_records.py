@@ -271,3 +271,17 @@ def test_the_records_leave_what_checkpointing_keeps_unchanged(monkeypatch):
     monkeypatch.setattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda *_: None)
     _, sabotaged = _checkpointed_step(track=True)
     assert sabotaged > 2 * plain_held, (sabotaged, plain_held)
+
+
+# ---------------------------------------------------------------------- the config field
+def test_hal_memory_pool_size_is_validated_under_its_field_path():
+    from kuangchao_core.config import config_from_dict
+    from kuangchao_core.errors import ConfigError
+
+    assert config_from_dict({"task": {"name": "t"}}).hal.memory_pool_size is None  # no cap by default
+    cfg = config_from_dict({"task": {"name": "t"}, "hal": {"memory_pool_size": 1 << 20}})
+    assert cfg.hal.memory_pool_size == 1 << 20
+    for bad in ({"memory_pool_size": 0}, {"memory_pool_size": "lots"}, {"pool_size": 1}):
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({"task": {"name": "t"}, "hal": bad})
+        assert f"hal.{next(iter(bad))}" in str(err.value), str(err.value)
