@@ -285,3 +285,32 @@ def test_hal_memory_pool_size_is_validated_under_its_field_path():
         with pytest.raises(ConfigError) as err:
             config_from_dict({"task": {"name": "t"}, "hal": bad})
         assert f"hal.{next(iter(bad))}" in str(err.value), str(err.value)
+
+
+def test_cuda_records_name_the_allocator_snapshot_blocks_by_their_storage(monkeypatch):
+    """The CUDA path cannot run here (no GPU in CI): its attribution is checked on a snapshot in the documented
+    form of ``torch.cuda.memory_snapshot()`` — active blocks named by the storage at their address, sized as the
+    allocator holds them; free blocks and other devices left out; blocks no storage owns ``(unattributed)``."""
+    import torch
+
+    from kuangchao_core.engine.memory_ledger import cuda_snapshot_totals
+
+    snapshot = [
+        {
+            "device": 0,
+            "blocks": [
+                {"address": 4096, "size": 1024, "state": "active_allocated"},
+                {"address": 5120, "size": 512, "state": "active_allocated"},
+                {"address": 5632, "size": 512, "state": "inactive"},
+                {"address": 6144, "size": 2048, "state": "active_allocated"},
+            ],
+        },
+        {"device": 1, "blocks": [{"address": 4096, "size": 99, "state": "active_allocated"}]},
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    owners = {4096: ("model.layers.0", "params"), 6144: ("optimizer", "optimizer_state")}
+    assert cuda_snapshot_totals(owners, torch.device("cuda", 0)) == {
+        ("model.layers.0", "params"): 1024,
+        ("(unattributed)", "cuda"): 512,
+        ("optimizer", "optimizer_state"): 2048,
+    }
