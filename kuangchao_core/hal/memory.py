@@ -209,6 +209,15 @@ def pool_zeros(numel: int, dtype: torch.dtype, device: torch.device | str, modul
     return POOL.alloc(int(numel), (int(numel),), dtype, torch.device(device), region, module).zero_()
 
 
+def pool_empty(shape, dtype: torch.dtype, device: torch.device | str, module: str, region: str) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` from the pool for the engine's own buffers (as :func:`pool_zeros`)."""
+    shape = tuple(int(s) for s in shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    return POOL.alloc(numel, shape, dtype, torch.device(device), region, module)
+
+
 def set_record_source(source) -> None:
     """Register ``source() -> [{"module", "kind", "bytes"}, ...]``, the rank's per-module records (None: none)."""
     _hooks["records"] = source
