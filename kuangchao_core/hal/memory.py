@@ -6,8 +6,8 @@ it (the pool keeps at most ``max_cached_bytes``). The records answer "who holds 
 out of it (``report()``, ``kc debug memory``). Tensors the caller drops without ``memory_free`` leave the
 records when they are garbage-collected.
 
-The engine's own buffers (gradient buckets, ZeRO's flat shards and bucket buffers) come from the pool through
-:func:`pool_zeros`. ``limit_bytes`` (the config's ``hal.memory_pool_size``) caps what the pool holds, live plus
+The engine's own buffers (gradient buckets, ZeRO's flat shards and bucket buffers, pipeline receive buffers) come from
+the pool through :func:`pool_zeros` / :func:`pool_empty`. ``limit_bytes`` (the config's ``hal.memory_pool_size``) caps what the pool holds, live plus
 cached: an allocation past it drops the cache, then raises :class:`HalOutOfMemory`, whose one message names the
 top consumers — the rank's per-module records when the engine registered them (:func:`set_record_source`),
 else the pool's own — and writes the memory report where :func:`set_oom_dump` points (issue 44).
