@@ -103,6 +103,8 @@ class MemoryLedger:
         """Hooks counting what ``block`` saves, run over the hooks active before them (a checkpointed layer's, the
         sequence-parallel regather's): those still decide what is kept, and a tensor they replace is not counted."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is not None and getattr(outer[0], "_kc_ledger", False):
+            outer = None  # our own (the step's, or an enclosing block's): the inner block counts
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t: torch.Tensor) -> Any:
@@ -115,6 +117,7 @@ class MemoryLedger:
             packed = h.packed if isinstance(h, _Saved) else h
             return outer_unpack(packed) if outer_unpack is not None else packed
 
+        pack._kc_ledger = True
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _release(self, ptr: int) -> None:
