@@ -175,6 +175,14 @@ def test_the_engine_worker_answers_sigusr1_with_dumps_that_kc_debug_reads(tmp_pa
     assert json.loads(res.output)["ranks"] == [0, 1]
     res = RUN.invoke(app, ["debug", "memory", str(result["run_dir"])])
     assert res.exit_code == 0 and "== rank_00000" in res.output and "== rank_00001" in res.output, res.output
+    # the running job's per-module records (issue 44): its blocks' parameters, the optimizer's state, the DP
+    # gradient buckets from the HAL pool, their sum printed
+    assert "records total" in res.output and "dp.grad_buckets" in res.output, res.output
+    for rank in (0, 1):
+        rep = json.loads((result["run_dir"] / "debug" / "memory" / f"rank_{rank:05d}.json").read_text())
+        kinds = {(r["module"], r["kind"]) for r in rep["records"]}
+        assert {("model.layers.0", "params"), ("dp.grad_buckets", "grads")} <= kinds, kinds
+        assert rep["records_bytes"] == sum(r["bytes"] for r in rep["records"]) > 0
 
 
 @pytest.mark.slow

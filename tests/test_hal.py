@@ -115,6 +115,33 @@ def test_pool_capacity_is_respected(guard):
     assert pool.cached_bytes == 0
 
 
+def test_pool_cap_drops_the_cache_then_raises_one_line_naming_the_top_consumers(guard, tmp_path):
+    from kuangchao_core.hal import memory as hal_memory
+
+    pool = hal.MemoryPool(limit_bytes=1000)
+    kept = pool.alloc(100, (100,), torch.float32, torch.device("cpu"), "params", "big")  # 400 B live
+    spare = pool.alloc(50, (50,), torch.float32, torch.device("cpu"), "grads", "small")
+    pool.free(spare)  # 200 B cached
+    again = pool.alloc(100, (100,), torch.uint8, torch.device("cpu"), "comm", "fits")  # 400+200+100: fits
+    assert pool.cached_bytes == 200
+    more = pool.alloc(400, (400,), torch.uint8, torch.device("cpu"), "comm", "room")  # fits once the cache goes
+    assert pool.cached_bytes == 0 and pool.live_bytes == 900
+    previous = hal_memory.POOL
+    hal_memory.POOL = pool  # the records an out-of-memory names are the module pool's
+    hal_memory.set_oom_dump(tmp_path / "rank_00000.json")
+    try:
+        with pytest.raises(hal_memory.HalOutOfMemory) as err:
+            pool.alloc(101, (101,), torch.uint8, torch.device("cpu"), "comm", "late")
+    finally:
+        hal_memory.POOL = previous
+        hal_memory.set_oom_dump(None)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("out of memory: late (comm) asked the HAL pool for 101 B")
+    assert message.endswith("top consumers: big params 400 B, room comm 400 B, fits comm 100 B"), message
+    assert (tmp_path / "rank_00000.json").is_file() and isinstance(err.value, MemoryError)
+    assert pool.live_bytes == 900 and kept.numel() == 100 and again.numel() == 100 and more.numel() == 400
+
+
 def test_bad_byte_count_is_refused(guard):
     with pytest.raises(KuangchaoError, match="multiple"):
         hal.memory_alloc(10, torch.float32)

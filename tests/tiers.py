@@ -122,6 +122,7 @@ FILE_TIERS = {
     "test_mlflow_sink.py": "flows",
     "test_lora.py": "distributed",
     "test_memory_model.py": "distributed",
+    "test_memory_records.py": "distributed",
     "test_mesh.py": "distributed",
     "test_axes_generic.py": "unit",
     "test_mesh_axes.py": "unit",

@@ -67,10 +67,15 @@ def memory(
     path: Path = typer.Argument(..., help="A run directory (its debug/memory dumps) or a memory report file."),
     as_json: bool = typer.Option(False, "--json", help="Print the report(s) as JSON."),
 ) -> None:
-    """Show which modules hold memory (allocation records per module and region), per rank for a run."""
+    """Show which modules hold memory, per rank for a run: the per-module records (parameters, gradients, optimizer
+    state, activations per block, the engine's buffers) and the HAL pool's allocations per module and region."""
     files = _expand([path], "memory")
     if not files or not all(f.is_file() for f in files):
-        typer.echo(f"kc debug memory: no memory report at {path} (SIGUSR1 the workers to write them)", err=True)
+        typer.echo(
+            f"kc debug memory: no memory report at {path} (SIGUSR1 the workers to write them; an out-of-memory "
+            "writes them itself)",
+            err=True,
+        )
         raise typer.Exit(2)
     try:
         reports = {f.stem: read_json_object(f) for f in files}
@@ -87,6 +92,15 @@ def memory(
 
 
 def _print_memory(rep: dict) -> None:
+    records = sorted(rep.get("records", []), key=lambda r: -r["bytes"])
+    for r in records:  # the rank's per-module records (issue 44): what holds its bytes, largest first
+        typer.echo(f"{r['module']:<32} {r['kind']:<16} {r['bytes']:>14,} B")
+    if records:
+        typer.echo(f"{'records total':<49} {sum(r['bytes'] for r in records):>14,} B")
+    allocated = (rep.get("device") or {}).get("allocated_bytes") or 0
+    if allocated:  # CUDA: the caching allocator's count, which the records come from
+        share = sum(r["bytes"] for r in records) / allocated
+        typer.echo(f"device {rep['device'].get('name')}: allocated={allocated:,} B (records {share:.1%} of it)")
     mods = sorted(rep.get("modules", {}).items(), key=lambda kv: -kv[1]["live_bytes"])
     for name, st in mods:
         typer.echo(
@@ -95,7 +109,11 @@ def _print_memory(rep: dict) -> None:
         )
     for region, nbytes in sorted(rep.get("regions", {}).items()):
         typer.echo(f"region {region:<17} live={nbytes:>14,} B")
-    typer.echo(f"pool cached={rep.get('pool_cached_bytes', 0):,} B of {rep.get('pool_max_bytes', 0):,} B")
+    limit = rep.get("pool_limit_bytes")
+    typer.echo(
+        f"pool live={rep.get('pool_live_bytes', 0):,} B cached={rep.get('pool_cached_bytes', 0):,} B of "
+        f"{rep.get('pool_max_bytes', 0):,} B, cap {f'{limit:,} B' if limit else 'none'} (hal.memory_pool_size)"
+    )
 
 
 @debug_app.command("gradient")

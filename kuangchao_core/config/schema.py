@@ -21,6 +21,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import ClusterSection, NodeSpec, SlurmSection  # noqa: F401
+from kuangchao_core.config.hal_schema import HalSection
+from kuangchao_core.config.lora_schema import LORA_TARGETS, LoraSection  # noqa: F401
 from kuangchao_core.config.moe_schema import MoeSection
 from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.config.section import AxesSection, Float, Int, Section, _number  # noqa: F401
@@ -39,27 +41,6 @@ class TaskSection(Section):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     priority: Literal["low", "normal", "high"] = "normal"
     seed: Int = 1234
-
-
-#: projections LoRA can adapt (``model.lora.targets``)
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoraSection(Section):
-    """Low-rank adapters (:mod:`kuangchao_core.models.lora`): the base weights stay frozen; each targeted projection
-    ``W`` gains ``B @ A`` (``A``: rank × in, ``B``: out × rank, ``B`` starting at zero), scaled by ``alpha / rank``."""
-
-    rank: Int = Field(default=8, ge=1)
-    alpha: Float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input (PEFT's)")
-    targets: list[Literal[LORA_TARGETS]] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
-
-    @field_validator("targets")
-    @classmethod
-    def _distinct(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"targets must be distinct, got {value}")
-        return value
 
 
 class ModelSection(Section):
@@ -328,6 +309,7 @@ SECTIONS: dict[str, type[Section]] = {
     "checkpoint": CheckpointSection,
     "tracking": TrackingSection,
     "logging": LoggingSection,
+    "hal": HalSection,
 }
 
 
@@ -345,6 +327,7 @@ class JobConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    hal: HalSection = Field(default_factory=HalSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobConfig:

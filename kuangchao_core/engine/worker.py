@@ -28,6 +28,7 @@ from kuangchao_core.comm.order_check import verify_order
 from kuangchao_core.config import load_config
 from kuangchao_core.config.settings import ProcessSettings, run_settings
 from kuangchao_core.config.unused import UNUSED_REPORTED_ENV, unused_settings
+from kuangchao_core.hal.memory import out_of_memory
 from kuangchao_core.obs.jsonlog import emit_event, log_event, setup_logging
 from kuangchao_core.sched.error_file import AtomicErrorHandler
 from kuangchao_core.sched.heartbeat import HeartbeatWriter
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from kuangchao_core.parallel.mesh import ParallelMesh
 
     ctx = device_init(proc.device, local_rank=local_rank)
+    _memory_pool(cfg, rank)
     init_distributed(backend=proc.backend, timeout_ms=proc.timeout_ms)
     raise_for_plan(cfg, world_size)
     world = world_group()
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, why in unused_settings(cfg):  # never silently dropped
             log.warning("%s: %s", path, why)
     trainer = Trainer(run, rank, world_size, ctx.device, world, mesh)
+    _memory_records(trainer, run)
     global_config = os.environ.get("KC_GLOBAL_CONFIG")
     if global_config:  # the trainer follows the job's changeable settings (lr_scale, log/checkpoint interval)
         from kuangchao_core.engine.live_config import worker_global_config
@@ -149,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             emit_event("done", step=state.step, **finals)
             if sink is not None:  # run-level values, at the final step with the rest
                 sink.log_final({k: v for k, v in finals.items() if v is not None and k != "heldout"}, state.step)
+    except torch.OutOfMemoryError as exc:  # the device's: one message naming the top consumers, as the pool's
+        error = out_of_memory(f"the device: {str(exc).splitlines()[0]}")
+        emit_event("fault", rank=rank, step=trainer.state.step, error=f"{type(error).__name__}: {error}")
+        raise error from None
     except Exception as exc:  # said once as an event, so the orchestrator can tell a fault that repeats identically
         emit_event("fault", rank=rank, step=trainer.state.step, error=f"{type(exc).__name__}: {exc}")
         raise
@@ -160,6 +167,29 @@ def main(argv: list[str] | None = None) -> int:
         if heartbeat is not None:
             heartbeat.stop()
     return 0
+
+
+def _memory_pool(cfg, rank: int) -> None:
+    """The HAL pool capped at ``hal.memory_pool_size``; an out-of-memory writes this rank's report where
+    ``kc debug memory RUN_DIR`` reads it (issue 44)."""
+    from kuangchao_core.hal.memory import configure_pool, set_oom_dump
+
+    configure_pool(limit_bytes=cfg.hal.memory_pool_size)
+    if os.environ.get("KC_RUN_DIR"):
+        from kuangchao_core.engine.debug_dumps import dump_dir
+
+        set_oom_dump(dump_dir(os.environ["KC_RUN_DIR"], "memory") / f"rank_{rank:05d}.json")
+
+
+def _memory_records(trainer, run) -> None:
+    """Per-module records of this rank (activations per block counted during each step's forward-backward, except
+    in compiled layers), then the set-up's freed pool blocks released."""
+    from kuangchao_core.engine.memory_ledger import MemoryLedger
+    from kuangchao_core.hal.memory import release_unused
+
+    ledger = MemoryLedger(trainer.model, trainer.sync, track_activations=not run.build.compile).install()
+    trainer.forward_backward = ledger.wrap(trainer.forward_backward)
+    release_unused()
 
 
 def _json_log_path(proc: ProcessSettings, rank: int) -> str | None:

@@ -5,6 +5,12 @@ returns a tensor's block to the pool, where an allocation of the same device, dt
 it (the pool keeps at most ``max_cached_bytes``). The records answer "who holds the memory?" when a device runs
 out of it (``report()``, ``kc debug memory``). Tensors the caller drops without ``memory_free`` leave the
 records when they are garbage-collected.
+
+The engine's own buffers (gradient buckets, ZeRO's flat shards and bucket buffers, pipeline receive buffers) come from
+the pool through :func:`pool_zeros` / :func:`pool_empty`. ``limit_bytes`` (the config's ``hal.memory_pool_size``) caps what the pool holds, live plus
+cached: an allocation past it drops the cache, then raises :class:`HalOutOfMemory`, whose one message names the
+top consumers — the rank's per-module records when the engine registered them (:func:`set_record_source`),
+else the pool's own — and writes the memory report where :func:`set_oom_dump` points (issue 44).
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ import torch
 from kuangchao_core import guard_api
 from kuangchao_core.errors import KuangchaoError
 
-DEFAULT_POOL_BYTES = int(os.environ.get("KC_MEMORY_POOL_SIZE", 256 * 1024 * 1024))
+DEFAULT_POOL_BYTES = 256 * 1024 * 1024  #: the most bytes of freed blocks the pool keeps for reuse
+TOP_CONSUMERS = 5  #: how many consumers an out-of-memory message names
+
+
+class HalOutOfMemory(KuangchaoError, MemoryError):
+    """An allocation did not fit: the pool's cap (``hal.memory_pool_size``) or the device's memory."""
 
 
 @dataclass
@@ -30,6 +41,7 @@ class _Record:
     region: str
     nbytes: int
     key: tuple
+    ptr: int  # the block's storage address (the engine's records count each storage once)
     block: torch.Tensor | None  # the flat block backing the tensor (returned to the pool on free)
     finalizer: weakref.finalize | None = None
 
@@ -49,11 +61,13 @@ class ModuleStats:
 class MemoryPool:
     """Exact-size block reuse plus per-module, per-region allocation records (thread-safe)."""
 
-    def __init__(self, max_cached_bytes: int = DEFAULT_POOL_BYTES) -> None:
+    def __init__(self, max_cached_bytes: int = DEFAULT_POOL_BYTES, limit_bytes: int | None = None) -> None:
         self.max_cached_bytes = int(max_cached_bytes)
+        self.limit_bytes = limit_bytes
         self._lock = threading.Lock()
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._cached_bytes = 0
+        self._live_bytes = 0
         self._live: dict[int, _Record] = {}  # id(tensor) -> record
         self._modules: dict[str, ModuleStats] = {}
         self._regions: dict[str, int] = {}
@@ -69,11 +83,13 @@ class MemoryPool:
                 self._cached_bytes -= nbytes
         reused = block is not None
         if block is None:
+            self._make_room(nbytes, module, region)
             block = torch.empty(numel, dtype=dtype, device=device)
         tensor = block.view(shape)
-        rec = _Record(module, region, nbytes, key, block)
+        rec = _Record(module, region, nbytes, key, block.untyped_storage().data_ptr(), block)
         tid = id(tensor)
         with self._lock:
+            self._live_bytes += nbytes
             self._live[tid] = rec
             st = self._modules.setdefault(module, ModuleStats())
             st.allocs += 1
@@ -84,6 +100,22 @@ class MemoryPool:
             self._regions[region] = self._regions.get(region, 0) + nbytes
         rec.finalizer = weakref.finalize(tensor, self._forget, tid, rec)
         return tensor
+
+    def _make_room(self, nbytes: int, module: str, region: str) -> None:
+        """Raise HalOutOfMemory when ``nbytes`` more would pass ``limit_bytes`` (after dropping the cache)."""
+        if self.limit_bytes is None or self._live_bytes + self._cached_bytes + nbytes <= self.limit_bytes:
+            return
+        self.release_unused()
+        if self._live_bytes + nbytes > self.limit_bytes:
+            raise out_of_memory(
+                f"{module} ({region}) asked the HAL pool for {nbytes:,} B with {self._live_bytes:,} B of its "
+                f"hal.memory_pool_size {self.limit_bytes:,} B in use"
+            )
+
+    def live_blocks(self) -> list[tuple[str, str, int, int]]:
+        """``(module, region, bytes, storage address)`` of every live allocation."""
+        with self._lock:
+            return [(r.module, r.region, r.nbytes, r.ptr) for r in self._live.values()]
 
     def record_of(self, tensor: torch.Tensor) -> _Record | None:
         """The allocation record of ``tensor`` if the HAL allocated it and it is live."""
@@ -99,6 +131,7 @@ class MemoryPool:
         rec.block = None
 
     def _account_free(self, rec: _Record) -> None:
+        self._live_bytes -= rec.nbytes
         st = self._modules[rec.module]
         st.frees += 1
         st.live_count -= 1
@@ -116,7 +149,7 @@ class MemoryPool:
                     "free only tensors returned by memory_alloc, once"
                 )
             self._account_free(rec)
-            if rec.block is not None and self._cached_bytes + rec.nbytes <= self.max_cached_bytes:
+            if rec.block is not None and self._cached_bytes + rec.nbytes <= self.max_cached_bytes:  # within the cap
                 self._free.setdefault(rec.key, []).append(rec.block)
                 self._cached_bytes += rec.nbytes
         if rec.finalizer is not None:
@@ -136,6 +169,11 @@ class MemoryPool:
         """Bytes held in the pool for reuse."""
         return self._cached_bytes
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the pool's allocations not yet freed."""
+        return self._live_bytes
+
     def report(self) -> dict:
         """``{"modules": {name: stats}, "regions": {name: live bytes}, "pool_cached_bytes", "pool_max_bytes"}``."""
         with self._lock:
@@ -144,17 +182,88 @@ class MemoryPool:
                 "regions": dict(self._regions),
                 "pool_cached_bytes": self._cached_bytes,
                 "pool_max_bytes": self.max_cached_bytes,
+                "pool_live_bytes": self._live_bytes,
+                "pool_limit_bytes": self.limit_bytes,
             }
 
 
 POOL = MemoryPool()
+_UNSET = object()
+_hooks: dict[str, object] = {"records": None, "oom_dump": None}
 
 
-def configure_pool(max_cached_bytes: int) -> None:
-    """Set the pool's capacity (``memory_pool_size``); extra cached blocks are dropped."""
-    POOL.max_cached_bytes = int(max_cached_bytes)
+def configure_pool(max_cached_bytes: int | None = None, limit_bytes=_UNSET) -> None:
+    """Set how many freed bytes the pool keeps for reuse and, given, its cap ``limit_bytes`` (``hal.memory_pool_size``;
+    None: no cap but the device's); extra cached blocks are dropped."""
+    if max_cached_bytes is not None:
+        POOL.max_cached_bytes = int(max_cached_bytes)
+    if limit_bytes is not _UNSET:
+        POOL.limit_bytes = None if limit_bytes is None else int(limit_bytes)
     if POOL.cached_bytes > POOL.max_cached_bytes:
         POOL.release_unused()
+
+
+def pool_zeros(numel: int, dtype: torch.dtype, device: torch.device | str, module: str, region: str) -> torch.Tensor:
+    """A zeroed flat tensor from the pool for the engine's own buffers, recorded under ``module``/``region``
+    (not guarded: the engine's buffers are not a script's ``memory_alloc``)."""
+    return POOL.alloc(int(numel), (int(numel),), dtype, torch.device(device), region, module).zero_()
+
+
+def pool_empty(shape, dtype: torch.dtype, device: torch.device | str, module: str, region: str) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` from the pool for the engine's own buffers (as :func:`pool_zeros`)."""
+    shape = tuple(int(s) for s in shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    return POOL.alloc(numel, shape, dtype, torch.device(device), region, module)
+
+
+def set_record_source(source) -> None:
+    """Register ``source() -> [{"module", "kind", "bytes"}, ...]``, the rank's per-module records (None: none)."""
+    _hooks["records"] = source
+
+
+def set_oom_dump(path: str | os.PathLike | None) -> None:
+    """Where an out-of-memory writes this rank's memory report (None: nowhere)."""
+    _hooks["oom_dump"] = path
+
+
+def memory_records() -> list[dict]:
+    """The per-module records (the registered source's), else the pool's live bytes per module and region."""
+    source = _hooks["records"]
+    if source is not None:
+        for attempt in range(3):  # a dump thread may walk the optimizer's state while the step adds to it
+            try:
+                return source()
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+    out: dict[tuple[str, str], int] = {}
+    for module, region, nbytes, _ in POOL.live_blocks():
+        out[(module, region)] = out.get((module, region), 0) + nbytes
+    return [{"module": m, "kind": k, "bytes": b} for (m, k), b in out.items()]
+
+
+def top_consumers(records: list[dict], n: int = TOP_CONSUMERS) -> str:
+    """``"module kind N B, ..."`` for the ``n`` largest records."""
+    top = sorted(records, key=lambda r: -r["bytes"])[:n]
+    return ", ".join(f"{r['module']} {r['kind']} {r['bytes']:,} B" for r in top) or "no records"
+
+
+def out_of_memory(what: str) -> HalOutOfMemory:
+    """The out-of-memory error for ``what`` happened, naming the top consumers; writes the memory report first
+    where :func:`set_oom_dump` pointed (a failed write is said in the message, never hides the error)."""
+    try:
+        records = memory_records()
+    except Exception as exc:  # the records must not mask the out-of-memory itself
+        records, what = [], f"{what} (records unavailable: {exc})"
+    path = _hooks["oom_dump"]
+    if path is not None:
+        try:
+            what += f"; memory report written to {write_memory_report(path, records)}"
+        except OSError as exc:
+            what += f"; memory report not written ({exc})"
+    return HalOutOfMemory(f"out of memory: {what}; top consumers: {top_consumers(records)}")
 
 
 def memory_alloc(
@@ -214,11 +323,14 @@ def release_unused() -> int:
     return released
 
 
-def memory_report() -> dict:
-    """The pool's allocation records (see ``MemoryPool.report``), plus device runtime figures when known."""
+def memory_report(records: list[dict] | None = None) -> dict:
+    """The pool's allocation records (see ``MemoryPool.report``), the per-module ``records``
+    (:func:`memory_records` when not given) with their sum, plus device runtime figures when known."""
     from kuangchao_core.hal.context import current_context
 
     rep = POOL.report()
+    rep["records"] = memory_records() if records is None else records
+    rep["records_bytes"] = sum(r["bytes"] for r in rep["records"])
     ctx = current_context()
     if ctx is not None and ctx.adapter is not None:
         allocated, reserved = ctx.adapter.memory_in_use(ctx.device)
@@ -226,9 +338,11 @@ def memory_report() -> dict:
     return rep
 
 
-def write_memory_report(path: str | os.PathLike) -> Path:
-    """Write ``memory_report()`` as JSON (read by ``kc debug memory``)."""
+def write_memory_report(path: str | os.PathLike, records: list[dict] | None = None) -> Path:
+    """Write ``memory_report(records)`` as JSON, atomically (read by ``kc debug memory``)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(memory_report(), indent=1))
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memory_report(records), indent=1))
+    os.replace(tmp, p)
     return p

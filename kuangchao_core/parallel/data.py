@@ -44,6 +44,7 @@ import torch
 
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.hal.memory import pool_zeros
 
 _MB = 1024 * 1024
 
@@ -151,7 +152,7 @@ class DataParallel(torch.nn.Module):
         for key, params in groups:
             device, pdtype, rdtype = key
             total = sum(p.numel() for p in params)
-            buffer = torch.zeros(total, dtype=rdtype, device=device)
+            buffer = pool_zeros(total, rdtype, device, "dp.grad_buckets", "grads")
             views, offset = [], 0
             for p in params:
                 views.append(buffer[offset : offset + p.numel()].view_as(p))

@@ -31,6 +31,7 @@ from kuangchao_core.comm import primitives as comm
 from kuangchao_core.comm.group import CommGroup
 from kuangchao_core.comm.p2p_batch import batch_send_recv
 from kuangchao_core.errors import PlanError
+from kuangchao_core.hal.memory import pool_empty
 from kuangchao_core.parallel.pp_exchange import exchange_plan
 from kuangchao_core.parallel.pp_schedules import (
     BACKWARD,
@@ -130,7 +131,7 @@ class PipelineExecutor:
             if stage == 0:
                 x = ids
             else:
-                x = torch.empty(*self._act_shape(ids), dtype=self.dtype, device=ids.device)
+                x = pool_empty(self._act_shape(ids), self.dtype, ids.device, "pp.recv_buffers", "comm")
                 comm.recv(x, src=ranks[(stage - 1) % p], group=self.group)
             y = self.chunks[stage // p](x, **inputs)
             if stage == self.num_stages - 1:
@@ -201,7 +202,7 @@ class PipelineExecutor:
             for j in range(next_post, min(stop, len(actions))):
                 r = actions[j]
                 if r.kind in (RECV_ACT, RECV_GRAD):
-                    buf = torch.empty(act_shape, dtype=self.dtype, device=self.device)
+                    buf = pool_empty(act_shape, self.dtype, self.device, "pp.recv_buffers", "comm")
                     h = comm.irecv(buf, ranks[r.peer], group=self.group, tag=self._tag(r, m))
                     posted[j] = (h, buf)
             next_post = max(next_post, stop)
@@ -221,7 +222,9 @@ class PipelineExecutor:
                     sends.append((outgoing(r, (r.mb, r.chunk)), ranks[r.peer], self._tag(r, m)))
                     issued_at[j] = now
                 else:
-                    recvs.append((torch.empty(act_shape, dtype=self.dtype, device=self.device), ranks[r.peer], j))
+                    recvs.append(
+                        (pool_empty(act_shape, self.dtype, self.device, "pp.recv_buffers", "comm"), ranks[r.peer], j)
+                    )
             tags = [t for *_, t in sends] + [self._tag(actions[j], m) for *_, j in recvs]
             h = batch_send_recv([s[:2] for s in sends], [r[:2] for r in recvs], self.group, tags=tags)
             for buf, _, j in recvs:

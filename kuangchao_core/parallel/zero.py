@@ -44,6 +44,7 @@ import torch
 from kuangchao_core.comm import primitives as comm
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.hal.dtypes import adamw_kernel
+from kuangchao_core.hal.memory import pool_zeros
 from kuangchao_core.parallel import data, zero_state
 from kuangchao_core.parallel.bucket_reduce import reduce_scatter_sum
 from kuangchao_core.parallel.precision_policy import PrecisionPolicy
@@ -148,10 +149,10 @@ class ZeroOptimizer(zero_state.ShardedState):
         self._slot_of = {id(s.param): s for s in self._slots}
         self.numel = sum(s.numel for s in self._slots)
         self.padded_numel = start
-        masters = self.policy.masters
-        self.flat_params = torch.zeros(start, dtype=self.policy.param_dtype or self.dtype, device=self.device)
+        masters, param_dtype = self.policy.masters, self.policy.param_dtype or self.dtype
+        self.flat_params = pool_zeros(start, param_dtype, self.device, "zero.flat_params", "params")
         if masters:
-            self.master = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
+            self.master = pool_zeros(start // self.size, self.dtype, self.device, "zero.master_params", "optim")
         self._copy_back: list[Slot] = []
         with torch.no_grad():
             for b in self.buckets:
@@ -172,15 +173,14 @@ class ZeroOptimizer(zero_state.ShardedState):
                     else:
                         self._copy_back.append(s)
         if self.stage == 1:
-            self.flat_grads = torch.zeros(start, dtype=self.dtype, device=self.device)
+            self.flat_grads = pool_zeros(start, self.dtype, self.device, "zero.flat_grads", "grads")
             for b in self.buckets:
                 for s in b.slots:
                     if not masters and s.param.dtype == self.dtype:  # masters: added in by the hooks
-                        s.param.grad = self.flat_grads[b.start + s.offset : b.start + s.offset + s.numel].view_as(
-                            s.param
-                        )
+                        at = b.start + s.offset
+                        s.param.grad = self.flat_grads[at : at + s.numel].view_as(s.param)
         else:
-            self.grad_shard = torch.zeros(start // self.size, dtype=self.dtype, device=self.device)
+            self.grad_shard = pool_zeros(start // self.size, self.dtype, self.device, "zero.grad_shard", "grads")
 
     def _param_chunk(self, b: int) -> torch.Tensor:
         """This rank's chunk of bucket ``b`` that AdamW steps (its fp32 master chunk under a master policy)."""
@@ -363,7 +363,7 @@ class ZeroOptimizer(zero_state.ShardedState):
     def _take_gradient(self, b: int, i: int, s: Slot) -> None:
         bk = self.buckets[b]
         if self._bucket_bufs[b] is None:
-            self._bucket_bufs[b] = torch.zeros(bk.size, dtype=self.dtype, device=self.device)
+            self._bucket_bufs[b] = pool_zeros(bk.size, self.dtype, self.device, "zero.grad_buckets", "comm")
             held = sum(x.numel() * self._item for x in self._bucket_bufs if x is not None)
             self.peak_transient_grad_bytes = max(self.peak_transient_grad_bytes, held)
         if s.param.grad is not None:
