@@ -69,6 +69,7 @@ FILE_TIERS = {
     "test_diverged_run.py": "e2e",
     "test_error_file.py": "unit",
     "test_fast_exit.py": "distributed",
+    "test_kept_server.py": "flows",
     "test_doctor.py": "unit",
     "test_doctor_gpu.py": "unit",
     "test_document_packing.py": "distributed",

@@ -42,6 +42,7 @@ _COMMAND_MODULES = [
     "runs",
     "node",
     "worker",
+    "server_cmd",
     "slurm",
     "topology",
     "operator_cmd",

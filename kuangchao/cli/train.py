@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
         Each run writes its checkpoints into its own lineage under <checkpoint.dir>/<task>/; --resume auto
         continues the newest lineage, --resume never starts a new one (the old ones stay as they are)."""
         from kuangchao.cli.interrupted import one_line_on_interrupt
+        from kuangchao.cli.kept_server import use_kept_server
         from kuangchao_core.obs import voice
 
         if quiet and verbose:
@@ -45,11 +46,15 @@ def register(app: typer.Typer) -> None:
         if quiet or verbose:  # before Prefect is imported: its logging config reads the levels once
             voice.set_threshold("WARNING" if quiet else "DEBUG")
         logging.captureWarnings(True)  # Python's warnings as console lines too (source python)
+        kept, stale = use_kept_server()  # `kc server start`'s server, before Prefect reads its settings
+        note = (stale, "WARNING") if stale else (f"on the kept Prefect server {kept} (kc server start)", "INFO")
         with one_line_on_interrupt(config, list(set_)):  # Ctrl-C, SIGTERM: the ranks stopped, one line (issue 45)
-            _train(config, set_, resume, if_finished, as_json)
+            _train(config, set_, resume, if_finished, as_json, note if kept or stale else None)
 
 
-def _train(config: str, set_: list[str], resume: str | None, if_finished: str, as_json: bool) -> None:
+def _train(
+    config: str, set_: list[str], resume: str | None, if_finished: str, as_json: bool, server_note: tuple | None
+) -> None:
     from kuangchao.cli.failure_lines import failure_lines
     from kuangchao_core.obs import phases
     from kuangchao_core.obs.voice import result, say
@@ -77,6 +82,8 @@ def _train(config: str, set_: list[str], resume: str | None, if_finished: str, a
         raise typer.Exit(code) from None
     del cfg  # the flow loads the config again, with its Prefect block references resolved
     with clock.phase("prefect"):
+        if server_note:  # after the config's checks: a refusal stays one line
+            say(f"kc train: {server_note[0]}", server_note[1])
         unreachable = prefect_api_problem()
         if unreachable:
             result(f"kc train: {unreachable}", "ERROR")
