@@ -1,7 +1,8 @@
 """Start in seconds (issue 27 §2): ``kc train`` against torchrun of a bare script training the same model.
 
-Each block is one ``kc train`` of the tiny config (2 Gloo workers, every step logged, a new lineage each time,
-Prefect's temporary server unless ``--prefect-api``) and one ``torchrun --nproc_per_node 2`` of
+Each block is one ``kc train`` of the tiny config (2 Gloo workers, every step logged, a new lineage each time; its
+flow on a server kept between runs, ``kc server start``, or with ``--server temporary`` on Prefect's temporary
+server, which ``--smoke`` uses; ``--prefect-api URL``: on that server) and one ``torchrun --nproc_per_node 2`` of
 ``benchmarks/_bare_train.py`` (the tiny preset, DDP, random tokens), the order flipped every block, each in a fresh
 process. Measured from outside, from the process's start: the time to its first step line (``step 1/N`` /
 ``BARE step 1``) and from its last step line to the process's exit. A warm-up run of each comes first (MLflow's
@@ -9,10 +10,10 @@ store migrated, files cached: the issue's "warm machine"); it is not counted. Pe
 (``benchmarks/_ratios.py``); also printed: the medians in seconds and kc train's own phase breakdown
 (``startup_s`` / ``after_last_step_s`` of its ``summary.json``, medians per phase).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/startup.py [--blocks 3] [--steps 6] [--prefect-api URL]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/startup.py [--blocks 3] [--steps 6] [--server kept|temporary]
 
 The last line is ``RESULT {json}`` with ``ratio_vs_peer``, ``ratio_iqr``, ``ratio_min_max``, ``blocks`` keyed by
-``to_step_1`` and ``after_last_step``, and ``seconds`` (medians of each side).
+``to_step_1`` and ``after_last_step``, ``seconds`` (medians of each side) and ``server`` (which Prefect server).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _ratios import FIELDS, block_stats, format_line, keyed_result_fields  # noqa: E402
 from _results import emit  # noqa: E402
 
-RESULT_KEYS = (*FIELDS, "seconds", "kc_phases")
+RESULT_KEYS = (*FIELDS, "seconds", "kc_phases", "server")
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -74,18 +75,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prefect-api", default=None, help="a running Prefect API (default: the temporary server)")
+    parser.add_argument("--server", choices=("kept", "temporary"), default="kept", help="kc train's Prefect server")
+    parser.add_argument("--prefect-api", default=None, help="a running Prefect API instead")
     parser.add_argument("--kc-root", default=str(ROOT), help="the checkout whose kc train runs (e.g. an older one)")
     parser.add_argument("--smoke", action="store_true", help="one block of 2 steps, no warm-up runs")
     args = parser.parse_args()
     if args.smoke:
-        args.blocks, args.steps = 1, 2
+        args.blocks, args.steps, args.server = 1, 2, "temporary"
 
     work = Path(tempfile.mkdtemp(prefix="kc-startup-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": args.kc_root, "KC_RUNS_DIR": str(work / "runs")}
     env.pop("PREFECT_API_URL", None)
+    server = "temporary"
     if args.prefect_api:
-        env["PREFECT_API_URL"] = args.prefect_api
+        env["PREFECT_API_URL"], server = args.prefect_api, args.prefect_api
+    elif args.server == "kept":
+        env["PREFECT_HOME"] = str(work / "prefect-home")
+        kc = [PY, "-m", "kuangchao.cli.main", "server"]
+        subprocess.run([*kc, "start", "--port", str(_free_port())], env=env, check=True, timeout=180)
+        server = "kept"
+    try:
+        _measure(args, env, work, server)
+    finally:
+        if server == "kept":
+            subprocess.run([*kc, "stop"], env=env, check=False, timeout=60)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(args: argparse.Namespace, env: dict[str, str], work: Path, server: str) -> None:
+    """The warm-up runs, the blocks, and the printed and emitted figures."""
     sets = {
         "train.steps": args.steps,
         "train.log_interval": 1,
@@ -128,9 +153,10 @@ def main() -> None:
     phases = _kc_phases(work / "runs", warm_up=not args.smoke)
     for what, s in stats.items():
         print(format_line(f"kc train ÷ torchrun, {what}", s))
-    print(f"medians (s): {json.dumps(seconds)}")
+    print(f"kc train's Prefect server: {server}; medians (s): {json.dumps(seconds)}")
     print(f"kc train's phases, medians of the counted runs (s): {json.dumps(phases)}")
-    emit({**keyed_result_fields(stats), "seconds": seconds, "kc_phases": phases}, RESULT_KEYS, smoke=args.smoke)
+    result = {**keyed_result_fields(stats), "seconds": seconds, "kc_phases": phases, "server": server}
+    emit(result, RESULT_KEYS, smoke=args.smoke)
 
 
 def _kc_phases(runs: Path, warm_up: bool = True) -> dict[str, dict[str, float]]:
