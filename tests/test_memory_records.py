@@ -316,3 +316,40 @@ def test_cuda_records_name_the_allocator_snapshot_blocks_by_their_storage(monkey
         ("(unattributed)", "cuda"): 512,
         ("optimizer", "optimizer_state"): 2048,
     }
+
+
+def test_a_wrapped_step_is_tracked_first_and_every_nth_and_the_records_keep_its_peaks(monkeypatch):
+    """``MemoryLedger.wrap(step, every=3)`` counts the saved tensors of calls 0 and 3 only (the hooks cost ~9 % of a
+    tiny model's step); between them the records list each block's peak of the last tracked step as
+    ``activations_peak`` (nothing held now), the same at the same shape. Control: ``every=1`` counts every call."""
+    import torch
+
+    from kuangchao_core.engine.memory_ledger import MemoryLedger
+    from kuangchao_core.models.llama import LlamaForCausalLM
+    from tests.fixtures import tiny_llama
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama())
+    ids = torch.randint(0, 256, (2, 16))
+
+    def step():
+        _loss(model, ids).backward()
+
+    def holds_per_call(every: int, calls: int) -> tuple[list[int], list[dict]]:
+        ledger = MemoryLedger(model)
+        counted, real = [], ledger._hold
+        monkeypatch.setattr(ledger, "_hold", lambda t, block: counted.append(block) or real(t, block))
+        wrapped, per_call, peaks = ledger.wrap(step, every=every), [], []
+        for _ in range(calls):
+            before = len(counted)
+            wrapped()
+            per_call.append(len(counted) - before)
+            peaks.append({r["module"]: r["bytes"] for r in ledger.records() if r["kind"] == "activations_peak"})
+        ledger.close()
+        return per_call, peaks
+
+    per_call, peaks = holds_per_call(every=3, calls=4)
+    assert per_call[0] > 0 and per_call[3] == per_call[0] and per_call[1] == per_call[2] == 0, per_call
+    assert "model.layers.0" in peaks[0] and peaks[0] == peaks[1] == peaks[2] == peaks[3], peaks
+    control, _ = holds_per_call(every=1, calls=3)
+    assert control == [per_call[0]] * 3, control

@@ -95,11 +95,12 @@ def _print_memory(rep: dict) -> None:
     records = sorted(rep.get("records", []), key=lambda r: -r["bytes"])
     for r in records:  # the rank's per-module records (issue 44): what holds its bytes, largest first
         typer.echo(f"{r['module']:<32} {r['kind']:<16} {r['bytes']:>14,} B")
+    held = [r for r in records if r["kind"] != "activations_peak"]  # a peak of the last tracked step: not held now
     if records:
-        typer.echo(f"{'records total':<49} {sum(r['bytes'] for r in records):>14,} B")
+        typer.echo(f"{'records total (held now)':<49} {sum(r['bytes'] for r in held):>14,} B")
     allocated = (rep.get("device") or {}).get("allocated_bytes") or 0
     if allocated:  # CUDA: the caching allocator's count, which the records come from
-        share = sum(r["bytes"] for r in records) / allocated
+        share = sum(r["bytes"] for r in held) / allocated
         typer.echo(f"device {rep['device'].get('name')}: allocated={allocated:,} B (records {share:.1%} of it)")
     mods = sorted(rep.get("modules", {}).items(), key=lambda kv: -kv[1]["live_bytes"])
     for name, st in mods:

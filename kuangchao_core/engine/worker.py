@@ -188,7 +188,7 @@ def _memory_records(trainer, run) -> None:
     from kuangchao_core.hal.memory import release_unused
 
     ledger = MemoryLedger(trainer.model, trainer.sync, track_activations=not run.build.compile).install()
-    trainer.forward_backward = ledger.wrap(trainer.forward_backward)
+    trainer.forward_backward = ledger.wrap(trainer.forward_backward, every=max(1, run.train.log_interval))
     release_unused()
 
 
