@@ -30,6 +30,17 @@ def prefect_event(name: str, resource: dict[str, str], payload: dict[str, Any]) 
     return emit_event(event=name, resource=resource, payload=payload)
 
 
+def settings_api_url() -> str | None:
+    """``PREFECT_API_URL`` of the current Prefect settings (a test harness's included)."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
 PREFECT_HOOKS = RunHooks(
-    in_run=in_prefect_run, artifact=markdown_artifact, event=prefect_event, run_logger=run_logger_or_none
+    in_run=in_prefect_run,
+    artifact=markdown_artifact,
+    event=prefect_event,
+    run_logger=run_logger_or_none,
+    api_url=settings_api_url,
 )

@@ -24,13 +24,15 @@ class RunHooks:
     - ``in_run()``: True inside a flow or task run;
     - ``artifact(markdown, key, description)``: a markdown artifact of the run;
     - ``event(name, resource, payload)``: an event (``resource`` names what it is about);
-    - ``run_logger()``: a logger into the run's own log (not the console), or None outside a run.
+    - ``run_logger()``: a logger into the run's own log (not the console), or None outside a run;
+    - ``api_url()``: the API the orchestrator's in-process settings name (a test harness's), or None.
     """
 
     in_run: Callable[[], bool] = lambda: False
     artifact: Callable[[str, str, str], Any] = _nothing
     event: Callable[[str, dict[str, str], dict[str, Any]], Any] = _nothing
     run_logger: Callable[[], Any] = _nothing
+    api_url: Callable[[], str | None] = _nothing
 
 
 NO_HOOKS = RunHooks()
