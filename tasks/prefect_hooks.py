@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kuangchao_core.obs.run_hooks import RunHooks
+from tasks.prefect_client import auth_headers, client_fails_fast, flow_run_id_here, settings_api_url
 from tasks.prefect_logs import run_logger_or_none
 
 
@@ -30,17 +31,13 @@ def prefect_event(name: str, resource: dict[str, str], payload: dict[str, Any]) 
     return emit_event(event=name, resource=resource, payload=payload)
 
 
-def settings_api_url() -> str | None:
-    """``PREFECT_API_URL`` of the current Prefect settings (a test harness's included)."""
-    from prefect.settings import get_current_settings
-
-    return get_current_settings().api.url
-
-
 PREFECT_HOOKS = RunHooks(
     in_run=in_prefect_run,
     artifact=markdown_artifact,
     event=prefect_event,
     run_logger=run_logger_or_none,
     api_url=settings_api_url,
+    auth_headers=auth_headers,
+    flow_run_id=flow_run_id_here,
+    client_fails_fast=client_fails_fast,
 )

@@ -25,7 +25,10 @@ class RunHooks:
     - ``artifact(markdown, key, description)``: a markdown artifact of the run;
     - ``event(name, resource, payload)``: an event (``resource`` names what it is about);
     - ``run_logger()``: a logger into the run's own log (not the console), or None outside a run;
-    - ``api_url()``: the API the orchestrator's in-process settings name (a test harness's), or None.
+    - ``api_url()``: the API the orchestrator's in-process settings name (a test harness's), or None;
+    - ``auth_headers()``: the headers its client sends the API to authenticate;
+    - ``flow_run_id()``: the id of the flow run this code runs in, or None;
+    - ``client_fails_fast(on)``: its client stops (``on``) or resumes retrying refused connections.
     """
 
     in_run: Callable[[], bool] = lambda: False
@@ -33,6 +36,9 @@ class RunHooks:
     event: Callable[[str, dict[str, str], dict[str, Any]], Any] = _nothing
     run_logger: Callable[[], Any] = _nothing
     api_url: Callable[[], str | None] = _nothing
+    auth_headers: Callable[[], dict[str, str]] = dict
+    flow_run_id: Callable[[], str | None] = _nothing
+    client_fails_fast: Callable[[bool], None] = _nothing
 
 
 NO_HOOKS = RunHooks()
