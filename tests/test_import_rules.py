@@ -262,7 +262,7 @@ def test_no_import_cycle_among_core_modules():
 # Core modules that may import Prefect: the node-agent launch backend, whose mechanism is Prefect itself.
 PREFECT_LAUNCH_BACKENDS = {
     "kuangchao_core/sched/multinode.py",  # each node's share runs as a deployment run on that node's work queue
-    "kuangchao_core/sched/nodes.py",  # the node registry: work pool and queues, agent deployment, facts as Variables
+    "kuangchao_core/sched/node_registry.py",  # work pool and queues, agent deployment, facts as Prefect Variables
 }
 
 
