@@ -8,11 +8,10 @@ On a static or dynamic cluster the probe measures the links between the candidat
 (``probe_cluster_topology``, cached by the nodes' fingerprint) and every attempt is placed from that matrix
 (``place_attempt``: which nodes, which mesh rank in which slot), recorded with the run (Slurm: inside the job).
 
-``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set); a Prefect
-deployment (``deployments/prefect.yaml``) runs the same flow on a worker, so its parameters stay JSON values.
-MLflow holds one run per flow run (config, rank 0's metrics, restarts, checkpoint manifests). A task retries
-transient failures (``tasks.retry_policy``), a failed attempt restarts at most ``cluster.max_restarts`` times;
-config, data and permission errors fail at once.
+``kc train`` runs this flow in-process (Prefect's ephemeral API unless ``PREFECT_API_URL`` is set), a deployment
+(``deployments/prefect.yaml``) on a worker: its parameters stay JSON values. MLflow holds one run per flow run (config,
+rank 0's metrics, restarts, checkpoint manifests). A task retries transient failures (``tasks.retry_policy``), a failed
+attempt restarts at most ``cluster.max_restarts`` times; config, data and permission errors fail at once.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from tasks.export_model import export_and_register
 from tasks.issue_tokens import issue_tokens
 from tasks.launch import launch
 from tasks.place_attempt import place_attempt, start_cluster_probe
+from tasks.prefect_hooks import PREFECT_HOOKS
 from tasks.probe_topology import probe_topology
 from tasks.recover import recover
 from tasks.validate_data import validate_data
@@ -86,7 +86,7 @@ def train_flow(
     opened: list[Path] = []  # the run whose authority this flow holds in memory, forgotten on the way out
     interrupt.rearm()  # kc train's Ctrl-C and SIGTERM, over the SIGTERM handler Prefect's engine installed (issue 45)
     try:
-        with prefect_watch.watching() as watch:  # issue 26 §5: a lost Prefect API ends the run, its summary on disk
+        with prefect_watch.watching(hooks=PREFECT_HOOKS) as watch:  # issue 26 §5: a lost API ends the run
             try:
                 result = _run(logger, config_path, list(overrides or []), resume, if_finished, opened, clock)
             except interrupt.Interrupted:  # the ranks stopped (at a step boundary, or after the grace)

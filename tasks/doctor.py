@@ -10,6 +10,7 @@ from prefect import task
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.sched.doctor import FLOW_REUSE_GLOO_S, DoctorReport, run_doctor
 from kuangchao_core.sched.transient import mark_failure
+from tasks.prefect_hooks import PREFECT_HOOKS
 from tasks.retry_policy import TRANSIENT_RETRIES
 
 
@@ -27,13 +28,8 @@ class DoctorFailed(KuangchaoError):
 def _publish(report: DoctorReport) -> None:
     from prefect.context import FlowRunContext
 
-    if FlowRunContext.get() is None:
-        return
-    from prefect.artifacts import create_markdown_artifact
-
-    create_markdown_artifact(
-        markdown=report.to_markdown(), key="kc-doctor", description="kc doctor: environment checks"
-    )
+    if FlowRunContext.get() is not None:  # a flow run's report, as its artifact
+        PREFECT_HOOKS.artifact(report.to_markdown(), "kc-doctor", "kc doctor: environment checks")
 
 
 @task(name="doctor", **TRANSIENT_RETRIES)
@@ -50,7 +46,7 @@ def doctor(
     The Slurm checks are ``kc doctor``'s by default: in a flow the launch's ``sbatch`` fails at once with Slurm's own
     reason, and inside an allocation its nodes are busy by design.
     """
-    report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip, reuse_gloo_s=reuse_gloo_s)
+    report = run_doctor(cfg, gloo_timeout_s=gloo_timeout_s, skip=skip, reuse_gloo_s=reuse_gloo_s, hooks=PREFECT_HOOKS)
     _publish(report)
     if not report.ok:
         raise DoctorFailed(report)

@@ -16,9 +16,10 @@ from typing import Any
 
 from prefect import task
 
-from kuangchao_core.job.flow_log import name_task_runs_in_api_logs
 from kuangchao_core.job.launch_attempt import launch_workers
 from kuangchao_core.sched.transient import permanent_once_exists
+from tasks.prefect_hooks import PREFECT_HOOKS
+from tasks.prefect_logs import name_task_runs_in_api_logs
 from tasks.retry_policy import TRANSIENT_RETRIES
 
 name_task_runs_in_api_logs()  # every task run's state line in the flow run's log names its task run
@@ -50,4 +51,5 @@ def launch(
             exclude_nodes=exclude_nodes,
             assignments=assignments,
             placement=placement,
+            hooks=PREFECT_HOOKS,  # the run's events, artifacts and log
         ).to_dict()

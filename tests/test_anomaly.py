@@ -226,6 +226,7 @@ def test_the_orchestrator_counts_tags_and_announces_anomalies_and_serves_metrics
     from kuangchao_core.obs.console import LiveView
     from kuangchao_core.obs.jsonlog import emit_event
     from kuangchao_core.obs.prometheus import JobMetrics, MetricsExporter
+    from tasks.prefect_hooks import PREFECT_HOOKS
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config_from_dict({"task": {"name": "kc-anomaly"}, "tracking": {"uri": uri}})
@@ -238,7 +239,7 @@ def test_the_orchestrator_counts_tags_and_announces_anomalies_and_serves_metrics
     url = exporter.start()
     try:
         view, lines = LiveView(stream=io.StringIO(), quiet=True), io.StringIO()
-        events = JobEvents(cfg, "kc-anomaly@run", run_id, metrics, prefect=True)
+        events = JobEvents(cfg, "kc-anomaly@run", run_id, metrics, prefect=True, hooks=PREFECT_HOOKS)
         view.listeners.append(events)
         emit_event(
             "step", stream=lines, step=7, loss=2.5, tokens_per_s=1000.0, grad_norm=0.5, comm_share=0.4, step_time_s=0.2

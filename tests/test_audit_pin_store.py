@@ -150,7 +150,7 @@ def test_pins_round_trip_and_one_bad_line_voids_only_itself(tmp_path):
         f.write("[" * 3000 + "]" * 3000 + "\n" + "not json\n" + "x" * 70_000 + "\n")
     rows = list(read_store(store))
     assert [r[1] is not None for r in rows] == [True, True, False, False, False], rows
-    found = collect_external_pins(prefect=False, pin_store=str(store))
+    found = collect_external_pins(pin_store=str(store))
     assert [p.sealed for p, _ in found.for_job(job.job)] == [False, True]
     bad = [n for n in found.notes if n.startswith("pin store")]
     assert [n.split(": unreadable")[0].rsplit(":", 1)[1] for n in bad] == ["3", "4", "5"], found.notes

@@ -35,6 +35,7 @@ from kuangchao_core.perm.audit_verify import read_records
 from kuangchao_core.perm.authority import Authority
 from kuangchao_core.perm.pin_check import verify_against_pins
 from kuangchao_core.perm.tokens import PURPOSE_AUDIT, TrustedKey, TrustStore, public_raw
+from tasks.prefect_hooks import PREFECT_HOOKS
 
 JOB = "task-p@run1"
 
@@ -297,7 +298,14 @@ def test_record_audit_pin_reaches_mlflow_and_prefect(job, monkeypatch, fake_pref
     monkeypatch.setitem(sys.modules, "mlflow.tracking", types.SimpleNamespace(MlflowClient=Client))
     fake_prefect.ctx.TaskRunContext.current = object()  # inside the launch task
     pin = record_audit_pin(
-        job.run, job.log, JOB, job.kid, public_raw(job.key), mlflow_run_id="r1", tracking_uri="sqlite:///x.db"
+        job.run,
+        job.log,
+        JOB,
+        job.kid,
+        public_raw(job.key),
+        mlflow_run_id="r1",
+        tracking_uri="sqlite:///x.db",
+        hooks=PREFECT_HOOKS,
     )
     assert calls[0] == ("uri", "sqlite:///x.db")
     assert calls[1] == ("tag", "r1", "kuangchao.audit_pin", pin.to_json())
@@ -305,6 +313,9 @@ def test_record_audit_pin_reaches_mlflow_and_prefect(job, monkeypatch, fake_pref
     (art,) = fake_prefect.calls
     assert art["key"] == "kc-audit-pin" and pin.head_hash in art["markdown"]
     fake_prefect.ctx.TaskRunContext.current = None  # control: outside a flow run nothing is published
+    record_audit_pin(job.run, job.log, JOB, job.kid, public_raw(job.key), hooks=PREFECT_HOOKS)
+    assert len(fake_prefect.calls) == 1
+    fake_prefect.ctx.TaskRunContext.current = object()  # control: without the orchestrator's hooks neither
     record_audit_pin(job.run, job.log, JOB, job.kid, public_raw(job.key))
     assert len(fake_prefect.calls) == 1
 
@@ -324,7 +335,9 @@ def test_record_audit_pin_survives_mlflow_and_prefect_down(job, monkeypatch, fak
     _append(log, 1)
     log.close()
     with caplog.at_level(logging.WARNING, logger="kuangchao.perm.audit_pins"):
-        pin = record_audit_pin(job.run, job.log, JOB, job.kid, public_raw(job.key), mlflow_run_id="r1")
+        pin = record_audit_pin(
+            job.run, job.log, JOB, job.kid, public_raw(job.key), mlflow_run_id="r1", hooks=PREFECT_HOOKS
+        )
     assert "not recorded in MLflow" in caplog.text and "not recorded as a Prefect artifact" in caplog.text
     assert load_pins(job.run / "authority")[-1] == pin and pin.seq == 7
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # MLflow not installed at all

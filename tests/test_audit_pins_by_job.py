@@ -81,7 +81,7 @@ def test_a_3000_deep_tag_on_one_run_voids_only_itself(job, store):
     deep = "[" * 3000 + "]" * 3000
     store.client.set_tag(bad, MLFLOW_PIN_TAG, deep)
     try:
-        found = collect_external_pins(store.uri, prefect=False)
+        found = collect_external_pins(store.uri)
         assert found.for_job(job.job), found.notes  # the other job's pins survive
         assert any(bad in n and "deep" in n for n in found.notes), found.notes
         res = _cli("--log", job.log)
@@ -102,7 +102,7 @@ def test_old_whole_store_read_is_voided_by_one_deep_tag(job, store, monkeypatch)
     real = audit_external._run_pins
     monkeypatch.setattr(audit_external, "loads_bounded", lambda text, where="": json.loads(text))  # old reader
     try:
-        found = collect_external_pins(store.uri, prefect=False)
+        found = collect_external_pins(store.uri)
         assert found.for_job(job.job) and any("RecursionError" in n for n in found.notes), found.notes
 
         def unguarded(found, client, run):
@@ -113,6 +113,6 @@ def test_old_whole_store_read_is_voided_by_one_deep_tag(job, store, monkeypatch)
 
         monkeypatch.setattr(audit_external, "_run_pins", unguarded)
         with pytest.raises(KeyboardInterrupt):
-            collect_external_pins(store.uri, prefect=False)
+            collect_external_pins(store.uri)
     finally:
         store.client.delete_tag(bad, MLFLOW_PIN_TAG)

@@ -317,3 +317,19 @@ def test_the_prefect_check_reads_the_active_profiles_api(tmp_path):
         run_env = {**env, "PREFECT_HOME": str(home)}
         out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=60)
         assert out.stdout.startswith(expect), out.stdout + out.stderr[-2000:]
+
+
+def test_the_prefect_check_asks_the_orchestrators_settings_after_env_and_profile(tmp_path, monkeypatch):
+    """Issue 43 item 6: the in-process Prefect settings (a test harness's API) reach the core's check through the
+    caller's ``RunHooks.api_url``; without hooks the check imports no Prefect and finds nothing set (control)."""
+    from kuangchao_core.obs.run_hooks import RunHooks
+    from kuangchao_core.sched.service_checks import check_prefect
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("PREFECT_PROFILE", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # no profiles.toml
+    url = f"http://127.0.0.1:{free_port()}/api"
+    named = check_prefect(2, hooks=RunHooks(api_url=lambda: url))
+    assert not named.ok and url in named.detail
+    assert "not set" in check_prefect(2).detail
+    assert "not set" in check_prefect(2, hooks=RunHooks(api_url=lambda: 1 / 0)).detail  # unreadable settings: unset

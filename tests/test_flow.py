@@ -111,13 +111,14 @@ def test_flow_run_leaves_no_secret_pins_its_audit_and_reads_metrics_as_the_monit
     assert {"audit_pins.json", "policy.json", "trust_store.json"} <= {p.name for p in (run_dir / "authority").iterdir()}
     res = CliRunner().invoke(app, ["audit", "--verify", "--run", str(run_dir)])
     assert res.exit_code == 0, res.output
+    from kuangchao.cli.prefect_artifacts import PREFECT_ARTIFACTS
     from kuangchao_core.perm.audit_external import collect_external_pins
 
-    in_mlflow = collect_external_pins(reference_run["tracking_uri"], prefect=False).for_run(run_dir)
-    in_prefect = collect_external_pins(f"sqlite:///{run_dir}/no-store.db").for_run(run_dir)  # Prefect only
+    in_mlflow = collect_external_pins(reference_run["tracking_uri"]).for_run(run_dir)
+    in_prefect = collect_external_pins(f"sqlite:///{run_dir}/no-store.db", prefect=PREFECT_ARTIFACTS).for_run(run_dir)
     assert any(p.sealed for p, _ in in_mlflow) and any(p.sealed for p, _ in in_prefect), (in_mlflow, in_prefect)
     nowhere = f"sqlite:///{run_dir}/no-store.db"  # issue 38: permission.pin_store holds the start and sealed pins
-    in_store = collect_external_pins(nowhere, prefect=False, pin_store=reference_run["pin_store"]).for_run(run_dir)
+    in_store = collect_external_pins(nowhere, pin_store=reference_run["pin_store"]).for_run(run_dir)
     assert [p.sealed for p, _ in in_store][-1] and len(in_store) >= 2, in_store
     res = CliRunner().invoke(
         app,

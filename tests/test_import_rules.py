@@ -12,6 +12,9 @@ ones ``docs/architecture.md`` states and each package's ``__init__`` docstring r
 - there is no import cycle among the packages, nor among the modules (a cycle between two modules of one package
   works only by the accident of which is imported first); imports under ``if TYPE_CHECKING:`` do not run and do
   not count.
+- Prefect is the orchestrator's, not the engine's (issue 43 item 6): a core module imports ``prefect`` only when it
+  is a launch backend (``PREFECT_LAUNCH_BACKENDS``); everything else the engine asks of Prefect it is given by its
+  caller (``kuangchao_core.obs.run_hooks.RunHooks``, built in ``tasks/prefect_hooks.py``).
 
 The checks run on the real tree and, as negative controls, on a graph with one rule broken each.
 """
@@ -254,3 +257,50 @@ def test_no_import_cycle_among_core_modules():
     assert module_cycles(graph) == []
     graph["kuangchao_core.ckpt.index"].add("kuangchao_core.ckpt.convert")  # the index reaching the converter
     assert module_cycles(graph) == [["kuangchao_core.ckpt.convert", "kuangchao_core.ckpt.index"]]
+
+
+# Core modules that may import Prefect: the node-agent launch backend, whose mechanism is Prefect itself.
+PREFECT_LAUNCH_BACKENDS = {
+    "kuangchao_core/sched/multinode.py",  # each node's share runs as a deployment run on that node's work queue
+    "kuangchao_core/sched/node_registry.py",  # work pool and queues, agent deployment, facts as Prefect Variables
+}
+
+
+def _imports_prefect(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name.split(".")[0] == "prefect" for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return node.level == 0 and (node.module or "").split(".")[0] == "prefect"
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        first = node.args[0].value
+        return name in ("import_module", "__import__") and isinstance(first, str) and first.split(".")[0] == "prefect"
+    return False
+
+
+def prefect_importers(sources: dict[str, str]) -> set[str]:
+    """The files of ``sources`` (path -> text) that import ``prefect`` anywhere (in a function, under
+    ``TYPE_CHECKING``, through ``importlib.import_module``)."""
+    return {path for path, text in sources.items() if any(map(_imports_prefect, ast.walk(ast.parse(text))))}
+
+
+def _core_sources() -> dict[str, str]:
+    return {str(f.relative_to(ROOT)): f.read_text(encoding="utf-8") for f in sorted(CORE.rglob("*.py"))}
+
+
+def test_only_the_launch_backends_of_the_core_import_prefect():
+    found = prefect_importers(_core_sources())
+    assert found - PREFECT_LAUNCH_BACKENDS == set(), "pass what the core needs in (RunHooks) instead"
+    assert found == PREFECT_LAUNCH_BACKENDS, "a backend that no longer imports Prefect leaves the list"
+
+
+def test_a_core_module_importing_prefect_is_caught():
+    planted = {
+        "kuangchao_core/job/lazy.py": "def f():\n    from prefect.artifacts import create_markdown_artifact\n",
+        "kuangchao_core/obs/plain.py": "import prefect.context as ctx\n",
+        "kuangchao_core/perm/hidden.py": "import importlib\nmod = importlib.import_module('prefect.settings')\n",
+        "kuangchao_core/ckpt/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import prefect\n",
+        "kuangchao_core/engine/clean.py": "import prefects_like\nfrom .prefect import x\nname = 'prefect'\n",
+    }
+    found = prefect_importers({**_core_sources(), **planted}) - PREFECT_LAUNCH_BACKENDS
+    assert found == set(planted) - {"kuangchao_core/engine/clean.py"}, found

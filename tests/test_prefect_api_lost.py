@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao_core.obs import prefect_watch
+from kuangchao_core.obs.run_hooks import RunHooks
 from kuangchao_core.obs.voice import message_of
 from tests.fixtures import free_port
 
@@ -72,7 +73,7 @@ def test_a_lost_api_interrupts_the_interruptible_stretch_only():
         watch.interruptible().__enter__()  # entered once lost: refused at once
 
 
-def test_summary_is_written_before_the_artifact_and_a_failed_artifact_undoes_the_registration(tmp_path, monkeypatch):
+def test_summary_is_written_before_the_artifact_and_a_failed_artifact_undoes_the_registration(tmp_path):
     """The end of the flow against a lost API: summary.json on disk, the registration undone, the aliases back."""
     from types import SimpleNamespace
 
@@ -89,14 +90,11 @@ def test_summary_is_written_before_the_artifact_and_a_failed_artifact_undoes_the
     client.set_registered_model_alias(name, "champion", v1.version)
     cfg = SimpleNamespace(tracking=SimpleNamespace(uri=uri, register_model=name))
 
-    monkeypatch.setattr(prefect_watch, "configured_api_url", _dead_url)
-    monkeypatch.setattr(prefect_watch, "_in_flow_run", lambda: True)
-
     def refused(*_a, **_k):
         raise ConnectionRefusedError(111, "Connection refused")
 
-    monkeypatch.setattr("prefect.artifacts.create_markdown_artifact", refused)
-    with pytest.raises(prefect_watch.PrefectAPILost) as raised, prefect_watch.watching(grace_s=600) as watch:
+    hooks = RunHooks(api_url=_dead_url, in_run=lambda: True, artifact=refused)  # a flow run's, its API gone
+    with pytest.raises(prefect_watch.PrefectAPILost) as raised, prefect_watch.watching(600, hooks) as watch:
         prefect_watch.note(task="t", run_dir=str(tmp_path))
         before = {"newest": 1, "champion": 1}
         v2 = client.create_model_version(name, "file:///nowhere2", run_id=run.info.run_id)
@@ -115,12 +113,11 @@ def test_summary_is_written_before_the_artifact_and_a_failed_artifact_undoes_the
     assert all(str(client.get_model_version_by_alias(name, a).version) == "1" for a in ("newest", "champion"))
 
 
-def test_before_registration_refuses_once_the_api_is_lost(monkeypatch):
+def test_before_registration_refuses_once_the_api_is_lost():
     from types import SimpleNamespace
 
-    monkeypatch.setattr(prefect_watch, "configured_api_url", _dead_url)
     cfg = SimpleNamespace(tracking=SimpleNamespace(uri="sqlite:///unused.db", register_model="m"))
-    with pytest.raises(prefect_watch.PrefectAPILost), prefect_watch.watching(grace_s=600):
+    with pytest.raises(prefect_watch.PrefectAPILost), prefect_watch.watching(600, RunHooks(api_url=_dead_url)):
         prefect_watch.before_registration(cfg)
     prefect_watch.body_ended()
 

@@ -122,7 +122,7 @@ def test_checkpoint_list_fits_80_columns_with_full_lineage_names(tmp_path):
 
 def test_node_list_shows_cpu_slots(monkeypatch):
     from kuangchao.cli.node import devices_text
-    from kuangchao_core.sched import nodes
+    from kuangchao_core.sched import node_registry, nodes
 
     cpu = nodes.NodeFacts(name="h0", address="10.0.0.1", device_kind="cpu", device_count=0, cpu_count=4)
     gpu = nodes.NodeFacts(name="g0", address="10.0.0.2", device_kind="cuda", device_count=8, cpu_count=64)
@@ -133,6 +133,6 @@ def test_node_list_shows_cpu_slots(monkeypatch):
         name, live, last_heartbeat, facts = "h0", True, "now", cpu
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    monkeypatch.setattr(nodes, "list_nodes", lambda pool: [Found()])
+    monkeypatch.setattr(node_registry, "list_nodes", lambda pool: [Found()])
     res = _cli(["node", "list", "--pool", "p"])
     assert res.exit_code == 0 and "4 cpu slots" in res.output and "0 cpu" not in res.output, res.output

@@ -83,6 +83,7 @@ FILE_TIERS = {
     "test_fixtures.py": "unit",
     "test_flow.py": "flows",
     "test_flow_log.py": "flows",
+    "test_prefect_adapters.py": "flows",
     "test_global_config_job.py": "distributed",
     "test_global_config_rollback.py": "distributed",
     "test_gpu_check.py": "distributed",

@@ -157,9 +157,10 @@ def audit(
         raise typer.Exit(2) from None
     external = None
     if verify:
+        from kuangchao.cli.prefect_artifacts import PREFECT_ARTIFACTS
         from kuangchao_core.perm.audit_external import collect_external_pins
 
-        external = collect_external_pins(tracking_uri, pin_store=pin_store)
+        external = collect_external_pins(tracking_uri, prefect=PREFECT_ARTIFACTS, pin_store=pin_store)
     run_trust = None
     if run is not None:
         if not run.is_dir():

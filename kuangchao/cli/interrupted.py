@@ -76,10 +76,10 @@ def _mark_cancelled(text: str) -> None:
     from kuangchao.cli.prefect_server import temporary_api_url
     from kuangchao_core.obs import prefect_api, prefect_watch
 
-    flow_run_id = prefect_watch.current().flow_run_id
-    url = prefect_api.configured_api_url() or temporary_api_url()
-    if flow_run_id and url:
-        prefect_api.mark_cancelled(url, flow_run_id, text, timeout_s=2.0)
+    watch = prefect_watch.current()  # the flow's, with its Prefect client's settings (RunHooks)
+    url = prefect_api.configured_api_url(watch.hooks) or temporary_api_url()
+    if watch.flow_run_id and url:
+        prefect_api.mark_cancelled(url, watch.flow_run_id, text, watch.hooks.auth_headers(), timeout_s=2.0)
 
 
 def _end_now(config: str, overrides: list[str], _signum: int) -> None:

@@ -45,7 +45,7 @@ def start(
 ) -> None:
     """Publish this node's facts and run its agent (a Prefect worker) until interrupted."""
     from kuangchao_core.errors import ConfigError
-    from kuangchao_core.sched import nodes
+    from kuangchao_core.sched import node_registry, nodes
 
     _need_server()
     try:
@@ -53,11 +53,11 @@ def start(
     except ConfigError as exc:
         typer.echo(f"kc node start: {exc.errors[0][1]}", err=True)
         raise typer.Exit(2) from None
-    nodes.ensure_pool(pool)
-    nodes.ensure_queue(pool, node)
-    nodes.ensure_agent_deployment(pool, str(Path(project_dir).resolve()))
+    node_registry.ensure_pool(pool)
+    node_registry.ensure_queue(pool, node)
+    node_registry.ensure_agent_deployment(pool, str(Path(project_dir).resolve()))
     facts = nodes.local_facts(node, address, ifname)
-    nodes.publish_facts(pool, facts)
+    node_registry.publish_facts(pool, facts)
     typer.echo(
         f"node {node}: {facts.address} ({facts.ifname or 'default interface'}), "
         f"{devices_text(facts)}, {facts.cpu_count} CPUs; pool {pool}"
@@ -96,10 +96,10 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """The nodes of POOL, their facts and whether their agent is live."""
-    from kuangchao_core.sched import nodes
+    from kuangchao_core.sched import node_registry
 
     _need_server()
-    found = nodes.list_nodes(pool)
+    found = node_registry.list_nodes(pool)
     if as_json:
         typer.echo(json.dumps([n.to_dict() for n in found], indent=2))
         return

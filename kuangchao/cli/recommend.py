@@ -154,7 +154,7 @@ def _live_pool(pool: str) -> tuple[int, int, float | None]:
     """(live nodes, ranks per node, measured bandwidth between nodes in Gb/s or None) of a node-agent pool."""
     import os
 
-    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.node_registry import list_nodes
     from kuangchao_core.sched.topology import remembered_reports
 
     if not os.environ.get("PREFECT_API_URL"):

@@ -3,10 +3,13 @@
 - :class:`ProgressLog`: a listener of the ranks' events that writes the training progress into the run's log — one
   line per ``step`` event (the ranks emit those every ``train.log_interval`` steps and at the last one), one per
   held-out evaluation, the anomaly tally when the attempt ends;
-- :func:`name_task_runs_in_api_logs`: the records a task run sends to the Prefect API carry its name in the message
+- :class:`TaskRunNameFormatter`: the records a task run sends to the Prefect API carry its name in the message
   (``Task run 'launch-0ab' - Finished in state Completed()``). Prefect's console formatter adds that prefix, but the
   API handler stores the bare message, and ``prefect flow-run logs`` prefixes every line with the *flow* run's name
   only, so the task runs' state lines could not be told apart.
+
+Nothing here imports Prefect (issue 43 item 6): ``tasks/prefect_logs.py`` gives the API handlers this formatter and
+makes the run's logger, which reaches the launch as ``RunHooks.run_logger``.
 """
 
 from __future__ import annotations
@@ -27,44 +30,6 @@ class TaskRunNameFormatter(logging.Formatter):
         if name and not message.startswith("Task run "):
             return f"Task run {name!r} - {message}"
         return message
-
-
-def name_task_runs_in_api_logs() -> int:
-    """Give the Prefect API handlers of the task-run logger :class:`TaskRunNameFormatter` (idempotent); returns how
-    many handlers it set. The console keeps Prefect's own format (which names the task run already)."""
-    from prefect.logging.handlers import APILogHandler
-
-    changed = 0
-    for handler in logging.getLogger("prefect.task_runs").handlers:
-        if isinstance(handler, APILogHandler) and not isinstance(handler.formatter, TaskRunNameFormatter):
-            handler.setFormatter(TaskRunNameFormatter())
-            changed += 1
-    return changed
-
-
-def run_logger_or_none() -> Any:
-    """A logger into the current Prefect run's log only — the API, not the console, where the live view already
-    shows the same lines — or None outside a flow or task run (scripts, tests of the launcher)."""
-    try:
-        from prefect.exceptions import MissingContextError
-        from prefect.logging import get_run_logger
-        from prefect.logging.handlers import APILogHandler
-    except ImportError:  # pragma: no cover - prefect is a dependency
-        return None
-    try:
-        run_logger = get_run_logger()
-    except MissingContextError:
-        return None
-    name_task_runs_in_api_logs()
-    api_only = logging.getLogger("kuangchao.flow_log")
-    api_only.propagate = False  # never Prefect's console handler
-    api_only.setLevel(logging.INFO)
-    for handler in logging.getLogger("prefect.task_runs").handlers:
-        if isinstance(handler, APILogHandler) and handler not in api_only.handlers:
-            api_only.addHandler(handler)
-    # the run's ids and names (flow_run_id, task_run_id, task_run_name) travel with each record: the events arrive
-    # on the launcher's reader threads, outside the run's context
-    return logging.LoggerAdapter(api_only, dict(getattr(run_logger, "extra", {}) or {}))
 
 
 class ProgressLog:

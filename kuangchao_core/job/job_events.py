@@ -12,27 +12,17 @@ import logging
 from typing import Any
 
 from kuangchao_core.obs import tracking
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 
 log = logging.getLogger("kuangchao.tasks.job_events")
 
 
-def emit_prefect_anomaly(job_id: str, task: str, event: dict[str, Any]) -> Any:
-    """Emit the Prefect event ``kuangchao.anomaly.<kind>`` for the job (None when no Prefect API is reachable)."""
-    from prefect.events import emit_event
-
+def anomaly_event(job_id: str, task: str, event: dict[str, Any]) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The event ``kuangchao.anomaly.<kind>`` of the job for an anomaly: its name, resource and payload."""
     kind = str(event.get("kind", "unknown"))
     payload = {k: event.get(k) for k in ("kind", "step", "value", "threshold", "action", "message")}
-    return emit_event(
-        event=f"kuangchao.anomaly.{kind}",
-        resource={"prefect.resource.id": f"kuangchao.job.{job_id}", "prefect.resource.name": task},
-        payload=payload,
-    )
-
-
-def _in_prefect_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+    resource = {"prefect.resource.id": f"kuangchao.job.{job_id}", "prefect.resource.name": task}
+    return f"kuangchao.anomaly.{kind}", resource, payload
 
 
 class JobEvents:
@@ -46,12 +36,15 @@ class JobEvents:
         metrics: Any = None,
         prefect: bool | None = None,
         mirror: Any = None,
+        hooks: RunHooks = NO_HOOKS,
     ):
-        """``prefect``: send Prefect events; by default when built inside a Prefect flow or task run (outside one a
+        """``hooks``: the orchestrator's (:class:`~kuangchao_core.obs.run_hooks.RunHooks`), which sends the events.
+        ``prefect``: send them; by default when built inside a flow or task run (``hooks.in_run()``; outside one a
         Prefect client would start a temporary server of its own just for the event). ``mirror``: the run's
         :class:`~kuangchao_core.job.ckpt_mirror.CheckpointMirror`, given every ``checkpoint`` event."""
         self.mirror = mirror
-        self.prefect = _in_prefect_run() if prefect is None else prefect
+        self.hooks = hooks
+        self.prefect = hooks.in_run() if prefect is None else prefect
         self.cfg = cfg
         self.job_id = job_id
         self.run_id = mlflow_run_id
@@ -75,6 +68,6 @@ class JobEvents:
         if not self.prefect:
             return
         try:
-            emit_prefect_anomaly(self.job_id, self.cfg.task.name, event)
+            self.hooks.event(*anomaly_event(self.job_id, self.cfg.task.name, event))
         except Exception as exc:
             log.warning("anomaly %s not sent as a Prefect event: %s", kind, exc)

@@ -19,12 +19,13 @@ from kuangchao_core.config.unused import UNUSED_REPORTED_ENV
 from kuangchao_core.engine.traffic import group_traffic
 from kuangchao_core.errors import WorkerFailed
 from kuangchao_core.job.ckpt_mirror import mirror_for
-from kuangchao_core.job.flow_log import ProgressLog, run_logger_or_none
+from kuangchao_core.job.flow_log import ProgressLog
 from kuangchao_core.job.job_events import JobEvents
 from kuangchao_core.job.slurm_nodes import log_slurm_nodes, record_slurm_placement
 from kuangchao_core.obs import phases
 from kuangchao_core.obs.console import LiveView
 from kuangchao_core.obs.prometheus import exporter_for
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.obs.tracking import tracking_uri
 from kuangchao_core.perm import guard_api
 from kuangchao_core.perm.audit import AuditLog
@@ -116,12 +117,12 @@ def ensure_global_config(cfg: Any, run_dir: str | Path, worker_env: dict[str, st
 
 
 def _slurm_placed(
-    cfg: Any, run_id: str | None, run_dir: Path, attempt: int, say, enforcing: bool, placed: dict
+    cfg: Any, run_id: str | None, run_dir: Path, attempt: int, say, enforcing: bool, placed: dict, hooks=NO_HOOKS
 ) -> None:
     """A Slurm job placed its ranks (``placed``: its ``placement.json``): recorded as on the other paths, and, in an
     enforcing job, the attempt's tokens issued again for that placement (the device and the node-local groups each
     token names follow where its rank runs) before any node's token file is written."""
-    record_slurm_placement(cfg, run_id, run_dir, attempt, placed, say)
+    record_slurm_placement(cfg, run_id, run_dir, attempt, placed, say, hooks)
     if enforcing:
         issue_tokens_for_run(cfg, run_dir, attempt, placed["placement"])
 
@@ -138,6 +139,7 @@ def launch_workers(
     exclude_nodes: list[str] | None = None,
     assignments: list[dict[str, Any]] | None = None,
     placement: dict[str, Any] | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> LaunchSummary:
     """Run one attempt of the job's workers; raises WorkerFailed naming the rank (or the lost node) on failure.
 
@@ -145,7 +147,8 @@ def launch_workers(
     static and dynamic clusters run on node agents
     (:func:`kuangchao_core.sched.multinode.launch_cluster_attempt`): on ``assignments`` (``NodeAssignment``
     fields) with ``placement`` (``RankPlacement.to_dict()``) when the flow placed the attempt, else on nodes
-    chosen here, leaving out ``exclude_nodes``.
+    chosen here, leaving out ``exclude_nodes``. ``hooks``: the orchestrator's (the launch task's Prefect run: its
+    events, artifacts and log); none by default.
     """
     run_dir = Path(run_dir)
     view = view or LiveView(task=cfg.task.name, quiet=not cfg.logging.console)
@@ -156,6 +159,7 @@ def launch_workers(
         mlflow_run_id,
         exporter.metrics if exporter else None,
         mirror=mirror_for(str(run_dir)),
+        hooks=hooks,
     )
     view.listeners.append(events)
     clock, started = phases.active(), time.time()
@@ -163,7 +167,7 @@ def launch_workers(
     if clock is not None:  # the run summary's start-up and after-the-last-step phases (issue 27 §2)
         view.listeners.append(clock.on_event)
     view.listeners.append(interrupt.note_event)  # the last step, for the line of an interrupted run
-    run_logger = run_logger_or_none()
+    run_logger = hooks.run_logger()
     if run_logger is not None:  # the progress in the flow run's own log (prefect flow-run logs), at log_interval
         view.listeners.append(ProgressLog(run_logger))
     worker_env = {
@@ -223,6 +227,7 @@ def launch_workers(
                     tracking_uri=tracking_uri(cfg),
                     mode=str(cfg.permission.mode),
                     pin_store=store,
+                    hooks=hooks,
                 )
                 pin()  # before the workers start: this process's audit key
                 register_seal(run_dir, pin)  # issue 26: the job's end (close_authority) seals the log with it
@@ -245,7 +250,9 @@ def launch_workers(
                 "KC_TRUST_ROOT" in worker_env) else None  # fmt: skip
             say = partial(_say_slurm, run_logger, view)  # the job's states on the console too (issue 45 §3)
             stack.callback(log_slurm_nodes, cfg, mlflow_run_id, run_dir, attempt, say)  # also after a failure
-            placed_cb = partial(_slurm_placed, cfg, mlflow_run_id, run_dir, attempt, say, "KC_TRUST_ROOT" in worker_env)
+            placed_cb = partial(
+                _slurm_placed, cfg, mlflow_run_id, run_dir, attempt, say, "KC_TRUST_ROOT" in worker_env, hooks=hooks
+            )
             launch_slurm_attempt(
                 cfg,
                 run_dir,
@@ -258,6 +265,7 @@ def launch_workers(
                 exclude=list(exclude_nodes or []),
                 traffic=group_traffic(cfg),  # the job probes its nodes and places its ranks (issue 32 §5)
                 on_placement=placed_cb,
+                hooks=hooks,
             )
         else:
             tokens = token_env(run_dir, attempt) if "KC_TRUST_ROOT" in worker_env else {}

@@ -18,6 +18,7 @@ from typing import Any
 from kuangchao_core.engine.traffic import link_report
 from kuangchao_core.job.placement_record import placement_markdown, save_record
 from kuangchao_core.obs import tracking
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.sched.rank_placement import RankPlacement
 from kuangchao_core.sched.slurm.script import slurm_dir
 
@@ -39,10 +40,17 @@ def log_slurm_nodes(
 
 
 def record_slurm_placement(
-    cfg: Any, run_id: str | None, run_dir: str | Path, attempt: int, placed: dict[str, Any], say: Callable[[str], None]
+    cfg: Any,
+    run_id: str | None,
+    run_dir: str | Path,
+    attempt: int,
+    placed: dict[str, Any],
+    say: Callable[[str], None],
+    hooks: RunHooks = NO_HOOKS,
 ) -> dict[str, Any]:
     """The run's record of the placement the Slurm job made (``placed``: its ``placement.json``): written to the
-    run directory and logged to MLflow and Prefect as the other paths' placements are; returns the record."""
+    run directory and logged to MLflow and, through ``hooks`` (the orchestrator's), Prefect as the other paths'
+    placements are; returns the record."""
     placement = RankPlacement.from_dict(placed["placement"])
     record = {
         "attempt": attempt,
@@ -71,9 +79,7 @@ def record_slurm_placement(
     except Exception as exc:  # noqa: BLE001 - the record stays in the run directory; the job goes on
         say(f"could not log the placement of attempt {attempt} to MLflow: {type(exc).__name__}: {exc}")
     try:
-        from prefect.artifacts import create_markdown_artifact
-
-        create_markdown_artifact(markdown=placement_markdown(record), key="kc-placement", description="Nodes and ranks")
+        hooks.artifact(placement_markdown(record), "kc-placement", "Nodes and ranks")
     except Exception:  # noqa: BLE001 - outside a flow run there is no artifact to make; the files are kept
         pass
     return record

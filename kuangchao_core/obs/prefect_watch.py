@@ -42,8 +42,8 @@ from typing import Any
 
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.obs import prefect_api as api
-from kuangchao_core.obs.prefect_api import api_answers, client_fails_fast, configured_api_url
-from kuangchao_core.obs.prefect_api import in_flow_run as _in_flow_run
+from kuangchao_core.obs.prefect_api import api_answers, configured_api_url
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 
 log = logging.getLogger("kuangchao.obs.prefect_watch")
 
@@ -77,13 +77,18 @@ class APIWatch:
     With a ``flow_run_id`` it also follows that flow run's state and declares it cancelled (once; final) when it
     goes Cancelling or Cancelled. ``record`` gathers what the run's summary needs if it ends early (:meth:`note`);
     :meth:`interruptible` marks the stretch of the flow (training) into which a loss or a cancellation is raised at
-    once."""
+    once. ``hooks``: the Prefect client's side (its authentication, its retries, the run's artifacts)."""
 
     def __init__(
-        self, url: str | None, grace_s: float = DEFAULT_GRACE_S, interval_s: float = 2.0, flow_run_id: str | None = None
+        self,
+        url: str | None,
+        grace_s: float = DEFAULT_GRACE_S,
+        interval_s: float = 2.0,
+        flow_run_id: str | None = None,
+        hooks: RunHooks = NO_HOOKS,
     ) -> None:
         self.url, self.grace_s, self.interval_s = url, float(grace_s), float(interval_s)
-        self.flow_run_id = flow_run_id
+        self.flow_run_id, self.hooks = flow_run_id, hooks
         self.record: dict[str, Any] = {}
         self.cancelled: str | None = None  # the flow run's state name once it was cancelled in Prefect
         self.lost_reason: str | None = None
@@ -116,7 +121,7 @@ class APIWatch:
 
     def _poll(self) -> None:
         silent_since: float | None = None
-        headers = api.auth_headers() if self.flow_run_id else {}
+        headers = self.hooks.auth_headers() if self.flow_run_id else {}
         while not self._stop.is_set() and not self.lost:
             problem = api_answers(self.url, timeout_s=min(3.0, self.grace_s / 2 or 1.0))
             now = time.monotonic()
@@ -142,7 +147,7 @@ class APIWatch:
             if self._target is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(_Interrupt))
         log.error("the Prefect API at %s is lost: %s; the run ends", self.url, reason)
-        client_fails_fast(True)
+        self.hooks.client_fails_fast(True)
         for hook in list(_HOOKS):
             try:
                 hook(self)
@@ -211,13 +216,13 @@ def note(**fields: Any) -> None:
 
 
 @contextlib.contextmanager
-def watching(grace_s: float | None = None) -> Iterator[APIWatch]:
-    """Watch the configured Prefect API while the flow's body runs; a loss leaves ``<run_dir>/summary.json`` (what
-    the run reached) and leaves the body as :class:`PrefectAPILost`. Call :func:`body_ended` when the flow's own
-    clean-up (the audit seal) is done."""
+def watching(grace_s: float | None = None, hooks: RunHooks = NO_HOOKS) -> Iterator[APIWatch]:
+    """Watch the Prefect API ``hooks`` (the flow's) name while the flow's body runs; a loss leaves
+    ``<run_dir>/summary.json`` (what the run reached) and leaves the body as :class:`PrefectAPILost`. Call
+    :func:`body_ended` when the flow's own clean-up (the audit seal) is done."""
     global _CURRENT, _LAST
     grace = float(grace_s if grace_s is not None else os.environ.get(ENV_GRACE, DEFAULT_GRACE_S))
-    watch = APIWatch(configured_api_url(), grace, flow_run_id=api.flow_run_id_here()).start()
+    watch = APIWatch(configured_api_url(hooks), grace, flow_run_id=hooks.flow_run_id(), hooks=hooks).start()
     previous, _CURRENT, _LAST = _CURRENT, watch, watch
     try:
         yield watch
@@ -237,7 +242,7 @@ def body_ended() -> None:
     """The flow's body and its clean-up are over: a pending :func:`exit_when_lost` may end the process now."""
     if _LAST is not None:
         _LAST.body_done.set()
-    client_fails_fast(False)
+        _LAST.hooks.client_fails_fast(False)
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
@@ -366,18 +371,11 @@ def publish_summary(
     registered = (exported or {}).get("registered")
     if registered:
         watch.note(model=f"model registered as {registered['name']} version {registered['version']}")
-    if _in_flow_run():
-        from prefect.artifacts import create_markdown_artifact
-
+    if watch.hooks.in_run():
         try:
             if watch.lost:
                 raise PrefectAPILost(watch.line())
-            _bounded(
-                lambda: create_markdown_artifact(
-                    markdown, key="kuangchao-run-summary", description="training run summary"
-                ),
-                timeout_s,
-            )
+            _bounded(lambda: watch.hooks.artifact(markdown, "kuangchao-run-summary", "training run summary"), timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the API here is its loss
             watch.declare_lost(watch.lost_reason or f"the run-summary artifact failed: {exc}")
             if registered:

@@ -7,7 +7,7 @@ with the job's uid cannot rewrite). :func:`collect_external_pins` reads them bac
 (``--pin-store``, ``$KC_AUDIT_PIN_STORE``), the tracking store (``--tracking-uri``, ``$KC_TRACKING_URI``,
 ``$MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; never the run's own ``config.yaml``, which a worker's uid can
 point at a forged store) and from the Prefect API this shell is configured for (only when ``PREFECT_API_URL`` is
-set: an ephemeral server would know nothing). :class:`ExternalPins` then picks those of one job (by the job id a log
+set: an ephemeral server would know nothing), through the caller's :class:`ArtifactSource`. :class:`ExternalPins` then picks those of one job (by the job id a log
 names: a copy of a log at another path still meets its job's pins), one run (by the run directory each pin names),
 one log (by its resolved path) or one task. Every record is parsed with the bounded JSON reader, and one record that
 cannot be read (too deep, malformed) is a note that voids only itself (issue 38).
@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kuangchao_core.config.bounded_json import loads_bounded
 from kuangchao_core.perm.audit_pins import (
@@ -72,12 +74,25 @@ class ExternalPins:
         return [(p, s) for p, s in self.found if p.job_id.startswith(f"{task}@")]
 
 
+@dataclass(frozen=True)
+class ArtifactSource:
+    """The caller's reader of Prefect artifacts (the core imports no Prefect, issue 43 item 6; ``kc audit``'s is
+    ``kuangchao/cli/prefect_artifacts.py`` ``PREFECT_ARTIFACTS``).
+
+    - ``api()``: the configured API's URL, None when none is (an ephemeral server would know nothing);
+    - ``artifacts(key, most)``: ``(artifact id, flow run id, data)`` of at most ``most`` artifacts with that key.
+    """
+
+    api: Callable[[], str | None]
+    artifacts: Callable[[str, int], Iterable[tuple[Any, Any, Any]]]
+
+
 def collect_external_pins(
-    tracking_uri: str | None = None, *, prefect: bool = True, pin_store: str | None = None
+    tracking_uri: str | None = None, *, prefect: ArtifactSource | None = None, pin_store: str | None = None
 ) -> ExternalPins:
     """Every pin in the append-only ``pin_store`` (default ``$KC_AUDIT_PIN_STORE``), the MLflow store at
-    ``tracking_uri`` (see module docstring) and, with ``prefect``, in the configured Prefect API. Never raises: an
-    unreachable source is a note."""
+    ``tracking_uri`` (see module docstring) and, given ``prefect`` (the caller's :class:`ArtifactSource`), in the
+    configured Prefect API. Never raises: an unreachable source is a note."""
     found = ExternalPins()
     store = configured_store(pin_store)
     if store:
@@ -91,9 +106,9 @@ def collect_external_pins(
         _from_mlflow(found, uri)
     except Exception as exc:  # an unreachable store only loses its pins; the verdict says pins are missing
         found.notes.append(f"MLflow store {uri} not read: {exc}")
-    if prefect:
+    if prefect is not None:
         try:
-            _from_prefect(found)
+            _from_prefect(found, prefect)
         except Exception as exc:
             found.notes.append(f"Prefect artifacts not read: {exc}")
     return found
@@ -172,34 +187,20 @@ def _artifact_pins(client, run_id: str, found: ExternalPins) -> list[AuditPin]:
             return []
 
 
-def _from_prefect(found: ExternalPins) -> None:
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value()
+def _from_prefect(found: ExternalPins, source: ArtifactSource) -> None:
+    api = source.api()
     if not api:
         found.notes.append("no Prefect API configured (PREFECT_API_URL): its kc-audit-pin artifacts not read")
         return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
     found.sources.append(f"Prefect {api}")
-    with get_client(sync_client=True) as client:
-        offset = 0
-        while offset < MAX_ARTIFACTS:
-            page = client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PREFECT_PIN_KEY])), limit=200, offset=offset
-            )
-            for art in page:
-                try:
-                    pin = pin_from_markdown(str(art.data or ""))
-                except Exception as exc:  # one artifact lost, not the others
-                    found.notes.append(f"Prefect artifact {art.id}: unreadable ({exc})")
-                    continue
-                if pin is not None:
-                    found.add(pin, f"Prefect artifact {art.id} (flow run {art.flow_run_id})")
-            if len(page) < 200:
-                break
-            offset += len(page)
+    for art_id, flow_run_id, data in source.artifacts(PREFECT_PIN_KEY, MAX_ARTIFACTS):
+        try:
+            pin = pin_from_markdown(str(data or ""))
+        except Exception as exc:  # one artifact lost, not the others
+            found.notes.append(f"Prefect artifact {art_id}: unreadable ({exc})")
+            continue
+        if pin is not None:
+            found.add(pin, f"Prefect artifact {art_id} (flow run {flow_run_id})")
 
 
 def pin_from_markdown(text: str) -> AuditPin | None:

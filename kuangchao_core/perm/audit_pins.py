@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import KuangchaoError
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.perm.audit_chain import genesis_hash, utc_now_iso
 from kuangchao_core.perm.audit_verify import read_head
 from kuangchao_core.perm.pin_store import append_pin
@@ -256,10 +257,12 @@ def record_audit_pin(
     mode: str | None = None,
     sealed: bool = False,
     pin_store: str | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> AuditPin:
     """Pin the job's audit log now: into ``<run_dir>/authority/audit_pins.json``, the append-only ``pin_store``
     (:mod:`~kuangchao_core.perm.pin_store`) when one is given, the MLflow run ``mlflow_run_id`` (at
-    ``tracking_uri``, else ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``) and the current Prefect flow run.
+    ``tracking_uri``, else ``$KC_TRACKING_URI`` / ``$MLFLOW_TRACKING_URI``) and the current Prefect flow run (an
+    artifact made through ``hooks``, the orchestrator's, inside a run only).
 
     MLflow or Prefect being unavailable costs a warning, never the pin in the authority file. Raises
     :class:`AuditPinError` (nothing written) if the log cannot be pinned (missing, unreadable, another job's), and
@@ -278,7 +281,7 @@ def record_audit_pin(
         except Exception as exc:  # MLflow down or absent: the authority file still holds the pin
             log.warning("audit pin not recorded in MLflow run %s (%s); it is in %s", mlflow_run_id, exc, authority_dir)
     try:
-        _publish_prefect(pin)
+        _publish_prefect(pin, hooks)
     except Exception as exc:
         log.warning("audit pin not recorded as a Prefect artifact (%s); it is in %s", exc, authority_dir)
     return pin
@@ -304,20 +307,16 @@ def _publish_mlflow(pin: AuditPin, pins: list[AuditPin], run_id: str, tracking_u
     client.log_dict(run_id, {"version": PIN_VERSION, "pins": [p.to_json() for p in pins]}, MLFLOW_PINS_ARTIFACT)
 
 
-def _publish_prefect(pin: AuditPin) -> None:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+def _publish_prefect(pin: AuditPin, hooks: RunHooks) -> None:
+    if not hooks.in_run():
         return  # not inside a flow run: nothing to attach it to
-    from prefect.artifacts import create_markdown_artifact
-
     body = json.dumps(pin.to_json(), indent=1, sort_keys=True)
-    create_markdown_artifact(
-        markdown=(
+    hooks.artifact(
+        (
             f"Audit log `{pin.log_path}` of job `{pin.job_id}` pinned at seq {pin.seq}; "
             f"audit key `{pin.audit_kid}` (sha256 `{pin.audit_key_fp}`). Save the JSON to a file and check the "
             f"log with `kc audit --verify --run RUN_DIR --pins FILE`.\n\n```json\n{body}\n```\n"
         ),
-        key=PREFECT_PIN_KEY,
-        description="Audit trust pinned outside the log's directory",
+        PREFECT_PIN_KEY,
+        "Audit trust pinned outside the log's directory",
     )

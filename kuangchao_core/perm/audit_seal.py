@@ -42,7 +42,7 @@ def seal_audit_log(
     **pin_kwargs,
 ) -> AuditPin:
     """Append the ``audit_seal`` record, sign a checkpoint of it and record the sealed pin (``pin_kwargs``: the
-    ``mlflow_run_id``, ``tracking_uri``, ``mode`` and ``pin_store`` of :func:`record_audit_pin`). Raises
+    ``mlflow_run_id``, ``tracking_uri``, ``mode``, ``pin_store`` and ``hooks`` of :func:`record_audit_pin`). Raises
     :class:`~kuangchao_core.perm.audit_pins.AuditPinError` or ``OSError`` when the log cannot be sealed."""
     audit = AuditLog(log_path, job_id, signer=signer)
     try:
@@ -67,7 +67,9 @@ def seal_registered(run_dir: str | os.PathLike, signer: tuple[str, Ed25519Privat
     if pin is None or signer is None:
         return None
     run, log_path, job_id, _kid, public = pin.args[:5]
-    kwargs = {k: v for k, v in pin.keywords.items() if k in ("mlflow_run_id", "tracking_uri", "mode", "pin_store")}
+    kwargs = {
+        k: v for k, v in pin.keywords.items() if k in ("mlflow_run_id", "tracking_uri", "mode", "pin_store", "hooks")
+    }
     try:
         return seal_audit_log(run, log_path, job_id, signer, public_key_raw=public, **kwargs)
     except (AuditPinError, OSError) as exc:

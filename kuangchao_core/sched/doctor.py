@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.sched.doctor_report import Check, DoctorReport
 from kuangchao_core.sched.gpu_versions import gpu_agreement_checks, probe_gpu_versions
 from kuangchao_core.sched.launcher import free_port
@@ -235,6 +236,7 @@ def run_doctor(
     skip: Sequence[str] = (),
     reuse_gloo_s: float = 0.0,
     slurm: bool | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> DoctorReport:
     """Run every check against ``cfg`` (a ``JobConfig``, a similar object, or None for defaults).
 
@@ -262,7 +264,7 @@ def run_doctor(
         ("nccl_smoke", lambda: cluster_smoke(gpu)),
         ("checkpoint_storage", lambda: check_checkpoint_storage(cfg)),
         ("mlflow", lambda: check_mlflow(cfg)),
-        ("prefect", check_prefect),
+        ("prefect", lambda: check_prefect(hooks=hooks)),
     ]
     if slurm or (slurm is None and setting(cfg, "cluster.mode", "local") == "slurm"):
         from kuangchao_core.sched.slurm.doctor_checks import slurm_checks

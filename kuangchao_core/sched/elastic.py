@@ -101,7 +101,7 @@ def config_for_attempt(cfg: Any, lost: list[str]) -> Any:
         return cfg
     if cfg.cluster.mode == "slurm":
         return slurm_config_for_attempt(cfg, lost)
-    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.node_registry import list_nodes
     from kuangchao_core.sched.placement import choose_nodes, cluster_pool
 
     registered = list_nodes(cluster_pool(cfg))

@@ -172,7 +172,7 @@ def choose_cluster_nodes(
     """The nodes of the next attempt of ``cfg``'s cluster, read from its pool (see :mod:`.placement`), with the
     node probe's ``topology`` and the pool's current load. A static cluster's node whose agent is registered but
     late with its heartbeat is waited for up to ``late_grace_s`` before the placement fails."""
-    from kuangchao_core.sched.nodes import list_nodes, running_shares
+    from kuangchao_core.sched.node_registry import list_nodes, running_shares
     from kuangchao_core.sched.placement import NodeUnavailable, choose_nodes, cluster_pool
 
     pool = cluster_pool(cfg)
@@ -190,7 +190,7 @@ def choose_cluster_nodes(
 
 def probe_candidates(cfg: Any) -> list[Any]:
     """The live nodes a job could run on (a static cluster's nodes; a dynamic pool's live nodes), for the probe."""
-    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.node_registry import list_nodes
     from kuangchao_core.sched.placement import cluster_pool
 
     live = [n for n in list_nodes(cluster_pool(cfg)) if n.live]

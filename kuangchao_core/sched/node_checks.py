@@ -104,7 +104,7 @@ def check_node_agents(cfg: Any, gpu_out: dict[str, Any] | None = None) -> list[C
     None when the pool has no agents or no Prefect API answers (then the TCP doctor agents are asked).
     ``gpu_out`` (when given) gets the placed nodes' GPU versions by name under ``per_node``, their
     ``NodeStatus`` under ``nodes`` and the pool's agent deployment under ``deployment`` (the NCCL smoke's)."""
-    from kuangchao_core.sched.nodes import list_nodes
+    from kuangchao_core.sched.node_registry import list_nodes
     from kuangchao_core.sched.placement import NodeUnavailable, choose_nodes, cluster_pool
 
     if setting(cfg, "cluster.mode", "local") == "local":

@@ -8,7 +8,6 @@ fails; none raises.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.obs.tracking_store import LOCKED, probe_sqlite, store_error
 from kuangchao_core.sched.doctor_report import Check
 from kuangchao_core.sched.transient import TRANSIENT_HTTP_STATUS, classify_failure
@@ -165,14 +165,13 @@ def profile_api_url() -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-def check_prefect(timeout: float = CONNECT_TIMEOUT_S) -> Check:
-    """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used."""
+def check_prefect(timeout: float = CONNECT_TIMEOUT_S, hooks: RunHooks = NO_HOOKS) -> Check:
+    """The Prefect API named by ``PREFECT_API_URL`` answers ``/health``; without it the ephemeral API is used.
+    ``hooks``: the orchestrator's, whose in-process settings (an active test harness's) may name the API."""
     api = os.environ.get("PREFECT_API_URL") or profile_api_url()
-    if not api and "prefect" in sys.modules:  # an active test harness may set it
+    if not api:
         try:
-            from prefect.settings import get_current_settings
-
-            api = get_current_settings().api.url
+            api = hooks.api_url()
         except Exception:
             api = None
     if not api:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import WorkerFailed
+from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.sched.multinode import OWNER_LOST_AFTER_S, RDZV_PORTS, LogTail
 from kuangchao_core.sched.node_share import ENV_TOKEN_BUNDLE, ENV_TOKENS, RESULT, Beat, node_dir, owner_beat_path
 from kuangchao_core.sched.node_watch import AttemptWatch
@@ -75,14 +76,12 @@ def write_attempt(cfg: Any, run_dir: Path, attempt: int, args: list[str], worker
     return path, text
 
 
-def _artifact(text: str, argv: list[str], job_id: str, attempt: int) -> None:
+def _artifact(hooks: RunHooks, text: str, argv: list[str], job_id: str, attempt: int) -> None:
     try:
-        from prefect.artifacts import create_markdown_artifact
-
-        create_markdown_artifact(
+        hooks.artifact(
             f"Slurm job `{job_id}`, attempt {attempt}\n\n```\n{' '.join(argv)}\n```\n\n```bash\n{text}```\n",
-            key=f"kc-slurm-attempt-{attempt}",
-            description="the batch script and the sbatch line of this attempt",
+            f"kc-slurm-attempt-{attempt}",
+            "the batch script and the sbatch line of this attempt",
         )
     except Exception:  # noqa: BLE001 - outside a flow run there is no artifact to make; the files are kept
         pass
@@ -161,12 +160,14 @@ def launch_slurm_attempt(
     exclude: list[str] | tuple[str, ...] = (),
     traffic: dict[str, float] | None = None,
     on_placement: Callable[[dict[str, Any]], None] | None = None,
+    hooks: RunHooks = NO_HOOKS,
 ) -> str:
     """Run attempt ``attempt`` as a Slurm job (or a step of the allocation ``kc train`` runs in) and return the job
     id once it completed; ``tokens_for(node, ranks)`` writes a node's token file (None: no tokens, trusted mode).
     ``exclude``: nodes lost in earlier attempts, left out of the job (``--exclude``). With ``traffic`` the job
     places its ranks from its own probe (:mod:`.placement`): once ``placement.json`` appears it is said, given to
-    ``on_placement`` (the orchestrator's record and tokens) and each node's tokens name the ranks it hosts."""
+    ``on_placement`` (the orchestrator's record and tokens) and each node's tokens name the ranks it hosts. The batch
+    script and the sbatch line become an artifact of the run through ``hooks`` (the orchestrator's)."""
     run_dir = Path(run_dir).absolute()
     env = commands.slurm_env(cfg.cluster.slurm)
     inside = os.environ.get("SLURM_JOB_ID")
@@ -197,7 +198,7 @@ def launch_slurm_attempt(
         (out / "submit.json").write_text(
             json.dumps({"argv": argv, "job_id": job_id, "inside_allocation": bool(inside)})
         )
-        _artifact(text, argv, job_id, attempt)
+        _artifact(hooks, text, argv, job_id, attempt)
         follow = _Follow(job_id, env, out, say)
         nodes: list[str] = []
         watch: AttemptWatch | None = None
