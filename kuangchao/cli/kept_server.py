@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kuangchao_core.sched.heartbeat import pid_alive
+
 RECORD = "kc-server.json"
 LOG = "kc-server.log"
 #: how long ``kc train`` waits for the kept server's /health before it starts its own
@@ -139,7 +141,7 @@ def _end_group(pid: int, grace_s: float = 10.0) -> None:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:  # not our child (another kc process started it): poll its existence
-            done = pid if not _alive(pid) else 0
+            done = pid if not pid_alive(pid) else 0
         if done:
             return
         time.sleep(0.1)
@@ -147,13 +149,3 @@ def _end_group(pid: int, grace_s: float = 10.0) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
