@@ -12,7 +12,7 @@ from typing import Any
 from kuangchao_core import axes as table
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import slurm_time_s
-from kuangchao_core.config.moe_schema import moe_errors, moe_layout_errors
+from kuangchao_core.config.moe_schema import expert_parallel_errors, moe_errors, moe_layout_errors
 from kuangchao_core.config.slurm_options import export_env_errors
 from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
 from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
@@ -88,7 +88,7 @@ def _vision_layout(model: Any, parallel: Any) -> Errors:
 @_check("model", "parallel", "train", "tracking")
 def _moe(model: Any, parallel: Any, train: Any, tracking: Any) -> Errors:
     if model.moe is None:
-        return []
+        return expert_parallel_errors(model, parallel, train)  # experts to shard are needed
     return moe_errors(model.moe, model.num_layers) + moe_layout_errors(model, parallel, train, tracking)
 
 

@@ -91,6 +91,16 @@ class PlacementRecord:
             raise PlanError([("parallel", f"parameters are averaged over different axes {sorted(found)}")])
         return found.pop() if found else tuple(a.name for a in table.TABLE if a.data and a.name in self.sizes)
 
+    def apart(self) -> dict[str, str]:
+        """Name -> the group kind its gradient is summed over, for each parameter sharded along an axis within
+        another (``axes.Axis.within``): the parent's ranks holding the same part (``<parent>_mod_<axis>``)."""
+        return {
+            name: table.mod_kind(table.axis(a))
+            for name, axes in self.params.items()
+            for a, p in axes.items()
+            if isinstance(p, Shard) and a in table.AXES and table.axis(a).within is not None and p.parts > 1
+        }
+
     def norm_weight(self) -> dict[str, float]:
         """Name -> 1 / the ranks outside the replica axes holding the same reduced gradient (a global norm counts
         each element once)."""
