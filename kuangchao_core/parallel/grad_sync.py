@@ -177,13 +177,13 @@ class ReplicatedAdamW:
             p.copy_(self.stepped[name])
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The first DP replica's AdamW moments, sliced like the parameters."""
+        """The first DP replica's AdamW moments (a parameter held apart: its group's first), sliced like them."""
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
-        if self.groups.replicas.rank != 0:
-            return tensors, slices
         for name, p in self.stepped.items():
-            st = self.optimizer.state.get(p) or {}
+            st = (
+                self.optimizer.state.get(p) or {} if self.groups.apart.get(name, self.groups.replicas).rank == 0 else {}
+            )
             for key in ADAM_KEYS:
                 if key in st:
                     tensors[f"optim.{name}.{key}"] = st[key].detach().cpu().clone()
