@@ -7,11 +7,13 @@ dp4, ep2) give each rank the same micro-batches of the same global batch. Capaci
 each rank's micro-batch, as one process applies it to each of its micro-batches (``models.moe_dispatch``): both
 drop the same assignments. Gradient clipping is on (``max_grad_norm`` below the first steps' norms), so the norm's
 sum over the ep group is checked too. Negative controls: each expert's tokens sent to the wrong rank; the expert
-gradients summed over the whole dp group (the wrong group: other ranks' experts); at world 4, not summed over their
-replica group (dp ÷ ep) at all.
+gradients summed over the whole dp group (the wrong group: other ranks' experts); the clipping norm not summed over
+the ep group; at world 4, the expert gradients not summed over their replica group (dp ÷ ep) at all.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -75,6 +77,8 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
             dp._apart = [(p, dp.group) for p, _ in dp._apart]
         elif sabotage == "unreduced":
             dp._apart = [(p, _Alone()) for p, _ in dp._apart]
+        elif sabotage == "norm_without_ep":  # the clipping norm left unsummed over the ep group
+            trainer.sync.groups = dataclasses.replace(trainer.sync.groups, norm_groups=())
         try:
             state = trainer.run(resume="never")
         finally:
@@ -93,7 +97,8 @@ def _worst(run: dict, one: dict) -> float:
     worst = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], one["losses"], strict=True))
     for name, p in run["params"].items():
         meta = run["regions"][name]
-        want = one["params"][name][tuple(slice(o, o + s) for o, s in zip(meta["offsets"], meta["shape"]))]
+        cut = tuple(slice(o, o + s) for o, s in zip(meta["offsets"], meta["shape"], strict=True))
+        want = one["params"][name][cut]
         worst = max(worst, float(np.abs(p - want).max() / np.abs(one["params"][name]).max()))
     for got, want in zip(run["biases"], one["biases"], strict=True):
         worst = max(worst, float(np.abs(got - want).max()))
@@ -107,10 +112,11 @@ def test_ep2_equals_one_process_in_fp64(tmp_path, capacity):
         {"cfg": _job(tmp_path, "ep2", 2, 2, capacity)},
         {"cfg": _job(tmp_path, "ep2_wrong_rank", 2, 2, capacity), "sabotage": "wrong_rank"},
         {"cfg": _job(tmp_path, "ep2_wrong_group", 2, 2, capacity), "sabotage": "wrong_group"},
+        {"cfg": _job(tmp_path, "ep2_norm", 2, 2, capacity), "sabotage": "norm_without_ep"},
     ]
     ranks = run_distributed(_run, 2, args=(jobs,), timeout=600)
     assert one["losses"][-1] < one["losses"][0] and any(np.abs(b).sum() > 0 for b in one["biases"])
-    for rank, (ep2, wrong_rank, wrong_group) in enumerate(ranks):
+    for rank, (ep2, wrong_rank, wrong_group, norm_without_ep) in enumerate(ranks):
         experts = [n for n in ep2["params"] if ".experts.w_" in n]
         assert len(experts) == 6 and ep2["apart"] == sorted(experts)
         assert all(ep2["params"][n].shape[0] == 2 for n in experts)  # half of the 4 experts on each rank
@@ -118,6 +124,9 @@ def test_ep2_equals_one_process_in_fp64(tmp_path, capacity):
         assert _worst(ep2, one) < FP64_REL
         assert _worst(wrong_rank, one) > NEGATIVE_MIN
         assert _worst(wrong_group, one) > NEGATIVE_MIN
+        # the clipping is on, its norm must span the experts; AdamW undoes most of a gradient's scale (only the
+        # ratio between steps' clip factors moves it), so this control moves parameters by ~1e-4, not more
+        assert _worst(norm_without_ep, one) > 1e4 * FP64_REL
 
 
 def test_ep2_by_dp2_equals_one_process_in_fp64(tmp_path):
