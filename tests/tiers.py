@@ -131,6 +131,7 @@ FILE_TIERS = {
     "test_moe_training.py": "distributed",
     "test_expert_parallel.py": "distributed",
     "test_expert_parallel_training.py": "distributed",
+    "test_all_to_all.py": "distributed",
     "test_mixed_precision.py": "distributed",
     "test_mlflow_view_browser.py": "flows",
     "test_model.py": "unit",
