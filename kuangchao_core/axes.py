@@ -33,13 +33,16 @@ class Axis:
     tokens, so gradients are averaged over it (``Partial("avg")``; else ``Replicate()`` unless a region cuts it);
     ``within``: an axis carved out of another (its ranks are that axis's, in runs of ``size`` consecutive indices),
     so it adds no processes: its index is the parent's modulo its size, and besides its own groups the mesh builds
-    ``<parent>_mod_<name>`` (:func:`mod_kind`), the parent's ranks sharing its index (issue 40: ``ep`` in ``dp``)."""
+    ``<parent>_mod_<name>`` (:func:`mod_kind`), the parent's ranks sharing its index (issue 40: ``ep`` in ``dp``);
+    ``needs``: the communication primitives it uses at more than one rank beyond every job's (``kc plan`` and
+    ``permission.allowed_interfaces``)."""
 
     name: str
     size_key: str
     built: bool = False
     data: bool = False
     within: str | None = None
+    needs: tuple[str, ...] = ()
 
 
 #: the axes, outermost first (innermost last)
@@ -48,7 +51,7 @@ TABLE: tuple[Axis, ...] = (
     Axis("cp", "context_parallel_size", data=True),  # slices of each sequence
     Axis("pp", "pipeline_parallel_size", built=True),  # stages, each holding its layers
     Axis("tp", "tensor_parallel_size", built=True),  # slices of each layer's weights
-    Axis("ep", "expert_parallel_size", within="dp"),  # experts' shards, carved out of the data-parallel ranks
+    Axis("ep", "expert_parallel_size", within="dp", needs=("all_to_all",)),  # experts' shards, within dp
 )
 #: groups that span several axes: ``dp_cp`` holds every replica of the same parameters (the ranks that share the
 #: pp and tp coordinates), over which gradients are reduced and ZeRO shards when ``cp > 1``

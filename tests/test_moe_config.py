@@ -97,6 +97,35 @@ def test_data_parallelism_with_zero_up_to_2_is_allowed():
     assert _job(MOE, parallel={"data_parallel_size": 2, "zero_stage": 2}).model.moe.num_experts == 4
 
 
+def test_expert_parallel_size_is_checked_with_one_line_each():
+    ok = _job(MOE, parallel={"data_parallel_size": 4, "expert_parallel_size": 2})
+    assert ok.parallel.expert_parallel_size == 2 and ok.parallel.world_size == 4  # carved out of dp: no processes
+    assert config_from_dict(ok.to_dict()).parallel.expert_parallel_size == 2  # a worker reads it back
+    cases = [
+        (None, {"data_parallel_size": 2, "expert_parallel_size": 2}, {}, "parallel.expert_parallel_size", "none of"),
+        (MOE, {"data_parallel_size": 3, "expert_parallel_size": 2}, {}, "parallel.expert_parallel_size", "divide data"),
+        (
+            {"num_experts": 3, "top_k": 1},
+            {"data_parallel_size": 2, "expert_parallel_size": 2},
+            {},
+            "parallel.expert_parallel_size",
+            "divide model.moe.num_experts 3",
+        ),
+        (MOE, {"data_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1}, {}, "parallel.zero_stage", "0"),
+        (
+            MOE,
+            {"data_parallel_size": 2, "expert_parallel_size": 2},
+            {"dtype": "bf16", "param_dtype": "bf16"},
+            "train.param_dtype",
+            "masters",
+        ),
+        (MOE, {"data_parallel_size": 2, "expert_parallel_size": 0}, {}, "parallel.expert_parallel_size", ">= 1"),
+    ]
+    for moe, parallel, train, path, words in cases:
+        errors = dict(_errors(moe, parallel=parallel, train=train))
+        assert words in errors[path] and "\n" not in errors[path], (parallel, errors)
+
+
 @pytest.mark.parametrize("extra", [{"lora": {}}, {"checkpoint": "/nonexistent"}])
 def test_lora_and_pretrained_llama_weights_are_refused_with_moe(extra):
     with pytest.raises(ConfigError) as info:

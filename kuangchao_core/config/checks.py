@@ -200,10 +200,11 @@ def _sequence_splits(data: Any, parallel: Any) -> Errors:
 @_check("parallel", "cluster")
 def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
-    if devices is None or devices == parallel.world_size:
-        return []
+    bad = table.size_problems(MeshAxes.from_parallel(parallel).sizes)  # e.g. an axis within another must divide it
+    if bad or devices is None or devices == parallel.world_size:
+        return bad
     axes = MeshAxes.from_parallel(parallel)
-    shown = axes.shown()  # every axis of the table built always, the others when they have more than one rank
+    shown = [a for a in axes.shown() if a in table.GRID]  # built always, or > 1 rank; counted in the world size
     keys, sizes = " × ".join(table.SIZE_KEYS[a] for a in shown), "×".join(str(axes.sizes[a]) for a in shown)
     layout = f"world size {keys} = {sizes} = {axes.world_size}"
     if cluster.mode == "local":

@@ -121,6 +121,9 @@ def required_primitives(cfg: Any) -> dict[str, str]:
         need["reduce_scatter"] = need["all_gather"] = "hierarchical_allreduce on"
     if par.data_parallel_size > 1 and par.grad_compression == "topk" and not par.zero_stage:
         need.setdefault("all_gather", "grad_compression topk (sparse exchange)")
+    sizes = MeshAxes.from_parallel(par).sizes
+    for a in (a for a in table.TABLE if sizes[a.name] > 1):
+        need.update({op: f"{a.size_key} {sizes[a.name]}" for op in a.needs if op not in need})
     return need
 
 
