@@ -282,13 +282,7 @@ def size_problems(sizes: Mapping[str, Any], world_size: int | None = None) -> li
         for v in [sizes[a]]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1
     ]
-    errors += [
-        (f"parallel.{a.size_key}", f"{n} must divide {SIZE_KEYS[a.within]} {sizes.get(a.within, 1)}")
-        for a in TABLE
-        if a.within is not None and not errors
-        for n in [sizes.get(a.name, 1)]
-        if sizes.get(a.within, 1) % n
-    ]
+    errors = errors or within_problems(sizes)
     if errors or world_size is None:
         return errors
     axes = MeshAxes(sizes)
@@ -301,6 +295,17 @@ def size_problems(sizes: Mapping[str, Any], world_size: int | None = None) -> li
             f"{terms} = {axes.world_size} processes, but the world size is {world_size}; change the sizes so their"
             f" product is {world_size} or launch {axes.world_size} processes",
         )
+    ]
+
+
+def within_problems(sizes: Mapping[str, int]) -> list[tuple[str, str]]:
+    """``(dotted path, message)`` for each axis within another whose size (integers >= 1) does not divide it."""
+    return [
+        (f"parallel.{a.size_key}", f"{n} must divide {SIZE_KEYS[a.within]} {sizes.get(a.within, 1)}")
+        for a in TABLE
+        if a.within is not None
+        for n in [sizes.get(a.name, 1)]
+        if isinstance(n, int) and n >= 1 and sizes.get(a.within, 1) % n
     ]
 
 

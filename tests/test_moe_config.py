@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kuangchao_core.config import ConfigError, config_from_dict
+from kuangchao_core.engine.plan import check_plan
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.models.moe import MoeConfig
 
@@ -119,11 +120,12 @@ def test_expert_parallel_size_is_checked_with_one_line_each():
             "train.param_dtype",
             "masters",
         ),
-        (MOE, {"data_parallel_size": 2, "expert_parallel_size": 0}, {}, "parallel.expert_parallel_size", ">= 1"),
     ]
     for moe, parallel, train, path, words in cases:
         errors = dict(_errors(moe, parallel=parallel, train=train))
         assert words in errors[path] and "\n" not in errors[path], (parallel, errors)
+    refused = dict(check_plan(_job(MOE, parallel={"data_parallel_size": 2, "expert_parallel_size": 0})))
+    assert refused["parallel.expert_parallel_size"] == "must be an integer >= 1, got 0"  # as any axis's size
 
 
 @pytest.mark.parametrize("extra", [{"lora": {}}, {"checkpoint": "/nonexistent"}])

@@ -200,7 +200,7 @@ def _sequence_splits(data: Any, parallel: Any) -> Errors:
 @_check("parallel", "cluster")
 def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
-    bad = table.size_problems(MeshAxes.from_parallel(parallel).sizes)  # e.g. an axis within another must divide it
+    bad = table.within_problems(MeshAxes.from_parallel(parallel).sizes)  # an axis within another divides it
     if bad or devices is None or devices == parallel.world_size:
         return bad
     axes = MeshAxes.from_parallel(parallel)
