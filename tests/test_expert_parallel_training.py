@@ -14,10 +14,12 @@ the ep group; at world 4, the expert gradients not summed over their replica gro
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
 
+from kuangchao_core.ckpt.lineage import new_lineage_id
 from tests.engine_helpers import tiny_job
 from tests.mp import run_distributed
 from tests.tolerances import FP64_REL, NEGATIVE_MIN
@@ -79,8 +81,16 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
             dp._apart = [(p, _Alone()) for p, _ in dp._apart]
         elif sabotage == "norm_without_ep":  # the clipping norm left unsummed over the ep group
             trainer.sync.groups = dataclasses.replace(trainer.sync.groups, norm_groups=())
+        elif sabotage == "first_dp_rank_writes":  # the checkpoint rule before ep: only dp rank 0 writes parameters
+            trainer.parts.placement.first_holder = lambda name, coords: coords["dp"] == 0
         try:
-            state = trainer.run(resume="never")
+            state = trainer.run(
+                resume=job.get("resume", "never"), max_steps=job.get("max_steps"), lineage=job.get("lineage")
+            )
+        except Exception as exc:  # noqa: BLE001 - a negative control's failure travels back as text
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+            trainer.barrier()
+            continue
         finally:
             moe_dispatch.owner = real_owner
         params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
@@ -142,3 +152,23 @@ def test_ep2_by_dp2_equals_one_process_in_fp64(tmp_path):
         assert all(good["regions"][n]["offsets"][0] == 2 * (rank % 2) for n in experts)  # ep index: dp index % 2
         assert _worst(good, one) < FP64_REL
         assert _worst(unreduced, one) > NEGATIVE_MIN
+
+
+def test_an_ep2_run_resumed_from_its_checkpoint_equals_the_straight_run(tmp_path, trusted):
+    """Each expert shard and its AdamW moments are written by the first of its replicas and read back into the
+    rank holding that slice; the control writes parameters from dp rank 0 only (the rule before ep): the resume
+    then refuses the checkpoint, whose other half of the experts no shard holds."""
+    lineage, control = new_lineage_id(), new_lineage_id(time.time() + 1)
+    straight, resumed = _job(tmp_path, "straight", 2, 2, 1.0), _job(tmp_path, "resumed", 2, 2, 1.0)
+    jobs = [
+        {"cfg": straight},
+        {"cfg": resumed, "max_steps": 3, "lineage": lineage},
+        {"cfg": resumed, "resume": "auto", "lineage": lineage},
+        {"cfg": resumed, "max_steps": 3, "lineage": control, "sabotage": "first_dp_rank_writes"},
+        {"cfg": resumed, "resume": "auto", "lineage": control},
+    ]
+    for ref, first, second, _, lost in run_distributed(_run, 2, args=(jobs,), timeout=600):
+        assert len(first["losses"]) == 3 and second["losses"] == ref["losses"]  # (the resumed state keeps 1-3)
+        for name, value in ref["params"].items():
+            assert np.array_equal(second["params"][name], value), name
+        assert "experts.w_" in lost["error"] and "is held by no shard" in lost["error"]  # the other ep rank's slice
