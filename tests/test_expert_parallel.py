@@ -120,3 +120,18 @@ def test_capacity_drops_tokens_in_the_capacity_test():
     x = _tokens(0)
     routing = block.router(x)
     assert int(routing.load.max()) > block.cfg.capacity(x.shape[0])
+
+
+def test_kc_plan_shows_ep_within_dp_its_groups_and_the_all_to_all_it_needs(tmp_path):
+    from kuangchao_core.engine.plan import explain_plan, format_plan, required_primitives
+    from tests.engine_helpers import tiny_job
+
+    moe = {"preset": "tiny", "num_layers": 2, "moe": {"num_experts": 4}}
+    cfg = tiny_job(str(tmp_path), model=moe, parallel={"data_parallel_size": 4, "expert_parallel_size": 2})
+    text = format_plan(explain_plan(cfg))
+    assert text.splitlines()[0] == "layout: dp=4 x tp=1 x pp=1 (virtual 1; ep=2 within dp) = 4 processes"
+    assert "ep0=[0, 1]  ep1=[2, 3]" in text and "dp_mod_ep0=[0, 2]  dp_mod_ep1=[1, 3]" in text
+    assert required_primitives(cfg)["all_to_all"] == "expert_parallel_size 2"
+    assert "all_to_all" not in required_primitives(
+        tiny_job(str(tmp_path), model=moe, parallel={"data_parallel_size": 4})
+    )

@@ -347,8 +347,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     """Human-readable text of :func:`explain_plan`'s result."""
     s = plan["sizes"]
     lines = [
-        f"layout: {' x '.join(f'{a}={s[a]}' for a in table.shown_order() if a in s)} (virtual {s['virtual']}) = "
-        f"{s['world_size']} processes",
+        f"layout: {' x '.join(f'{a}={s[a]}' for a in table.shown_order() if a in s and a in table.GRID)} (virtual "
+        f"{s['virtual']}{''.join(f'; {a.name}={s[a.name]} within {a.within}' for a in table.TABLE if a.name in s and a.within)})"
+        f" = {s['world_size']} processes",
         f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
     ]
     for kind in table.BUILD_ORDER:
