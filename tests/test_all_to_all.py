@@ -43,6 +43,9 @@ def _body(rank: int, world_size: int) -> dict:
     kc.all_to_all(got, rows.reshape(-1, 2), recv, send, group=g)
     out["recv"], out["got"] = recv, got[:, 0].tolist()
     out["calls"] = kc.COMM_STATS.counts_by_op().get("all_to_all")
+    from kuangchao_core.comm import host_staging
+
+    out["staged"] = host_staging.summary().get("all_to_all", {}).get("ops", 0)
     try:
         kc.all_to_all(torch.empty(1, 2), rows, recv, send, group=g)
     except CommError as exc:
@@ -64,6 +67,14 @@ def test_variable_splits_arrive_in_group_order(results):
         assert r["recv"] == [_splits(j)[rank] for j in range(WORLD)]
         want = [100.0 * j + 10 * rank + i for j in range(WORLD) for i in range(_splits(j)[rank])]
         assert r["got"] == want
+
+
+def test_host_staging_path_gives_the_same_rows():
+    """``KC_GLOO_HOST_STAGING=always``: the path CUDA tensors on a Gloo group take (several ranks on one GPU)."""
+    staged = run_distributed(_body, WORLD, timeout=120, env={"KC_GLOO_HOST_STAGING": "always"})
+    for rank, r in enumerate(staged):
+        assert r["staged"] >= 2 and r["recv"] == [_splits(j)[rank] for j in range(WORLD)]
+        assert r["got"] == [100.0 * j + 10 * rank + i for j in range(WORLD) for i in range(_splits(j)[rank])]
 
 
 def test_guarded_timed_and_checked(results):
