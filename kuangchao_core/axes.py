@@ -18,6 +18,7 @@ slowest), its ranks in order along the axis; every process builds them in :data:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ class Axis:
     so it adds no processes: its index is the parent's modulo its size, and besides its own groups the mesh builds
     ``<parent>_mod_<name>`` (:func:`mod_kind`), the parent's ranks sharing its index (issue 40: ``ep`` in ``dp``);
     ``needs``: the communication primitives it uses at more than one rank beyond every job's (``kc plan`` and
-    ``permission.allowed_interfaces``)."""
+    ``permission.allowed_interfaces``); ``checks``: ``"module:function"`` of its own config rules, run by the job
+    config's cross-checks with the ``model``, ``parallel`` and ``train`` sections (``(path, message)`` pairs);
+    ``place``: ``"module:function"`` that places the model's parameters along it where the model is parallelized
+    (``engine.parallel_model``), called with the model, its regions, its placement record and the mesh."""
 
     name: str
     size_key: str
@@ -43,6 +47,8 @@ class Axis:
     data: bool = False
     within: str | None = None
     needs: tuple[str, ...] = ()
+    checks: str = ""
+    place: str = ""
 
 
 #: the axes, outermost first (innermost last)
@@ -51,11 +57,24 @@ TABLE: tuple[Axis, ...] = (
     Axis("cp", "context_parallel_size", data=True),  # slices of each sequence
     Axis("pp", "pipeline_parallel_size", built=True),  # stages, each holding its layers
     Axis("tp", "tensor_parallel_size", built=True),  # slices of each layer's weights
-    Axis("ep", "expert_parallel_size", within="dp", needs=("all_to_all",)),  # experts' shards, within dp
+    Axis(  # experts' shards (issue 40), carved out of the data-parallel ranks
+        "ep",
+        "expert_parallel_size",
+        within="dp",
+        needs=("all_to_all",),
+        checks="kuangchao_core.config.expert_parallel_schema:expert_parallel_errors",
+        place="kuangchao_core.engine.expert_parallel:place_experts",
+    ),
 )
 #: groups that span several axes: ``dp_cp`` holds every replica of the same parameters (the ranks that share the
 #: pp and tp coordinates), over which gradients are reduced and ZeRO shards when ``cp > 1``
 JOINT: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
+
+
+def resolve(path: str) -> Any:
+    """The function a ``"module:function"`` path of an :class:`Axis` names (imported when first called)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def mod_kind(a: Axis) -> str:

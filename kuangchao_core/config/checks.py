@@ -12,7 +12,7 @@ from typing import Any
 from kuangchao_core import axes as table
 from kuangchao_core.axes import MeshAxes
 from kuangchao_core.config.cluster_schema import slurm_time_s
-from kuangchao_core.config.moe_schema import expert_parallel_errors, moe_errors, moe_layout_errors
+from kuangchao_core.config.moe_schema import moe_errors, moe_layout_errors
 from kuangchao_core.config.slurm_options import export_env_errors
 from kuangchao_core.config.train_schema import ANSWER_CASES, TEXT_NEW_TOKENS, TEXT_PROMPT_TOKENS
 from kuangchao_core.config.vision_schema import vision_errors, vision_layout_errors
@@ -59,12 +59,8 @@ def _model_shape(model: Any) -> Errors:
             )
     if model.num_heads and model.num_kv_heads:
         if model.num_kv_heads > model.num_heads or model.num_heads % model.num_kv_heads:
-            errors.append(
-                (
-                    "model.num_kv_heads",
-                    f"num_kv_heads {model.num_kv_heads} must divide num_heads {model.num_heads}",
-                )
-            )
+            message = f"num_kv_heads {model.num_kv_heads} must divide num_heads {model.num_heads}"
+            errors.append(("model.num_kv_heads", message))
     return errors
 
 
@@ -88,7 +84,7 @@ def _vision_layout(model: Any, parallel: Any) -> Errors:
 @_check("model", "parallel", "train", "tracking")
 def _moe(model: Any, parallel: Any, train: Any, tracking: Any) -> Errors:
     if model.moe is None:
-        return expert_parallel_errors(model, parallel, train)  # experts to shard are needed
+        return []
     return moe_errors(model.moe, model.num_layers) + moe_layout_errors(model, parallel, train, tracking)
 
 
@@ -197,12 +193,18 @@ def _sequence_splits(data: Any, parallel: Any) -> Errors:
     return []
 
 
+@_check("model", "parallel", "train")
+def _axes(model: Any, parallel: Any, train: Any) -> Errors:
+    """The table's own rules: an axis within another divides it, and each axis's ``Axis.checks``."""
+    own = [e for a in table.TABLE if a.checks for e in table.resolve(a.checks)(model, parallel, train)]
+    return table.within_problems(MeshAxes.from_parallel(parallel).sizes) + own
+
+
 @_check("parallel", "cluster")
 def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
-    bad = table.within_problems(MeshAxes.from_parallel(parallel).sizes)  # an axis within another divides it
-    if bad or devices is None or devices == parallel.world_size:
-        return bad
+    if devices is None or devices == parallel.world_size:
+        return []
     axes = MeshAxes.from_parallel(parallel)
     shown = [a for a in axes.shown() if a in table.GRID]  # built always, or > 1 rank; counted in the world size
     keys, sizes = " × ".join(table.SIZE_KEYS[a] for a in shown), "×".join(str(axes.sizes[a]) for a in shown)

@@ -83,24 +83,4 @@ def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> l
         (bool(train.compile), "train.compile", "MoE blocks are not compiled"),
         (tracking.register_model is not None, "tracking.register_model", "no Hugging Face export to register"),
     ]
-    return [(path, f"{what} with model.moe: {why}") for bad, path, what in refused if bad] + expert_parallel_errors(
-        model, parallel, train
-    )
-
-
-def expert_parallel_errors(model: Any, parallel: Any, train: Any) -> list[tuple[str, str]]:
-    """What ``parallel.expert_parallel_size`` (``ep``, within ``data_parallel_size``: ``axes.TABLE``) needs: a MoE
-    model whose ``num_experts`` it divides, replicated AdamW (ZeRO 0) and parameters in their training dtype (no
-    bf16 masters) for now. (That it divides ``data_parallel_size`` is the mesh's check, ``axes.size_problems``.)"""
-    ep = getattr(parallel, "expert_parallel_size", 1) or 1
-    if ep == 1:
-        return []
-    path, moe = "parallel.expert_parallel_size", model.moe
-    if moe is None:
-        return [(path, f"{ep} shards the experts of model.moe, which this model has none of (set it to 1)")]
-    refused = [
-        (moe.num_experts % ep != 0, path, f"{ep} must divide model.moe.num_experts {moe.num_experts}"),
-        (parallel.zero_stage != 0, "parallel.zero_stage", f"must be 0 with expert_parallel_size {ep} (for now)"),
-        (train.param_dtype == "bf16", "train.param_dtype", "bf16 masters are not kept for experts sharded over ep"),
-    ]
-    return [(p, m) for bad, p, m in refused if bad]
+    return [(path, f"{what} with model.moe: {why}") for bad, path, what in refused if bad]

@@ -17,7 +17,6 @@ from torch import nn
 
 from kuangchao_core import axes as table
 from kuangchao_core.config.settings import ModelBuildSettings
-from kuangchao_core.engine.expert_parallel import place_experts
 from kuangchao_core.errors import PlanError
 from kuangchao_core.hal.dtypes import param_dtype
 from kuangchao_core.models.compile import compile_layers
@@ -169,7 +168,8 @@ def build_parallel_model(
     # parallelism the norms and a row-parallel projection's B
     summed = {n for n in regions if n.endswith("lora_A.weight") or sp and n.endswith(("norm.weight", "lora_B.weight"))}
     placement = PlacementRecord.of_regions(regions, sizes, summed)
-    place_experts(model, regions, placement, mesh)  # each rank's share of the experts when they are sharded
+    for axis in (a for a in table.TABLE if a.place and sizes[a.name] > 1):  # parameters an axis places (experts)
+        table.resolve(axis.place)(model, regions, placement, mesh)
     groups = {axis: getattr(mesh, f"{axis}_group", None) for axis in sizes}
     return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend, moe_step(model))
 
