@@ -48,7 +48,8 @@ class ExpertShard:
 
 
 def owner(expert: torch.Tensor, local: int, ranks: int) -> torch.Tensor:
-    """The ep rank (group position) holding each expert index of ``expert``."""
+    """The ep rank (group position) holding each expert index of ``expert`` (``local`` experts per rank, ``ranks``
+    ranks: contiguous blocks, so ``ranks`` is not needed here; a test's wrong mapping uses it)."""
     del ranks
     return torch.div(expert, local, rounding_mode="floor")
 
