@@ -28,6 +28,7 @@ INTERFACE_KINDS: dict[str, str] = {
     "all_reduce": "group",
     "all_gather": "group",
     "reduce_scatter": "group",
+    "all_to_all": "group",
     "send": "group",
     "recv": "group",
     "checkpoint_read": "checkpoint",

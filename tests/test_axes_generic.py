@@ -37,8 +37,17 @@ def _cfg(**parallel):
 
 def test_an_added_axis_gets_its_groups_where_the_mesh_and_the_tokens_list_them():
     with extra_axis(XA, outside="tp"):
-        assert table.AXES == ("dp", "cp", "pp", "xa", "tp")
-        assert table.BUILD_ORDER == ("tp", "pp", "dp", "xa", "cp", "dp_cp")  # added axes after the original three
+        assert table.AXES == ("dp", "cp", "pp", "xa", "tp", "ep")
+        assert table.BUILD_ORDER == (
+            "tp",
+            "pp",
+            "dp",
+            "ep",
+            "xa",
+            "cp",
+            "dp_cp",
+            "dp_mod_ep",
+        )  # added axes after the original three
         layout = MeshLayout(dp=2, xa=2, tp=2)
         assert layout.xa == 2 and layout.world_size == 8
         # rank = (dp * xa + xa_idx) * tp + tp_idx, written out here

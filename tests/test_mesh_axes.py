@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kuangchao_core.axes import AXES, SIZE_KEYS, MeshAxes, group_name, validated
+from kuangchao_core.axes import GRID, SIZE_KEYS, MeshAxes, group_name, validated
 from kuangchao_core.config import config_from_dict
 from kuangchao_core.errors import ConfigError, PlanError
 
@@ -56,14 +56,15 @@ def test_the_reference_comparison_catches_another_axis_order(monkeypatch):
 
     axes = MeshAxes(dp=2, cp=2, pp=2, tp=2)
     assert axes.rank_of(cp=1) == _reference_rank(0, 1, 0, 0, 2, 2, 2) == 4
-    monkeypatch.setattr(axes_module, "AXES", ("dp", "pp", "cp", "tp"))
+    monkeypatch.setattr(axes_module, "AXES", ("dp", "pp", "cp", "tp", "ep"))
+    monkeypatch.setattr(axes_module, "GRID", ("dp", "pp", "cp", "tp"))  # the axes the rank formula reads
     assert axes.rank_of(cp=1) == 2 != _reference_rank(0, 1, 0, 0, 2, 2, 2)
 
 
 @pytest.mark.parametrize("dp,cp,pp,tp", LAYOUTS)
 def test_groups_partition_the_world_along_each_axis(dp, cp, pp, tp):
     axes = MeshAxes(dp=dp, cp=cp, pp=pp, tp=tp)
-    for axis in AXES:
+    for axis in GRID:  # the axes of the rank formula (an axis within another: tests/test_expert_parallel_mesh.py)
         groups = axes.groups(axis)
         assert len(groups) == axes.world_size // axes.sizes[axis]
         assert sorted(r for g in groups for r in g) == list(range(axes.world_size))  # disjoint and covering
@@ -76,7 +77,7 @@ def test_groups_partition_the_world_along_each_axis(dp, cp, pp, tp):
                 assert axes.group_of(axis, r) == g
         # construction order: the other axes' positions in AXES order, the outermost slowest
         firsts = [axes.coords_of(g[0]) for g in groups]
-        keys = [tuple(c[a] for a in AXES if a != axis) for c in firsts]
+        keys = [tuple(c[a] for a in GRID if a != axis) for c in firsts]
         assert keys == sorted(keys)
 
 

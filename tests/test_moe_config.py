@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kuangchao_core.config import ConfigError, config_from_dict
+from kuangchao_core.engine.plan import check_plan
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.models.moe import MoeConfig
 
@@ -95,6 +96,36 @@ def test_layouts_moe_does_not_support_yet_are_refused_with_one_line(sections, pa
 
 def test_data_parallelism_with_zero_up_to_2_is_allowed():
     assert _job(MOE, parallel={"data_parallel_size": 2, "zero_stage": 2}).model.moe.num_experts == 4
+
+
+def test_expert_parallel_size_is_checked_with_one_line_each():
+    ok = _job(MOE, parallel={"data_parallel_size": 4, "expert_parallel_size": 2})
+    assert ok.parallel.expert_parallel_size == 2 and ok.parallel.world_size == 4  # carved out of dp: no processes
+    assert config_from_dict(ok.to_dict()).parallel.expert_parallel_size == 2  # a worker reads it back
+    cases = [
+        (None, {"data_parallel_size": 2, "expert_parallel_size": 2}, {}, "parallel.expert_parallel_size", "none of"),
+        (MOE, {"data_parallel_size": 3, "expert_parallel_size": 2}, {}, "parallel.expert_parallel_size", "divide data"),
+        (
+            {"num_experts": 3, "top_k": 1},
+            {"data_parallel_size": 2, "expert_parallel_size": 2},
+            {},
+            "parallel.expert_parallel_size",
+            "divide model.moe.num_experts 3",
+        ),
+        (MOE, {"data_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 1}, {}, "parallel.zero_stage", "0"),
+        (
+            MOE,
+            {"data_parallel_size": 2, "expert_parallel_size": 2},
+            {"dtype": "bf16", "param_dtype": "bf16"},
+            "train.param_dtype",
+            "masters",
+        ),
+    ]
+    for moe, parallel, train, path, words in cases:
+        errors = dict(_errors(moe, parallel=parallel, train=train))
+        assert words in errors[path] and "\n" not in errors[path], (parallel, errors)
+    refused = dict(check_plan(_job(MOE, parallel={"data_parallel_size": 2, "expert_parallel_size": 0})))
+    assert refused["parallel.expert_parallel_size"] == "must be an integer >= 1, got 0"  # as any axis's size
 
 
 @pytest.mark.parametrize("extra", [{"lora": {}}, {"checkpoint": "/nonexistent"}])

@@ -1,4 +1,5 @@
-"""The six communication primitives (SPEC L2.1), each passing ``comm.dispatch``.
+"""The communication primitives (SPEC L2.1; ``all_to_all`` added for expert parallelism, issue 40), each passing
+``comm.dispatch``.
 
 ``src``/``dst`` are global ranks. ``group=None`` means the world group. Reductions take ``op`` as one of
 ``sum``, ``avg``, ``max``, ``min``, ``prod``; Gloo has no native average, so ``avg`` there is a sum followed
@@ -268,6 +269,45 @@ def reduce_scatter(
         handle = _run("reduce_scatter", g, nbytes, issue_emulated, async_op, finish)
     staging.account("reduce_scatter", g, "flat" if native else "emulated", nbytes, output.nbytes, copied, reason)
     return handle if async_op else output
+
+
+def all_to_all(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: CommGroup | None = None,
+) -> torch.Tensor:
+    """Send rows ``[sum(input_splits[:i]), +input_splits[i])`` of ``tensor`` (dimension 0) to member i (group
+    order) and receive member i's rows for this rank into ``output`` at ``sum(output_splits[:i])``; returns
+    ``output``. Variable splits: every pair must agree (member i's ``input_splits[me]`` is this rank's
+    ``output_splits[i]``), so callers exchange their counts first (an all-to-all of one count per member).
+    The order log records the dtype and the row shape, not the row counts, which differ between members."""
+    g = _group(group)
+    if host_staging.applies(g, tensor, output):
+        return host_staging.call(all_to_all, "all_to_all", output, tensor, output_splits, input_splits, g)
+    n = g.size
+    if len(output_splits) != n or len(input_splits) != n:
+        raise CommError(
+            f"all_to_all on group {g.name!r}: need {n} splits each way, got {input_splits}, {output_splits}"
+        )
+    if sum(input_splits) != tensor.shape[0] or sum(output_splits) != output.shape[0]:
+        raise CommError(
+            f"all_to_all on group {g.name!r}: splits sum to {sum(input_splits)} -> {sum(output_splits)} rows, "
+            f"the tensors hold {tensor.shape[0]} -> {output.shape[0]}"
+        )
+    if _group_order(g) is not None:
+        raise CommError(f"all_to_all on group {g.name!r}: its ranks {g.ranks} must be in increasing order")
+    rules.admit("all_to_all", g, tensor[:0], output[:0])  # the row shape, the same on every member
+    src, dst = tensor.contiguous(), output if output.is_contiguous() else torch.empty_like(output)
+
+    def issue(a):
+        return dist.all_to_all_single(dst, src, list(output_splits), list(input_splits), group=g.pg, async_op=a)
+
+    dispatch.run("all_to_all", g, src.nbytes + dst.nbytes, issue)
+    if dst is not output:
+        output.copy_(dst)
+    return output
 
 
 def send(tensor: torch.Tensor, dst: int, group: CommGroup | None = None) -> None:

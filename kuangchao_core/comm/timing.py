@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-OP_KINDS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+OP_KINDS = ("broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
 
 
 class CommStats:

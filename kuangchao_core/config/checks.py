@@ -59,12 +59,8 @@ def _model_shape(model: Any) -> Errors:
             )
     if model.num_heads and model.num_kv_heads:
         if model.num_kv_heads > model.num_heads or model.num_heads % model.num_kv_heads:
-            errors.append(
-                (
-                    "model.num_kv_heads",
-                    f"num_kv_heads {model.num_kv_heads} must divide num_heads {model.num_heads}",
-                )
-            )
+            message = f"num_kv_heads {model.num_kv_heads} must divide num_heads {model.num_heads}"
+            errors.append(("model.num_kv_heads", message))
     return errors
 
 
@@ -197,13 +193,20 @@ def _sequence_splits(data: Any, parallel: Any) -> Errors:
     return []
 
 
+@_check("model", "parallel", "train")
+def _axes(model: Any, parallel: Any, train: Any) -> Errors:
+    """The table's own rules: an axis within another divides it, and each axis's ``Axis.checks``."""
+    own = [e for a in table.TABLE if a.checks for e in table.resolve(a.checks)(model, parallel, train)]
+    return table.within_problems(MeshAxes.from_parallel(parallel).sizes) + own
+
+
 @_check("parallel", "cluster")
 def _world_size(parallel: Any, cluster: Any) -> Errors:
     devices = cluster.devices
     if devices is None or devices == parallel.world_size:
         return []
     axes = MeshAxes.from_parallel(parallel)
-    shown = axes.shown()  # every axis of the table built always, the others when they have more than one rank
+    shown = [a for a in axes.shown() if a in table.GRID]  # built always, or > 1 rank; counted in the world size
     keys, sizes = " × ".join(table.SIZE_KEYS[a] for a in shown), "×".join(str(axes.sizes[a]) for a in shown)
     layout = f"world size {keys} = {sizes} = {axes.world_size}"
     if cluster.mode == "local":

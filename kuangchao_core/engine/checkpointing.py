@@ -149,10 +149,9 @@ class TrainerCheckpoints:
         slices: dict[str, dict[str, Any]] = {}
         regions = self.parts.regions
         with self.sync.full_parameters():  # collective under ZeRO-3: its parameters are sharded between forwards
-            if all(getattr(self.mesh, f"{a}_rank") == 0 for a in self.parts.placement.replica_axes()):
-                for name, p in self.parts.model.named_parameters():
-                    if not p.requires_grad:  # a LoRA checkpoint holds the adapters; the frozen base is its identity
-                        continue
+            for name, p in self.parts.model.named_parameters():
+                # a LoRA checkpoint holds the adapters (the frozen base is its identity); the first replica writes
+                if p.requires_grad and self.parts.placement.first_holder(name, self.mesh.coords):
                     tensors[f"param.{name}"] = p.detach().cpu()
                     slices[f"param.{name}"] = regions[name].to_meta()
         opt_tensors, opt_slices = self.sync.checkpoint_tensors(regions)

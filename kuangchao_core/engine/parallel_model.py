@@ -168,6 +168,8 @@ def build_parallel_model(
     # parallelism the norms and a row-parallel projection's B
     summed = {n for n in regions if n.endswith("lora_A.weight") or sp and n.endswith(("norm.weight", "lora_B.weight"))}
     placement = PlacementRecord.of_regions(regions, sizes, summed)
+    for axis in (a for a in table.TABLE if a.place and sizes[a.name] > 1):  # parameters an axis places (experts)
+        table.resolve(axis.place)(model, regions, placement, mesh)
     groups = {axis: getattr(mesh, f"{axis}_group", None) for axis in sizes}
     return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend, moe_step(model))
 

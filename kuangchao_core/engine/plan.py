@@ -121,6 +121,9 @@ def required_primitives(cfg: Any) -> dict[str, str]:
         need["reduce_scatter"] = need["all_gather"] = "hierarchical_allreduce on"
     if par.data_parallel_size > 1 and par.grad_compression == "topk" and not par.zero_stage:
         need.setdefault("all_gather", "grad_compression topk (sparse exchange)")
+    sizes = MeshAxes.from_parallel(par).sizes
+    for a in (a for a in table.TABLE if sizes[a.name] > 1):
+        need.update({op: f"{a.size_key} {sizes[a.name]}" for op in a.needs if op not in need})
     return need
 
 
@@ -344,8 +347,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     """Human-readable text of :func:`explain_plan`'s result."""
     s = plan["sizes"]
     lines = [
-        f"layout: {' x '.join(f'{a}={s[a]}' for a in table.shown_order() if a in s)} (virtual {s['virtual']}) = "
-        f"{s['world_size']} processes",
+        f"layout: {' x '.join(f'{a}={s[a]}' for a in table.shown_order() if a in s and a in table.GRID)} (virtual "
+        f"{s['virtual']}{''.join(f'; {a.name}={s[a.name]} within {a.within}' for a in table.TABLE if a.name in s and a.within)})"
+        f" = {s['world_size']} processes",
         f"model: {plan['model_parameters']:,} parameters; ZeRO stage {plan['zero_stage']}",
     ]
     for kind in table.BUILD_ORDER:

@@ -137,7 +137,7 @@ class Trainer:
         if run.model.vision is not None:  # the decoder under LLaVA's tower and projector (issue 31)
             self.parts = wrap_vision(self.parts, run.build, run.model.vision, self.model_config, mesh, device)
         self.model = self.parts.model
-        self.groups = mesh.reduce_groups(self.parts.placement.replica_axes())  # dp, or dp×cp: the replicas
+        self.groups = mesh.reduce_groups(self.parts.placement.replica_axes(), self.parts.placement.apart())
         self.sync = make_grad_sync(run.grad_sync, self.model, self.groups, self.parts.placement.norm_weight())
         self.precision = mixed_precision_for(run.precision, device)
         self.forward_backward = self.parts.step_function(self.precision if self.precision.enabled else None)

@@ -42,6 +42,7 @@ from torch import nn
 
 from kuangchao_core.comm import primitives as P
 from kuangchao_core.hal.dtypes import at_least_fp32
+from kuangchao_core.models.moe_dispatch import ExpertShard, dispatch_experts
 
 log = logging.getLogger("kuangchao.models")
 
@@ -149,16 +150,20 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU MLPs as batched weights, run on tokens grouped by expert (three batched matmuls)."""
+    """``num_experts`` SwiGLU MLPs as batched weights, run on tokens grouped by expert (three batched matmuls);
+    ``shard``: this rank's share under expert parallelism (``models.moe_dispatch``; None: every expert here)."""
 
     def __init__(self, hidden: int, width: int, num_experts: int):
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.w_down = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.shard: ExpertShard | None = None
 
     def forward(self, x: torch.Tensor, routing: Routing, capacity: int | None) -> torch.Tensor:
         """Sum over each token of ``x`` (tokens × hidden) of its kept experts' outputs times their gate weights."""
+        if self.shard is not None:
+            return dispatch_experts(self, x, routing, capacity, self.shard)
         tokens, k = routing.index.shape
         experts = self.w_gate.shape[0]
         expert_of = routing.index.reshape(-1)  # assignment a = t·k + j, in token order

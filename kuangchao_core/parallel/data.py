@@ -20,6 +20,10 @@ How it works:
   gradient is added into its parameter's slot by the hook (:func:`accumulate_grad`) and ``param.grad`` is dropped,
   so gradient accumulation sums in ``grad_dtype`` (fp32), never in the parameters' bf16; the reduction runs on the
   buckets and nothing is copied back: the caller reads :meth:`DataParallel.main_grad`.
+- Parameters held apart (``apart``: name -> the group of the ranks holding the same values, a subgroup of
+  ``group``; issue 40's experts sharded over ``ep``) stay out of the buckets: their gradients accumulate in
+  ``param.grad`` and :meth:`finish_gradient_sync` sums them over their group and divides by the size of ``group``
+  (every replica's tokens reached them); :meth:`sync_parameters` broadcasts them over their group.
 
 Typical step::
 
@@ -90,6 +94,7 @@ class DataParallel(torch.nn.Module):
             one flat asynchronous all-reduce over ``group``.
         main_grads: the buckets hold the gradients (module docstring): every backward adds into them, under
             :meth:`no_sync` too, ``param.grad`` is dropped and :meth:`main_grad` is each parameter's averaged sum.
+        apart: parameter name -> the group its gradient is summed over instead (module docstring).
 
     ``forward`` is the wrapped module's; ``dp.module`` is the bare model (use it for checkpoint names).
     A group of size 1 performs no communication at all.
@@ -103,6 +108,7 @@ class DataParallel(torch.nn.Module):
         grad_dtype: torch.dtype | None = None,
         reducer=None,
         main_grads: bool = False,
+        apart: dict | None = None,
     ):
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -125,7 +131,12 @@ class DataParallel(torch.nn.Module):
         self._buckets: list[_Bucket] = []
         self._where: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._hooks = []
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        named = dict(module.named_parameters())
+        if apart and main_grads:
+            raise KuangchaoError("DataParallel: parameters held apart take no main gradients (bf16 parameters)")
+        self._apart = [(named[n], g) for n, g in (apart or {}).items() if named[n].requires_grad]
+        held_apart = {id(p) for p, _ in self._apart}
+        self._params = [p for p in module.parameters() if p.requires_grad and id(p) not in held_apart]
         if group.size > 1 or main_grads:
             self._build_buckets()
         for p in self._params:
@@ -204,7 +215,11 @@ class DataParallel(torch.nn.Module):
         if self.group.size <= 1:
             return
         src = self.group.ranks[0]
-        tensors = [p.data for p in self.module.parameters()] + [
+        held_apart = {id(p) for p, _ in self._apart}
+        with torch.no_grad():
+            for p, g in (item for item in self._apart if item[1].size > 1):
+                comm.broadcast(p.data, src=g.ranks[0], group=g)
+        tensors = [p.data for p in self.module.parameters() if id(p) not in held_apart] + [
             b for b in self.module.buffers() if torch.is_floating_point(b)
         ]
         by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -238,6 +253,7 @@ class DataParallel(torch.nn.Module):
                 "(outside no_sync())"
             )
         self._backward_seen = False
+        self._reduce_apart()
         if not self._buckets:
             return
         size = self.group.size
@@ -261,6 +277,23 @@ class DataParallel(torch.nn.Module):
             bucket.reset()
         self._next_launch = 0
 
+    def _reduce_apart(self) -> None:
+        """Sum the gradients of the parameters held apart over their groups, then divide by this group's size."""
+        by_group: dict[int, tuple] = {}
+        for p, g in self._apart:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_group.setdefault(id(g), (g, []))[1].append(p)
+        for g, params in by_group.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            if g.size > 1:
+                comm.all_reduce(flat, group=g, op="sum")
+            flat.div_(self.group.size)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
     def zero_grad(self) -> None:
         """Zero every gradient in place (bucket buffers included); ``param.grad`` stays a view into its bucket."""
         if any(b.handle is not None for b in self._buckets):
@@ -275,6 +308,8 @@ class DataParallel(torch.nn.Module):
         for p in self._params:
             if p.grad is not None and (p not in self._where or not self._buckets[self._where[p][0]].as_view):
                 p.grad.zero_()
+        for p, _ in self._apart:
+            p.grad = None
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the wrapped module's parameters."""

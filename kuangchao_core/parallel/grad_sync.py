@@ -100,7 +100,7 @@ class ReplicatedAdamW:
         cast_parameters(model, policy)
         self.reducer = BucketReducer(groups.replicas, groups.intra, groups.inter, compressor)
         self.dp = DataParallel(
-            model, groups.replicas, bucket_mb, policy.master_dtype, reducer=self.reducer, main_grads=policy.masters
+            model, groups.replicas, bucket_mb, policy.master_dtype, self.reducer, policy.masters, groups.apart
         )
         hyper = dict(hyper)
         params = list(self.stepped.values())
@@ -134,12 +134,12 @@ class ReplicatedAdamW:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """See :meth:`GradSync.clip_grad_norm`; without TP, PP and masters, ``torch.nn.utils.clip_grad_norm_``."""
         g = self.groups
-        if g.tp_group.size == 1 and g.pp_group.size == 1 and not self.masters:
+        if g.tp_group.size == 1 and g.pp_group.size == 1 and not self.masters and not g.norm_groups:
             params = [p for p in self.model.parameters() if p.grad is not None]
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
             return torch.nn.utils.get_total_norm([p.grad for p in params])
-        total = _sum_over(self.grad_norm_sq(), g.tp_group, g.pp_group).sqrt()
+        total = _sum_over(self.grad_norm_sq(), g.tp_group, g.pp_group, *g.norm_groups).sqrt()
         _apply_clip(self.local_grads(), total, max_norm)
         return total
 
@@ -177,13 +177,13 @@ class ReplicatedAdamW:
             p.copy_(self.stepped[name])
 
     def checkpoint_tensors(self, regions: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The first DP replica's AdamW moments, sliced like the parameters."""
+        """The first DP replica's AdamW moments (a parameter held apart: its group's first), sliced like them."""
         tensors: dict[str, torch.Tensor] = {}
         slices: dict[str, Any] = {}
-        if self.groups.replicas.rank != 0:
-            return tensors, slices
         for name, p in self.stepped.items():
-            st = self.optimizer.state.get(p) or {}
+            st = (
+                self.optimizer.state.get(p) or {} if self.groups.apart.get(name, self.groups.replicas).rank == 0 else {}
+            )
             for key in ADAM_KEYS:
                 if key in st:
                     tensors[f"optim.{name}.{key}"] = st[key].detach().cpu().clone()

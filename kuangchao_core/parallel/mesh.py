@@ -15,7 +15,7 @@ without any process group (for ``kc plan``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kuangchao_core import axes as table
@@ -115,9 +115,10 @@ class ParallelMesh:
             raise PlanError([("parallel", f"rank {rank} is outside [0, world size {world_size})")])
         self.rank, self.world_size = rank, world_size
         self.backend, self.timeout_ms = backend, timeout_ms
-        for axis, index in self.layout.coords_of(rank).items():
+        coords = self.layout.coords_of(rank)
+        for axis in table.AXES:
             setattr(self, axis, self.layout.sizes[axis])
-            setattr(self, f"{axis}_rank", index)
+            setattr(self, f"{axis}_rank", coords.get(axis, 0))
         for axis in table.AXES:
             setattr(self, f"{axis}_group", None)  # an axis the mesh does not build (``layout.kinds()``) has none
         self.node_of_rank = list(node_of_rank) if node_of_rank is not None else [0] * world_size
@@ -155,15 +156,19 @@ class ParallelMesh:
             hierarchical=str(setting(parallel_cfg, "hierarchical_allreduce", "off")),
         )
 
-    def reduce_groups(self, replica_axes: tuple[str, ...]) -> ReduceGroups:
+    def reduce_groups(self, replica_axes: tuple[str, ...], apart: Mapping[str, str] | None = None) -> ReduceGroups:
         """The groups GradSync reduces over when every parameter is averaged over ``replica_axes`` (a placement
         record's :meth:`~kuangchao_core.parallel.placement.PlacementRecord.replica_axes`: dp, and cp when it
-        has more than one rank, whose ranks train the same replica on their slices of the sequences)."""
+        has more than one rank, whose ranks train the same replica on their slices of the sequences), but those
+        held apart (``PlacementRecord.apart``: name -> the group kind of the ranks holding the same values)."""
         axes = tuple(a for a in replica_axes if table.axis(a).built or getattr(self, a) > 1)
         group = getattr(self, f"{'_'.join(axes)}_group")
         alone = group is self.dp_group  # the hierarchical subgroups split DP groups only
         sub = (self.dp_intra_group, self.dp_inter_group) if alone else (None, None)
-        return ReduceGroups(group, self.tp_group, self.pp_group, *sub)
+        held = {name: getattr(self, f"{kind}_group") for name, kind in (apart or {}).items()}
+        # an axis within another holds parts of the model besides its copies: the norm sums over it too
+        within = tuple(getattr(self, f"{a.name}_group") for a in table.TABLE if a.within and getattr(self, a.name) > 1)
+        return ReduceGroups(group, self.tp_group, self.pp_group, *sub, held, within)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -198,11 +203,15 @@ class ParallelMesh:
 @dataclass(frozen=True)
 class ReduceGroups:
     """What GradSync reduces over: ``replicas`` (the ranks holding the same parameters, whose gradients it averages
-    and over which ZeRO shards), their node-local / cross-node subgroups when hierarchical (else None), and the TP
-    and PP groups the global gradient norm sums over."""
+    and over which ZeRO shards), their node-local / cross-node subgroups when hierarchical (else None), the TP
+    and PP groups the global gradient norm sums over, ``apart`` (parameter name -> the group of the ranks holding
+    its values, a part of ``replicas``, for parameters sharded within it) and ``norm_groups`` (the groups of those
+    axes, which the norm sums over too)."""
 
     replicas: Any
     tp_group: Any
     pp_group: Any
     intra: Any = None
     inter: Any = None
+    apart: dict[str, Any] = field(default_factory=dict)
+    norm_groups: tuple[Any, ...] = ()

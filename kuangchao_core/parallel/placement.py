@@ -91,6 +91,28 @@ class PlacementRecord:
             raise PlanError([("parallel", f"parameters are averaged over different axes {sorted(found)}")])
         return found.pop() if found else tuple(a.name for a in table.TABLE if a.data and a.name in self.sizes)
 
+    def apart(self) -> dict[str, str]:
+        """Name -> the group kind its gradient is summed over, for each parameter sharded along an axis within
+        another (``axes.Axis.within``): the parent's ranks holding the same part (``<parent>_mod_<axis>``)."""
+        return {
+            name: table.mod_kind(table.axis(a))
+            for name, axes in self.params.items()
+            for a, p in axes.items()
+            if isinstance(p, Shard) and a in table.AXES and table.axis(a).within is not None and p.parts > 1
+        }
+
+    def first_holder(self, name: str, coords: dict[str, int]) -> bool:
+        """Whether the rank at ``coords`` is the first of the replicas holding ``name``'s values (it writes them to
+        a checkpoint): index 0 along each replica axis, counted in runs of the axes within it that shard ``name``."""
+        for a in self.replica_axes():
+            index = coords.get(a, 0)
+            for w, p in self.params.get(name, {}).items():
+                if isinstance(p, Shard) and w in table.AXES and table.axis(w).within == a:
+                    index //= self.sizes[w]
+            if index:
+                return False
+        return True
+
     def norm_weight(self) -> dict[str, float]:
         """Name -> 1 / the ranks outside the replica axes holding the same reduced gradient (a global norm counts
         each element once)."""

@@ -147,7 +147,7 @@ _GLOB = re.compile(r"[A-Za-z0-9_.:,/\[\]*?-]+\Z")
 
 
 #: the primitives ``permission.allowed_interfaces`` restricts (SPEC L2.1)
-COMM_INTERFACES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv"})
+COMM_INTERFACES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"})
 
 
 class Policy:
