@@ -182,8 +182,8 @@ def _memory_pool(cfg, rank: int) -> None:
 
 
 def _memory_records(trainer, run) -> None:
-    """Per-module records of this rank (activations per block counted during each step's forward-backward, except
-    in compiled layers), then the set-up's freed pool blocks released."""
+    """Per-module records of this rank (activations per block counted in the first step's forward-backward and every
+    ``train.log_interval``-th, except in compiled layers), then the set-up's freed pool blocks released."""
     from kuangchao_core.engine.memory_ledger import MemoryLedger
     from kuangchao_core.hal.memory import release_unused
 
