@@ -36,18 +36,26 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
+    """This test's own PREFECT_HOME, no configured API; ``PREFECT_API_URL`` as it was afterwards, whatever
+    :func:`kept_server.use_kept_server` set (monkeypatch would put back the value a test set it over)."""
+    saved = os.environ.pop("PREFECT_API_URL", None)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.delenv("PREFECT_PROFILE", raising=False)
     (tmp_path / "prefect-home").mkdir()
-    return tmp_path / "prefect-home"
+    try:
+        yield tmp_path / "prefect-home"
+    finally:
+        monkeypatch.undo()
+        os.environ.pop("PREFECT_API_URL", None)
+        if saved is not None:
+            os.environ["PREFECT_API_URL"] = saved
 
 
 def _record(home: Path, api_url: str) -> None:
     (home / kept_server.RECORD).write_text(json.dumps({"api_url": api_url, "pid": 999999, "log": ""}))
 
 
-def test_kc_train_takes_the_kept_server_only_when_it_answers_and_no_api_is_configured(home, monkeypatch):
+def test_kc_train_takes_the_kept_server_only_when_it_answers_and_no_api_is_configured(home):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -57,14 +65,14 @@ def test_kc_train_takes_the_kept_server_only_when_it_answers_and_no_api_is_confi
         assert kept_server.use_kept_server() == (url, None)
         assert os.environ["PREFECT_API_URL"] == url
 
-        monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # configured: it wins, even unreachable
+        os.environ["PREFECT_API_URL"] = "http://127.0.0.1:9/api"  # configured: it wins, even unreachable
         assert kept_server.use_kept_server() == (None, None)
         assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
     finally:
         server.shutdown()
         server.server_close()
 
-    monkeypatch.delenv("PREFECT_API_URL")
+    del os.environ["PREFECT_API_URL"]
     stale = f"http://127.0.0.1:{free_port()}/api"  # the control: a record whose server no longer answers
     _record(home, stale)
     kept, note = kept_server.use_kept_server()
