@@ -26,7 +26,8 @@ demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local P
 
 # pytest-xdist workers of `make test` (0: one process). On two a test file runs whole on one worker, the longest
 # first (tests/tiers.py RUN_FIRST), and the few tests marked `serial` (bounds that need the cores to themselves) run
-# after, in one process: ~25 min on two cores (2026-12-07 fresh clone of cabe6e8: 22.5 + 2.2 min)
+# after, in one process: ~29 min on two cores (2026-12-07 fresh clone of f45f78d: 25.4 + 2.3 min; over its 25-min
+# budget: the MoE, expert-parallel, memory-record and kept-server tests came in this session)
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
