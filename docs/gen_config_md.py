@@ -29,8 +29,10 @@ if str(ROOT) not in sys.path:
 from pydantic import BaseModel  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
+from kuangchao_core import axes as mesh_axes  # noqa: E402
 from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
+from kuangchao_core.config.section import AxesSection  # noqa: E402
 
 OUT = ROOT / "docs" / "config.md"
 SCHEMA_FILES = tuple(
@@ -379,6 +381,24 @@ def _section_rows(cls: type[Section], prefix: str, sources: dict[str, str], subs
         example = _example(path, tp, None if default is PydanticUndefined else default)
         type_cell = f"{kind}" + (f" ({bounds})" if bounds else "")
         rows.append(f"| `{path}` | {type_cell} | {shown_default} | {_cell(what)} | {read_by} | `{example}` |")
+    return rows + _added_axis_rows(cls, prefix, sources)
+
+
+def _added_axis_rows(cls: type[Section], prefix: str, sources: dict[str, str]) -> list[str]:
+    """Rows for the sizes of the ``axes.TABLE`` entries an :class:`AxesSection` accepts beyond its own fields."""
+    if not issubclass(cls, AxesSection):
+        return []
+    rows = []
+    for axis in mesh_axes.TABLE:
+        if axis.size_key in cls.model_fields:
+            continue
+        path = f"{prefix}.{axis.size_key}"
+        what = f"ranks of the `{axis.name}` axis (`kuangchao_core/axes.py` `TABLE`)"
+        what += f", carved out of `{axis.within}`: it divides that axis's size" if axis.within else ""
+        readers = _readers(prefix.rsplit(".", 1)[-1], axis.size_key, axis.size_key, sources)
+        read_by = ", ".join(f"`{r}`" for r in readers) if readers else "no direct read found"
+        example = _example(path, int, 1)
+        rows.append(f"| `{path}` | int (≥ 1) | `1` | {_cell(what)} | {read_by} | `{example}` |")
     return rows
 
 
