@@ -1,6 +1,8 @@
 """Expert parallelism through the engine (issue 40 item 2): the Trainer with ``parallel.expert_parallel_size`` on
 real Gloo processes equals one process in float64 — losses, every parameter (each rank's expert shard against the
-same slice of the one-process experts) and the routing biases after a few steps.
+same slice of the one-process experts) and the routing biases after a few steps — and every step's tokens per
+expert the trainer reports (issue 40 item 5: summed over the ranks in the loss's all-reduce) equal one process's
+count exactly and are the sum of the ranks' own counts (control: no rank's own count is one process's).
 
 The one-process run has 4 micro-batches of 2 sequences per step; ep2 (world 2: dp2, ep2) and ep2 × dp2 (world 4:
 dp4, ep2) give each rank the same micro-batches of the same global batch. Capacity is applied at the source, to
@@ -83,6 +85,7 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
             trainer.sync.groups = dataclasses.replace(trainer.sync.groups, norm_groups=())
         elif sabotage == "first_dp_rank_writes":  # the checkpoint rule before ep: only dp rank 0 writes parameters
             trainer.parts.placement.first_holder = lambda name, coords: coords["dp"] == 0
+        loads, local = _record_loads(trainer)
         try:
             state = trainer.run(
                 resume=job.get("resume", "never"), max_steps=job.get("max_steps"), lineage=job.get("lineage")
@@ -98,9 +101,43 @@ def _run(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
         regions = {n: r.to_meta() for n, r in trainer.parts.regions.items()}
         apart = sorted(trainer.groups.apart)
         run = {"losses": list(state.losses), "params": params, "biases": biases, "regions": regions}
+        run |= {"expert_load": loads, "local_load": local}
         out.append({**run, "apart": apart})
         trainer.barrier()
     return out
+
+
+def _record_loads(trainer) -> tuple[list, list]:
+    """Each step's tokens per expert as the trainer reports them (``StepResult.expert_load``, summed over the ranks)
+    and this rank's own before the sum (``MoeStep.step_loads``), appended as the run goes."""
+    reported, local = [], []
+    train_step, step_loads = trainer.train_step, trainer.parts.moe.step_loads
+
+    def recording_step(micro_batches):
+        result = train_step(micro_batches)
+        reported.append(result.expert_load)
+        return result
+
+    def recording_loads(device=None):
+        loads = step_loads(device)
+        local.append(loads.cpu().numpy().copy())
+        return loads
+
+    trainer.train_step, trainer.parts.moe.step_loads = recording_step, recording_loads
+    return reported, local
+
+
+def _same_counts(runs: list[dict], one: dict) -> None:
+    """Every step's reported tokens per expert on every rank equal one process's, exactly, and are the sum of the
+    ranks' own counts; control: a rank's own counts are not one process's."""
+    tokens = 4 * 2 * 16 * MOE["top_k"]  # micro-batches × sequences × positions × top_k, per layer and step
+    assert all(sum(c) == tokens for step in one["expert_load"] for c in step.values())
+    for run in runs:
+        assert run["expert_load"] == one["expert_load"]
+    for step, want in enumerate(one["expert_load"]):
+        summed = sum(run["local_load"][step] for run in runs)
+        assert summed.tolist() == [want[layer] for layer in sorted(want)]
+        assert all(run["local_load"][step].tolist() != summed.tolist() for run in runs)  # the control
 
 
 def _worst(run: dict, one: dict) -> float:
@@ -126,6 +163,7 @@ def test_ep2_equals_one_process_in_fp64(tmp_path, capacity):
     ]
     ranks = run_distributed(_run, 2, args=(jobs,), timeout=600)
     assert one["losses"][-1] < one["losses"][0] and any(np.abs(b).sum() > 0 for b in one["biases"])
+    _same_counts([r[0] for r in ranks], one)  # the routing metrics' counts (issue 40 item 5)
     for rank, (ep2, wrong_rank, wrong_group, norm_without_ep) in enumerate(ranks):
         experts = [n for n in ep2["params"] if ".experts.w_" in n]
         assert len(experts) == 6 and ep2["apart"] == sorted(experts)
@@ -147,6 +185,7 @@ def test_ep2_by_dp2_equals_one_process_in_fp64(tmp_path):
         {"cfg": _job(tmp_path, "unreduced", 4, 2, capacity), "sabotage": "unreduced"},
     ]
     ranks = run_distributed(_run, 4, args=(jobs,), timeout=600)
+    _same_counts([r[0] for r in ranks], one)
     for rank, (good, unreduced) in enumerate(ranks):
         experts = [n for n in good["params"] if ".experts.w_" in n]
         assert all(good["regions"][n]["offsets"][0] == 2 * (rank % 2) for n in experts)  # ep index: dp index % 2

@@ -21,10 +21,16 @@ def _history(client, run_id: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
 
 
-def test_a_resumed_sink_logs_each_step_once_and_keeps_steps_queued_before_its_store_opened(tmp_path):
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One sqlite store for the module's tests (each makes its own experiment)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def test_a_resumed_sink_logs_each_step_once_and_keeps_steps_queued_before_its_store_opened(tmp_path, store):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = store
     client = MlflowClient(tracking_uri=uri)
     run_id = client.create_run(client.create_experiment("sink", artifact_location=str(tmp_path / "a"))).info.run_id
     first = MlflowMetricSink(uri, run_id, task="sink", flush_every_s=0.05)
@@ -42,3 +48,37 @@ def test_a_resumed_sink_logs_each_step_once_and_keeps_steps_queued_before_its_st
     assert second.last_logged_step == 5
     expected = [(s, float(s)) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 9)] + [(8, 7.5)]
     assert _history(client, run_id) == sorted(expected)
+
+
+def test_a_moe_runs_routing_reaches_the_run_every_step_with_the_plot_of_its_load(tmp_path, store):
+    """Rank 0's StepReport (engine/metrics.py) with a MoE step's tokens per expert (issue 40 item 5): each step's
+    counts and imbalance in the run's metric history, the expert-load plot among its artifacts at the end."""
+    from types import SimpleNamespace
+
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from kuangchao_core.engine.metrics import StepReport
+
+    uri = store  # the module's store (its schema takes seconds to create); an experiment of this test's own
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("moe", artifact_location=str(tmp_path / "a"))).info.run_id
+    sink = MlflowMetricSink(uri, run_id, task="moe", flush_every_s=0.05)
+    report = StepReport(0, torch.device("cpu"), sink, total=4, start_step=0, stop_at=4, run_dir=str(tmp_path / "run"))
+    loads = {s: {0: [s, 4, 2, 0], 2: [3, 3, 3, 3]} for s in range(1, 5)}
+    for s, load in loads.items():
+        result = SimpleNamespace(step=s, step_time_s=0.01, expert_load=load, metrics=lambda s=s: {"loss": 1.0 / s})
+        report.after_step(result, result.metrics(), log_interval=2)
+    report.close()
+    sink.close()
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "moe_tokens.l0.e0")}
+    assert history == {s: float(s) for s in loads}  # every step, the global count of expert 0 in layer 0
+    worst = {m.step: m.value for m in client.get_metric_history(run_id, "moe_imbalance")}
+    assert worst == {s: max(s, 4) * 4 / (s + 6) for s in loads}  # layer 0's max / mean; layer 2 is balanced
+    assert {m.value for m in client.get_metric_history(run_id, "moe_imbalance.l2")} == {1.0}
+    plots = [f.path for f in client.list_artifacts(run_id, "moe")]
+    assert plots == ["moe/expert_load_steps_1-4.png"]
+    from PIL import Image
+
+    with Image.open(client.download_artifacts(run_id, plots[0], str(tmp_path / "dl"))) as image:
+        assert image.size[0] == 800 and image.size[1] > 300  # 10 in wide at 80 dpi, three panels high

@@ -101,8 +101,8 @@ def _train_layouts(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     out = []
     for job in jobs:
         trainer = trainer_in_process(job["cfg"], rank, world_size)
-        if job.get("unsummed_loads"):
-            trainer.parts.groups = {**trainer.parts.groups, "dp": None}
+        if job.get("unsummed_loads"):  # the bias update handed no summed loads: it reads this process's own
+            trainer.parts.after_step = lambda applied, loads, after=trainer.parts.after_step: after(applied, None)
         if job.get("forget_biases"):  # the negative control of a resume: the routing biases not restored
             trainer.parts.load_extra_state = lambda state: None
         state = trainer.run(

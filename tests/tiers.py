@@ -130,6 +130,8 @@ FILE_TIERS = {
     "test_mesh_axes.py": "unit",
     "test_moe.py": "unit",
     "test_moe_config.py": "unit",
+    "test_moe_routing.py": "unit",
+    "test_moe_plan.py": "unit",
     "test_moe_training.py": "distributed",
     "test_expert_parallel.py": "distributed",
     "test_expert_parallel_training.py": "distributed",

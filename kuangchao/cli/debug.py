@@ -1,4 +1,4 @@
-"""``kc debug``: inspect communication-group dumps and memory allocation records written by workers."""
+"""``kc debug``: inspect communication-group dumps, memory allocation records and MoE routing written by workers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import typer
 
 from kuangchao_core.config.bounded_json import read_json_file, read_json_object
 
-debug_app = typer.Typer(help="Inspect state dumps written by workers (communication groups, memory records).")
+debug_app = typer.Typer(
+    help="Inspect state dumps written by workers (communication groups, memory records, MoE routing)."
+)
 
 
 def _expand(paths: list[Path], kind: str = "comm") -> list[Path]:
@@ -89,6 +91,44 @@ def memory(
         if len(reports) > 1:
             typer.echo(f"== {name}")
         _print_memory(rep)
+
+
+@debug_app.command("routing")
+def routing(
+    path: Path = typer.Argument(..., help="A run directory (its debug/routing/routing.json) or that file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the routing record as JSON."),
+) -> None:
+    """Show a MoE model's routing at the run's last logged step: per MoE layer the tokens routed to each expert
+    (the global batch, before capacity), each expert's share and the layer's load imbalance (max / mean)."""
+    from kuangchao_core.engine.routing_report import routing_path
+
+    file = routing_path(path) if path.is_dir() else path
+    try:
+        record = read_json_object(file)
+        layers = {int(k): v for k, v in record["layers"].items()}
+        step = int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        typer.echo(
+            f"kc debug routing: no MoE routing record at {file} ({exc}); rank 0 of a MoE job writes it at "
+            "each log line",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(record, indent=1))
+        return
+    typer.echo(f"MoE routing at step {step}: tokens per expert (global batch, before capacity)")
+    for layer in sorted(layers):
+        tokens = [int(t) for t in layers[layer]["tokens"]]
+        total, ratio = sum(tokens), layers[layer].get("imbalance")
+        typer.echo(
+            f"layer {layer}: {total:,} assignments, imbalance {ratio:.3f} (max / mean)"
+            if ratio
+            else f"layer {layer}: nothing routed"
+        )
+        for i, n in enumerate(tokens):
+            share = n / total if total else 0.0
+            typer.echo(f"  expert {i:>4} {n:>12,} {share:>7.1%} {'#' * round(40 * share)}")
 
 
 def _print_memory(rep: dict) -> None:

@@ -8,7 +8,9 @@ Per rank, Ψ = the parameter elements it holds after TP/PP (:func:`~kuangchao_co
 
 - ``params``, ``grads``, ``optimizer``: :func:`~kuangchao_core.parallel.state_memory.state_bytes` at the ZeRO stage
   of ``parallel.zero_stage`` (under pp each stage over its DP group), for ``train.dtype`` and
-  ``train.param_dtype`` (bf16 parameters: fp32 masters and master gradients, no autocast copies). With
+  ``train.param_dtype`` (bf16 parameters: fp32 masters and master gradients, no autocast copies); a MoE
+  model's routed experts count E/ep per rank under ``parallel.expert_parallel_size``, their state sharded over
+  their d/ep replicas (``engine.plan_experts``). With
   ``model.lora`` the base is frozen (whole on every rank; 1/N at ZeRO-3) and the adapters (rank·(in + out) per
   adapted projection, split like its base) are the trainable elements.
 - ``autocast_casts`` (bf16/fp16 only): 2 bytes per element of every weight a matmul reads (the projections and the
@@ -146,6 +148,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     accepts: ``{"rank", "coords", "parameters", "memory_bytes": {params, grads, optimizer, autocast_casts,
     activations_estimate, [gathered_blocks,] total}}`` (module docstring)."""
     from kuangchao_core.axes import MeshAxes
+    from kuangchao_core.engine.plan_experts import expert_parallel_size, split_elements
     from kuangchao_core.models.layout import slices_for_rank
     from kuangchao_core.models.llama import config_from_model_section
     from kuangchao_core.models.lora import LoraSettings, lora_regions
@@ -166,6 +169,7 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
     kept_layer = activation_bytes_per_layer(seq, b, mcfg, tp, dtype, recompute, sp, cp)
     lora = LoraSettings.from_config(getattr(getattr(cfg, "model", None), "lora", None))
     zero = par.zero_stage  # the engine runs it in every layout (ZeRO-3 under pp: per stage)
+    ep = expert_parallel_size(par)
     out = []
     axes = MeshAxes.from_parallel(par)
     for rank in range(axes.world_size) if ranks is None else ranks:
@@ -174,8 +178,12 @@ def estimate_ranks(cfg: Any, ranks: Iterable[int] | None = None) -> list[dict[st
         slices = slices_for_rank(mcfg, tp, tp_rank, pp, pp_rank, v)
         psi = sum(r.numel for r in slices.values())
         adapters = lora_regions(slices, lora) if lora is not None else {}
-        if lora is None:
-            state = state_bytes(psi, dp * cp, zero, dtype, param_dtype=pdt)  # ZeRO shards over dp×cp
+        if lora is None:  # ZeRO shards over dp×cp; the routed experts, E/ep of them here, over their dp/ep replicas
+            dense, experts = split_elements(slices, ep)
+            state = state_bytes(dense, dp * cp, zero, dtype, param_dtype=pdt)
+            extra = state_bytes(experts, dp * cp // ep, zero, dtype, param_dtype=pdt)
+            state = {k: x + extra[k] for k, x in state.items()}
+            psi = dense + experts
         else:  # a frozen base (whole on every replica below ZeRO-3); gradients and AdamW state of adapters only
             trained = sum(r.numel for r in adapters.values())
             state = state_bytes(trained, dp * cp, zero, dtype, frozen=psi, param_dtype=pdt)

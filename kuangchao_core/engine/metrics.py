@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kuangchao_core.engine.routing_report import RoutingReport
 from kuangchao_core.obs.jsonlog import emit_event, log_event
 from kuangchao_core.obs.step_feed import StepFeed
 
@@ -57,13 +58,25 @@ class StepReport:
     """Where rank 0 reports each step of a run (other ranks report nothing): every step's metrics to
     ``metric_sink`` (MLflow) and to the orchestrator's step feed (Prometheus), and a ``step`` line every
     ``log_interval`` steps and at the last, ``stop_at``, with the ETA to the job's ``total``. Built when the loop
-    starts, it times the loop from then (:meth:`elapsed`)."""
+    starts, it times the loop from then (:meth:`elapsed`). A MoE model's routing (``engine.routing_report``) joins
+    the step metrics; its debug file goes to ``run_dir`` (default ``KC_RUN_DIR``) and its plot to the sink's run at
+    :meth:`close`."""
 
-    def __init__(self, rank: int, device: torch.device, metric_sink: Any, total: int, start_step: int, stop_at: int):
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        metric_sink: Any,
+        total: int,
+        start_step: int,
+        stop_at: int,
+        run_dir: str | None = None,
+    ):
         self.rank, self.device, self.sink = rank, device, metric_sink
         self.total, self.start_step, self.stop_at = total, start_step, stop_at
         self.t_start = time.perf_counter()
         self.feed: StepFeed | None = None
+        self.routing = RoutingReport(run_dir or os.environ.get("KC_RUN_DIR"))
 
     def start(self, **fields: Any) -> None:
         """Rank 0: the ``start`` event (with ``fields``: world size, lineage) and the step feed's thread."""
@@ -81,11 +94,16 @@ class StepReport:
         if self.rank != 0:
             return
         step = result.step
+        log_line = step % log_interval == 0 or step == self.stop_at
+        load = getattr(result, "expert_load", None)
+        if load is not None:  # MoE: tokens per expert and imbalance, every step (not on the log line: too many)
+            metrics = metrics | self.routing.metrics(load)
+            self.routing.note(step, load, log_line)
         if self.sink is not None:
             self.sink.log_step(step, metrics)
         if self.feed is not None:
             self.feed.record(step, result.step_time_s, metrics)
-        if step % log_interval == 0 or step == self.stop_at:
+        if log_line:
             done = step - self.start_step
             eta = self.elapsed() / done * (self.total - step) if done else None
             fields = result.metrics() | {
@@ -97,10 +115,14 @@ class StepReport:
                 "mem_kind": memory_kind(self.device),
                 "in_steps": True,  # the step feed carries this step's metrics too
             }
+            if "moe_imbalance" in metrics:
+                fields["moe_imbalance"] = metrics["moe_imbalance"]
             log_event(log, "step", **fields)
             emit_event("step", **fields)
 
     def close(self) -> None:
-        """Send the feed's last steps and stop its thread."""
+        """Send the feed's last steps and stop its thread; attach the MoE expert-load plot (rank 0)."""
         if self.feed is not None:
             self.feed.close()
+        if self.rank == 0:
+            self.routing.close(self.sink)

@@ -98,8 +98,10 @@ def shape_for_section(model_section: Any) -> tuple[LlamaConfig, str]:
 
 
 def model_section_of(cfg: LlamaConfig) -> dict[str, Any]:
-    """A config ``model`` section that spells out every field of ``cfg`` (no checkpoint, no preset needed)."""
-    return {"type": "llama", "checkpoint": None, **vars(cfg)}
+    """A config ``model`` section that spells out every field of ``cfg`` (no checkpoint, no preset needed; a MoE
+    model's ``moe`` as its section's fields)."""
+    moe = None if cfg.moe is None else {k: list(v) if isinstance(v, tuple) else v for k, v in vars(cfg.moe).items()}
+    return {"type": "llama", "checkpoint": None, **vars(cfg), "moe": moe}
 
 
 def with_model_shape(cfg: Any, model_cfg: LlamaConfig) -> Any:

@@ -69,11 +69,11 @@ class ParallelModel:
         aux = self.moe.micro_batch_loss if self.moe is not None else None
         return get_forward_backward(self.model, self.loss_fn, self.executor, precision, sums, aux)
 
-    def after_step(self, applied: bool) -> None:
+    def after_step(self, applied: bool, loads: torch.Tensor | None = None) -> None:
         """After the optimizer step (``applied``: not skipped): the MoE blocks' bias update (``balance: bias``), from
-        the loads of every DP replica."""
+        the step's ``loads`` summed over every rank (``MoeStep.step_loads``; the trainer's ``step_values``)."""
         if self.moe is not None:
-            self.moe.after_step(applied, self.groups.get("dp"))
+            self.moe.after_step(applied, loads)
 
     def extra_state(self) -> dict[str, Any]:
         """``state.json`` entries beside the parameters: the MoE routing biases (:meth:`MoeStep.state_dict`)."""
@@ -171,7 +171,8 @@ def build_parallel_model(
     for axis in (a for a in table.TABLE if a.place and sizes[a.name] > 1):  # parameters an axis places (experts)
         table.resolve(axis.place)(model, regions, placement, mesh)
     groups = {axis: getattr(mesh, f"{axis}_group", None) for axis in sizes}
-    return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend, moe_step(model))
+    moe = moe_step(model, llama_cfg.moe, llama_cfg.num_layers) if llama_cfg.moe is not None else None
+    return ParallelModel(model, loss_fn, executor, regions, placement, groups, lora, cp_attend, moe)
 
 
 def _with_adapters(regions: dict[str, Region], lora: LoraSettings | None) -> dict[str, Region]:

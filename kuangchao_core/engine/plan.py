@@ -385,7 +385,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     )
     lines += rank_memory_rows(plan["ranks"])
     traffic = plan.get("traffic_bytes_per_step", {})
-    notes = {"cp": " (ring attention K/V and dK/dV)"}
+    notes = {"cp": " (ring attention K/V and dK/dV)", "ep": " (tokens' all-to-all)"}
     if plan.get("sequence_parallel"):
         notes["tp"] = " (all-gather + reduce-scatter, norm weights)"
     lines.append(

@@ -4,7 +4,10 @@ Every layout that uses all the cluster's GPUs is tried: cp over the divisors of 
 sequence into 2·cp equal chunks (context parallelism's load-balanced causal layout), tp and pp over the divisors
 of what is left, sequence parallelism off and on when tp > 1 (and tp divides the s/cp tokens of a rank), ZeRO
 stage 0/1/2 (0 only without data parallelism, where ZeRO has nothing to shard), micro-batch 1, 2, 4, … up to 32,
-and the accumulation that keeps the global batch (sequences per step) fixed. A layout is rejected when
+and the accumulation that keeps the global batch (sequences per step) fixed; for a MoE model (``model.moe``,
+issue 40) also expert parallelism, ep over the divisors of dp that divide the experts, at ZeRO 0 (what the
+engine runs ep with for now), each ep layout with its experts' memory split over ep, its all-to-all time and its
+experts' gradient sum over dp/ep (``engine.plan_experts``, ``sched.perf_moe``). A layout is rejected when
 
 - the global batch is not a multiple of dp × micro-batch;
 - the config schema or :func:`~kuangchao_core.engine.plan.check_plan` refuses it (TP must divide heads, key/value
@@ -81,6 +84,7 @@ def _layout_data(model_cfg: Any, layout: Layout, precision: str, carried: dict[s
             "tensor_parallel_size": layout.tp,
             "pipeline_parallel_size": layout.pp,
             "context_parallel_size": layout.cp,
+            "expert_parallel_size": layout.ep,
             "sequence_parallel": layout.sequence_parallel,
             "zero_stage": layout.zero_stage,
             "micro_batch_size": layout.micro_batch_size,
@@ -141,6 +145,14 @@ def _base_layouts(world: int, seq_len: int, eb: int) -> list[Layout]:
                 for sp in (False, True) if tp > 1 and (seq_len // cp) % tp == 0 else (False,):
                     out.append(Layout(world // (cp * tp * pp), tp, pp, 0, 1, 1, seq_len, eb, 1, cp, sp))
     return out
+
+
+def _expert_sizes(model_cfg: Any, dp: int, zero: int) -> list[int]:
+    """The ep sizes to try: 1, and for a MoE model at ZeRO 0 every divisor of ``dp`` that divides its experts."""
+    moe = getattr(model_cfg, "moe", None)
+    if moe is None or zero != 0:
+        return [1]
+    return [e for e in _divisors(dp) if moe.num_experts % e == 0]
 
 
 def _needed_gib(message: str) -> float:
@@ -238,12 +250,13 @@ def recommend(
 
     for base in _base_layouts(world, seq_len, eb):
         dp = base.dp
-        for zero in ((0, 1, 2, 3) if base.pp == 1 else (0, 1, 2)) if dp > 1 else (0,):
+        zeros = ((0, 1, 2, 3) if base.pp == 1 else (0, 1, 2)) if dp > 1 else (0,)
+        for zero, ep in ((z, e) for z in zeros for e in _expert_sizes(model_cfg, dp, z)):
             for b in MICRO_BATCHES:
                 considered += 1
                 m, rest = divmod(global_batch_size, dp * b)
                 layout = dataclasses.replace(
-                    base, zero_stage=zero, micro_batch_size=b, gradient_accumulation_steps=max(m, 1)
+                    base, zero_stage=zero, micro_batch_size=b, gradient_accumulation_steps=max(m, 1), ep=ep
                 )
                 if rest or m < 1:
                     reject(
@@ -303,7 +316,11 @@ def _precision_text(result: dict[str, Any]) -> str:
 
 
 def _cp_sp(lay: dict[str, Any]) -> str:
-    return (f" cp {lay['cp']}" if "cp" in lay else "") + (" sp" if lay.get("sequence_parallel") else "")
+    return (
+        (f" cp {lay['cp']}" if "cp" in lay else "")
+        + (" sp" if lay.get("sequence_parallel") else "")
+        + (f" ep {lay['ep']}" if "ep" in lay else "")
+    )
 
 
 def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
@@ -320,13 +337,13 @@ def format_recommendation(result: dict[str, Any], model_note: str = "") -> str:
         f"{result['valid']} of {result['considered']} layouts fit; the best {len(result['top'])}:",
     ]
     if result["top"]:
-        lines.append("   #   dp  cp  tp  sp  pp  zero  micro  accum   mem/rank GiB   step s   tokens/s   MFU")
+        lines.append("   #   dp  cp  tp  sp  pp  ep  zero  micro  accum   mem/rank GiB   step s   tokens/s   MFU")
         for i, r in enumerate(result["top"], 1):
             lay = r["layout"]
             mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             sp = "on" if lay.get("sequence_parallel") else "-"
             lines.append(
-                f"  {i:>2}  {lay['dp']:>3} {lay.get('cp', 1):>3} {lay['tp']:>3} {sp:>3} {lay['pp']:>3}  "
+                f"  {i:>2}  {lay['dp']:>3} {lay.get('cp', 1):>3} {lay['tp']:>3} {sp:>3} {lay['pp']:>3} {lay.get('ep', 1):>3}  "
                 f"{lay['zero_stage']:>4}  "
                 f"{lay['micro_batch_size']:>5}  {lay['gradient_accumulation_steps']:>5}   "
                 f"{r['memory_per_rank_bytes']['total'] / GIB:>12.1f}   {r['step_s']:>6.3f}   "

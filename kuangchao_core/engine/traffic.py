@@ -12,6 +12,7 @@ from typing import Any
 
 from kuangchao_core.axes import MeshAxes, group_name
 from kuangchao_core.config.access import setting
+from kuangchao_core.engine.plan_experts import expert_parallel_size, expert_traffic, split_elements
 from kuangchao_core.models.layout import slices_for_rank
 from kuangchao_core.models.llama import config_from_model_section
 
@@ -38,7 +39,10 @@ def group_traffic(cfg: Any) -> dict[str, float]:
       the busiest stage);
     - CP (ring attention, c ranks, k = key/value width per TP rank): every layer and micro-batch each rank passes
       its s/c tokens' K and V on c−1 times forward, again c−1 times in the backward, and the dK/dV accumulators
-      c times (the last hop returns them to their owner): ``(6c − 4) · (L/p) · m · b·(s/c)·k·e``.
+      c times (the last hop returns them to their owner): ``(6c − 4) · (L/p) · m · b·(s/c)·k·e``;
+    - EP (``parallel.expert_parallel_size`` > 1, issue 40): the tokens' all-to-alls on ``ep`` and the experts'
+      gradient sum on ``dp_mod_ep`` (:func:`~kuangchao_core.engine.plan_experts.expert_traffic`); the DP term then
+      counts the parameters other than the routed experts.
     """
 
     mcfg = config_from_model_section(cfg.model)
@@ -49,7 +53,10 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     seq = setting(cfg, "data.seq_len", None) or mcfg.max_seq_len
     e = 4.0
     act = b * seq / cp * mcfg.hidden_size * e  # a CP rank's TP and PP tensors hold its s/c tokens
-    psi = sum(r.numel for r in slices_for_rank(mcfg, tp, 0, pp, 0, v).values())
+    slices = slices_for_rank(mcfg, tp, 0, pp, 0, v)
+    psi = sum(r.numel for r in slices.values())
+    if expert_parallel_size(par) > 1:  # the routed experts are summed over dp_mod_ep, not dp
+        psi = split_elements(slices, expert_parallel_size(par))[0]
     layers, share = mcfg.num_layers / pp, (tp - 1) / tp
     tp_bytes = 4 * layers * m * act * 2 * share
     if tp > 1 and setting(cfg, "parallel.sequence_parallel", False):
@@ -63,7 +70,7 @@ def group_traffic(cfg: Any) -> dict[str, float]:
     if cp > 1:
         kv_width = max(mcfg.num_kv_heads // tp, 1) * mcfg.head_dim
         out["cp"] = (6 * cp - 4) * layers * m * b * (seq / cp) * kv_width * e
-    return out
+    return out | expert_traffic(mcfg, par, seq, slices, e)
 
 
 def link_report(placement: Any, cfg: Any) -> list[dict[str, Any]]:

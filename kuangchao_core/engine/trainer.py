@@ -37,6 +37,7 @@ from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import StepReport, memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
+from kuangchao_core.engine.step_values import step_values
 from kuangchao_core.engine.vlm_model import with_pretrained_vision, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
@@ -64,6 +65,7 @@ class StepResult:
     comm_share: float
     step_time_s: float
     precision: dict[str, float] = field(default_factory=dict)  # skipped_steps; loss_scale under fp16
+    expert_load: dict[int, list[int]] | None = None  # MoE: decoder layer -> tokens per expert (engine.step_values)
 
     def metrics(self) -> dict[str, float]:
         """The MLflow metric dict (contract names)."""
@@ -231,18 +233,14 @@ class Trainer:
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
         norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
-        # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over the dp×cp replicas
-        loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
-        for group in (self.mesh.pp_group, self.groups.replicas):
-            if group is not None and group.size > 1:
-                P.all_reduce(loss_t, group=group, op="sum")
-        # the step's one read of device values, before the optimizer runs: loss and gradient norm together
-        loss_sum, grad_norm = torch.stack([loss_t[0], norm_t.to(torch.float64).reshape(())]).tolist()
+        # loss (and MoE loads) summed over PP and the dp×cp replicas, read with the norm before the optimizer runs
+        summed = step_values(local_loss, norm_t, self.parts.moe, self.device, self.mesh.pp_group, self.groups.replicas)
+        loss_sum, grad_norm = summed.loss_sum, summed.grad_norm
         comm_watchdog.settle()  # the step's NCCL ops are done: their device time into COMM_STATS
         bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
         if not bad:
             self.sync.step()
-        self.parts.after_step(applied=not bad)  # MoE: the routing bias update (issue 40)
+        self.parts.after_step(not bad, summed.loads)  # MoE: the routing bias update (issue 40)
         loss = loss_sum / self.groups.replicas.size
         self._count_bad_step(bad, loss, grad_norm)
         self.state.step += 1
@@ -259,6 +257,7 @@ class Trainer:
             comm_share=min(1.0, comm / dt) if dt > 0 else 0.0,
             step_time_s=dt,
             precision=self.precision.metrics(),
+            expert_load=summed.expert_load,
         )
 
     def _count_bad_step(self, bad: bool, loss: float, grad_norm: float) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kuangchao_core.comm import primitives as P
 from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.moe_dispatch import ExpertShard, dispatch_experts
 
@@ -241,15 +241,30 @@ def moe_blocks(model: nn.Module) -> list[MoeBlock]:
     return [m for m in model.modules() if isinstance(m, MoeBlock)]
 
 
+def decoder_layers(model: nn.Module) -> list[int]:
+    """The decoder-layer index of each of :func:`moe_blocks` (``…layers.<i>.mlp`` in the parameter names every
+    layout keeps; a block outside a decoder counts as layer 0)."""
+    found = [
+        re.search(r"(?:^|\.)layers\.(\d+)\.", f"{n}.") for n, m in model.named_modules() if isinstance(m, MoeBlock)
+    ]
+    return [int(f[1]) if f else 0 for f in found]
+
+
 class MoeStep:
     """What the training step does for the model's MoE blocks: after each micro-batch's forward,
     :meth:`micro_batch_loss` gives the sum of the blocks' auxiliary losses (to add to the loss the step
-    backpropagates) and counts the blocks' loads; :meth:`after_step` applies the bias update of ``balance: bias``
-    blocks once per optimizer step that was applied, from the loads of the step's micro-batches, then forgets them.
+    backpropagates) and counts the blocks' loads; :meth:`step_loads` gives the step's loads, one row per MoE layer of
+    the whole model (``layers``: their decoder-layer indices; default those of this model's blocks), which the
+    trainer sums over the ranks that saw other tokens; :meth:`after_step` applies the bias update of ``balance:
+    bias`` blocks once per optimizer step that was applied, from those summed loads, then forgets them.
     The loads are read right after the forward, so a recomputed forward (activation checkpointing) never counts."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layers: list[int] | None = None, num_experts: int | None = None):
         self.blocks = moe_blocks(model)
+        held = decoder_layers(model)
+        self.layers = sorted(set(held)) if layers is None else list(layers)
+        self.rows = [self.layers.index(i) for i in held]  # each block's row of step_loads
+        self.num_experts = num_experts or self.blocks[0].cfg.num_experts
         self.loads: list[torch.Tensor | None] = [None] * len(self.blocks)
 
     def micro_batch_loss(self) -> torch.Tensor | None:
@@ -261,22 +276,27 @@ class MoeStep:
                 total = block.aux_loss if total is None else total + block.aux_loss
         return total
 
-    def after_step(self, applied: bool, group: Any = None) -> None:
-        """Update the biases from the step's loads when the optimizer step was ``applied`` (the same decision on
-        every rank), the loads summed over ``group`` (the DP group: every replica then moves its biases alike, as
-        one process would from the whole global batch); reset the loads."""
+    def step_loads(self, device: Any = None) -> torch.Tensor:
+        """This process's loads of the step so far, float64 (MoE layers × experts): row ``layers.index(l)`` holds
+        the assignments the block of decoder layer ``l`` routed to each expert over the step's micro-batches
+        (before capacity); rows of layers this process does not hold (other pipeline stages) are zeros, so a sum
+        over the ranks is the whole model's."""
+        out = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=device)
+        for row, load in zip(self.rows, self.loads, strict=True):
+            if load is not None:
+                out[row] += load.to(out)
+        return out
+
+    def after_step(self, applied: bool, loads: torch.Tensor | None = None) -> None:
+        """Update the biases when the optimizer step was ``applied`` (the same decision on every rank) from the
+        step's ``loads`` (:meth:`step_loads` summed over every rank that saw other tokens, so every replica moves
+        its biases alike, as one process would from the whole global batch; None: this process's own); reset the
+        loads."""
         if applied and any(b.cfg.balance == "bias" for b in self.blocks):
-            loads = torch.stack(
-                [
-                    torch.zeros_like(b.router.expert_bias, dtype=torch.float64) if n is None else n.double()
-                    for b, n in zip(self.blocks, self.loads, strict=True)
-                ]
-            )
-            if group is not None and group.size > 1:
-                P.all_reduce(loads, group=group, op="sum")
-            for block, load in zip(self.blocks, loads, strict=True):
+            loads = self.step_loads() if loads is None else loads
+            for block, row in zip(self.blocks, self.rows, strict=True):
                 if block.cfg.balance == "bias":
-                    block.router.update_bias(load)
+                    block.router.update_bias(loads[row])
         self.loads = [None] * len(self.blocks)
 
     def state_dict(self) -> dict[str, Any]:
@@ -300,6 +320,10 @@ class MoeStep:
                 block.router.expert_bias.copy_(torch.tensor(values, dtype=torch.float32))
 
 
-def moe_step(model: nn.Module) -> MoeStep | None:
-    """A :class:`MoeStep` for ``model``, or None when it holds no MoE block."""
+def moe_step(model: nn.Module, cfg: MoeConfig | None = None, num_layers: int = 0) -> MoeStep | None:
+    """A :class:`MoeStep` for ``model``, a part of a decoder of ``num_layers`` layers built with ``cfg`` (a pipeline
+    stage's part may hold none of the MoE blocks: its step still has a row, of zeros, for each MoE layer), or, with
+    ``cfg`` None, for the blocks ``model`` holds; None when there are none."""
+    if cfg is not None:
+        return MoeStep(model, cfg.moe_layers(num_layers), cfg.num_experts)
     return MoeStep(model) if moe_blocks(model) else None

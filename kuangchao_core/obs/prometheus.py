@@ -3,7 +3,9 @@
 :class:`JobMetrics` keeps one registry per job, fed with the ranks' events as the orchestrator receives them (the
 ``steps`` events of rank 0, ``anomaly`` events, restarts): ``kuangchao_train_loss``, ``_tokens_per_second``,
 ``_step_seconds`` (histogram), ``_grad_norm``, ``_comm_share``, ``_loss_scale`` (when the job reports one),
-``_step``, ``_restarts_total`` and ``_anomalies_total{kind}``; labels are only ``task`` and ``run``.
+``_step``, ``_restarts_total`` and ``_anomalies_total{kind}``; labels are only ``task`` and ``run``, but for a MoE
+model's routing (issue 40, ``engine.routing_report``): ``_moe_load_imbalance`` (the worst MoE layer's busiest
+expert over the mean), ``_moe_layer_load_imbalance{layer}`` and ``_moe_expert_tokens{layer,expert}``.
 Every step reaches it: rank 0's :class:`~kuangchao_core.obs.step_feed.StepFeed` sends batched ``steps`` events
 (a few a second), whatever ``train.log_interval``.
 :class:`MetricsExporter` serves it over HTTP; every scrape first calls ``authorize`` (the orchestrator passes the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from kuangchao_core.errors import PermissionDenied
 
 log = logging.getLogger("kuangchao.obs.prometheus")
+_ROUTING_KEY = re.compile(r"moe_(imbalance|tokens)\.l(\d{1,6})(?:\.e(\d{1,6}))?")
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _EXPORTERS: dict[str, MetricsExporter] = {}
 
@@ -64,6 +68,19 @@ class JobMetrics:
             "kuangchao_train_anomalies", "Anomalies flagged, by kind.", [*names, "kind"], registry=self.registry
         )
         self.restarts.labels(**labels)  # present at 0 from the start
+        self.moe_imbalance = gauge("moe_load_imbalance", "MoE: the worst layer's max/mean tokens per expert.")
+        self.moe_layer_imbalance = Gauge(
+            "kuangchao_train_moe_layer_load_imbalance",
+            "MoE: a layer's max/mean tokens per expert in the latest step.",
+            [*names, "layer"],
+            registry=self.registry,
+        )
+        self.moe_tokens = Gauge(
+            "kuangchao_train_moe_expert_tokens",
+            "MoE: tokens a layer routed to an expert in the latest step (global batch, before capacity).",
+            [*names, "layer", "expert"],
+            registry=self.registry,
+        )
 
     def observe(self, event: dict[str, Any]) -> None:
         """Update from one event of the ranks: ``steps`` (every step, from rank 0's step feed), ``step`` (the
@@ -77,10 +94,12 @@ class JobMetrics:
                 (self.comm_share, "comm_share"),
                 (self.loss_scale, "loss_scale"),
                 (self.step, "step"),
+                (self.moe_imbalance, "moe_imbalance"),
             ):
                 value = event.get(key)
                 if isinstance(value, (int, float)):
                     gauge.labels(**lab).set(float(value))
+            self._observe_routing(event)
             times = event.get("step_times") if kind == "steps" else [event.get("step_time_s")]
             histogram = self.step_seconds.labels(**lab)
             for seconds in times if isinstance(times, list) else []:
@@ -88,6 +107,21 @@ class JobMetrics:
                     histogram.observe(float(seconds))
         elif kind == "anomaly":
             self.anomalies.labels(**lab, kind=str(event.get("kind", "unknown"))[:32]).inc()
+
+    def _observe_routing(self, event: dict[str, Any]) -> None:
+        """The per-layer and per-expert MoE gauges from an event's ``moe_imbalance.l<L>`` and
+        ``moe_tokens.l<L>.e<i>`` keys."""
+        for key, value in event.items():
+            if not key.startswith("moe_") or not isinstance(value, (int, float)):
+                continue
+            found = _ROUTING_KEY.fullmatch(key)
+            if found is None:
+                continue
+            kind, layer, expert = found.groups()
+            if kind == "imbalance" and expert is None:
+                self.moe_layer_imbalance.labels(**self._labels, layer=layer).set(float(value))
+            elif kind == "tokens" and expert is not None:
+                self.moe_tokens.labels(**self._labels, layer=layer, expert=expert).set(float(value))
 
     def restart(self) -> None:
         """Count one restart of the workers."""

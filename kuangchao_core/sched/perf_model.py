@@ -18,6 +18,9 @@
   times forward and backward, dK/dV c times) to the next CP rank, counted in full (the engine posts each exchange
   before the block it overlaps; not counting the overlap makes this an upper bound); the gradient synchronisation
   runs over the ``d·c`` ranks that hold the same parameters;
+- **EP** (a MoE model, issue 40): FLOPs count the active experts, parameters every expert, the routed ones
+  E/ep per rank summed over their d/ep replicas, and the tokens' all-to-alls (:mod:`~kuangchao_core.sched.perf_moe`)
+  join the pipeline's work;
 - **bubble**: the pipeline runs ``v·m + p − 1`` slots for ``v·m`` slots of work, so the work per rank
   (compute + TP + PP) stretches by ``1/(1 − bubble)`` with ``bubble = (p−1)/(v·m+p−1)`` (Megatron §2.2; the
   formula ``engine.plan.explain_plan`` reports);
@@ -60,6 +63,7 @@ from kuangchao_core.sched.perf_cluster import (
     reduce_scatter_s,
 )
 from kuangchao_core.sched.perf_groups import GroupSpan, group_span
+from kuangchao_core.sched.perf_moe import ep_comm_s, expert_params, moe_matmul_delta, moe_param_delta
 
 __all__ = [
     "METHODS",
@@ -95,6 +99,7 @@ class Layout:
     virtual_pipeline_size: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism, within dp (issue 40; sched.perf_moe)
 
     @property
     def world_size(self) -> int:
@@ -118,6 +123,7 @@ class Layout:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             **({"cp": self.cp} if self.cp > 1 else {}),
             **({"sequence_parallel": True} if self.sequence_parallel else {}),
+            **({"ep": self.ep} if self.ep > 1 else {}),
         }
 
     def with_dp(self, dp: int) -> Layout:
@@ -141,6 +147,7 @@ class Layout:
             virtual_pipeline_size=par.virtual_pipeline_size if interleaved else 1,
             cp=par.context_parallel_size,
             sequence_parallel=par.sequence_parallel,
+            ep=getattr(par, "expert_parallel_size", 1),
         )
 
 
@@ -148,7 +155,7 @@ def matmul_params(model_cfg: Any) -> int:
     """N of ``F_tok``: the layers' projection weights plus the LM head (``vocab × hidden``), no embedding/norms."""
     h, d = model_cfg.hidden_size, model_cfg.hidden_size // model_cfg.num_heads
     layer = 2 * h * model_cfg.num_heads * d + 2 * h * model_cfg.num_kv_heads * d + 3 * h * model_cfg.intermediate_size
-    return model_cfg.num_layers * layer + model_cfg.vocab_size * h
+    return model_cfg.num_layers * layer + model_cfg.vocab_size * h + moe_matmul_delta(model_cfg)
 
 
 def flops_per_token(model_cfg: Any, seq_len: int) -> float:
@@ -168,7 +175,7 @@ def stage_end_params(model_cfg: Any, tp: int, pp: int) -> tuple[int, int]:
     d = h // heads
     kv_local = kv // tp if kv >= tp else 1
     layer = 2 * h * (heads // tp) * d + 2 * h * kv_local * d + 3 * h * (model_cfg.intermediate_size // tp) + 2 * h
-    layers = -(-model_cfg.num_layers // pp) * layer
+    layers = -(-model_cfg.num_layers // pp) * layer + moe_param_delta(model_cfg, pp)  # MoE: tp 1 (the config)
     emb = (v // tp) * h
     head = 0 if model_cfg.tie_embeddings else (v // tp) * h
     if pp == 1:
@@ -204,6 +211,7 @@ class StepPrediction:
     dp_node_out_bytes: float
     groups: dict[str, GroupSpan]
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     @property
     def breakdown(self) -> dict[str, float]:
@@ -215,6 +223,7 @@ class StepPrediction:
             "pp_comm_s": self.pp_comm_s,
             "dp_comm_s": self.dp_exposed_s,
             **({"cp_comm_s": self.cp_comm_s} if "cp" in self.groups else {}),
+            **({"ep_comm_s": self.ep_comm_s} if self.ep_comm_s else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -344,12 +353,19 @@ def predict_step(
         kv_width = max(model_cfg.num_kv_heads // tp, 1) * (model_cfg.hidden_size // model_cfg.num_heads)
         cp_comm_s = layers * m * (6 * cp - 4) * p2p_s(b * seq / cp * kv_width * eb, link)
     bubble = (pp - 1) / (v * m + pp - 1) if pp > 1 else 0.0
-    work_s = compute_s + tp_comm_s + pp_comm_s + cp_comm_s
+    ep_s = ep_comm_s(model_cfg, layout, cluster, placement)
+    work_s = compute_s + tp_comm_s + pp_comm_s + cp_comm_s + ep_s
     pipeline_s = work_s / (1.0 - bubble)
     psi = params_per_rank(model_cfg, tp, pp)
     grads = dataclasses.replace(layout, dp=dp * cp, cp=1)  # CP ranks hold the same parameters as DP ones
     span = group_span("dp", dp * cp, tp, pp, cluster.ranks_per_node, placement) if cp > 1 else spans["dp"]
-    dp_s, dp_sent, dp_out = _dp_comm(psi, grads, cluster, span, method, topk_ratio, topk_index_bytes)
+    experts = expert_params(model_cfg, pp) if layout.ep > 1 else 0  # summed over dp/ep, E/ep of them
+    dp_s, dp_sent, dp_out = _dp_comm(psi - experts, grads, cluster, span, method, topk_ratio, topk_index_bytes)
+    if experts:
+        n, extra = dp // layout.ep, (method, topk_ratio, topk_index_bytes)
+        span_e = group_span("dp", n, tp, pp, cluster.ranks_per_node, placement)
+        extra = _dp_comm(experts // layout.ep, dataclasses.replace(grads, dp=n), cluster, span_e, *extra)
+        dp_s, dp_sent, dp_out = (a + b for a, b in zip((dp_s, dp_sent, dp_out), extra, strict=True))
     exposed = max(0.0, dp_s - 2.0 / 3.0 * compute_s) if overlap_dp else dp_s
     step_s = pipeline_s + exposed
     tokens = layout.tokens_per_step
@@ -374,4 +390,5 @@ def predict_step(
         dp_node_out_bytes=dp_out,
         groups=spans,
         cp_comm_s=cp_comm_s,
+        ep_comm_s=ep_s,
     )
