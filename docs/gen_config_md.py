@@ -12,9 +12,7 @@ schema where the field is read. Readers are found by searching the code: an attr
 
 from __future__ import annotations
 
-import ast
 import inspect
-import json
 import re
 import sys
 import types
@@ -29,6 +27,7 @@ if str(ROOT) not in sys.path:
 from pydantic import BaseModel  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
+from docs.config_md_words import field_bounds, field_comments, field_default, to_plain, type_name, yaml_inline  # noqa: E402
 from kuangchao_core import axes as mesh_axes  # noqa: E402
 from kuangchao_core.config import schema  # noqa: E402
 from kuangchao_core.config.schema import JobConfig, Section  # noqa: E402
@@ -40,103 +39,6 @@ SCHEMA_FILES = tuple(
 )
 #: where readers are looked for (the tests are not readers)
 SOURCE_DIRS = ("kuangchao_core", "kuangchao", "flows", "tasks", "blocks", "deployments", "benchmarks")
-
-
-# ---------------------------------------------------------------------------------------------- the schema's words
-def _field_comments(cls: type) -> dict[str, str]:
-    """field name -> the ``#:`` comment lines above it or the trailing ``#`` comment of its line."""
-    try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
-        return {}
-    tree = ast.parse(inspect.cleandoc("".join(lines)) if lines[0].startswith(" ") else "".join(lines))
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out: dict[str, str] = {}
-    for node in body:
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        idx = node.lineno - 1
-        above: list[str] = []
-        j = idx - 1
-        while j >= 0 and lines[j].strip().startswith("#:"):
-            above.insert(0, lines[j].strip()[2:].strip())
-            j -= 1
-        text = " ".join(above)
-        if not text:
-            trailing = re.search(r"#\s*(?!noqa)(.+)$", lines[idx])
-            if trailing and "Field(" not in trailing.group(1):
-                text = trailing.group(1).strip()
-        if text:
-            out[node.target.id] = text
-    return out
-
-
-def _type_name(tp: Any) -> str:
-    """A short, readable name of an annotation (``int``, ``"a" | "b"``, ``list[str]``, ``section``)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin is typing.Literal:
-        return " \\| ".join(json.dumps(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        parts = [_type_name(a) for a in args if a is not type(None)]
-        return " \\| ".join(parts) + (" \\| null" if type(None) in args else "")
-    if origin in (list, tuple, dict):
-        inner = ", ".join(_type_name(a) for a in args)
-        return f"{origin.__name__}[{inner}]"
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return "section"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _bounds(info: Any) -> str:
-    """``≥ 1``, ``> 0, ≤ 1``, ``length ≤ 64``, ``pattern …`` from the field's constraints."""
-    words = []
-    for m in info.metadata:
-        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
-            value = getattr(m, attr, None)
-            if value is not None:
-                words.append(f"{sign} {value:g}" if isinstance(value, float) else f"{sign} {value}")
-        if getattr(m, "min_length", None) is not None:
-            words.append(f"length ≥ {m.min_length}")
-        if getattr(m, "max_length", None) is not None:
-            words.append(f"length ≤ {m.max_length}")
-        if getattr(m, "pattern", None) is not None:
-            words.append(f"pattern `{m.pattern}`")
-    return ", ".join(words)
-
-
-def _default(info: Any) -> Any:
-    if info.default_factory is not None:
-        return info.default_factory()
-    return info.default  # PydanticUndefined for a required field
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", by_alias=True)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def _yaml_inline(value: Any) -> str:
-    value = _plain(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        plain = re.fullmatch(r"[A-Za-z0-9_./:*@-]+", value) and value not in ("null", "true")
-        return value if plain else json.dumps(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_yaml_inline(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml_inline(v)}" for k, v in value.items()) + "}"
-    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------- examples
@@ -225,7 +127,7 @@ def _accepted(path: str, value: Any, data: dict[str, Any] | None = None) -> bool
 
     from kuangchao_core.config import config_from_dict
 
-    data = copy.deepcopy(data) if data is not None else _nest(path, _plain(value))
+    data = copy.deepcopy(data) if data is not None else _nest(path, to_plain(value))
     data.setdefault("task", {}).setdefault("name", "example")
     if path.startswith("cluster.") and path != "cluster.mode":  # in the mode that uses the field
         mode = data["cluster"].setdefault("mode", "slurm" if path.startswith("cluster.slurm") else "static")
@@ -242,7 +144,7 @@ def _example(path: str, tp: Any, default: Any) -> str:
     from kuangchao_core.config.presets import MODEL_PRESETS
 
     if path in FRAGMENTS:
-        return _yaml_inline(FRAGMENTS[path]) if _accepted(path, None, FRAGMENTS[path]) else "—"
+        return yaml_inline(FRAGMENTS[path]) if _accepted(path, None, FRAGMENTS[path]) else "—"
     tries = [EXAMPLES[path]] if path in EXAMPLES else []
     section, _, field = path.partition(".")
     if section == "model":  # a shape field alone must fit the preset's other fields: the small preset's value
@@ -250,7 +152,7 @@ def _example(path: str, tp: Any, default: Any) -> str:
     tries += _candidates(tp, default)
     for value in tries:
         if _accepted(path, value):
-            return _yaml_inline(_nest(path, value))
+            return yaml_inline(_nest(path, value))
     return "—"
 
 
@@ -353,17 +255,17 @@ def _whole_section_readers(path: str, sources: dict[str, str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- the page
 def _section_rows(cls: type[Section], prefix: str, sources: dict[str, str], subs: list, whole: list) -> list[str]:
-    comments = _field_comments(cls)
+    comments = field_comments(cls)
     rows = []
     attr_of_section = prefix.rsplit(".", 1)[-1]
     for attr, info in cls.model_fields.items():
         field = info.alias or attr
         path = f"{prefix}.{field}"
         tp = info.annotation
-        default = _default(info)
+        default = field_default(info)
         nested = _nested_section(tp)
-        kind = _type_name(tp)
-        bounds = _bounds(info)
+        kind = type_name(tp)
+        bounds = field_bounds(info)
         what = info.description or comments.get(attr, "")
         if nested is not None and typing.get_origin(tp) not in (list, dict):
             subs.append((path, nested))
@@ -371,7 +273,7 @@ def _section_rows(cls: type[Section], prefix: str, sources: dict[str, str], subs
         elif nested is not None:
             subs.append((path, nested))
             what = (what + " " if what else "") + f"Each item: see [`{path}`](#{_anchor(path)})."
-        shown_default = "required" if default is PydanticUndefined else f"`{_yaml_inline(default)}`"
+        shown_default = "required" if default is PydanticUndefined else f"`{yaml_inline(default)}`"
         if nested is not None and typing.get_origin(tp) not in (list, dict) and default is not None:
             shown_default = "its fields' defaults"
         readers = _readers(attr_of_section, field, attr, sources)
