@@ -48,8 +48,9 @@ def allow_all():
     install_guard(previous)
 
 
-def mixtral(seed: int = 1, **changes):
-    """A tiny random ``MixtralForCausalLM`` (eager attention and experts: they run in float64)."""
+def mixtral(seed: int = 1, scale: float = 1.0, **changes):
+    """A tiny random ``MixtralForCausalLM`` (eager attention and experts: they run in float64), its projections
+    and embeddings times ``scale``."""
     torch.manual_seed(seed)
     hf_cfg = transformers.MixtralConfig(
         **{**SIZES, **changes}, attn_implementation="eager", experts_implementation="eager"
@@ -61,6 +62,8 @@ def mixtral(seed: int = 1, **changes):
                 p.uniform_(0.5, 1.5)
             elif n.endswith("gate.weight"):
                 p.normal_(0.0, 0.5)
+            else:
+                p.mul_(scale)
     return model
 
 

@@ -94,6 +94,7 @@ FILE_TIERS = {
     "test_hal.py": "unit",
     "test_hf.py": "unit",
     "test_hf_moe.py": "unit",
+    "test_hf_moe_engine.py": "distributed",
     "test_stream_model.py": "unit",
     "test_task_retries.py": "flows",
     "test_transient.py": "unit",

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kuangchao_core.ckpt.hf_moe import load_mixtral_for_regions, mixtral_config_dict, mixtral_tensors
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.models.layout import Region, TargetLayout
@@ -117,9 +118,7 @@ def load_hf_weights_for_layout(
     cfg = _as_llama_config(model_cfg)
     layout = target_layout or TargetLayout()
     if cfg.moe is not None:
-        from kuangchao_core.ckpt.hf_moe import load_mixtral_for_regions
-
-        return load_mixtral_for_regions(hf_dir, regions or layout.param_slices(cfg), dtype)
+        return load_mixtral_for_regions(hf_dir, hf_weight_files(hf_dir), regions or layout.param_slices(cfg), dtype)
     wanted = layout.param_slices(cfg)
     where = hf_weight_files(hf_dir)
     handles: dict[Path, Any] = {}
@@ -190,9 +189,7 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLi
     ordered = {n: tensors[n].to(EXPORT_DTYPES[dtype][0]).contiguous() for n in full_shapes(cfg)}
     config = hf_config_dict(cfg, dtype)
     if cfg.moe is not None:  # a Mixtral (refused before anything is written when its block is not Mixtral's)
-        from kuangchao_core.ckpt.hf_moe import mixtral_config_dict, mixtral_tensors
-
-        config, ordered = mixtral_config_dict(cfg, dtype, str(out)), mixtral_tensors(ordered)
+        config, ordered = mixtral_config_dict(cfg, config, str(out)), mixtral_tensors(ordered)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{SINGLE_FILE}.tmp"
     save_file(ordered, str(tmp), metadata={"format": "pt"})

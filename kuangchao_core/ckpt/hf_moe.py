@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from kuangchao_core.errors import CheckpointError
+from kuangchao_core.models.hf_moe_config import mixtral_config
 from kuangchao_core.models.layout import Region
 
 #: Kuangchao's expert weight -> Mixtral's per-expert matrix (stored transposed)
@@ -45,14 +46,15 @@ def mixtral_sources(name: str, experts: range) -> dict[int | None, str]:
 
 
 def load_mixtral_for_regions(
-    hf_dir: str | os.PathLike[str], regions: dict[str, Region], dtype: torch.dtype | None = torch.float32
+    hf_dir: str | os.PathLike[str],
+    where: dict[str, Path],
+    regions: dict[str, Region],
+    dtype: torch.dtype | None = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Kuangchao name -> the ``regions`` slice of each parameter, read from the Mixtral directory ``hf_dir`` (only
-    that slice of each file's tensor: ``safe_open(...).get_slice``). A tensor missing from the files or of
-    another shape than the region's full tensor raises CheckpointError naming it. ``dtype`` None keeps the files'."""
-    from kuangchao_core.ckpt.hf import hf_weight_files
-
-    where = hf_weight_files(hf_dir)
+    """Kuangchao name -> the ``regions`` slice of each parameter, read from the Mixtral directory ``hf_dir`` whose
+    tensors ``where`` locates (``ckpt.hf.hf_weight_files``; only that slice of each file's tensor is read:
+    ``safe_open(...).get_slice``). A tensor missing from the files or of another shape than the region's full
+    tensor raises CheckpointError naming it. ``dtype`` None keeps the files'."""
     handles: dict[Path, Any] = {}
 
     def tensor(hf_name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
@@ -93,12 +95,9 @@ def mixtral_tensors(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def mixtral_config_dict(cfg: Any, dtype: str, where: str) -> dict[str, Any]:
-    """The ``config.json`` of a ``MixtralForCausalLM`` with the sizes of ``cfg`` (a LlamaConfig with ``moe``);
-    CheckpointError naming the ``model.moe`` field whose block Mixtral does not compute."""
-    from kuangchao_core.ckpt.hf import hf_config_dict
-    from kuangchao_core.models.hf_moe_config import mixtral_config
-
+def mixtral_config_dict(cfg: Any, llama: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``config.json`` of a ``MixtralForCausalLM`` with the sizes of ``cfg`` (a LlamaConfig with ``moe``), over
+    ``llama`` (its Llama ``config.json``, ``ckpt.hf.hf_config_dict``); CheckpointError naming the ``model.moe``
+    field whose block Mixtral does not compute (``where``: the output, for the message)."""
     keys = mixtral_config(cfg, where)
-    conf = {k: v for k, v in hf_config_dict(cfg, dtype).items() if k not in ("attention_bias", "mlp_bias")}
-    return {**conf, **keys}
+    return {**{k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}, **keys}
