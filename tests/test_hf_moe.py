@@ -261,6 +261,8 @@ def test_the_other_moe_families_are_refused_naming_what_differs(tmp_path, family
 
 
 def test_the_job_section_trains_the_checkpoints_block_and_may_not_reshape_it(tmp_path):
+    """The section's training settings (its defaults where unset) over the checkpoint's block, whose fields it must
+    match, given or default: a worker reads back a resolved config where every field is set."""
     mixtral().save_pretrained(tmp_path)
     section = {"checkpoint": str(tmp_path), "moe": {"num_experts": 4, "aux_loss_coef": 0.05, "capacity_factor": 1.5}}
     moe = config_from_model_section(section).moe
@@ -268,7 +270,8 @@ def test_the_job_section_trains_the_checkpoints_block_and_may_not_reshape_it(tmp
     cases = [
         ({"checkpoint": str(tmp_path)}, "model.moe"),  # the job's MoE checks need the section
         ({"checkpoint": str(tmp_path), "moe": {"num_experts": 8}}, "model.moe.num_experts"),
-        ({"checkpoint": str(tmp_path), "moe": {"router": "sigmoid"}}, "model.moe.router"),
+        ({"checkpoint": str(tmp_path), "moe": {"top_k": 2}}, "model.moe.num_experts"),  # the default 8 is not 4
+        ({"checkpoint": str(tmp_path), "moe": {"num_experts": 4, "router": "sigmoid"}}, "model.moe.router"),
     ]
     for bad, path in cases:
         with pytest.raises(ConfigError) as err:

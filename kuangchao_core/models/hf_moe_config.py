@@ -30,8 +30,8 @@ UNSUPPORTED = {
     ),
     "qwen3_moe": "Qwen3-MoE normalises queries and keys per head (q_norm, k_norm), which Kuangchao's attention lacks",
 }
-#: ``model.moe`` fields that decide what the block computes: a job's ``model.moe`` may not change them from the
-#: checkpoint's (the others — losses, balance, capacity — are how it trains)
+#: ``model.moe`` fields that decide what the block computes: a job's ``model.moe`` must have the checkpoint's (the
+#: others — losses, balance, capacity — are how it trains)
 SHAPE_FIELDS = ("num_experts", "top_k", "num_shared_experts", "expert_intermediate_size", "router", "layers")
 
 
@@ -73,9 +73,10 @@ def with_hf_moe(cfg: Any, raw: dict[str, Any], path: Path) -> Any:
 
 def merge_moe(checkpoint: MoeConfig | None, section: Any, where: str) -> Any:
     """``model.moe`` of a job that starts from a Hugging Face checkpoint (``where``) whose block is ``checkpoint``
-    (None: dense): the section's training settings over the checkpoint's block. A MoE checkpoint needs the section
-    (so the job's MoE checks run); a section may not change :data:`SHAPE_FIELDS` nor give a dense checkpoint
-    experts. Without a checkpoint block or section, the other one (unchanged)."""
+    (None: dense): the checkpoint's block trained as the section says. A MoE checkpoint needs the section (so the
+    job's MoE checks run), whose :data:`SHAPE_FIELDS` and ``layer_interval`` — given or default, so that a worker
+    reading back the resolved config, where every field is set, decides alike — must be the checkpoint's; a dense
+    checkpoint takes no section. Neither: None."""
     if section is None:
         if checkpoint is not None:
             what = f"num_experts: {checkpoint.num_experts}, top_k: {checkpoint.top_k}"
@@ -84,24 +85,11 @@ def merge_moe(checkpoint: MoeConfig | None, section: Any, where: str) -> Any:
     mine = MoeConfig.from_section(section)
     if checkpoint is None:
         raise ConfigError([("model.moe", f"{where} is a dense Llama: its MLPs have no experts to load")])
-    for name in SHAPE_FIELDS:
-        if getattr(mine, name) != getattr(checkpoint, name) and name in _given(section):
-            ours, theirs = getattr(mine, name), getattr(checkpoint, name)
+    for name in (*SHAPE_FIELDS, "layer_interval"):
+        ours, theirs = getattr(mine, name), getattr(checkpoint, name)
+        if ours != theirs:
             raise ConfigError([(f"model.moe.{name}", f"{ours}, the checkpoint {where} has {theirs}")])
-    if mine.layer_interval != 1 and "layer_interval" in _given(section):
-        raise ConfigError([("model.moe.layer_interval", f"{mine.layer_interval}: every layer of {where} is MoE")])
-    keep = {f.name: getattr(mine, f.name) for f in dataclasses.fields(MoeConfig) if f.name in _given(section)}
-    keep = {k: v for k, v in keep.items() if k not in SHAPE_FIELDS and k != "layer_interval"}
-    return dataclasses.replace(checkpoint, **keep)
-
-
-def _given(section: Any) -> set[str]:
-    """The fields a ``model.moe`` section (pydantic, dict or MoeConfig) sets."""
-    if isinstance(section, dict):
-        return set(section)
-    if isinstance(section, MoeConfig):
-        return {f.name for f in dataclasses.fields(MoeConfig)}
-    return set(section.model_fields_set)
+    return mine
 
 
 def mixtral_config(cfg: Any, where: str) -> dict[str, Any]:
