@@ -277,3 +277,16 @@ def test_the_job_section_trains_the_checkpoints_block_and_may_not_reshape_it(tmp
         with pytest.raises(ConfigError) as err:
             config_from_model_section(bad)
         assert err.value.errors[0][0] == path, bad
+
+
+def test_a_job_config_read_back_builds_the_same_model(tmp_path):
+    """The flow checks the job as written; a worker reads back the resolved config (every field set): both build
+    the checkpoint's block with the section's training settings."""
+    from kuangchao_core.config.loader import config_from_dict
+
+    mixtral().save_pretrained(tmp_path)
+    model = {"checkpoint": str(tmp_path), "moe": {"num_experts": 4, "z_loss_coef": 0.01}}
+    job = config_from_dict({"task": {"name": "t"}, "model": model, "parallel": {"data_parallel_size": 2}})
+    back = config_from_dict(job.to_dict())
+    built = [config_from_model_section(j.model) for j in (job, back)]
+    assert built[0] == built[1] and built[0].moe.z_loss_coef == 0.01 and built[0].moe.num_experts == 4
