@@ -5,7 +5,8 @@ A tiny random ``transformers.MixtralForCausalLM`` (4 experts, top 2) is saved wi
 two experts (``engine.checkpointing.load_pretrained`` with the rank's regions); reassembled, they are exactly the
 Mixtral's tensors, and the first step's loss — the tokens dispatched to the experts' ranks and back by all-to-all —
 equals the loss of transformers' logits on the same micro-batches within ``HF_REL``. Control: each rank reads the
-other rank's experts; the loss moves by more than ``NEGATIVE_MIN``. (ep2 × dp2 reads through the same regions:
+other rank's experts; the loss moves by more than ``NEGATIVE_MIN``. The fine-tuned ep2 checkpoint, exported by ``kc
+checkpoint convert --format hf``, is a Mixtral transformers loads with the fine-tuned model's logits. (ep2 × dp2 reads through the same regions:
 ``tests/test_hf_moe.py`` checks each of its four ranks' slices; the engine at that world size is
 ``tests/test_expert_parallel_training.py``'s.)
 """
@@ -17,12 +18,14 @@ import copy
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from kuangchao_core.models.llama import causal_lm_loss, load_hf_llama_config
-from tests.engine_helpers import gather_full, run_trainers, tiny_job
+from kuangchao.cli.main import app
+from kuangchao_core.models.llama import LlamaForCausalLM, causal_lm_loss, load_hf_llama_config
+from tests.engine_helpers import gather_full, only_lineage, run_trainers, tiny_job
 from tests.mp import run_distributed
 from tests.test_hf_moe import mixtral
-from tests.tolerances import HF_REL, NEGATIVE_MIN
+from tests.tolerances import HF_REL, NEGATIVE_MIN, assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,3 +106,19 @@ def test_mixtral_fine_tunes_at_ep2_from_transformers_weights(tmp_path):
     for _, ft, swapped in ranks:
         assert abs(ft["losses"][0] - want) <= HF_REL * want
         assert abs(swapped["losses"][0] - want) > NEGATIVE_MIN * want
+
+    # the fine-tuned ep2 checkpoint (each rank wrote its experts) exported by the CLI is transformers' Mixtral
+    step_dir = only_lineage(tmp_path / "ft" / "ckpt" / "mixtral") / "step_00000001"
+    out = tmp_path / "export"
+    res = CliRunner().invoke(app, ["checkpoint", "convert", str(step_dir), str(out), "--format", "hf"])
+    assert res.exit_code == 0, res.output
+    back = transformers.MixtralForCausalLM.from_pretrained(
+        out, attn_implementation="eager", experts_implementation="eager", dtype=torch.float64
+    ).eval()
+    tuned = gather_full([r[1] for r in ranks])
+    ours = LlamaForCausalLM(load_hf_llama_config(out)).double().eval()
+    ours.load_state_dict({n: torch.from_numpy(v) for n, v in tuned.items()}, strict=True)
+    assert not np.array_equal(tuned[w_gate], full[w_gate])  # the step moved the experts
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_logits_match(ours(ids), back(input_ids=ids).logits)
