@@ -38,6 +38,7 @@ SIZES = {
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
     "max_position_embeddings": 64,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},  # not the default: a lost theta shows
 }
 
 
@@ -84,6 +85,7 @@ def test_mixtral_directory_loads_into_the_moe_llama(tmp_path):
     cfg, ours = _imported(tmp_path, hf)
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.router, cfg.moe.moe_layers(2)) == (4, 2, "softmax", [0, 1])
     assert cfg.moe.width(cfg.intermediate_size) == 24 and cfg.moe.capacity_factor is None  # dropless, as Mixtral
+    assert cfg.rope_theta == 5000.0
     assert cfg.moe.aux_loss_coef == pytest.approx(0.001 * 2)  # transformers' loss sums over the top_k choices
     ids = _ids(cfg)
     with torch.no_grad():
