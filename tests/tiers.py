@@ -93,6 +93,8 @@ FILE_TIERS = {
     "test_grad_sync_seam.py": "unit",
     "test_hal.py": "unit",
     "test_hf.py": "unit",
+    "test_hf_moe.py": "unit",
+    "test_hf_moe_engine.py": "distributed",
     "test_stream_model.py": "unit",
     "test_task_retries.py": "flows",
     "test_transient.py": "unit",

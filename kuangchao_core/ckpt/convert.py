@@ -121,7 +121,9 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     """Write ``out_dir/model.safetensors`` (full parameters in ``dtype``, HF names) and ``out_dir/config.json``.
     The source is the checkpoint's fp32 parameters — a ``train.param_dtype: bf16`` job's fp32 master weights.
 
-    Reads any layout (TP/PP/DP/ZeRO shards). Returns ``out_dir``. A LoRA checkpoint (adapters only) is merged into
+    Reads any layout (TP/PP/DP/ZeRO shards, experts sharded over ep). A MoE model is written as a Mixtral
+    (:mod:`kuangchao_core.ckpt.hf_moe`; refused, naming the field, when its block is not Mixtral's). Returns
+    ``out_dir``. A LoRA checkpoint (adapters only) is merged into
     its base by :func:`~kuangchao_core.ckpt.lora_export.export_merged` instead.
     """
     index = CheckpointIndex.open(step_dir)
@@ -129,8 +131,6 @@ def export_hf(step_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         if index.manifest.get("lora") is not None:
             raise CheckpointError(f"{step_dir} holds LoRA adapters only: merge them into their base (export_merged)")
         cfg = model_config_of_checkpoint(index.manifest)
-        if cfg.moe is not None:
-            raise CheckpointError(f"{step_dir} holds a MoE model (issue 40): it has no Hugging Face export yet")
         if (index.manifest.get("model") or {}).get("vision") is not None:
             from kuangchao_core.ckpt.vlm_export import export_hf_llava
 

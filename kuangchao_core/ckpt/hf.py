@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kuangchao_core.ckpt.hf_moe import load_mixtral_for_regions, mixtral_config_dict, mixtral_tensors
 from kuangchao_core.config.bounded_json import read_json_file
 from kuangchao_core.errors import CheckpointError, ConfigError
 from kuangchao_core.models.layout import Region, TargetLayout
@@ -105,15 +106,19 @@ def load_hf_weights_for_layout(
     model_cfg: Any,
     target_layout: TargetLayout | None = None,
     dtype: torch.dtype = torch.float32,
+    regions: dict[str, Region] | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF name -> this rank's slice of each parameter it owns under ``target_layout`` (tp1/pp1 when None).
 
     ``model_cfg``: a LlamaConfig or the job's ``model`` section. Shapes in the files must match it; extra tensors
     (``lm_head.weight`` of a tied model, rotary buffers) are ignored; a parameter missing from the files raises
-    CheckpointError naming it.
+    CheckpointError naming it. A MoE model reads a Mixtral directory (:mod:`kuangchao_core.ckpt.hf_moe`), the
+    slices ``regions`` names when given (the experts of this rank under expert parallelism), by Kuangchao name.
     """
     cfg = _as_llama_config(model_cfg)
     layout = target_layout or TargetLayout()
+    if cfg.moe is not None:
+        return load_mixtral_for_regions(hf_dir, hf_weight_files(hf_dir), regions or layout.param_slices(cfg), dtype)
     wanted = layout.param_slices(cfg)
     where = hf_weight_files(hf_dir)
     handles: dict[Path, Any] = {}
@@ -174,19 +179,22 @@ def hf_config_dict(cfg: Any, dtype: str = "fp32") -> dict[str, Any]:
 
 def write_hf_dir(tensors: dict[str, torch.Tensor], cfg, out_dir: str | os.PathLike[str], dtype: str = "fp32") -> Path:
     """Write full parameters ``tensors`` (HF names, in :func:`full_shapes` order; each rounded once to ``dtype``,
-    :data:`EXPORT_DTYPES`) and the ``config.json`` of ``cfg`` into ``out_dir``, each file atomically. Returns
-    ``out_dir``."""
+    :data:`EXPORT_DTYPES`) and the ``config.json`` of ``cfg`` into ``out_dir``, each file atomically (a MoE model
+    as a Mixtral: :mod:`kuangchao_core.ckpt.hf_moe`). Returns ``out_dir``."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r}: use one of {', '.join(EXPORT_DTYPES)}")
     from kuangchao_core.models.tp_llama import full_shapes
 
     out = Path(out_dir)
+    ordered = {n: tensors[n].to(EXPORT_DTYPES[dtype][0]).contiguous() for n in full_shapes(cfg)}
+    config = hf_config_dict(cfg, dtype)
+    if cfg.moe is not None:  # a Mixtral (refused before anything is written when its block is not Mixtral's)
+        config, ordered = mixtral_config_dict(cfg, config, str(out)), mixtral_tensors(ordered)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{SINGLE_FILE}.tmp"
-    ordered = {n: tensors[n].to(EXPORT_DTYPES[dtype][0]).contiguous() for n in full_shapes(cfg)}
     save_file(ordered, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / SINGLE_FILE)
     cfg_tmp = out / ".config.json.tmp"
-    cfg_tmp.write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    cfg_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(cfg_tmp, out / "config.json")
     return out

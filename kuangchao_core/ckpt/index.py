@@ -320,10 +320,11 @@ def load_optimizer_for_layout(
 def model_config_of_checkpoint(manifest: Mapping[str, Any]):
     """The LlamaConfig a checkpoint was written for, from its manifest (``model_shape``, else ``model``)."""
     from kuangchao_core.models.llama import LlamaConfig, config_from_model_section
+    from kuangchao_core.models.moe import MoeConfig
 
     shape = manifest.get("model_shape")
-    if isinstance(shape, dict):
-        return LlamaConfig(**shape)
+    if isinstance(shape, dict):  # a MoE block is written as its fields (JSON)
+        return LlamaConfig(**{**shape, "moe": MoeConfig.from_section(shape.get("moe"))})
     if isinstance(manifest.get("model"), dict):
         return config_from_model_section(manifest["model"])
     raise CheckpointError("the checkpoint manifest records no model config ('model_shape' or 'model')")

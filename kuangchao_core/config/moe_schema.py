@@ -69,6 +69,8 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
 def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> list[tuple[str, str]]:
     """What a job with ``model.moe`` may not combine it with yet (the experts are replicated, data parallelism
     with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting.
+    A Hugging Face ``model.checkpoint`` is a Mixtral's (``models.hf_moe_config.merge_moe`` checks the section
+    against it when the model config is built).
     (Only values count: a worker reads back the resolved config, where every field is set. ``tracking.log_model``
     and ``bias_update_rate`` under ``balance: aux_loss`` are unused settings, ``config.unused``.)"""
     why = "model.moe replicates its experts: only data parallelism for now (issue 40)"
@@ -79,7 +81,6 @@ def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> l
         (parallel.zero_stage == 3, "parallel.zero_stage", "must not be 3"),
         (model.lora is not None, "model.lora", "LoRA does not adapt experts"),
         (model.vision is not None, "model.vision", "a vision tower is not built beside MoE"),
-        (bool(model.checkpoint), "model.checkpoint", "Hugging Face Llama weights have no experts"),
         (bool(train.compile), "train.compile", "MoE blocks are not compiled"),
         (tracking.register_model is not None, "tracking.register_model", "no Hugging Face export to register"),
     ]

@@ -310,7 +310,8 @@ class TrainerCheckpoints:
         else:
             from kuangchao_core.ckpt.hf import load_hf_weights_for_layout
 
-            weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout)
+            regions = self.parts.regions if self.model_config.moe is not None else None  # experts sharded over ep
+            weights = load_hf_weights_for_layout(hf_dir, self.model_config, self.layout, regions=regions)
         self._copy_params(weights, hf_dir, names)
         log_event(log, "loaded pretrained weights", path=hf_dir, tensors=len(weights))
 

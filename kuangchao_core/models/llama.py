@@ -1,7 +1,6 @@
 """A Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP and grouped-query attention.
 
-Parameter names are those of Hugging Face ``LlamaForCausalLM`` so that its weights load unchanged. The definition
-holds no parallel code; later layers hook in through two seams:
+Parameter names are those of Hugging Face ``LlamaForCausalLM`` (its weights load unchanged); parallel layers hook in:
 
 - every projection is built by :meth:`LlamaForCausalLM.make_linear` (``role`` names which one), so a
   tensor-parallel subclass can return column/row-parallel layers; attention infers its local head counts from the
@@ -28,6 +27,7 @@ from kuangchao_core.config.presets import MODEL_PRESETS
 from kuangchao_core.errors import ConfigError
 from kuangchao_core.hal.dtypes import at_least_fp32
 from kuangchao_core.models.attention import Documents, attend
+from kuangchao_core.models.hf_moe_config import merge_moe, with_hf_moe
 from kuangchao_core.models.llava_config import decoder_config
 from kuangchao_core.models.lm_loss import IGNORE_INDEX, causal_lm_loss, expected_initial_loss  # noqa: F401
 from kuangchao_core.models.moe import MoeBlock, MoeConfig
@@ -130,7 +130,9 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     missing = []
     for name in _FIELDS:
         value = setting(model_section, name)
-        if value is not None:
+        if name == "moe" and checkpoint:  # the checkpoint's experts, the section's training settings
+            base[name] = merge_moe(base["moe"], value, checkpoint)
+        elif value is not None:
             base[name] = value
         elif name not in base:
             if name in ("rope_theta", "norm_eps", "tie_embeddings", "dropout", "moe"):
@@ -140,10 +142,8 @@ def config_from_model_section(model_section: Any) -> LlamaConfig:
     if missing:
         raise ConfigError(missing)
     ints = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
-    for name in ints:
-        base[name] = int(base[name])
-    base["rope_theta"] = float(base["rope_theta"])
-    base["norm_eps"] = float(base["norm_eps"])
+    base.update({name: int(base[name]) for name in ints})
+    base.update(rope_theta=float(base["rope_theta"]), norm_eps=float(base["norm_eps"]))
     base["tie_embeddings"] = bool(base["tie_embeddings"])
     base["dropout"] = float(base["dropout"])
     base["moe"] = MoeConfig.from_section(base["moe"])
@@ -249,7 +249,7 @@ def llama_config_from_hf(raw: Any, path: Path) -> LlamaConfig:
         )
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ConfigError([("model.checkpoint", f"{path}: biased projections are not supported")])
-    return cfg.validate()
+    return with_hf_moe(cfg, raw, path).validate()
 
 
 class RMSNorm(nn.Module):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.errors import ConfigError
+from kuangchao_core.models.hf_moe_config import MIXTRAL, UNSUPPORTED
 
 #: transformers' ``LlamaConfig`` defaults, for the keys a LLaVA ``text_config`` may leave out (llava-1.5's does)
 TEXT_DEFAULTS: dict[str, Any] = {
@@ -31,15 +32,17 @@ def is_llava(raw: Any) -> bool:
 
 def decoder_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     """The Llama decoder's keys of ``raw`` (the parsed ``config.json`` at ``path``): ``raw`` itself for a Llama,
-    its ``text_config`` over :data:`TEXT_DEFAULTS` for a LLaVA. Any other ``model_type`` raises ConfigError."""
+    its ``text_config`` over :data:`TEXT_DEFAULTS` for a LLaVA; a Mixtral's (``models.hf_moe_config`` reads its
+    experts). Any other ``model_type`` raises ConfigError (naming what differs for the MoE families it knows)."""
     kind = raw.get("model_type", "llama")
     if kind == "llava":
         text = raw.get("text_config") or {}
         if not isinstance(text, dict):
             raise ConfigError([("model.checkpoint", f"{path}: text_config must be an object")])
         raw, kind = {**TEXT_DEFAULTS, **text}, text.get("model_type", "llama")
-    if kind != "llama":
-        raise ConfigError(
-            [("model.checkpoint", f"{path}: model_type {kind!r}; only 'llama' loads (or a LLaVA with a Llama decoder)")]
-        )
+    if kind in UNSUPPORTED:
+        raise ConfigError([("model.checkpoint", f"{path}: model_type {kind!r} is not imported: {UNSUPPORTED[kind]}")])
+    if kind not in ("llama", MIXTRAL):
+        why = "only 'llama' and 'mixtral' load (or a LLaVA with a Llama decoder)"
+        raise ConfigError([("model.checkpoint", f"{path}: model_type {kind!r}; {why}")])
     return raw
