@@ -67,13 +67,13 @@ def moe_errors(moe: Any, num_layers: int | None, prefix: str = "model.moe") -> l
 
 
 def moe_layout_errors(model: Any, parallel: Any, train: Any, tracking: Any) -> list[tuple[str, str]]:
-    """What a job with ``model.moe`` may not combine it with yet (the experts are replicated, data parallelism
-    with ZeRO 0-2 is all that runs; expert parallelism comes later): one ``(path, message)`` for each setting.
+    """What a job with ``model.moe`` may not combine it with yet (data parallelism with ZeRO 0-2 and expert
+    parallelism, ``parallel.expert_parallel_size``, are what runs): one ``(path, message)`` for each setting.
     A Hugging Face ``model.checkpoint`` is a Mixtral's (``models.hf_moe_config.merge_moe`` checks the section
     against it when the model config is built).
     (Only values count: a worker reads back the resolved config, where every field is set. ``tracking.log_model``
     and ``bias_update_rate`` under ``balance: aux_loss`` are unused settings, ``config.unused``.)"""
-    why = "model.moe replicates its experts: only data parallelism for now (issue 40)"
+    why = "only data and expert parallelism run MoE blocks for now (issue 40)"
     refused = [
         (parallel.tensor_parallel_size > 1, "parallel.tensor_parallel_size", "must be 1"),
         (parallel.pipeline_parallel_size > 1, "parallel.pipeline_parallel_size", "must be 1"),
