@@ -120,6 +120,7 @@ FILE_TIERS = {
     "test_launch_gate.py": "e2e",
     "test_launcher.py": "distributed",
     "test_store_binding.py": "distributed",
+    "test_store_seed.py": "distributed",
     "test_lazy_dynamo.py": "distributed",
     "test_lineage.py": "unit",
     "test_lineage_lease.py": "unit",

@@ -14,7 +14,8 @@ call is classified (:func:`classify`):
 
 A write that fails this way never touches a checkpoint: the workers write those to disk themselves, and the flow
 logs their metadata to MLflow only after they are committed. :class:`StoreClient` is an ``MlflowClient`` whose
-every call goes through :func:`call`; :func:`preflight` opens the store before the job computes anything;
+every call goes through :func:`call`; :func:`preflight` opens the store before the job computes anything (a new
+SQLite store is first seeded from an empty one, ``obs/store_seed.py``);
 :func:`probe_sqlite` reads a SQLite store's header and tables with the standard library (``kc doctor``).
 """
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kuangchao_core.errors import TrackingStoreError
+from kuangchao_core.obs.store_seed import seed_new_store
 
 log = logging.getLogger("kuangchao.obs.tracking")
 
@@ -227,6 +229,8 @@ def preflight(uri: str, wait_s: float = DEFAULT_WAIT_S, say: Callable[[str], Any
     if uri.startswith(("http://", "https://")):
         _health(uri)
     path = sqlite_path(uri)
+    if path:
+        seed_new_store(path)  # a new store: a copy of an empty one, not MLflow's migrations run again
     problem = probe_sqlite(path) if path else None
     if problem is not None and problem.kind != LOCKED:  # said in a second, before MLflow is even imported
         raise store_error(uri, problem)
