@@ -207,6 +207,7 @@ FILE_TIERS = {
     "test_tiers.py": "unit",
     "test_topology.py": "unit",
     "test_validate_data.py": "unit",
+    "test_validation_cache.py": "unit",
     "test_vocab_padding.py": "distributed",
     "test_weight_decay.py": "distributed",
     "test_worker_sigterm.py": "flows",

@@ -77,3 +77,11 @@ def relative_paths(cfg: Any) -> list[str]:
     if uri.startswith(_SQLITE) and absolute_sqlite_uri(uri, Path("/")) != uri:
         out.append("tracking.uri")
     return out
+
+
+def machine_cache_dir() -> Path:
+    """Where Kuangchao keeps what it measures or builds once per machine (``$KC_CACHE_DIR``, default
+    ``~/.cache/kuangchao``): the Gloo check's memo, measured topologies, an empty MLflow store, validation outcomes."""
+    import os
+
+    return Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.data import expectation_suite, validation_cache
 from kuangchao_core.data.record_facts import CONTROL_CHARS, NAMED, RecordFacts, control_char_at  # noqa: F401
 from kuangchao_core.data.stream import Oversize
 from kuangchao_core.errors import DataError
@@ -231,38 +232,6 @@ def required_tokens(planned_tokens: int, max_epochs: float = DEFAULT_MAX_EPOCHS,
     return max(int(math.ceil(planned_tokens / max_epochs)), seq_len + 1 if seq_len else 1)
 
 
-def _build_suite(gx, max_record_bytes: int, min_tokens: int, max_duplicate_share: float):
-    E = gx.expectations
-    suite = gx.ExpectationSuite(name="kuangchao_data")
-    specs = [
-        (E.ExpectTableRowCountToBeBetween(min_value=1), "not_empty", ">= 1 record"),
-        (E.ExpectColumnValuesToBeInSet(column="is_blank", value_set=[False]), "no_empty_records", "0 empty records"),
-        (
-            E.ExpectColumnValuesToBeBetween(column="n_bytes", max_value=max_record_bytes),
-            "no_oversize_records",
-            f"every record <= {max_record_bytes} bytes",
-        ),
-        (E.ExpectColumnValuesToBeInSet(column="is_valid_utf8", value_set=[True]), "valid_utf8", "all valid UTF-8"),
-        (
-            E.ExpectColumnValuesToBeInSet(column="has_control", value_set=[False]),
-            "no_control_chars",
-            "no NUL or control characters",
-        ),
-        (E.ExpectColumnSumToBeBetween(column="n_tokens", min_value=min_tokens), "enough_tokens", f">= {min_tokens}"),
-        (
-            E.ExpectColumnProportionOfUniqueValuesToBeBetween(column="text_hash", min_value=1.0 - max_duplicate_share),
-            "duplicate_share",
-            f"duplicate share <= {max_duplicate_share:g}",
-        ),
-    ]
-    expected = {}
-    for exp, name, text in specs:
-        exp.meta = {"name": name}
-        suite.add_expectation(exp)
-        expected[name] = text
-    return suite, expected
-
-
 def validate_records(
     records: Iterable[bytes | str | Oversize],
     *,
@@ -294,25 +263,17 @@ def _validate_facts(
     max_duplicate_share: float,
     source: str,
 ) -> ValidationReport:
-    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    import great_expectations as gx
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    logging.getLogger("great_expectations").setLevel(logging.ERROR)
     df = facts.frame()
     min_tokens = required_tokens(planned_tokens, max_epochs, seq_len)
-
-    ctx = gx.get_context(mode="ephemeral")
-    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch_def = (
-        ctx.data_sources.add_pandas("kuangchao_records")
-        .add_dataframe_asset("records")
-        .add_batch_definition_whole_dataframe("all")
-    )
-    suite, expected = _build_suite(gx, max_record_bytes, min_tokens, max_duplicate_share)
-    suite = ctx.suites.add(suite)
-    gx_result = batch_def.get_batch(batch_parameters={"dataframe": df}).validate(suite)
-
+    params = {
+        "max_record_bytes": max_record_bytes,
+        "min_tokens": min_tokens,
+        "max_duplicate_share": max_duplicate_share,
+    }
+    key = validation_cache.outcome_key(df, params, expectation_suite.suite_source())
+    outcomes, cached = validation_cache.remembered(key, lambda: expectation_suite.suite_outcomes(df, **params))
+    if cached:
+        _log.info("data validation: the same records and suite as before; the suite's outcomes are the cached ones")
     n = len(df)
     total_tokens = int(df["n_tokens"].sum()) if n else 0
     n_unique = int(df["text_hash"].nunique()) if n else 0
@@ -340,23 +301,10 @@ def _validate_facts(
         ),
     }
     results = []
-    for er in gx_result.results:
-        name = (er.expectation_config.meta or {}).get("name", er.expectation_config.type)
-        exc = er.exception_info or {}
-        raised = exc.get("raised_exception") if isinstance(exc, dict) else False
-        observed, detail = facts.get(name, (er.result.get("observed_value"), ""))
-        if raised:
-            detail += f" (check raised: {exc.get('exception_message')})"
-        results.append(
-            ExpectationResult(
-                name=name,
-                success=bool(er.success),
-                expectation=er.expectation_config.type,
-                observed=observed,
-                expected=expected.get(name, ""),
-                detail=detail,
-            )
-        )
+    for o in outcomes:
+        observed, detail = facts.get(o["name"], (o["observed"], ""))
+        detail += f" (check raised: {o['raised']})" if o["raised"] else ""
+        results.append(ExpectationResult(o["name"], o["success"], o["expectation"], observed, o["expected"], detail))
     return ValidationReport(
         success=all(r.success for r in results),
         results=results,

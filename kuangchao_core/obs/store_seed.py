@@ -19,12 +19,9 @@ import sqlite3
 import uuid
 from pathlib import Path
 
+from kuangchao_core.config.paths import machine_cache_dir
+
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    """Where Kuangchao keeps what it builds once per machine (``$KC_CACHE_DIR``, default ``~/.cache/kuangchao``)."""
-    return Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")
 
 
 def seed_new_store(path: str) -> bool:
@@ -50,10 +47,10 @@ def seed_new_store(path: str) -> bool:
 
 
 def empty_store() -> Path:
-    """This MLflow version's empty SQLite store in :func:`cache_dir`, built on first use: MLflow's own tables at
-    its newest revision, no experiment."""
+    """This MLflow version's empty SQLite store in the machine's cache (``config.paths.machine_cache_dir``), built
+    on first use: MLflow's own tables at its newest revision, no experiment."""
     version = importlib.metadata.version("mlflow")
-    template = cache_dir() / f"mlflow-store-{version}.db"
+    template = machine_cache_dir() / f"mlflow-store-{version}.db"
     if template.is_file():
         return template
     template.parent.mkdir(parents=True, exist_ok=True)

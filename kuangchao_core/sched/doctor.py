@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.config.paths import machine_cache_dir
 from kuangchao_core.obs.run_hooks import NO_HOOKS, RunHooks
 from kuangchao_core.sched.doctor_report import Check, DoctorReport
 from kuangchao_core.sched.gpu_versions import gpu_agreement_checks, probe_gpu_versions
@@ -104,7 +105,7 @@ _GLOO_PROBE = textwrap.dedent(
 def _gloo_memo() -> tuple[Path, str]:
     import torch
 
-    base = Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")
+    base = machine_cache_dir()
     key = f"{socket.gethostname()}|{sys.executable}|{torch.__version__}"
     return base / "doctor-gloo.json", key
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao_core.config.access import setting
+from kuangchao_core.config.paths import machine_cache_dir
 from kuangchao_core.errors import CommError
 
 DEFAULT_SIZES = (8, 1 << 20)
@@ -296,7 +297,7 @@ def save_report(report: TopologyReport, path: str | os.PathLike) -> Path:
 def cache_dir() -> Path:
     """Where measured reports are kept for ``kc topology show``: ``$KC_CACHE_DIR/topology`` (default
     ``~/.cache/kuangchao/topology``)."""
-    base = Path(os.environ.get("KC_CACHE_DIR") or Path.home() / ".cache" / "kuangchao")
+    base = machine_cache_dir()
     return base / "topology"
 
 
