@@ -42,6 +42,7 @@ from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
 from kuangchao_core.models.llama import config_from_model_section
 from kuangchao_core.obs.jsonlog import emit_event, log_event
+from kuangchao_core.parallel import step_loss
 from kuangchao_core.parallel.context import shard_micro_batches
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS
 from kuangchao_core.parallel.grad_sync import make_grad_sync
@@ -220,22 +221,21 @@ class Trainer:
         for group in self.sync.param_groups:
             group["lr"] = lr
         self.sync.zero_grad()
+        known = step_loss.known_global_count(micro_batches, self.groups.replicas, self.mesh)  # the loader's, if counted
         micro_batches = shard_micro_batches(micro_batches, self.mesh)  # CP: this rank's shard of each sequence
         batches = [
             {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in BATCH_KEYS} for b in micro_batches
         ]
-        tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
+        tokens = step_loss.labelled_tokens(micro_batches)  # host tensors: no device sync
         # every labelled token of the global batch weighs the same, as in one process (step_loss; dp×cp counts)
-        weight = step_loss_weight(micro_batches, self.groups.replicas, self.device)
+        weight = step_loss_weight(step_loss.with_global_count(micro_batches, known), self.groups.replicas, self.device)
         local_loss = self.forward_backward(self.sync, batches, weight)
+        # the global loss's sum runs while the gradients are unscaled and clipped (resolved before the read below)
+        loss_t, pending = step_loss.reduce_loss(local_loss, self.mesh.pp_group, self.groups.replicas, self.device)
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
         norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
-        # the loss lives on the last pipeline stage (0 elsewhere): sum over PP, mean over the dp×cp replicas
-        loss_t = local_loss.reshape(1).to(device=self.device, dtype=torch.float64)  # NCCL reduces device tensors
-        for group in (self.mesh.pp_group, self.groups.replicas):
-            if group is not None and group.size > 1:
-                P.all_reduce(loss_t, group=group, op="sum")
+        pending.wait()
         # the step's one read of device values, before the optimizer runs: loss and gradient norm together
         loss_sum, grad_norm = torch.stack([loss_t[0], norm_t.to(torch.float64).reshape(())]).tolist()
         comm_watchdog.settle()  # the step's NCCL ops are done: their device time into COMM_STATS
