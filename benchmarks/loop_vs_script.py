@@ -18,6 +18,11 @@ both sides of one layout back to back, the order flipped every block; one ratio 
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/loop_vs_script.py --corpus out/shakespeare/plays [--blocks 2]
 
+``--baseline DIR`` (a checkout of the code before a change, e.g. ``git worktree add DIR <commit>``) adds a third
+side, ``kc train`` of that code (``PYTHONPATH=DIR``), to every block, the three sides' order rotated block by block:
+the before and after of a change measured in one session, each against the same script runs
+(``loop_tokens_per_s_<layout>_base`` is the baseline ÷ the script, ``..._vs_base`` ours ÷ the baseline).
+
 The last line is ``RESULT {json}``: ``ratio_vs_peer``, ``ratio_iqr``, ``ratio_min_max``, ``blocks`` keyed by
 ``loop_tokens_per_s_<layout>``, ``startup_<layout>`` and ``after_last_step_<layout>``; ``medians`` (each side's),
 ``eval_loss`` (each side's last held-out loss, nats/token), ``setup``.
@@ -141,11 +146,13 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--layouts", default="single,dp2")
     parser.add_argument("--prefect-api", default=None, help="a running Prefect API (default: the temporary server)")
+    parser.add_argument("--baseline", default=None, help="a checkout of the code before a change: a third side")
     parser.add_argument("--smoke", action="store_true", help="one block at dp2, 4 steps, a small generated corpus")
     args = parser.parse_args()
     if args.smoke:
         args.blocks, args.steps, args.eval_interval, args.vocab_size, args.layouts = 1, 4, 2, 300, "dp2"
 
+    load_start = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="kc-loopbench-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "KC_RUNS_DIR": str(work / "runs")}
     env.pop("PREFECT_API_URL", None)
@@ -156,12 +163,16 @@ def main() -> None:
     print(f"work directory {work}; corpus {corpus}; vocabulary {vocab}", flush=True)
     layouts = {"single": 1, "dp2": 2}
     runs: dict[str, dict[str, list[dict]]] = {}
+    sides = ("ours", "script", "base") if args.baseline else ("ours", "script")
+    base_env = {**env, "PYTHONPATH": str(Path(args.baseline).resolve())} if args.baseline else env
     for name in args.layouts.split(","):
-        dp, runs[name] = layouts[name], {"ours": [], "script": []}
+        dp, runs[name] = layouts[name], {side: [] for side in sides}
         for b in range(args.blocks):
-            for side in ("ours", "script") if b % 2 == 0 else ("script", "ours"):
-                if side == "ours":
-                    r = _kc_run(prepared, work, env, dp, args.steps, args.eval_interval)
+            k = b % len(sides)
+            order = sides[k:] + sides[:k] if args.baseline else (sides if b % 2 == 0 else sides[::-1])
+            for side in order:
+                if side != "script":
+                    r = _kc_run(prepared, work, env if side == "ours" else base_env, dp, args.steps, args.eval_interval)
                 else:
                     r = _script_run(prepared, work, env, dp, args.steps, args.eval_interval, vocab)
                 runs[name][side].append(r)
@@ -174,8 +185,10 @@ def main() -> None:
     stats, medians, losses = {}, {}, {}
     for name, sides in runs.items():
         for what, label in (("tokens_per_s", "loop_tokens_per_s"), ("startup", "startup"), ("after_last_step",) * 2):
-            pairs = zip(sides["ours"], sides["script"], strict=True)
-            stats[f"{label}_{name}"] = block_stats([([o[what]], [s[what]]) for o, s in pairs])
+            for suffix, a, b in (("", "ours", "script"), ("_base", "base", "script"), ("_vs_base", "ours", "base")):
+                if a in sides and b in sides:
+                    pairs = zip(sides[a], sides[b], strict=True)
+                    stats[f"{label}_{name}{suffix}"] = block_stats([([o[what]], [s[what]]) for o, s in pairs])
             for side in sides:
                 medians.setdefault(side, {})[f"{label}_{name}"] = round(
                     statistics.median(r[what] for r in sides[side]), 2
@@ -192,7 +205,9 @@ def main() -> None:
         "seq_len": SEQ,
         "vocab": vocab,
         "model": MODEL,
+        "load_avg_1m_start": round(load_start, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
+        "baseline": args.baseline,
     }
     result = {**keyed_result_fields(stats), "medians": medians, "eval_loss": losses, "setup": setup}
     emit(result, RESULT_KEYS, smoke=args.smoke)

@@ -1,5 +1,6 @@
-"""Negative controls of context parallelism in the engine (issue 30): each breaks one CP-specific piece of a built
-Trainer the way a real bug would and returns how to undo it (``engine_helpers.SABOTAGE`` lists them)."""
+"""Negative controls of context parallelism in the engine (issue 30) and of the step's token count (issue 39): each
+breaks one piece of a built Trainer the way a real bug would and returns how to undo it (``engine_helpers.SABOTAGE``
+lists them)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,34 @@ def local_token_count(trainer):
     from kuangchao_core.engine import trainer as trainer_module
 
     real = trainer_module.step_loss_weight
-    trainer_module.step_loss_weight = lambda batches, group, device: real(batches, None, device) * group.size
+    trainer_module.step_loss_weight = lambda batches, group, device, known=None: (
+        real(batches, None, device) * group.size
+    )
 
     def undo():
         trainer_module.step_loss_weight = real
+
+    return undo
+
+
+def own_count_for_every_rank(trainer):
+    """The loader's count of the step's labelled tokens takes every dp rank's windows to hold as many as this rank's
+    (the count the step normalises by without communication, issue 39)."""
+    from kuangchao_core.data import loader as loader_module
+
+    real = loader_module.PrefetchLoader._prepare
+
+    def prepare(self):
+        batches, state = real(self)
+        if batches.labelled_per_rank is not None:
+            mine = batches.labelled_per_rank[self.sampler.dp_rank]
+            batches.labelled_per_rank = (mine,) * len(batches.labelled_per_rank)
+        return batches, state
+
+    loader_module.PrefetchLoader._prepare = prepare
+
+    def undo():
+        loader_module.PrefetchLoader._prepare = real
 
     return undo
 
@@ -57,5 +82,6 @@ SABOTAGE = {
     "fresh_optimizer_on_resume": fresh_optimizer_on_resume,
     "local_rotary_positions": local_rotary_positions,
     "local_token_count": local_token_count,
+    "own_count_for_every_rank": own_count_for_every_rank,
     "ring_without_documents": ring_without_documents,
 }

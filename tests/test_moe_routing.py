@@ -27,7 +27,7 @@ from kuangchao_core.engine.routing_report import (
     routing_path,
     write_routing,
 )
-from kuangchao_core.engine.step_values import step_values
+from kuangchao_core.engine.step_values import start_step_values
 from kuangchao_core.models.llama import LlamaConfig, LlamaForCausalLM
 from kuangchao_core.models.moe import MoeConfig, MoeStep, decoder_layers, moe_blocks, moe_step
 from kuangchao_core.obs.prometheus import JobMetrics
@@ -103,7 +103,7 @@ def test_step_values_reads_the_loss_norm_and_loads_in_one_and_hands_the_bias_the
     with torch.no_grad():
         model(_batch(2))
     step.micro_batch_loss()
-    got = step_values(torch.tensor(3.5), torch.tensor(0.25), step, "cpu", None)
+    got = start_step_values(torch.tensor(3.5), step, "cpu", None, None).finish(torch.tensor(0.25))
     assert (got.loss_sum, got.grad_norm) == (3.5, 0.25) and torch.equal(got.loads, step.step_loads())
     assert got.expert_load == {0: got.loads[0].long().tolist(), 1: got.loads[1].long().tolist()}
     other = got.loads.clone()
@@ -111,7 +111,7 @@ def test_step_values_reads_the_loss_norm_and_loads_in_one_and_hands_the_bias_the
     step.after_step(True, other)
     assert all(b.router.expert_bias[0] == -0.5 for b in step.blocks)  # moved by the summed loads handed in
     assert step.loads == [None, None]
-    plain = step_values(torch.tensor(1.0), torch.tensor(2.0), None, "cpu")
+    plain = start_step_values(torch.tensor(1.0), None, "cpu", None, None).finish(torch.tensor(2.0))
     assert plain.loads is None and plain.expert_load is None  # a dense model sends and reads its loss alone
 
 

@@ -202,6 +202,8 @@ FILE_TIERS = {
     "test_slurm_placement_file.py": "unit",
     "test_startup.py": "e2e",
     "test_step_devices.py": "unit",
+    "test_step_count.py": "unit",
+    "test_step_count_dp.py": "distributed",
     "test_step_loss.py": "distributed",
     "test_tensor_parallel.py": "distributed",
     "test_tiers.py": "unit",

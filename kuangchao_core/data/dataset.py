@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from kuangchao_core import guard_api
@@ -39,6 +40,7 @@ class TokenDataset:
         self.tokenizer = tokenizer
         self.corpus = corpus
         self.starts = starts  # document starts: windows keep documents apart (data.packing documents)
+        self._starts_unique: np.ndarray | None = None  # sorted, without repeats (labelled_tokens)
         self._n = num_windows(tokens.numel(), self.seq_len)
         if self._n == 0:
             raise DataError(
@@ -60,6 +62,31 @@ class TokenDataset:
         if self.starts is not None:
             return document_window(self.tokens, self.starts, index % self._n, self.seq_len)
         return window(self.tokens, index % self._n, self.seq_len)
+
+    def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The windows of ``indices`` stacked, as ``torch.stack`` of the items would give them; without document
+        starts in one gather of the rows (the prefetch thread's per-step work, issue 39)."""
+        if self.starts is not None or not indices:
+            items = [self[i] for i in indices]
+            return {key: torch.stack([it[key] for it in items]) for key in items[0]}
+        for i in indices:
+            if not -self._n <= i < self._n:
+                raise IndexError(f"window {i} out of range for {self._n} windows")
+        rows = torch.as_tensor(indices, dtype=torch.long) % self._n
+        chunk = self.tokens[rows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)].long()
+        return {"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]}
+
+    def labelled_tokens(self, indices: list[int]) -> int:
+        """The labelled tokens (labels not -100) of the windows ``indices``, from the document starts alone: a
+        window's label ``j`` is masked where a document starts at its token ``j + 1``."""
+        if self.starts is None:
+            return len(indices) * self.seq_len
+        if self._starts_unique is None:
+            self._starts_unique = np.unique(np.asarray(self.starts, dtype=np.int64))
+        starts = self._starts_unique
+        lo = (np.asarray(indices, dtype=np.int64) % self._n) * self.seq_len
+        inside = np.searchsorted(starts, lo + self.seq_len, side="right") - np.searchsorted(starts, lo, side="right")
+        return int(len(indices) * self.seq_len - inside.sum())
 
 
 def synthetic_settings(data_cfg: Any) -> dict[str, Any]:

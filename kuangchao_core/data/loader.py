@@ -21,6 +21,14 @@ def collate(dataset, indices: list[int]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([it[key] for it in items]) for key in items[0]}
 
 
+class StepBatches(list):
+    """One step's micro-batches of this rank; ``labelled_per_rank``: the labelled tokens (labels not -100) of every
+    dp rank's micro-batches of the step, where the dataset counts them from indices (``labelled_tokens``), so the
+    step's loss normalisation needs no all-reduce (:mod:`kuangchao_core.parallel.step_loss`); else None."""
+
+    labelled_per_rank: tuple[int, ...] | None = None
+
+
 class PrefetchLoader:
     """A thread prepares up to ``depth`` future steps while the trainer computes the current one.
 
@@ -59,12 +67,15 @@ class PrefetchLoader:
                 continue
         return False
 
-    def _prepare(self) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
-        steps = self.sampler.next_step()
+    def _prepare(self) -> tuple[StepBatches, dict[str, Any]]:
+        ranks = self.sampler.split(self.sampler.next_global_batch())
         state = self.sampler.state_dict()
-        batches = [collate(self.dataset, idx) for idx in steps]
+        batches = StepBatches(collate(self.dataset, idx) for idx in ranks[self.sampler.dp_rank])
         if self.pin_memory:
-            batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+            batches = StepBatches({k: v.pin_memory() for k, v in b.items()} for b in batches)
+        count = getattr(self.dataset, "labelled_tokens", None)
+        if count is not None:  # every rank's share of the step, known here without communication
+            batches.labelled_per_rank = tuple(sum(count(idx) for idx in steps) for steps in ranks)
         return batches, state
 
     def _work(self) -> None:
@@ -80,7 +91,7 @@ class PrefetchLoader:
         except BaseException as exc:  # handed to the trainer thread, which re-raises it
             self._put(("error", exc, None))
 
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
+    def next_step(self) -> StepBatches:
         """The collated micro-batches of the next optimizer step, one dict per micro-step."""
         if self._closed:
             raise DataError("PrefetchLoader.next_step called after close()")

@@ -84,13 +84,12 @@ class ResumableBatchSampler:
 
     def next_step(self) -> list[list[int]]:
         """Advance one optimizer step; this rank's index list for each of its ``grad_accum`` micro-steps."""
-        batch = self.next_global_batch()
-        mbs = self.micro_batch_size
-        out = []
-        for m in range(self.grad_accum):
-            chunk = m * self.dp_size + self.dp_rank
-            out.append(batch[chunk * mbs : (chunk + 1) * mbs])
-        return out
+        return self.split(self.next_global_batch())[self.dp_rank]
+
+    def split(self, batch: list[int]) -> list[list[list[int]]]:
+        """A global batch as every dp rank's micro-step index lists (``[rank][micro-step]``)."""
+        mbs, dp = self.micro_batch_size, self.dp_size
+        return [[batch[(m * dp + r) * mbs : (m * dp + r + 1) * mbs] for m in range(self.grad_accum)] for r in range(dp)]
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position (plus the identity of the stream, checked on load)."""

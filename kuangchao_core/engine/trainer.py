@@ -37,7 +37,7 @@ from kuangchao_core.engine.live_config import LiveConfig, LiveSettings
 from kuangchao_core.engine.metrics import StepReport, memory_bytes, memory_kind, start_phase
 from kuangchao_core.engine.parallel_model import build_parallel_model, target_layout
 from kuangchao_core.engine.schedule import lr_at
-from kuangchao_core.engine.step_values import step_values
+from kuangchao_core.engine.step_values import start_step_values
 from kuangchao_core.engine.vlm_model import with_pretrained_vision, wrap_vision
 from kuangchao_core.errors import KuangchaoError
 from kuangchao_core.models.attention import job_attention_path
@@ -47,7 +47,7 @@ from kuangchao_core.parallel.context import shard_micro_batches
 from kuangchao_core.parallel.forward_backward import BATCH_KEYS
 from kuangchao_core.parallel.grad_sync import make_grad_sync
 from kuangchao_core.parallel.mixed_precision import mixed_precision_for
-from kuangchao_core.parallel.step_loss import step_loss_weight
+from kuangchao_core.parallel.step_loss import known_global_count, labelled_tokens, step_loss_weight
 
 log = logging.getLogger("kuangchao.engine")
 
@@ -222,27 +222,27 @@ class Trainer:
         for group in self.sync.param_groups:
             group["lr"] = lr
         self.sync.zero_grad()
+        known = known_global_count(micro_batches, self.groups.replicas, self.mesh)  # the loader's, if counted
         micro_batches = shard_micro_batches(micro_batches, self.mesh)  # CP: this rank's shard of each sequence
         batches = [
             {k: v.to(self.device, non_blocking=True) for k, v in b.items() if k in BATCH_KEYS} for b in micro_batches
         ]
-        tokens = sum(int((b["labels"] != -100).sum()) for b in micro_batches)  # host tensors: no device sync
+        tokens = labelled_tokens(micro_batches)  # host tensors: no device sync
         # every labelled token of the global batch weighs the same, as in one process (step_loss; dp×cp counts)
-        weight = step_loss_weight(micro_batches, self.groups.replicas, self.device)
+        weight = step_loss_weight(micro_batches, self.groups.replicas, self.device, known)
         local_loss = self.forward_backward(self.sync, batches, weight)
+        pending = start_step_values(local_loss, self.parts.moe, self.device, self.mesh.pp_group, self.groups.replicas)
         self.precision.unscale(self.sync.local_grads())  # fp16: gradients back to their true scale
         # the global norm (equal on every rank) is not finite when any rank's gradients are not
         norm_t = self.sync.clip_grad_norm(self.train_settings.max_grad_norm)
-        # loss (and MoE loads) summed over PP and the dp×cp replicas, read with the norm before the optimizer runs
-        summed = step_values(local_loss, norm_t, self.parts.moe, self.device, self.mesh.pp_group, self.groups.replicas)
-        loss_sum, grad_norm = summed.loss_sum, summed.grad_norm
+        summed = pending.finish(norm_t)  # loss (MoE loads) over PP and dp×cp, read with the norm before the optimizer
         comm_watchdog.settle()  # the step's NCCL ops are done: their device time into COMM_STATS
-        bad = not step_is_finite(loss_sum, grad_norm)  # the same values, so the same decision, on every rank
+        bad = not step_is_finite(summed.loss_sum, summed.grad_norm)  # the same values and decision on every rank
         if not bad:
             self.sync.step()
         self.parts.after_step(not bad, summed.loads)  # MoE: the routing bias update (issue 40)
-        loss = loss_sum / self.groups.replicas.size
-        self._count_bad_step(bad, loss, grad_norm)
+        loss = summed.loss_sum / self.groups.replicas.size
+        self._count_bad_step(bad, loss, summed.grad_norm)
         self.state.step += 1
         self.state.losses.append(loss)
         dt = time.perf_counter() - t0
@@ -251,7 +251,7 @@ class Trainer:
             step=self.state.step,
             loss=loss,
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=summed.grad_norm,
             tokens_per_s=tokens * self.groups.replicas.size / dt if dt > 0 else 0.0,
             mem_bytes=memory_bytes(self.device),
             comm_share=min(1.0, comm / dt) if dt > 0 else 0.0,
