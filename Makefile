@@ -26,8 +26,8 @@ demo: setup  ## a real `kc train` of the tiny model: 2 Gloo CPU workers, local P
 
 # pytest-xdist workers of `make test` (0: one process). On two a test file runs whole on one worker, the longest
 # first (tests/tiers.py RUN_FIRST), and the few tests marked `serial` (bounds that need the cores to themselves) run
-# after, in one process: ~29 min on two cores (2026-12-07 fresh clone of f45f78d: 25.4 + 2.3 min; over its 25-min
-# budget: the MoE, expert-parallel, memory-record and kept-server tests came in this session)
+# after, in one process: ~27.5 min on two cores (2026-12-08 fresh clone of 39d4c4b: 25.1 + 2.3 min; over its 25-min
+# budget, though new MoE and loop tests came since the last measure, 29 min: a new MLflow store is a copy now)
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
