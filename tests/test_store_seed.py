@@ -78,3 +78,12 @@ def test_a_seed_that_cannot_be_made_leaves_the_store_to_mlflow(tmp_path, monkeyp
     assert store_seed.seed_new_store(str(tmp_path / "mlflow.db")) is False
     assert not (tmp_path / "mlflow.db").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["cache-is-a-file"]  # no staged copy left behind
+
+
+def test_a_damaged_cached_store_is_built_again_before_it_is_copied(tmp_path, cache):
+    template = store_seed.empty_store()
+    good = _schema(template)
+    template.write_bytes(b"not a database")  # a half-written or tampered cache entry
+    assert store_seed.seed_new_store(str(tmp_path / "mlflow.db")) is True
+    assert _schema(tmp_path / "mlflow.db") == good
+    assert _schema(template) == good

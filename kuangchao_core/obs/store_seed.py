@@ -33,8 +33,8 @@ def seed_new_store(path: str) -> bool:
     try:
         template = empty_store()
         staged = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.seed")
-        shutil.copyfile(template, staged)
         try:
+            shutil.copyfile(template, staged)
             os.link(staged, target)  # never over a store another process made meanwhile
         except FileExistsError:
             return False
@@ -51,7 +51,7 @@ def empty_store() -> Path:
     on first use: MLflow's own tables at its newest revision, no experiment."""
     version = importlib.metadata.version("mlflow")
     template = machine_cache_dir() / f"mlflow-store-{version}.db"
-    if template.is_file():
+    if _usable(template):
         return template
     template.parent.mkdir(parents=True, exist_ok=True)
     staged = template.with_name(f".{template.name}.{uuid.uuid4().hex[:12]}.build")
@@ -72,3 +72,17 @@ def empty_store() -> Path:
     finally:
         staged.unlink(missing_ok=True)
     return template
+
+
+def _usable(template: Path) -> bool:
+    """The cached empty store opens as SQLite and names its Alembic revision (else it is built again)."""
+    if not template.is_file():
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{template}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT version_num FROM alembic_version").fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
